@@ -1,0 +1,38 @@
+"""zerorun: a training launcher and ZeRO runtime for PyTorch.
+
+In a training script:
+
+    import zerorun
+    recipe = zerorun.recipe()                 # the recipe the launcher injected
+    engine = zerorun.initialize(model)        # ZeRO stage, precision, optimizer from the recipe
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from zerorun.config import Recipe
+    from zerorun.runtime.engine import Engine
+
+_recipe: Recipe | None = None
+
+
+def recipe() -> Recipe:
+    """The recipe this worker was launched with (defaults plus the script itself outside a launch)."""
+    global _recipe
+    if _recipe is None:
+        from zerorun import config
+
+        _recipe = config.from_env() or config.from_dict({"script": sys.argv[0] or "<interactive>"}, "<defaults>")
+    return _recipe
+
+
+def initialize(model: Any, optimizer: Any = None, config: Recipe | None = None) -> Engine:
+    """Wrap `model` (and optionally a torch Adam/AdamW whose param groups are taken over) in a ZeRO engine."""
+    from zerorun.runtime.engine import Engine
+
+    return Engine(model, optimizer, config or recipe())

@@ -1,0 +1,529 @@
+"""The recipe: typed dataclasses that are the one definition of every key, type, default and range.
+
+A recipe is a YAML file (see `recipes/quickstart.yaml`). `load(path, overrides)` reads it, applies
+`--set key.path=value` overrides, and validates everything against the dataclasses below. Every
+problem becomes one `ConfigError` naming the file, the line and the dotted key (or the `--set`
+that caused it) and what was expected, never a traceback.
+
+Each field's `doc` metadata is its documentation: the README's recipe reference is generated from
+it (`reference_markdown()`), and a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import shlex
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from zerorun.errors import ConfigError
+
+RECIPE_ENV = "ZERORUN_RECIPE"  # the launcher passes the resolved recipe to workers as JSON
+
+
+def _f(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = None, **bounds: float) -> Any:
+    """A dataclass field with its documentation and numeric bounds (ge/gt/le/lt) as metadata."""
+    meta = {"doc": doc, **bounds}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass
+class OffloadConfig:
+    """Where a kind of model state lives when it is not needed on the device."""
+
+    __shorthand__ = "device"  # `offload_optimizer: cpu` means `offload_optimizer: {device: cpu}`
+
+    device: OffloadDevice = _f("none", "none: stay on the device; cpu: host memory; nvme: files under nvme_path.")
+    nvme_path: str | None = _f(None, "Directory for NVMe offload files (required when device is nvme).")
+    pin_memory: bool = _f(True, "Pin host buffers for faster copies (only where CUDA exists).")
+
+
+@dataclass
+class ZeroConfig:
+    """ZeRO partitioning: what is sharded across data-parallel ranks and how it is communicated."""
+
+    stage: int = _f(2, "0: plain data parallel; 1: shard optimizer states; 2: also gradients; 3: also parameters.", ge=0, le=3)
+    overlap_comm: bool = _f(True, "Reduce gradient buckets asynchronously while backward continues.")
+    bucket_mb: float = _f(25.0, "Size of a gradient reduce(-scatter) bucket, MiB.", gt=0)
+    allgather_bucket_mb: float = _f(25.0, "Size of a parameter all-gather bucket, MiB.", gt=0)
+    prefetch_units: int = _f(1, "Stage 3: units gathered ahead of the one computing.", ge=0)
+    param_persistence_threshold: int = _f(100_000, "Stage 3: parameters with fewer elements stay gathered.", ge=0)
+    wrap: list[str] = _f(doc="Stage 3: module class names that become their own unit (e.g. Block).", factory=list)
+    offload_optimizer: OffloadConfig = _f(doc="Offload of fp32 master weights and Adam moments.", factory=OffloadConfig)
+    offload_param: OffloadConfig = _f(doc="Offload of parameters (stage 3 only).", factory=OffloadConfig)
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric formats: compute dtype and the fp16 dynamic loss scaler."""
+
+    __shorthand__ = "dtype"  # `precision: bf16`
+
+    dtype: Dtype = _f("fp32", "Parameter/activation/gradient dtype; master weights and moments are always fp32.")
+    initial_loss_scale: float = _f(2.0**16, "fp16: loss scale at the start.", gt=0)
+    growth_interval: int = _f(1000, "fp16: steps without overflow before the scale grows.", ge=1)
+    growth_factor: float = _f(2.0, "fp16: multiplier when the scale grows.", gt=1)
+    backoff_factor: float = _f(0.5, "fp16: multiplier after an overflow.", gt=0, lt=1)
+    min_loss_scale: float = _f(1.0, "fp16: the scale never goes below this.", gt=0)
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer built when the script passes none to `zerorun.initialize`."""
+
+    type: Literal["adamw", "adam"] = _f("adamw", "adamw: decoupled weight decay; adam: L2 added to the gradient.")
+    lr: float = _f(1e-3, "Learning rate.", gt=0)
+    betas: list[float] = _f(doc="Adam's (beta1, beta2), each in [0, 1).", factory=lambda: [0.9, 0.999])
+    eps: float = _f(1e-8, "Added to the denominator.", gt=0)
+    weight_decay: float = _f(0.01, "Weight decay.", ge=0)
+
+
+@dataclass
+class TrainConfig:
+    """The training loop's shape; the engine and the example scripts read it."""
+
+    micro_batch_size: int = _f(2, "Samples per rank per forward.", ge=1)
+    grad_accum_steps: int = _f(1, "Micro-batches per optimizer step.", ge=1)
+    clip_grad_norm: float | None = _f(None, "Clip gradients to this global L2 norm (null: no clipping).", gt=0)
+    steps: int = _f(100, "Optimizer steps to train.", ge=1)
+    seed: int = _f(0, "Seed for model initialisation and synthetic data.", ge=0)
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints."""
+
+    dir: str | None = _f(None, "Checkpoint directory (null: no checkpoints).")
+    every_steps: int = _f(0, "Save every N optimizer steps (0: only when the script asks).", ge=0)
+    resume: str = _f("auto", "auto: resume from the latest checkpoint if any; never; or a tag to resume from.")
+
+
+@dataclass
+class TelemetryConfig:
+    """Live telemetry streamed from the workers to the launcher's console."""
+
+    enabled: bool = _f(True, "Stream per-rank memory and throughput to the launcher.")
+    interval_s: float = _f(1.0, "Seconds between samples.", gt=0)
+    stall_s: float = _f(300.0, "Report a stall (and every rank's stack) when no step finishes for this long.", gt=0)
+
+
+@dataclass
+class LaunchConfig:
+    """Process lifecycle."""
+
+    timeout_s: float = _f(300.0, "Collective timeout: a rank stuck this long in a collective fails the job.", gt=0)
+    kill_grace_s: float = _f(3.0, "Seconds between SIGTERM and SIGKILL when tearing the job down.", ge=0)
+
+
+@dataclass
+class Recipe:
+    """A training job: what to run, on how many workers, and how to shard it."""
+
+    script: str = _f(doc="The training script, relative to the recipe file (required).")
+    args: list[str] = _f(doc="Arguments passed to the script (a list, or one string split like a shell).", factory=list)
+    name: str | None = _f(None, "Run name: telemetry goes to runs/<name>/ (default: the recipe file's stem).")
+    nproc_per_node: int | None = _f(None, "Workers per node (default: the node's GPUs, or 2 CPU workers).", ge=1)
+    hostfile: str | None = _f(None, "DeepSpeed-style hostfile for multi-node jobs (relative to the recipe file).")
+    master_addr: str | None = _f(None, "Rendezvous address (default: the first node).")
+    master_port: int | None = _f(None, "Rendezvous port (default: a free port).", ge=1, le=65535)
+    env: dict[str, str] = _f(doc="Extra environment variables for every worker.", factory=dict)
+    launch: LaunchConfig = _f(doc="Process lifecycle.", factory=LaunchConfig)
+    zero: ZeroConfig = _f(doc="ZeRO partitioning.", factory=ZeroConfig)
+    precision: PrecisionConfig = _f(doc="Numeric formats.", factory=PrecisionConfig)
+    optimizer: OptimizerConfig = _f(doc="Default optimizer.", factory=OptimizerConfig)
+    train: TrainConfig = _f(doc="Training loop.", factory=TrainConfig)
+    checkpoint: CheckpointConfig = _f(doc="Checkpoints.", factory=CheckpointConfig)
+    telemetry: TelemetryConfig = _f(doc="Telemetry.", factory=TelemetryConfig)
+    source: str | None = field(default=None, metadata={"internal": True})  # the recipe file, for messages
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load(path: str | os.PathLike, overrides: typing.Sequence[str] = (), check_script: bool = True) -> Recipe:
+    """Read, override and validate a recipe file; `script` and `hostfile` become absolute paths."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the recipe ({exc.strerror or exc}).") from None
+    data, lines = _parse_yaml(text, str(path))
+    _apply_overrides(data, lines, overrides)
+    recipe = from_dict(data, str(path), lines)
+    recipe.source = str(path)
+    if recipe.name is None:
+        recipe.name = path.stem
+    base = path.resolve().parent
+    recipe.script = str(base / recipe.script)
+    if check_script and not Path(recipe.script).is_file():
+        raise ConfigError(f"{_where(str(path), lines, 'script')}: script: {recipe.script} does not exist "
+                          "(paths are relative to the recipe file).")
+    if recipe.hostfile is not None:
+        recipe.hostfile = str(base / recipe.hostfile)
+    return recipe
+
+
+def loads(text: str, source: str = "<recipe>", overrides: typing.Sequence[str] = ()) -> Recipe:
+    """Validate a recipe given as YAML text (paths stay as written)."""
+    data, lines = _parse_yaml(text, source)
+    _apply_overrides(data, lines, overrides)
+    recipe = from_dict(data, source, lines)
+    recipe.source = source
+    return recipe
+
+
+def from_dict(data: Any, source: str = "<recipe>", lines: dict[str, int | str] | None = None) -> Recipe:
+    """Build and validate a Recipe from plain data (parsed YAML or `to_dict` output)."""
+    ctx = _Ctx(source, lines or {})
+    if data is None:
+        data = {}
+    if isinstance(data, dict) and "script" not in data:
+        raise ConfigError(f"{source}: script: missing; every recipe names its training script, e.g. `script: train.py`.")
+    recipe = _build(Recipe, data, "", ctx)
+    _check_cross_fields(recipe, ctx)
+    return recipe
+
+
+def to_dict(recipe: Recipe) -> dict[str, Any]:
+    """Plain data, round-trippable through `from_dict` (used to hand the recipe to workers)."""
+    data = dataclasses.asdict(recipe)
+    data.pop("source")
+    return data
+
+
+def to_json(recipe: Recipe) -> str:
+    return json.dumps(to_dict(recipe), sort_keys=True)
+
+
+def from_env() -> Recipe | None:
+    """The recipe the launcher injected into this worker, or None outside a zerorun launch."""
+    blob = os.environ.get(RECIPE_ENV)
+    if not blob:
+        return None
+    recipe = from_dict(json.loads(blob), f"${RECIPE_ENV}")
+    recipe.source = os.environ.get(RECIPE_ENV + "_SOURCE")
+    return recipe
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML with line numbers
+
+
+def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[str, int | str]]:
+    """Parse YAML into plain data plus a dotted-key -> line table (for messages)."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{where}: not valid YAML: {problem}.") from None
+    if root is None:
+        return {}, {}
+    if not isinstance(root, yaml.MappingNode):
+        raise ConfigError(f"{source}:{root.start_mark.line + 1}: a recipe is a mapping of keys (like `script: train.py`).")
+    lines: dict[str, int] = {}
+    _record_lines(root, "", lines, source)
+    data = yaml.SafeLoader(text).get_single_data()
+    return data, lines
+
+
+def _record_lines(node: yaml.Node, prefix: str, lines: dict[str, int | str], source: str) -> None:
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: set[str] = set()
+    for key_node, value_node in node.value:
+        key = f"{prefix}{key_node.value}"
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise ConfigError(f"{source}:{line}: {key}: given twice (first at line {lines[key]}).")
+        seen.add(key)
+        lines[key] = line
+        _record_lines(value_node, key + ".", lines, source)
+
+
+def _apply_overrides(data: dict[str, Any], lines: dict[str, int | str], overrides: typing.Sequence[str]) -> None:
+    """Apply `key.path=value` strings; the value is read as YAML (`3`, `1e-4`, `true`, `[a, b]`)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. --set zero.stage=3.")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if not isinstance(child, dict):
+                # A shorthand scalar (`precision: bf16`) becomes its mapping before a subkey is set.
+                child = _expand_shorthand(".".join(parts[: depth + 1]), child)
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+        for stale in [k for k in lines if k == key or k.startswith(key + ".")]:
+            del lines[stale]
+        lines[key] = f"--set {item}"
+
+
+def _expand_shorthand(dotted: str, value: Any) -> dict[str, Any]:
+    cls = _dataclass_at(dotted)
+    short = getattr(cls, "__shorthand__", None) if cls else None
+    if value is None or cls is None:
+        return {}
+    if short is not None and not isinstance(value, (dict, list)):
+        return {short: value}
+    return {}
+
+
+def _dataclass_at(dotted: str) -> type | None:
+    cls: Any = Recipe
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(cls)
+        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+            return None
+        cls = hints[part]
+    return cls
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: plain data -> dataclasses
+
+
+@dataclass
+class _Ctx:
+    source: str
+    lines: dict[str, int | str]  # dotted key -> line in the file, or the `--set ...` that gave it
+
+
+def _where(source: str, lines: dict[str, int | str], key: str) -> str:
+    """`file:line` for a dotted key (or its nearest parent), or the `--set` that gave it."""
+    probe = key.split("[")[0]
+    while probe:
+        line = lines.get(probe)
+        if isinstance(line, str):
+            return line
+        if line:
+            return f"{source}:{line}"
+        probe = probe.rpartition(".")[0]
+    return source
+
+
+def _fail(ctx: _Ctx, key: str, message: str) -> typing.NoReturn:
+    raise ConfigError(f"{_where(ctx.source, ctx.lines, key)}: {key}: {message}")
+
+
+def _build(cls: type, data: Any, prefix: str, ctx: _Ctx) -> Any:
+    short = getattr(cls, "__shorthand__", None)
+    if short is not None and data is not None and not isinstance(data, (dict, list)):
+        data = {short: data}
+    if not isinstance(data, dict):
+        _fail(ctx, prefix.rstrip(".") or "(top level)",
+              f"expected a mapping of keys, got {_describe(data)}.")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    for key in data:
+        if key not in fields:
+            _fail(ctx, f"{prefix}{key}", f"unknown key{_suggest(str(key), fields)}")
+    values = {}
+    for name, f in fields.items():
+        if name in data:
+            values[name] = _convert(hints[name], data[name], f"{prefix}{name}", f.metadata, ctx)
+    return cls(**values)
+
+
+def _suggest(key: str, choices: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(choices), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{close[0]}'?"
+    return f"; valid keys here: {', '.join(sorted(choices))}."
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (dict, list)):
+        return "a mapping" if isinstance(value, dict) else "a list"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _convert(tp: Any, value: Any, key: str, meta: typing.Mapping[str, Any], ctx: _Ctx) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, key, meta, ctx)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".", ctx)
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            _fail(ctx, key, f"expected one of {', '.join(map(str, args))}, got {_describe(value)}{hint or '.'}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(ctx, key, f"expected true or false, got {_describe(value)}.")
+        return value
+    if tp in (int, float):
+        return _check_bounds(_number(tp, value, key, ctx), key, meta, ctx)
+    if tp is str:
+        if isinstance(value, (dict, list)) or value is None:
+            _fail(ctx, key, f"expected a string, got {_describe(value)}.")
+        return str(value)
+    if origin is list:
+        return _convert_list(args[0], value, key, meta, ctx)
+    if origin is dict:
+        if not isinstance(value, dict):
+            _fail(ctx, key, f"expected a mapping of NAME: value, got {_describe(value)}.")
+        for k, v in value.items():
+            if isinstance(v, (dict, list)) or v is None:
+                _fail(ctx, f"{key}.{k}", f"expected a plain value, got {_describe(v)}.")
+        return {str(k): (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in value.items()}
+    raise AssertionError(f"config: no converter for {tp!r} at {key}")
+
+
+def _number(tp: type, value: Any, key: str, ctx: _Ctx) -> int | float:
+    # PyYAML reads `1e5` and `3e-4` (no dot) as strings; users mean numbers.
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            _fail(ctx, key, f"expected {'an integer' if tp is int else 'a number'}, got {_describe(value)}.")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(ctx, key, f"expected {'an integer' if tp is int else 'a number'}, got {_describe(value)}.")
+    if tp is int:
+        if isinstance(value, float) and not value.is_integer():
+            _fail(ctx, key, f"expected an integer, got {value!r}.")
+        return int(value)
+    return float(value)
+
+
+def _check_bounds(value: float, key: str, meta: typing.Mapping[str, Any], ctx: _Ctx) -> float:
+    tests = [("ge", value >= meta.get("ge", value), ">="), ("gt", "gt" not in meta or value > meta["gt"], ">"),
+             ("le", value <= meta.get("le", value), "<="), ("lt", "lt" not in meta or value < meta["lt"], "<")]
+    for name, ok, sign in tests:
+        if not ok:
+            _fail(ctx, key, f"must be {_range_text(meta)}, got {value!r}.")
+    return value
+
+
+def _range_text(meta: typing.Mapping[str, Any]) -> str:
+    parts = [f"{sign} {meta[name]:g}" for name, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+             if name in meta]
+    return " and ".join(parts)
+
+
+def _convert_list(item_tp: Any, value: Any, key: str, meta: typing.Mapping[str, Any], ctx: _Ctx) -> list[Any]:
+    if item_tp is str and isinstance(value, str):
+        return shlex.split(value)
+    if not isinstance(value, list):
+        _fail(ctx, key, f"expected a list, got {_describe(value)}.")
+    out = []
+    for i, item in enumerate(value):
+        if item_tp is str:
+            if isinstance(item, (dict, list)) or item is None:
+                _fail(ctx, f"{key}[{i}]", f"expected a string, got {_describe(item)}.")
+            out.append(str(item))
+        else:
+            out.append(_convert(item_tp, item, f"{key}[{i}]", meta, ctx))
+    return out
+
+
+def _check_cross_fields(recipe: Recipe, ctx: _Ctx) -> None:
+    """Rules that involve more than one key."""
+    if not recipe.script:
+        _fail(ctx, "script", "must name the training script.")
+    betas = recipe.optimizer.betas
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        _fail(ctx, "optimizer.betas", f"expected two numbers in [0, 1), got {betas!r}.")
+    for kind in ("offload_optimizer", "offload_param"):
+        off: OffloadConfig = getattr(recipe.zero, kind)
+        if off.device == "nvme" and not off.nvme_path:
+            _fail(ctx, f"zero.{kind}.nvme_path", "required when device is nvme (a directory on a fast local disk).")
+    if recipe.zero.offload_param.device != "none" and recipe.zero.stage != 3:
+        _fail(ctx, "zero.offload_param.device",
+              f"parameter offload needs zero.stage: 3 (stage is {recipe.zero.stage}); "
+              "use zero.offload_optimizer for stages 1 and 2.")
+    if recipe.zero.offload_optimizer.device != "none" and recipe.zero.stage == 0:
+        _fail(ctx, "zero.offload_optimizer.device", "optimizer offload needs zero.stage >= 1.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference documentation
+
+
+def _type_text(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return f"{_type_text(inner[0])} or null"
+    if origin is Literal:
+        return " \\| ".join(map(str, args))
+    if origin is list:
+        return f"list of {_type_text(args[0])}"
+    if origin is dict:
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+    else:
+        return "required"
+    if dataclasses.is_dataclass(value):
+        return ""
+    return f"`{json.dumps(value)}`"
+
+
+def reference_rows(cls: type = Recipe, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, doc) for every recipe key, depth first."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        tp = hints[f.name]
+        doc = f.metadata.get("doc", "")
+        if f.metadata.keys() & {"ge", "gt", "le", "lt"}:
+            doc += f" Must be {_range_text(f.metadata)}."
+        if dataclasses.is_dataclass(tp):
+            short = getattr(tp, "__shorthand__", None)
+            if short:
+                doc += f" May be given as just the `{short}` value."
+            rows.append((f"{prefix}{f.name}", "section", "", doc))
+            rows.extend(reference_rows(tp, f"{prefix}{f.name}."))
+        else:
+            rows.append((f"{prefix}{f.name}", _type_text(tp), _default_text(f), doc))
+    return rows
+
+
+def reference_markdown() -> str:
+    """The README's recipe reference table."""
+    out = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    out += [f"| `{k}` | {t} | {d} | {doc} |" for k, t, d, doc in reference_rows()]
+    return "\n".join(out) + "\n"
