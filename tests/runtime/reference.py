@@ -1,0 +1,120 @@
+"""A small awkward model and the DDP + torch.optim.AdamW reference every ZeRO mode must match.
+
+The model has parameters of odd sizes (uneven shards on 2 and 3 ranks), an embedding tied to
+the output projection, a frozen parameter, and a buffer. Data differ per rank and per step and
+are a pure function of (seed, rank, step), so the engine and the reference see the same batches.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+VOCAB, DIM, HIDDEN, SEQ, BATCH = 37, 13, 29, 9, 3
+
+
+class OddNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+        self.frozen = nn.Parameter(torch.randn(DIM), requires_grad=False)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("position_scale", torch.linspace(0.5, 1.5, SEQ).unsqueeze(-1))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) * self.position_scale.to(self.embed.weight.dtype)
+        x = x + self.down(F.gelu(self.up(self.norm(x)))) + self.frozen
+        logits = self.head(x).float()
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def make_model(seed: int = 0) -> OddNet:
+    torch.manual_seed(seed)
+    return OddNet()
+
+
+def batch(seed: int, rank: int, micro_step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + micro_step)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+
+
+@dataclass
+class Run:
+    """What a training run produced on one rank."""
+
+    losses: list[float] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    grad_norms: list[float] = field(default_factory=list)
+
+
+OPT = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, seed: int = 0,
+                  dtype: torch.dtype = torch.float32) -> Run:
+    """DDP + torch AdamW; with a low-precision `dtype`, the same policy as zerorun:
+    compute in `dtype`, gradients accumulated/averaged in fp32, fp32 master weights."""
+    master = make_model(seed)
+    compute = copy.deepcopy(master).to(dtype)  # the replicas DDP trains; `master` holds fp32 weights
+    model = DDP(compute)
+    opt = torch.optim.AdamW(master.parameters(), **OPT)
+    run = Run()
+    trainable = [(m, c) for m, c in zip(master.parameters(), compute.parameters()) if m.requires_grad]
+    micro = 0
+    for _ in range(steps):
+        for m, _c in trainable:
+            m.grad = torch.zeros_like(m)
+        for a in range(accum):
+            loss = model(batch(seed, rank, micro))
+            (loss / accum).backward()
+            for m, c in trainable:
+                m.grad += c.grad.float()
+                c.grad = None
+            run.losses.append(loss.item())
+            micro += 1
+        # without clipping, an infinite max_norm only measures the norm
+        run.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(master.parameters(), clip or float("inf"))))
+        opt.step()
+        with torch.no_grad():
+            for m, c in trainable:
+                c.copy_(m)
+    run.params = {n: p.detach().float().clone() for n, p in master.named_parameters()}
+    return run
+
+
+def engine_run(rank: int, steps: int, accum: int, recipe_overrides: list[str], clip: float | None = None,
+               seed: int = 0, inject_inf_at: tuple[int, ...] = ()) -> tuple[Run, object]:
+    """Train the same model through zerorun's engine; `inject_inf_at` poisons rank 0's gradient on those micro-steps."""
+    import zerorun
+    from zerorun import config
+
+    overrides = [f"train.grad_accum_steps={accum}", "zero.bucket_mb=0.0005", *recipe_overrides]
+    if clip is not None:
+        overrides.append(f"train.clip_grad_norm={clip}")
+    recipe = config.loads("script: train.py\n", "test.yaml", overrides)
+    model = make_model(seed)
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    engine = zerorun.initialize(model, opt, recipe)
+    run = Run()
+    micro = 0
+    for _ in range(steps):
+        for _a in range(accum):
+            loss = engine(batch(seed, rank, micro))
+            if micro in inject_inf_at and rank == 0:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            engine.step()
+            run.losses.append(loss.item())
+            micro += 1
+        run.grad_norms.append(engine.grad_norm)
+    run.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    return run, engine

@@ -1,0 +1,194 @@
+"""The engine: the user's face of the ZeRO runtime.
+
+    engine = zerorun.initialize(model, optimizer)     # or optimizer=None for the recipe's
+    for batch in data:
+        loss = engine(batch)                           # forward
+        engine.backward(loss)                          # scales by 1/grad_accum_steps (and the fp16 loss scale)
+        engine.step()                                  # steps at accumulation boundaries only
+
+An optimizer step, in order: the reducer has left this rank's summed gradient pieces; their
+global L2 norm is one all-reduce of a scalar, which also tells every rank whether any rank saw
+an inf/nan (then the step is skipped everywhere); the fused Adam divides by world size x loss
+scale / clip coefficient in its own pass; the updated pieces are all-gathered into the
+parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerorun.config import Recipe
+from zerorun.errors import ZerorunError
+from zerorun.runtime.collectives import Collectives
+from zerorun.runtime.dist import init_distributed
+from zerorun.runtime.flat import FlatParams
+from zerorun.runtime.memory import MemoryReport, tensor_bytes
+from zerorun.runtime.optimizer import ShardedAdamW, param_groups_from
+from zerorun.runtime.precision import LossScaler, PrecisionPolicy
+from zerorun.runtime.stage12 import GradReducer
+
+log = logging.getLogger("zerorun")
+
+
+class Engine:
+    """Wraps a model and its optimizer in ZeRO stage 0, 1 or 2 (stage 3: see the stage 3 issue)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, recipe: Recipe) -> None:
+        self.recipe = recipe
+        zero = recipe.zero
+        if zero.stage == 3:
+            raise ZerorunError("zero.stage: 3 is not available yet in this version; use stage 0, 1 or 2.")
+        if zero.offload_optimizer.device != "none":
+            raise ZerorunError("zero.offload_optimizer is not available yet in this version; set device: none.")
+        self.info = init_distributed(recipe.launch.timeout_s)
+        self.device = self.info.device
+        self.stage = zero.stage
+        self.policy = PrecisionPolicy.from_config(recipe.precision)
+        self.scaler = LossScaler(recipe.precision)
+        self.comm = Collectives()
+        self.module = model.to(self.device)
+        groups, decoupled = param_groups_from(optimizer, model, recipe.optimizer)
+        self._sync_buffers()
+        shard_world = 1 if self.stage == 0 else self.comm.world_size
+        bucket_numel = max(1, int(zero.bucket_mb * 2**20 // 4))
+        self.flat = FlatParams([g["params"] for g in groups], self.policy, self.comm, shard_world,
+                               bucket_numel, self.device)
+        self._cast_frozen()
+        self.reducer = GradReducer(self.flat, self.stage, zero.overlap_comm)
+        self.optimizer = ShardedAdamW(groups, decoupled, self.flat.group_numels, self.device)
+        self._masters = [self.flat.master_pieces(g) for g in range(len(groups))]
+        self._moments = [[(self.flat.state_slice(u, self.optimizer.exp_avg[g]),
+                           self.flat.state_slice(u, self.optimizer.exp_avg_sq[g]))
+                          for u in self.flat.units if u.group == g] for g in range(len(groups))]
+        self.grad_accum_steps = recipe.train.grad_accum_steps
+        self.clip_grad_norm = recipe.train.clip_grad_norm
+        self.micro_steps = 0
+        self.global_step = 0
+        self.skipped_steps = 0
+        self.grad_norm: float | None = None
+
+    # -- setup helpers ----------------------------------------------------------------------
+    def _sync_buffers(self) -> None:
+        """Every rank starts from rank 0's buffers (parameters are synced by FlatParams)."""
+        for buffer in self.module.buffers():
+            self.comm.broadcast(buffer, src=0).wait()
+
+    def _cast_frozen(self) -> None:
+        """Frozen parameters and floating buffers follow the compute dtype (they are not sharded)."""
+        dtype = self.policy.param_dtype
+        if dtype == torch.float32:
+            return
+        for param in self.module.parameters():
+            if not param.requires_grad and param.is_floating_point():
+                param.data = param.data.to(dtype)
+
+    # -- training loop ----------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module; floating-point inputs are cast to the compute dtype."""
+        dtype = self.policy.param_dtype
+        if dtype != torch.float32:
+            args, kwargs = _cast_floats((args, kwargs), dtype)
+        return self.module(*args, **kwargs)
+
+    @property
+    def is_boundary(self) -> bool:
+        """True when the current micro-step ends an accumulation window (the next step() updates)."""
+        return (self.micro_steps + 1) % self.grad_accum_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss / grad_accum_steps` (times the loss scale) and reduce gradients."""
+        self.reducer.begin_backward(reduce=self.is_boundary)
+        try:
+            (loss * (self.scaler.scale / self.grad_accum_steps)).backward()
+        finally:
+            self.reducer.end_backward()
+
+    def step(self) -> None:
+        """Count a micro-step; at an accumulation boundary, update the parameters."""
+        boundary = self.is_boundary
+        self.micro_steps += 1
+        if boundary:
+            self._optimizer_step()
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (steps already do this; for loops that skip a step)."""
+        self.reducer.zero()
+
+    def _optimizer_step(self) -> None:
+        sum_divisor = self.comm.world_size * self.scaler.scale  # reduced gradients are sums of scaled grads
+        grads = [self.reducer.grad_pieces(g) for g in range(len(self._masters))]
+        norm = self._global_norm(grads) / sum_divisor
+        self.grad_norm = norm
+        found_inf = not math.isfinite(norm)
+        if found_inf:
+            self.skipped_steps += 1
+            log.warning("step %d skipped: inf/nan in gradients (loss scale %g)", self.global_step, self.scaler.scale)
+        else:
+            coef = 1.0
+            if self.clip_grad_norm is not None:
+                coef = min(1.0, self.clip_grad_norm / (norm + 1e-6))
+            self.optimizer.step_pieces(self._masters, grads, self._moments, sum_divisor / coef)
+            self.flat.publish()
+        self.scaler.update(found_inf)
+        self.reducer.zero()
+        self.global_step += 1
+
+    def _global_norm(self, grads: list[list[torch.Tensor]]) -> float:
+        """L2 norm of the summed gradients across all shards (inf/nan if any rank has one)."""
+        pieces = [t for group in grads for t in group]
+        local = torch.zeros((), dtype=torch.float32, device=self.device)
+        if pieces:
+            local = torch.stack(torch._foreach_norm(pieces)).square().sum()
+        if self.flat.shard_world > 1:
+            self.comm.all_reduce(local, async_op=False).wait()
+        return float(local.sqrt())
+
+    # -- introspection ----------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def memory(self) -> MemoryReport:
+        """Bytes this rank holds, per kind of state and place."""
+        place = self.device.type
+        frozen = [p for p in self.module.parameters() if not p.requires_grad]
+        report = MemoryReport()
+        report.add("params", place, tensor_bytes([self.flat.flat]) + tensor_bytes(frozen))
+        report.add("grads", place, self.reducer.held_bytes())
+        report.add("master", place, tensor_bytes(self.flat.master or []))
+        report.add("optimizer", place, self.optimizer.held_bytes())
+        report.add("buffers", place, tensor_bytes(list(self.module.buffers())))
+        report.add("comm", place, self.reducer.pool.allocated_bytes)
+        return report
+
+    def parameters(self) -> Any:
+        return self.module.parameters()
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's full state dict (parameters are whole on every rank in stages 0-2)."""
+        return self.module.state_dict()
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,59 @@
+"""Memory accounting: bytes held per kind of state and per place.
+
+The engine fills a `MemoryReport` from the tensors it actually holds; telemetry, tests and
+`zerorun estimate` read the same kinds, so the planner can be checked against reality.
+
+Kinds: params (the module's parameters as held on this rank), grads (gradient accumulation
+buffers or shards), master (fp32 master weights when they are a copy), optimizer (Adam moments),
+buffers (module buffers), comm (staging buffers for collectives). Places: cpu, cuda, nvme.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+KINDS = ("params", "grads", "master", "optimizer", "buffers", "comm")
+MODEL_STATE_KINDS = ("params", "grads", "master", "optimizer")
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of distinct storages behind `tensors` (views of one buffer count once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+@dataclass
+class MemoryReport:
+    """Bytes per (kind, place)."""
+
+    entries: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, kind: str, place: str, nbytes: int) -> None:
+        assert kind in KINDS, f"unknown memory kind {kind}"
+        if nbytes:
+            self.entries[(kind, place)] += nbytes
+
+    def total(self, kind: str | None = None, place: str | None = None) -> int:
+        return sum(b for (k, p), b in self.entries.items()
+                   if (kind is None or k == kind) and (place is None or p == place))
+
+    def model_states(self) -> int:
+        """params + grads + master + optimizer: what the ZeRO formulas describe."""
+        return sum(self.total(kind) for kind in MODEL_STATE_KINDS)
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = defaultdict(dict)
+        for (kind, place), nbytes in sorted(self.entries.items()):
+            out[kind][place] = nbytes
+        return dict(out)

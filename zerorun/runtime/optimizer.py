@@ -1,0 +1,85 @@
+"""Adam(W) over flat fp32 shards, with the user's param groups and hyper-parameters.
+
+`ShardedAdamW` is a `torch.optim.Optimizer`, so `param_groups` behaves as users expect and a
+stock `torch.optim.lr_scheduler` can drive it, but its state is flat: per param group, one
+contiguous fp32 tensor each for `exp_avg` and `exp_avg_sq` covering only this rank's pieces. One
+call to torch's fused Adam(W) kernel updates a whole group; it also divides the gradients by
+`grad_divisor` (world size x loss scale / clip coefficient) in the same pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from zerorun.config import OptimizerConfig
+from zerorun.errors import ZerorunError
+
+HYPER = ("lr", "betas", "eps", "weight_decay")
+
+
+def param_groups_from(optimizer: torch.optim.Optimizer | None, model: nn.Module,
+                      cfg: OptimizerConfig) -> tuple[list[dict[str, Any]], bool]:
+    """The param groups to take over (trainable parameters only) and whether decay is decoupled."""
+    if optimizer is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        group = {"params": params, "lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps,
+                 "weight_decay": cfg.weight_decay}
+        return [group], cfg.type == "adamw"
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ZerorunError(f"zerorun.initialize takes over torch.optim.Adam or AdamW, got {type(optimizer).__name__}; "
+                           "pass optimizer=None to use the recipe's optimizer section.")
+    decoupled = isinstance(optimizer, torch.optim.AdamW)
+    groups = []
+    for i, group in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ZerorunError(f"optimizer param group {i}: {flag}=True is not supported by zerorun's Adam.")
+        decoupled = decoupled or bool(group.get("decoupled_weight_decay", False))
+        params = [p for p in group["params"] if p.requires_grad]
+        groups.append({"params": params, **{k: group[k] for k in HYPER}})
+    owned = {p for g in groups for p in g["params"]}
+    stray = [n for n, p in model.named_parameters() if p.requires_grad and p not in owned]
+    if stray:
+        raise ZerorunError(f"trainable parameters missing from the optimizer's param groups: {', '.join(stray[:5])}"
+                           f"{' ...' if len(stray) > 5 else ''}; add them to a group or set requires_grad=False.")
+    return groups, decoupled
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """Adam(W) whose state covers this rank's flat pieces only."""
+
+    def __init__(self, groups: list[dict[str, Any]], decoupled: bool, group_numels: Sequence[int],
+                 device: torch.device) -> None:
+        defaults = {k: groups[0][k] for k in HYPER} if groups else {"lr": 1e-3}
+        super().__init__(groups, defaults)
+        self.decoupled = decoupled
+        self.exp_avg = [torch.zeros(n, dtype=torch.float32, device=device) for n in group_numels]
+        self.exp_avg_sq = [torch.zeros(n, dtype=torch.float32, device=device) for n in group_numels]
+        self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in group_numels]
+
+    @torch.no_grad()
+    def step_pieces(self, masters: list[list[torch.Tensor]], grads: list[list[torch.Tensor]],
+                    moment_pieces: list[list[tuple[torch.Tensor, torch.Tensor]]], grad_divisor: float) -> None:
+        """One update of every group: `masters[g][i] -= f(grads[g][i] / grad_divisor, moments)`."""
+        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        for g, group in enumerate(self.param_groups):
+            if not masters[g]:
+                continue
+            self.steps[g] += 1
+            divisor = None
+            if grad_divisor != 1.0:
+                divisor = torch.full((), grad_divisor, dtype=torch.float32, device=masters[g][0].device)
+            beta1, beta2 = group["betas"]
+            kernel(masters[g], grads[g], [m for m, _ in moment_pieces[g]], [v for _, v in moment_pieces[g]], [],
+                   [self.steps[g]] * len(masters[g]), lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                   weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
+                   maximize=False, grad_scale=divisor, found_inf=None)
+
+    def step(self, closure: Any = None) -> None:  # noqa: D102 - the engine drives the update
+        raise ZerorunError("call engine.step(), which reduces gradients first; the optimizer cannot step alone.")
+
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)

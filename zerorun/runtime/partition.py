@@ -1,0 +1,125 @@
+"""Shard arithmetic: where each parameter lives in a flat buffer and which part each rank owns.
+
+Pure functions on integers: no tensors, no process group. Everything sharded in zerorun uses the
+same picture:
+
+    unit's flat buffer  | p0 ......| p1 ...| p2 ............|pad|
+    rank shards         |  rank 0      |  rank 1      |  rank 2      |     each `shard_numel` long
+
+A *unit* is a list of parameters laid out back to back (no per-parameter padding) in one buffer
+whose length is padded to a multiple of `world_size * align`, so every rank owns exactly
+`shard_numel` elements starting at `rank * shard_numel`, and each shard starts `align`-aligned.
+A parameter may straddle two or more shards; `shard_pieces` says which part of it a rank owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class ParamSpan:
+    """One parameter's place in a unit's flat buffer."""
+
+    index: int  # position in the unit's parameter list
+    offset: int  # first element in the flat buffer
+    numel: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of one parameter that falls inside one rank's shard."""
+
+    index: int  # parameter position in the unit
+    param_start: int  # first element, counted inside the parameter
+    shard_start: int  # where it lands, counted inside the rank's shard
+    numel: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """A unit's flat layout across `world_size` ranks."""
+
+    spans: tuple[ParamSpan, ...]
+    world_size: int
+    align: int
+    numel: int  # elements holding parameters
+    padded_numel: int  # multiple of world_size * align
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of `rank`'s shard in the flat buffer."""
+        assert 0 <= rank < self.world_size, f"rank {rank} outside world of {self.world_size}"
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def shard_pieces(self, rank: int) -> list[ShardPiece]:
+        """The parts of parameters that `rank` owns, in flat order (padding excluded)."""
+        lo, hi = self.shard_range(rank)
+        pieces = []
+        for span in self.spans:
+            start, end = max(span.offset, lo), min(span.end, hi)
+            if start < end:
+                pieces.append(ShardPiece(span.index, start - span.offset, start - lo, end - start))
+        return pieces
+
+    def owners(self, index: int) -> list[int]:
+        """Ranks whose shard holds part of parameter `index`."""
+        span = self.spans[index]
+        if span.numel == 0:
+            return []
+        first = span.offset // self.shard_numel
+        last = (span.end - 1) // self.shard_numel
+        return list(range(first, last + 1))
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def flat_layout(numels: Sequence[int], world_size: int, align: int = 1) -> FlatLayout:
+    """Lay parameters of the given sizes out back to back, padded to `world_size * align`.
+
+    An empty unit still gets one aligned element per rank, so every rank has a non-empty shard
+    (collectives on zero-length tensors are a needless special case).
+    """
+    assert world_size >= 1 and align >= 1, f"world_size={world_size}, align={align}"
+    spans, offset = [], 0
+    for index, numel in enumerate(numels):
+        assert numel >= 0, f"parameter {index} has negative numel {numel}"
+        spans.append(ParamSpan(index, offset, numel))
+        offset += numel
+    padded = max(round_up(offset, world_size * align), world_size * align)
+    return FlatLayout(tuple(spans), world_size, align, offset, padded)
+
+
+def bucket_params(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
+    """Split parameter indices, in order, into consecutive buckets of about `bucket_numel` elements.
+
+    A parameter is never split; one larger than a bucket gets a bucket of its own. Each bucket
+    holds at least one parameter.
+    """
+    assert bucket_numel >= 1, f"bucket_numel={bucket_numel}"
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for index, numel in enumerate(numels):
+        if current and filled + numel > bucket_numel:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(index)
+        filled += numel
+    if current:
+        buckets.append(current)
+    return buckets
