@@ -54,18 +54,26 @@ class Run:
     losses: list[float] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     grad_norms: list[float] = field(default_factory=list)
+    param_sums: list[float] = field(default_factory=list)  # before each step: unchanged across a skipped step
 
 
 OPT = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, seed: int = 0,
-                  dtype: torch.dtype = torch.float32) -> Run:
-    """DDP + torch AdamW; with a low-precision `dtype`, the same policy as zerorun:
-    compute in `dtype`, gradients accumulated/averaged in fp32, fp32 master weights."""
+                  dtype: torch.dtype = torch.float32, loss_scale: float = 1.0) -> Run:
+    """DDP + torch AdamW.
+
+    fp32: real DDP. A low-precision `dtype` follows zerorun's policy, which DDP cannot express
+    (DDP reduces bf16 gradients in bf16): compute in `dtype`, gradients accumulated and
+    all-reduced in fp32 (explicitly), fp32 master weights stepped by torch AdamW; fp16 scales
+    the loss by the static `loss_scale`.
+    """
+    import torch.distributed as dist
+
     master = make_model(seed)
-    compute = copy.deepcopy(master).to(dtype)  # the replicas DDP trains; `master` holds fp32 weights
-    model = DDP(compute)
+    compute = copy.deepcopy(master).to(dtype)  # the replicas that run forward/backward
+    model = DDP(compute) if dtype == torch.float32 else compute
     opt = torch.optim.AdamW(master.parameters(), **OPT)
     run = Run()
     trainable = [(m, c) for m, c in zip(master.parameters(), compute.parameters()) if m.requires_grad]
@@ -73,21 +81,27 @@ def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, 
     for _ in range(steps):
         for m, _c in trainable:
             m.grad = torch.zeros_like(m)
-        for a in range(accum):
+        for _a in range(accum):
             loss = model(batch(seed, rank, micro))
-            (loss / accum).backward()
+            (loss * (loss_scale / accum)).backward()
             for m, c in trainable:
                 m.grad += c.grad.float()
                 c.grad = None
             run.losses.append(loss.item())
             micro += 1
+        if dtype != torch.float32:
+            for m, _c in trainable:
+                dist.all_reduce(m.grad)
+                m.grad /= dist.get_world_size() * loss_scale
         # without clipping, an infinite max_norm only measures the norm
         run.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(master.parameters(), clip or float("inf"))))
         opt.step()
         with torch.no_grad():
             for m, c in trainable:
                 c.copy_(m)
-    run.params = {n: p.detach().float().clone() for n, p in master.named_parameters()}
+    # frozen parameters are not stepped: they live in the compute dtype, as in the engine
+    run.params = {n: (m if m.requires_grad else c).detach().float().clone()
+                  for (n, m), c in zip(master.named_parameters(), compute.parameters())}
     return run
 
 
@@ -107,6 +121,7 @@ def engine_run(rank: int, steps: int, accum: int, recipe_overrides: list[str], c
     run = Run()
     micro = 0
     for _ in range(steps):
+        run.param_sums.append(sum(float(p.detach().double().sum()) for p in engine.module.parameters()))
         for _a in range(accum):
             loss = engine(batch(seed, rank, micro))
             if micro in inject_inf_at and rank == 0:
@@ -117,4 +132,25 @@ def engine_run(rank: int, steps: int, accum: int, recipe_overrides: list[str], c
             micro += 1
         run.grad_norms.append(engine.grad_norm)
     run.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    if engine.flat.master is not None:  # compare the fp32 master weights, not their low-precision copy
+        run.params = engine_master_params(engine)
     return run, engine
+
+
+def engine_master_params(engine) -> dict[str, torch.Tensor]:
+    """The fp32 master weights as full parameters: this rank's pieces all-gathered."""
+    import torch.distributed as dist
+
+    flat = engine.flat
+    full = torch.zeros(flat.flat.numel(), dtype=torch.float32)
+    for unit in flat.units:
+        flat.unit_piece(unit, full).copy_(flat.state_slice(unit, flat.master[unit.group]))
+    if flat.shard_world > 1:
+        dist.all_reduce(full)  # each rank contributes only its pieces; the rest are zeros
+    by_param = {}
+    for unit in flat.units:
+        for span, param in zip(unit.layout.spans, unit.params):
+            start = unit.flat_offset + span.offset
+            by_param[param] = full[start:start + span.numel].view(param.shape)
+    return {n: by_param[p].clone() if p in by_param else p.detach().float().clone()
+            for n, p in engine.module.named_parameters()}
