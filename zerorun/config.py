@@ -165,7 +165,7 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = (), check_sc
     data, lines = _parse_yaml(text, str(path))
     _apply_overrides(data, lines, overrides)
     recipe = from_dict(data, str(path), lines)
-    recipe.source = str(path)
+    recipe.source = str(path.resolve())
     if recipe.name is None:
         recipe.name = path.stem
     base = path.resolve().parent

@@ -1,0 +1,163 @@
+"""Run `zerorun launch` as a real subprocess and watch it, for the lifecycle tests.
+
+    job = LaunchedJob.start(recipe_path)
+    job.wait_for("ready", count=2)        # lines of output, as they arrive
+    job.send(signal.SIGINT)
+    assert job.wait() == 130 and job.seconds_since("signal") < 10
+    assert job.leftovers() == []          # nothing of this job is still running
+
+`leftovers()` checks for real: every live process whose environment carries the job's
+ZERORUN_JOB_ID, plus every pid the workers printed as `pid N` that is still alive. `cleanup()`
+(the fixture calls it) kills whatever a failed test left behind, by the same two criteria.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+_JOB_LINE = re.compile(r"^zerorun: job (\S+): ")
+_PID_LINE = re.compile(r"^\[[^\]]+\] pid (\d+)$")
+
+
+class LaunchedJob:
+    """A launcher process and everything it printed so far (stdout and stderr kept apart)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self._changed = threading.Condition()
+        self._times: dict[str, float] = {}  # first arrival of each stdout line, "signal", "exit"
+        self._exit_wall_time = float("inf")
+        self._readers = [threading.Thread(target=self._read, args=(proc.stdout, self.stdout), daemon=True),
+                         threading.Thread(target=self._read, args=(proc.stderr, self.stderr), daemon=True)]
+        for reader in self._readers:
+            reader.start()
+
+    @classmethod
+    def start(cls, recipe: Path, *flags: str) -> LaunchedJob:
+        proc = subprocess.Popen([sys.executable, "-m", "zerorun.cli", "launch", str(recipe), *flags],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                                cwd=REPO)
+        return cls(proc)
+
+    def _read(self, stream, sink: list[str]) -> None:
+        for line in stream:
+            with self._changed:
+                sink.append(line.rstrip("\n"))
+                if sink is self.stdout:
+                    self._times.setdefault(sink[-1], time.monotonic())
+                self._changed.notify_all()
+
+    # -- watching ---------------------------------------------------------------------------------
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 60.0) -> None:
+        """Wait until `count` stdout lines end with `text`; fail with the output so far if not."""
+        with self._changed:
+            done = self._changed.wait_for(
+                lambda: sum(line.endswith(text) for line in self.stdout) >= count or self.proc.poll() is not None,
+                timeout=timeout)
+        assert done and self.proc.poll() is None, f"launcher ended or timed out before {count}x {text!r}:\n{self.output}"
+
+    def send(self, sig: int) -> None:
+        self._times["signal"] = time.monotonic()
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 90.0) -> int:
+        """The launcher's exit code; its output is complete afterwards."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"launcher still running after {timeout} s:\n{self.output}") from None
+        self._times.setdefault("exit", time.monotonic())
+        self._exit_wall_time = time.time()
+        for reader in self._readers:
+            reader.join(timeout=5)
+        return code
+
+    def seconds_since(self, event: str) -> float:
+        """Seconds from `event` (the stdout line, or "signal") until the launcher exited."""
+        assert event in self._times and "exit" in self._times, f"never saw {event!r}:\n{self.output}"
+        return self._times["exit"] - self._times[event]
+
+    @property
+    def output(self) -> str:
+        return "--- stdout\n" + "\n".join(self.stdout) + "\n--- stderr\n" + "\n".join(self.stderr)
+
+    @property
+    def job_id(self) -> str | None:
+        for line in list(self.stderr):
+            match = _JOB_LINE.match(line)
+            if match:
+                return match.group(1)
+        return None
+
+    def worker_pids(self) -> list[int]:
+        """The pids the test scripts printed as `pid N` (workers and their children)."""
+        return [int(m.group(1)) for m in map(_PID_LINE.match, list(self.stdout)) if m]
+
+    # -- what is left -----------------------------------------------------------------------------
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Live (non-zombie) processes of this job: by job id in their environment, or by printed pid."""
+        found: dict[int, psutil.Process] = {}
+        job_id = self.job_id
+        if job_id:
+            for proc in psutil.process_iter(["environ"], ad_value=None):
+                if (proc.info.get("environ") or {}).get("ZERORUN_JOB_ID") == job_id:
+                    found[proc.pid] = proc
+        for pid in self.worker_pids():
+            try:
+                proc = psutil.Process(pid)
+                if proc.create_time() <= self._exit_wall_time:  # not a newer process that reused the pid
+                    found[pid] = proc
+            except psutil.NoSuchProcess:
+                pass
+        return [p for p in found.values() if _alive(p)]
+
+    def cleanup(self) -> None:
+        """Kill the launcher and anything of its job still alive (after a failed test)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for proc in self.leftovers():
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def subprocess_env() -> dict[str, str]:
+    """This environment, with this checkout importable (zerorun need not be installed)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.pop("ZERORUN_JOB_ID", None)
+    return env
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def write_recipe(directory: Path, script: str, args: Sequence[str] = (), **keys: object) -> Path:
+    """`directory`/recipe.yaml running tests/launch/scripts/<script>, with a short kill grace."""
+    import yaml
+
+    data = {"script": str(SCRIPTS / script), "args": list(args), "launch": {"kill_grace_s": 1.0}, **keys}
+    path = directory / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+

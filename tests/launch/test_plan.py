@@ -1,0 +1,163 @@
+"""The launch plan is pure: argv and env per node from a recipe, nodes and machine facts."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.launch.launched import SCRIPTS, write_recipe
+from zerorun import config
+from zerorun.errors import HostfileError, LaunchError
+from zerorun.hostfile import Node
+from zerorun.launch import launcher
+from zerorun.launch.launcher import LaunchOptions
+from zerorun.launch.plan import MachineFacts, plan, render
+from zerorun.launch.transport import transport_for
+
+CPU = MachineFacts(cpu_count=8, cuda=False, python="/py/bin/python")
+GPU = MachineFacts(cpu_count=64, cuda=True, python="/py/bin/python")
+TWO_LOCAL = [Node("localhost", (0, 1))]
+
+
+def recipe(**keys: object) -> config.Recipe:
+    r = config.from_dict({"script": "/jobs/train.py", "args": ["--lr", "0.1"], **keys}, "/jobs/r.yaml")
+    r.source, r.name = "/jobs/r.yaml", "r"
+    return r
+
+
+def test_argv_runs_the_worker_module_under_torchrun_with_a_static_rendezvous():
+    p = plan(recipe(), TWO_LOCAL, "job-1", 29555, CPU)
+    assert p.nodes[0].argv == (
+        "/py/bin/python", "-m", "torch.distributed.run", "--nnodes", "1", "--node-rank", "0",
+        "--nproc-per-node", "2", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
+        "--master-port", "29555", "--max-restarts", "0", "--monitor-interval", "0.1",
+        "-m", "zerorun.launch.worker", "--", "/jobs/train.py", "--lr", "0.1")
+    assert (p.world_size, p.master_addr, p.master_port, p.kill_grace_s) == (2, "127.0.0.1", 29555, 3.0)
+
+
+def test_torchrun_accepts_the_planned_flags():
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(plan(recipe(), TWO_LOCAL, "job-1", 29555, CPU).nodes[0].argv[3:])
+    assert (args.module, args.training_script, args.nproc_per_node, args.rdzv_backend) == \
+        (True, "zerorun.launch.worker", "2", "static")
+    assert [a for a in args.training_script_args if a != "--"] == ["/jobs/train.py", "--lr", "0.1"]
+
+
+def test_nodes_get_ranks_in_hostfile_order_and_the_first_node_is_master():
+    nodes = [Node("a", (0, 1)), Node("b", (0, 1, 2, 3))]
+    p = plan(recipe(), nodes, "job-1", 29500, GPU)
+    assert [(n.host, n.node_rank, n.first_rank, n.nproc) for n in p.nodes] == [("a", 0, 0, 2), ("b", 1, 2, 4)]
+    assert p.world_size == 6 and p.master_addr == "a"
+    assert [n.argv[n.argv.index("--node-rank") + 1] for n in p.nodes] == ["0", "1"]
+    assert all(n.argv[n.argv.index("--nnodes") + 1] == "2" for n in p.nodes)
+    assert p.nodes[1].ranks == range(2, 6)
+
+
+def test_recipe_master_addr_and_port_win():
+    p = plan(recipe(master_addr="10.0.0.9"), TWO_LOCAL, "job-1", 1234, CPU)
+    assert p.master_addr == "10.0.0.9" and "10.0.0.9" in p.nodes[0].argv
+
+
+def test_cuda_visible_devices_come_from_the_slots_on_gpu_nodes():
+    p = plan(recipe(), [Node("a", (1, 3)), Node("b", (0, 1, 2))], "job-1", 29500, GPU)
+    assert [n.env["CUDA_VISIBLE_DEVICES"] for n in p.nodes] == ["1,3", "0,1,2"]
+
+
+def test_local_slots_map_through_the_cuda_visible_devices_the_launcher_inherited():
+    facts = MachineFacts(cpu_count=8, cuda=True, python="py", inherited_env={"CUDA_VISIBLE_DEVICES": "2,3,5"})
+    assert plan(recipe(), [Node("localhost", (0, 2))], "j", 1, facts).nodes[0].env["CUDA_VISIBLE_DEVICES"] == "2,5"
+    assert plan(recipe(), [Node("b", (0, 2))], "j", 1, facts).nodes[0].env["CUDA_VISIBLE_DEVICES"] == "0,2"
+    with pytest.raises(LaunchError, match="slot 3 does not exist"):
+        plan(recipe(), [Node("localhost", (0, 3))], "j", 1, facts)
+
+
+def test_cpu_nodes_leave_cuda_visible_devices_alone():
+    assert "CUDA_VISIBLE_DEVICES" not in plan(recipe(), TWO_LOCAL, "job-1", 29500, CPU).nodes[0].env
+
+
+def test_omp_threads_share_the_cores_between_workers_unless_the_user_set_them():
+    assert plan(recipe(), TWO_LOCAL, "j", 1, CPU).nodes[0].env["OMP_NUM_THREADS"] == "4"
+    assert plan(recipe(), [Node("localhost", tuple(range(16)))], "j", 1, CPU).nodes[0].env["OMP_NUM_THREADS"] == "1"
+    assert plan(recipe(env={"OMP_NUM_THREADS": 7}), TWO_LOCAL, "j", 1, CPU).nodes[0].env["OMP_NUM_THREADS"] == "7"
+    inherited = MachineFacts(cpu_count=8, cuda=False, python="py", inherited_env={"OMP_NUM_THREADS": "2"})
+    assert "OMP_NUM_THREADS" not in plan(recipe(), TWO_LOCAL, "j", 1, inherited).nodes[0].env
+
+
+def test_env_carries_the_resolved_recipe_job_id_and_host():
+    p = plan(recipe(zero={"stage": 3}), [Node("a", (0,)), Node("b", (0,))], "job-42", 29500, CPU)
+    for node in p.nodes:
+        assert config.from_dict(json.loads(node.env["ZERORUN_RECIPE"])).zero.stage == 3
+        assert node.env["ZERORUN_RECIPE_SOURCE"] == "/jobs/r.yaml"
+        assert node.env["ZERORUN_JOB_ID"] == "job-42"
+    assert [n.env["ZERORUN_NODE_HOST"] for n in p.nodes] == ["a", "b"]
+
+
+def test_recipe_env_reaches_workers_but_cannot_replace_zerorun_variables():
+    env = plan(recipe(env={"NCCL_DEBUG": "INFO", "ZERORUN_JOB_ID": "mine"}), TWO_LOCAL, "job-1", 1, CPU).nodes[0].env
+    assert env["NCCL_DEBUG"] == "INFO" and env["ZERORUN_JOB_ID"] == "job-1"
+
+
+def test_dry_run_shows_each_host_its_env_and_a_command_line_the_shell_reads_back_as_argv():
+    p = plan(recipe(args=["--name", "two words"]), [Node("a", (0,)), Node("b", (0, 1))], "job-1", 29500, GPU)
+    text = render(p)
+    assert text.startswith("job job-1 (r): 2 nodes, 3 workers, master a:29500")
+    assert "node 0: a  ranks 0" in text and "node 1: b  ranks 1-2" in text
+    assert "CUDA_VISIBLE_DEVICES=0,1" in text and "ZERORUN_JOB_ID=job-1" in text
+    assert "ZERORUN_RECIPE=<the resolved recipe as JSON" in text  # summarised, not dumped
+    commands = [line.strip() for line in text.splitlines() if line.startswith("    /py/bin/python")]
+    assert [tuple(shlex.split(c)) for c in commands] == [n.argv for n in p.nodes]
+
+
+# -- make_plan: the impure front (recipe file, hostfile, options) ---------------------------------
+
+
+@pytest.fixture
+def recipe_file(tmp_path: Path) -> Path:
+    return write_recipe(tmp_path, "allreduce.py", nproc_per_node=3)
+
+
+def test_make_plan_without_hostfile_runs_nproc_per_node_workers_locally(recipe_file: Path):
+    p = launcher.make_plan(recipe_file, LaunchOptions())
+    assert [(n.host, n.nproc) for n in p.nodes] == [("localhost", 3)]
+    assert p.nodes[0].argv[-1] == str(SCRIPTS / "allreduce.py")
+    assert launcher.make_plan(recipe_file, LaunchOptions(overrides=("nproc_per_node=1",))).world_size == 1
+
+
+def test_make_plan_takes_hostfile_nodes_capped_by_nproc_per_node_unless_flags_choose_slots(
+        recipe_file: Path, tmp_path: Path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("worker-0 slots=4\nworker-1 slots=4\n")
+
+    def nodes(**options: object) -> list[tuple[str, int]]:
+        p = launcher.make_plan(recipe_file, LaunchOptions(hostfile=str(hosts), **options))
+        return [(n.host, n.nproc) for n in p.nodes]
+
+    assert nodes() == [("worker-0", 3), ("worker-1", 3)]  # the recipe's nproc_per_node: 3
+    assert nodes(include="worker-1:0,2") == [("worker-1", 2)]
+    assert nodes(num_gpus=1, num_nodes=1) == [("worker-0", 1)]
+
+
+def test_nproc_per_node_above_a_hosts_slots_is_an_error_naming_the_recipe_key(recipe_file: Path, tmp_path: Path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("worker-0 slots=2\n")
+    with pytest.raises(HostfileError, match="nproc_per_node: 3"):
+        launcher.make_plan(recipe_file, LaunchOptions(hostfile=str(hosts)))
+
+
+def test_include_without_a_hostfile_is_an_error(recipe_file: Path):
+    with pytest.raises(HostfileError, match="hostfile"):
+        launcher.make_plan(recipe_file, LaunchOptions(include="localhost:0"))
+
+
+def test_a_remote_host_is_planned_but_refused_at_launch_until_ssh_exists():
+    with pytest.raises(LaunchError, match="worker-1: multi-node launch over SSH is not available yet"):
+        transport_for("worker-1", "job-1")
+
+
+def test_job_ids_are_unique_and_readable():
+    ids = {launcher.new_job_id("my run/1") for _ in range(100)}
+    assert len(ids) == 100 and all(i.startswith("my_run_1-") for i in ids)

@@ -1,0 +1,72 @@
+"""The worker's output relay and the launcher's parser, without torch or torchrun (fast)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from tests.launch.launched import subprocess_env
+from zerorun.launch import streams
+from zerorun.launch.streams import RankExit, RankLine
+
+
+def relay(body: str, exit_record: bool = True) -> subprocess.CompletedProcess[bytes]:
+    """Run `body` as the worker side of `relay_from_child('h', 3, ...)` in a fresh interpreter."""
+    code = "from zerorun.launch import streams\n" \
+           f"streams.relay_from_child('h', 3, exit_record={exit_record})\n" + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, env=subprocess_env(), timeout=30)
+
+
+def records(stderr: bytes) -> list[RankExit]:
+    return [item for item in map(streams.parse, stderr.splitlines()) if isinstance(item, RankExit)]
+
+
+def test_relay_prefixes_python_and_fd_level_output_and_ends_unterminated_lines():
+    result = relay("""
+        import os, sys
+        print("from python")
+        os.write(1, b"from fd 1\\nno newline at the end")
+        print("to stderr", file=sys.stderr)
+    """)
+    assert result.returncode == 0
+    assert result.stdout.splitlines() == [b"[h:3] from python", b"[h:3] from fd 1", b"[h:3] no newline at the end"]
+    assert result.stderr.splitlines()[0] == b"[h:3] to stderr"
+    assert records(result.stderr) == [RankExit("h", 3, 0, None)]
+
+
+def test_relay_keeps_the_last_lines_of_a_worker_that_dies_abruptly_and_mirrors_its_status():
+    result = relay("""
+        import os
+        os.write(2, b"last words\\n")
+        os._exit(7)
+    """)
+    assert result.returncode == 7
+    assert b"[h:3] last words" in result.stderr.splitlines()
+    assert records(result.stderr) == [RankExit("h", 3, 7, None)]
+
+
+def test_relay_reports_a_signal_death_as_128_plus_the_signal():
+    result = relay("""
+        import os, signal
+        print("before", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert result.returncode == 128 + 9
+    assert result.stdout == b"[h:3] before\n"
+    (record,) = records(result.stderr)
+    assert record.signal == 9 and record.failed and record.exit_status == 137
+    assert record.describe() == "killed by SIGKILL"
+
+
+def test_relay_without_exit_record_writes_only_prefixed_lines():
+    result = relay("raise SystemExit(0)", exit_record=False)
+    assert result.returncode == 0 and result.stderr == b""
+
+
+def test_parse_tells_rank_lines_exit_records_and_torchrun_lines_apart():
+    assert streams.parse(b"[node-1:12] hello") == RankLine("node-1", 12, b"[node-1:12] hello")
+    assert streams.parse(b'\x1ezerorun-exit {"host": "a", "rank": 2, "code": 3, "signal": null}') == \
+        RankExit("a", 2, 3, None)
+    assert streams.parse(b"WARNING:torch.distributed.run: something") is None
+    assert streams.parse(b"\x1ezerorun-exit not json") is None

@@ -1,0 +1,91 @@
+"""The `zerorun` command line: errors are one line with status 2, dry runs start nothing, `env` reports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import zerorun
+from tests.launch.launched import subprocess_env, write_recipe
+from zerorun.cli import app
+
+
+@pytest.fixture
+def recipe(tmp_path: Path) -> Path:
+    return write_recipe(tmp_path, "allreduce.py", nproc_per_node=2)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_bad_recipe_is_one_line_on_stderr_with_status_2_and_no_traceback(tmp_path: Path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("script: train.py\nzero:\n  stage: 7\n")
+    result = subprocess.run([sys.executable, "-m", "zerorun.cli", "launch", str(bad)],
+                            capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("zerorun: error: ") and f"{bad}:3" in line and "zero.stage" in line
+
+
+def test_missing_recipe_file_is_a_one_line_error(tmp_path: Path):
+    result = invoke("launch", str(tmp_path / "nope.yaml"))
+    assert result.exit_code == 2
+    assert result.stderr.startswith("zerorun: error: ") and result.stderr.count("\n") == 1
+    assert "Traceback" not in result.output
+
+
+def test_bad_set_override_is_a_one_line_error(recipe: Path):
+    result = invoke("launch", str(recipe), "--set", "zero.stage")
+    assert result.exit_code == 2 and "--set zero.stage: expected KEY=VALUE" in result.stderr
+
+
+def test_dry_run_prints_every_nodes_command_and_env_and_starts_nothing(recipe: Path, tmp_path: Path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("worker-0 slots=2\nworker-1 slots=2\n")  # remote hosts: a real launch would refuse
+    result = invoke("launch", str(recipe), "--hostfile", str(hosts), "--set", "zero.stage=3", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "2 nodes, 4 workers, master worker-0:" in result.stdout
+    assert "node 1: worker-1  ranks 2-3" in result.stdout
+    assert result.stdout.count("-m torch.distributed.run") == 2
+    assert "ZERORUN_JOB_ID=" in result.stdout
+
+
+def test_remote_hosts_are_refused_with_a_one_line_launch_error(recipe: Path, tmp_path: Path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("worker-0 slots=2\n")
+    result = invoke("launch", str(recipe), "--hostfile", str(hosts))
+    assert result.exit_code == 2
+    assert result.stderr.startswith("zerorun: error: host worker-0: multi-node launch over SSH is not available yet")
+
+
+def test_version_prints_the_package_version():
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.stdout.strip() == f"zerorun {zerorun.__version__}"
+
+
+def test_env_json_reports_versions_devices_compilers_and_kernels():
+    result = invoke("env", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["zerorun"]["version"] == zerorun.__version__
+    assert report["torch"]["version"] and "cuda available" in report["torch"]
+    assert report["distributed"]["gloo"] is True
+    assert set(report["compilers"]) == {"gcc", "g++", "nvcc", "ninja"}
+    assert report["system"]["cpus"] >= 1
+    if importlib.util.find_spec("zerorun.ops") is None:
+        assert report["kernels"]["status"] == "not built (zerorun.ops unavailable)"
+
+
+def test_env_prints_a_table():
+    result = invoke("env")
+    assert result.exit_code == 0, result.output
+    assert "environment" in result.stdout and "kernels" in result.stdout and "torch" in result.stdout

@@ -1,0 +1,99 @@
+"""The `zerorun` command: parse the flags, call one function, render its result or its error.
+
+Every subcommand is a plain `@app.command()` function here; the work happens in the modules they
+call. A `ZerorunError` from any of them (a bad recipe, hostfile or flag) is printed as one line,
+`zerorun: error: <message>`, with exit status 2 and no traceback (see `_ZerorunGroup`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from typer.core import TyperGroup
+
+import zerorun
+from zerorun.errors import ZerorunError
+
+
+class _ZerorunGroup(TyperGroup):
+    """Turns a ZerorunError from any subcommand into one line on stderr and exit status 2."""
+
+    def invoke(self, ctx: typer.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except ZerorunError as exc:
+            typer.echo(f"zerorun: error: {exc}", err=True)
+            raise typer.Exit(2) from None
+
+
+app = typer.Typer(
+    cls=_ZerorunGroup,
+    name="zerorun",
+    help="A training launcher and ZeRO runtime for PyTorch.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"zerorun {zerorun.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """A training launcher and ZeRO runtime for PyTorch."""
+
+
+@app.command()
+def launch(
+    recipe: Annotated[Path, typer.Argument(help="The recipe YAML file.", show_default=False)],
+    hostfile: Annotated[str | None, typer.Option(help="DeepSpeed-style hostfile (overrides the recipe's).")] = None,
+    include: Annotated[str | None, typer.Option(help="Hosts/slots to use, e.g. 'worker-0@worker-1:0,2'.")] = None,
+    exclude: Annotated[str | None, typer.Option(help="Hosts/slots to leave out, same syntax as --include.")] = None,
+    num_nodes: Annotated[int | None, typer.Option(help="Use the first N hosts.")] = None,
+    num_gpus: Annotated[int | None, typer.Option(help="Use the first N slots of every host.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
+                                                      help="Override a recipe key, e.g. --set zero.stage=3.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print every node's command and environment; start nothing.")] = False,
+) -> None:
+    """Run a recipe's training script on every selected node and worker."""
+    from zerorun.launch import launcher
+
+    options = launcher.LaunchOptions(hostfile=hostfile, include=include, exclude=exclude, num_nodes=num_nodes,
+                                     num_gpus=num_gpus, overrides=tuple(set_ or ()))
+    launch_plan = launcher.make_plan(recipe, options)
+    if dry_run:
+        typer.echo(launcher.render(launch_plan))
+        return
+    raise typer.Exit(launcher.run(launch_plan))
+
+
+@app.command()
+def env(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Report versions, devices, compilers and kernels: paste it into a bug report."""
+    from zerorun import envreport
+
+    report = envreport.collect()
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        envreport.print_table(report)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

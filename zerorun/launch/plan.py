@@ -1,0 +1,181 @@
+"""The launch plan: for every node, the exact command and environment that starts its workers.
+
+`plan()` is a pure function of the recipe, the selected nodes and a few facts about the machines
+(CPU count, whether slots are GPUs, the inherited environment). Keeping it pure means `--dry-run`
+prints exactly what a real launch would run, and tests check argv and env without starting
+anything. Everything impure (reading the hostfile, picking a free port, probing for GPUs) happens
+in `zerorun.launch.launcher`, and running the commands is the job of a `Transport`.
+
+Each node runs torchrun with a *static* rendezvous (`--rdzv-backend static` plus `--master-addr`,
+`--master-port`, `--node-rank`): the launcher already knows every node and its rank, so no node
+has to discover the others, and node i's workers get global ranks `first_rank + local_rank`.
+torchrun starts `python -m zerorun.launch.worker -- script args` (its `-m`/`--module` flag) on
+each local rank; `--max-restarts 0` because a failed rank ends the job (restarts are a decision
+for the user, not a silent retry).
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from zerorun import config
+from zerorun.config import Recipe
+from zerorun.errors import LaunchError
+from zerorun.hostfile import Node
+from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV
+
+WORKER_MODULE = "zerorun.launch.worker"
+RECIPE_SOURCE_ENV = config.RECIPE_ENV + "_SOURCE"
+LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """What `plan()` needs to know about the machines, gathered by the caller.
+
+    Remote nodes are assumed to look like the launching machine (same CPU count, GPUs or not,
+    same Python path), as DeepSpeed and torchrun also assume.
+    """
+
+    cpu_count: int
+    cuda: bool  # slots are CUDA devices: set CUDA_VISIBLE_DEVICES from them
+    python: str  # the interpreter that runs torchrun on every node
+    inherited_env: Mapping[str, str] = field(default_factory=dict)  # the launcher's environment
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """One node's share of the job: the command to run there and the variables zerorun sets."""
+
+    host: str
+    node_rank: int
+    first_rank: int  # global rank of this node's local rank 0
+    nproc: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]  # added on top of the environment the transport inherits
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.nproc)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a launch will do, before anything has started."""
+
+    job_id: str
+    name: str
+    master_addr: str
+    master_port: int
+    world_size: int
+    kill_grace_s: float
+    nodes: tuple[NodeCommand, ...]
+
+
+def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, facts: MachineFacts) -> LaunchPlan:
+    """Build the per-node commands for `recipe` on `nodes` (in node-rank order)."""
+    assert nodes, "plan: at least one node is needed"
+    master_addr = recipe.master_addr or _address_of(nodes[0].host)
+    recipe_json = config.to_json(recipe)
+    commands = []
+    first_rank = 0
+    for node_rank, node in enumerate(nodes):
+        argv = torchrun_argv(facts.python, len(nodes), node_rank, node.nproc, master_addr, master_port,
+                             recipe.script, recipe.args)
+        env = node_env(recipe, node, job_id, recipe_json, facts)
+        commands.append(NodeCommand(node.host, node_rank, first_rank, node.nproc, argv, env))
+        first_rank += node.nproc
+    return LaunchPlan(job_id=job_id, name=recipe.name or "job", master_addr=master_addr, master_port=master_port,
+                      world_size=first_rank, kill_grace_s=recipe.launch.kill_grace_s, nodes=tuple(commands))
+
+
+def torchrun_argv(python: str, nnodes: int, node_rank: int, nproc: int, master_addr: str, master_port: int,
+                  script: str, args: Sequence[str]) -> tuple[str, ...]:
+    """`python -m torch.distributed.run ... -m zerorun.launch.worker -- script args` for one node.
+
+    Only flags that torchrun has accepted in this spelling since torch 2.x are used.
+    """
+    return (
+        python, "-m", "torch.distributed.run",
+        "--nnodes", str(nnodes),
+        "--node-rank", str(node_rank),
+        "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "static",
+        "--master-addr", master_addr,
+        "--master-port", str(master_port),
+        "--max-restarts", "0",
+        "--monitor-interval", "0.1",
+        "-m", WORKER_MODULE, "--", script, *args,
+    )
+
+
+def node_env(recipe: Recipe, node: Node, job_id: str, recipe_json: str, facts: MachineFacts) -> dict[str, str]:
+    """The variables zerorun sets for one node's torchrun (and so for its workers).
+
+    The recipe's `env` overrides zerorun's defaults (OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES) but not
+    the ZERORUN_* variables the worker bootstrap depends on.
+    """
+    env: dict[str, str] = {}
+    if facts.cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(_devices(node, facts.inherited_env.get("CUDA_VISIBLE_DEVICES")))
+    if "OMP_NUM_THREADS" not in facts.inherited_env:
+        # torchrun would otherwise force 1 thread per worker (with a warning); share the cores instead.
+        env["OMP_NUM_THREADS"] = str(max(1, facts.cpu_count // node.nproc))
+    env.update(recipe.env)
+    env[config.RECIPE_ENV] = recipe_json
+    env[RECIPE_SOURCE_ENV] = recipe.source or ""
+    env[JOB_ID_ENV] = job_id
+    env[NODE_HOST_ENV] = node.host
+    return env
+
+
+def _devices(node: Node, inherited: str | None) -> list[str]:
+    """The CUDA devices of a node's slots.
+
+    On the launching machine slots count the GPUs the launcher itself sees, so a
+    CUDA_VISIBLE_DEVICES it inherited maps them (slot 0 of `CUDA_VISIBLE_DEVICES=2,3` is GPU 2).
+    """
+    if not inherited or not is_local(node.host):
+        return [str(slot) for slot in node.slots]
+    visible = [device.strip() for device in inherited.split(",") if device.strip()]
+    if max(node.slots) >= len(visible):
+        raise LaunchError(f"host {node.host}: slot {max(node.slots)} does not exist: CUDA_VISIBLE_DEVICES={inherited} "
+                          f"leaves {len(visible)} GPU(s) visible; use fewer slots or widen CUDA_VISIBLE_DEVICES.")
+    return [visible[slot] for slot in node.slots]
+
+
+def render(launch_plan: LaunchPlan) -> str:
+    """The `--dry-run` text: per node, its host, ranks, the variables zerorun sets and the command."""
+    p = launch_plan
+    nodes = f"{len(p.nodes)} node{'s' if len(p.nodes) != 1 else ''}"
+    lines = [f"job {p.job_id} ({p.name}): {nodes}, {p.world_size} workers, master {p.master_addr}:{p.master_port}"]
+    for node in p.nodes:
+        lines.append("")
+        lines.append(f"node {node.node_rank}: {node.host}  ranks {_span(node.ranks)}")
+        lines.append("  env:")
+        for key in sorted(node.env):
+            lines.append(f"    {key}={_shown_value(key, node.env[key])}")
+        lines.append("  command:")
+        lines.append(f"    {shlex.join(node.argv)}")
+    return "\n".join(lines)
+
+
+def _shown_value(key: str, value: str) -> str:
+    if key == config.RECIPE_ENV:  # a long JSON blob: say what it is instead of flooding the screen
+        return f"<the resolved recipe as JSON, {len(value)} bytes>"
+    return shlex.quote(value)
+
+
+def _span(ranks: range) -> str:
+    return str(ranks.start) if len(ranks) == 1 else f"{ranks.start}-{ranks.stop - 1}"
+
+
+def _address_of(host: str) -> str:
+    """The rendezvous address for a host name (loopback stays IPv4 so that gloo binds the same way)."""
+    return "127.0.0.1" if host in LOCAL_HOSTS else host
+
+
+def is_local(host: str) -> bool:
+    return host in LOCAL_HOSTS

@@ -1,0 +1,227 @@
+"""Per-rank output: each worker relays its stdout/stderr as `[host:rank] line`; the launcher reads them.
+
+Both sides of that small protocol live here: `relay_from_child()` runs in the worker, `parse()` in
+the launcher.
+
+Why a relay *process* in every worker, rather than torchrun's `--tee`/`--redirects` or a thread:
+- torchrun's `--tee`/`--redirects` send each rank's output to log files that a thread in the
+  agent tails onto its own output. The prefix (`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`) and the
+  log-dir layout have moved between torch 2.x releases, and what the thread has not copied yet
+  is lost when the agent itself is killed, which is exactly when a failing rank's last words
+  matter.
+- a reader thread inside the worker dies with the worker: a segfault, `os._exit` or SIGKILL loses
+  whatever was still in the pipe.
+So the process torchrun starts forks first thing, before torch is imported. The child becomes the
+worker, with fds 1 and 2 `dup2`'d onto pipes, so C/C++ output (NCCL, gloo, kernels) is caught too.
+The parent (the relay) writes every complete line with its prefix to its own stdout/stderr (which
+are torchrun's, which are the launcher's pipes); one `write` of at most PIPE_BUF bytes is atomic,
+so lines of different ranks never interleave mid-line. When the worker has ended, the relay
+forwards what is left, appends an *exit record* (rank, exit code or signal) to stderr and exits
+with the same code (128 + N for signal N). From that record the launcher knows which rank failed
+first and how; torchrun itself only exits 1 on any worker failure.
+
+The relay ignores SIGINT/SIGTERM/SIGHUP so that it outlives its worker long enough to forward the
+worker's last lines; it shares the worker's process group, so the launcher's SIGKILL ends it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+EXIT_RECORD = b"\x1ezerorun-exit "  # starts with ASCII record separator: no user output looks like it
+PIPE_BUF = 4096  # writes up to this size to a pipe are atomic (POSIX guarantees >= 512, Linux 4096)
+_PREFIX = re.compile(rb"^\[([^\]\s]+):(\d+)\] ")
+_DRAIN_S = 1.0  # after the worker ended: how long to wait for output its own children still write
+
+
+def prefix(host: str, rank: int | str) -> bytes:
+    return f"[{host}:{rank}] ".encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side
+
+
+def relay_from_child(host: str, rank: int | str, exit_record: bool) -> None:
+    """Fork. Return in the child, which runs the worker with its output piped to the parent.
+
+    The parent prefixes that output onto the real stdout/stderr, writes the exit record (when
+    `exit_record`) and exits with the child's status; it never returns.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        for fd in (out_r, out_w, err_r, err_w):
+            os.close(fd)
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    os.close(out_w)
+    os.close(err_w)
+    status = _relay(pid, prefix(host, rank), {out_r: 1, err_r: 2})
+    code = os.waitstatus_to_exitcode(status)
+    if exit_record:
+        record = {"host": host, "rank": int(rank), "code": code if code >= 0 else None,
+                  "signal": -code if code < 0 else None}
+        _write(2, EXIT_RECORD + json.dumps(record).encode() + b"\n")
+    # A signal death is reported as 128+N rather than re-raised: re-raising SIGSEGV would dump core twice.
+    os._exit(code if code >= 0 else 128 - code)
+
+
+def _relay(pid: int, line_prefix: bytes, sources: dict[int, int]) -> int:
+    """Copy `sources` (pipe fd -> destination fd) line by line with a prefix until the child ends.
+
+    Returns the child's wait status. After the child has exited, output its own children still
+    write is forwarded until the pipes close or go quiet, for at most `_DRAIN_S`.
+    """
+    selector = selectors.DefaultSelector()
+    for fd in sources:
+        selector.register(fd, selectors.EVENT_READ)
+    pidfd = _pidfd(pid)
+    if pidfd is not None:
+        selector.register(pidfd, selectors.EVENT_READ)
+    partial = {fd: b"" for fd in sources}
+
+    def forward(ready: list[tuple[selectors.SelectorKey, int]]) -> None:
+        for key, _ in ready:
+            chunk = b"" if key.fd == pidfd else _read(key.fd)
+            if not chunk:  # end of that pipe, or the pidfd saying the child exited
+                selector.unregister(key.fd)
+                continue
+            lines = (partial[key.fd] + chunk).split(b"\n")
+            partial[key.fd] = lines.pop()
+            if len(partial[key.fd]) >= PIPE_BUF:  # an endless line (a progress bar): pass it on in pieces
+                lines.append(partial[key.fd])
+                partial[key.fd] = b""
+            _write_lines(sources[key.fd], line_prefix, lines)
+
+    def open_sources() -> bool:
+        return any(fd in selector.get_map() for fd in sources)
+
+    status: int | None = None
+    while status is None:
+        if not open_sources():
+            status = os.waitpid(pid, 0)[1]  # the child closed its output: only its exit is left
+            break
+        watching_exit = pidfd is not None and pidfd in selector.get_map()
+        forward(selector.select(None if watching_exit else 0.1))
+        waited, wait_status = os.waitpid(pid, os.WNOHANG)
+        if waited:
+            status = wait_status
+    deadline = time.monotonic() + _DRAIN_S
+    while open_sources() and time.monotonic() < deadline:
+        ready = selector.select(0.2)
+        if not ready:
+            break  # quiet: whatever still holds the pipe is not the worker
+        forward(ready)
+    for fd, rest in partial.items():
+        if rest:
+            _write_lines(sources[fd], line_prefix, [rest])
+    selector.close()
+    return status
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when `pid` exits (Linux >= 5.3); None: poll instead."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:
+        return b""
+
+
+def _write_lines(fd: int, line_prefix: bytes, lines: list[bytes]) -> None:
+    """Write prefixed lines in as few writes as possible, none larger than PIPE_BUF unless one line is."""
+    batch = b""
+    for line in lines:
+        item = line_prefix + line + b"\n"
+        if batch and len(batch) + len(item) > PIPE_BUF:
+            _write(fd, batch)
+            batch = b""
+        batch += item
+    if batch:
+        _write(fd, batch)
+
+
+def _write(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except InterruptedError:
+            continue
+        except OSError:
+            return  # nobody is reading any more (launcher gone): drop the output, keep relaying the exit
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher side
+
+
+@dataclass(frozen=True)
+class RankLine:
+    """A line one rank printed (the prefix is kept: the launcher prints the line as it is)."""
+
+    host: str
+    rank: int
+    line: bytes
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """A rank's worker ended: its exit code, or the signal that killed it."""
+
+    host: str
+    rank: int
+    code: int | None
+    signal: int | None
+
+    @property
+    def failed(self) -> bool:
+        return self.code != 0
+
+    @property
+    def exit_status(self) -> int:
+        """What a shell would report: the exit code, or 128 + the signal number."""
+        return self.code if self.code is not None else 128 + (self.signal or 0)
+
+    def describe(self) -> str:
+        if self.code is not None:
+            return f"exit code {self.code}"
+        try:
+            name = signal.Signals(self.signal or 0).name
+        except ValueError:
+            name = f"signal {self.signal}"
+        return f"killed by {name}"
+
+
+def parse(line: bytes) -> RankLine | RankExit | None:
+    """What a line from a node's torchrun is: a rank's output, a rank's exit record, or None (torchrun's own)."""
+    if line.startswith(EXIT_RECORD):
+        try:
+            data = json.loads(line[len(EXIT_RECORD):])
+            return RankExit(str(data["host"]), int(data["rank"]), data["code"], data["signal"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    match = _PREFIX.match(line)
+    if match is None:
+        return None
+    return RankLine(match.group(1).decode(errors="replace"), int(match.group(2)), line)

@@ -1,0 +1,97 @@
+"""Worker bootstrap: what torchrun runs on every rank, `python -m zerorun.launch.worker -- script args`.
+
+1. Fork the output relay (`streams.relay_from_child`) before anything heavy is imported, so that
+   every line this rank prints, Python or C, reaches the launcher as `[host:rank] line` and the
+   launcher learns how the rank ended.
+2. Join the process group: `init_distributed(recipe.launch.timeout_s)` (nccl on CUDA, gloo on CPU).
+   The recipe comes from the environment the launcher set; `zerorun.recipe()` reads it there too.
+3. Run the user's script as `__main__` with `runpy`, with `sys.argv` and `sys.path[0]` as
+   `python script.py args` would set them. Nothing is seeded: that is the script's (or the
+   engine's) business.
+4. Destroy the process group on a clean exit. After a failure it is left alone: tearing down a
+   communicator whose peers are gone can block, and the process is about to end anyway.
+
+An exception in the script prints its usual traceback (without this module's frames) and exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import socket
+import sys
+import traceback
+from types import TracebackType
+
+from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV, streams
+
+USAGE = "usage: python -m zerorun.launch.worker -- SCRIPT [ARGS...]"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"]:  # argparse in some Python versions keeps torchrun's `--`, others drop it
+        args = args[1:]
+    if not args:
+        print(USAGE, file=sys.stderr)
+        sys.exit(2)
+    host = os.environ.get(NODE_HOST_ENV) or socket.gethostname()
+    rank = os.environ.get("RANK", "0")
+    streams.relay_from_child(host, rank, exit_record=JOB_ID_ENV in os.environ)
+    sys.exit(run_script(args[0], args[1:]))
+
+
+def run_script(script: str, args: list[str]) -> int:
+    """Join the process group, run `script` as `__main__`, and return the process exit code."""
+    from zerorun import config
+    from zerorun.runtime.dist import init_distributed
+
+    recipe = config.from_env()
+    init_distributed(recipe.launch.timeout_s if recipe else 300.0)
+    script = os.path.abspath(script)
+    sys.argv = [script, *args]
+    # The script's directory comes first, as for `python script.py`; the entries after it stay, so
+    # that a zerorun checkout found through the working directory remains importable.
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException as exc:  # noqa: BLE001 - the user's error, reported as Python would
+        _print_user_traceback(exc, script)
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code == 0:
+        _destroy_process_group()
+    return code
+
+
+def _exit_code(value: object) -> int:
+    """The status `sys.exit(value)` gives: None -> 0, an int as is, anything else printed -> 1."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    print(value, file=sys.stderr)
+    return 1
+
+
+def _print_user_traceback(exc: BaseException, script: str) -> None:
+    """Print the traceback from the script's first frame on, like `python script.py` would."""
+    walk: TracebackType | None = exc.__traceback__
+    while walk is not None and os.path.abspath(walk.tb_frame.f_code.co_filename) != script:
+        walk = walk.tb_next
+    traceback.print_exception(type(exc), exc, walk)  # None: the script did not start (SyntaxError)
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
