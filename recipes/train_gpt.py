@@ -1,0 +1,63 @@
+"""Train a GPT on synthetic tokens with zerorun: a training script written the way users write one.
+
+    zerorun launch recipes/quickstart.yaml              # 2 CPU workers, ZeRO stage 2
+    zerorun launch recipes/quickstart.yaml --set zero.stage=1 --set precision=bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+import zerorun
+from zerorun.bench.gpt import GPT, GPTConfig, synthetic_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--log-every", type=int, default=10)
+    args = parser.parse_args()
+
+    recipe = zerorun.recipe()
+    cfg = GPTConfig(args.layers, args.d_model, args.heads, args.vocab, args.seq_len)
+    torch.manual_seed(recipe.train.seed)
+    model = GPT(cfg)
+    engine = zerorun.initialize(model)  # ZeRO stage, precision and AdamW come from the recipe
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        params = sum(p.numel() for p in model.parameters())
+        print(f"GPT {params / 1e6:.2f}M params, {world} ranks, ZeRO stage {recipe.zero.stage}, "
+              f"{recipe.precision.dtype}, micro-batch {recipe.train.micro_batch_size} x "
+              f"{recipe.train.grad_accum_steps} accumulation", flush=True)
+
+    micro = 0
+    for step in range(recipe.train.steps):
+        start = time.perf_counter()
+        for _ in range(recipe.train.grad_accum_steps):
+            tokens = synthetic_tokens(cfg, recipe.train.micro_batch_size, recipe.train.seed, rank, micro)
+            loss = engine(tokens)
+            engine.backward(loss)
+            engine.step()
+            micro += 1
+        elapsed = time.perf_counter() - start
+        if rank == 0 and (step % args.log_every == 0 or step == recipe.train.steps - 1):
+            tokens_per_s = world * recipe.train.grad_accum_steps * recipe.train.micro_batch_size * cfg.seq_len / elapsed
+            print(f"step {step:4d}  loss {loss.item():.4f}  grad-norm {engine.grad_norm:.3f}  "
+                  f"{elapsed * 1e3:.0f} ms  {tokens_per_s:,.0f} tokens/s", flush=True)
+    if rank == 0:
+        mem = engine.memory()
+        print(f"done: {engine.global_step} steps, model states {mem.model_states() / 2**20:.1f} MiB on rank 0 "
+              f"({', '.join(f'{k} {v / 2**20:.1f}' for k, v in ((k, mem.total(k)) for k in ('params', 'grads', 'master', 'optimizer')) if v)})",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

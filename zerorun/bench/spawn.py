@@ -1,0 +1,78 @@
+"""Run a function on N local ranks of a gloo process group and collect each rank's result.
+
+Used by the benchmarks and by the multi-process tests (`tests/harness.py`): each rank is a fresh
+spawned process with torchrun's variables set and `threads` CPU threads, so
+`zerorun.runtime.dist.init_distributed` and the engine behave exactly as under `zerorun launch`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_module
+import socket
+import traceback
+from typing import Any, Callable
+
+
+class RankFailure(Exception):
+    """A rank raised, died or hung; the message carries that rank's traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, threads: int, args: tuple,
+           results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 240.0,
+              threads: int = 1) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; return results in rank order.
+
+    `fn` must be importable (module level). The first failure raises `RankFailure`; every rank
+    process is gone when this returns or raises.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, results), daemon=True)
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    values: dict[int, Any] = {}
+    failure = None
+    try:
+        while len(values) < world_size and failure is None:
+            rank, ok, value = results.get(timeout=timeout)
+            if ok:
+                values[rank] = value
+            else:
+                failure = f"rank {rank} failed:\n{value}"
+    except queue_module.Empty:
+        failure = f"timed out after {timeout:.0f}s; ranks that finished: {sorted(values)}"
+    finally:
+        for proc in procs:
+            proc.join(timeout=0.5 if failure else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if failure:
+        raise RankFailure(failure)
+    return [values[r] for r in range(world_size)]

@@ -1,0 +1,193 @@
+"""`zerorun bench step`: training-step time and memory of zerorun's stages against DDP and FSDP2.
+
+Every system trains the same model on the same batches. Rounds interleave the systems (the order
+rotates each round) and each (round, system) runs in fresh rank processes, so a system's peak
+RSS is its own and machine drift hits every system alike. Ratios to DDP are taken within a
+round, then their median is reported: compare ratios, not absolute seconds, on a shared machine.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from zerorun.bench.gpt import GPT, GPTConfig, synthetic_tokens
+from zerorun.bench.spawn import run_ranks
+
+SYSTEMS = ("ddp", "ddp-fused", "fsdp2", "zero1", "zero2", "zero0")
+DEFAULT_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2")
+DESCRIPTIONS = {
+    "ddp": "DDP + torch AdamW (default: for-loop on CPU)",
+    "ddp-fused": "DDP + torch AdamW(fused=True)",
+    "fsdp2": "FSDP2 fully_shard per block (ZeRO-3) + torch AdamW",
+    "zero0": "zerorun stage 0",
+    "zero1": "zerorun stage 1",
+    "zero2": "zerorun stage 2",
+}
+
+
+@dataclass
+class StepBenchConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    micro_batch: int = 2
+    world_size: int = 2
+    threads: int = 1
+    rounds: int = 3
+    warmup: int = 1
+    steps: int = 3
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
+    precision: str = "fp32"
+
+
+@dataclass
+class Sample:
+    """One (round, system) run on rank 0: per-step phase times and memory."""
+
+    step_s: list[float]
+    forward_s: list[float]
+    backward_s: list[float]
+    optimizer_s: list[float]
+    peak_rss_mib: float
+    model_state_mib: float
+    final_loss: float
+
+
+def _peers(system: str, model: torch.nn.Module) -> tuple[Any, torch.optim.Optimizer]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if system.startswith("ddp"):
+        wrapped = DDP(model)
+        return wrapped, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=system == "ddp-fused")
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _local_bytes(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def _peer_state_mib(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+    params = sum(_local_bytes(p) + _local_bytes(p.grad) for p in model.parameters())
+    states = sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    return (params + states) / 2**20
+
+
+def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
+    import zerorun
+    from zerorun import config
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    batches = [synthetic_tokens(cfg.model, cfg.micro_batch, 0, rank, i) for i in range(cfg.warmup + cfg.steps)]
+    if system.startswith("zero"):
+        recipe = config.loads("script: bench", "<bench>", [f"zero.stage={system[-1]}",
+                                                         f"precision.dtype={cfg.precision}", "optimizer.lr=1e-4"])
+        engine = zerorun.initialize(model, None, recipe)
+        forward, backward, step = engine, engine.backward, engine.step
+        state_mib = lambda: engine.memory().model_states() / 2**20  # noqa: E731
+    else:
+        wrapped, opt = _peers(system, model)
+        forward, backward = wrapped, lambda loss: loss.backward()
+
+        def step() -> None:
+            opt.step()
+            opt.zero_grad(set_to_none=False)  # keep gradients allocated, as steady-state training does
+        state_mib = lambda: _peer_state_mib(model, opt)  # noqa: E731
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+    for i, tokens in enumerate(batches):
+        marks = [_now()]
+        loss = forward(tokens)
+        marks.append(_now())
+        backward(loss)
+        marks.append(_now())
+        step()
+        marks.append(_now())
+        if i >= cfg.warmup:
+            for name, a, b in zip(times, marks, marks[1:]):
+                times[name].append(b - a)
+    steps = [sum(parts) for parts in zip(*times.values())]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return Sample(steps, times["forward"], times["backward"], times["optimizer"], rss, state_mib(), float(loss))
+
+
+def _now() -> float:
+    dist.barrier()  # phases are timed on all ranks together, like a step
+    return time.perf_counter()
+
+
+@dataclass
+class SystemResult:
+    system: str
+    step_s: float
+    ratio_to_ddp: float | None
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    peak_rss_mib: float
+    model_state_mib: float
+    final_loss: float
+
+
+def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print) -> list[SystemResult]:
+    """Run the interleaved rounds; return one result per system (medians)."""
+    samples: dict[str, list[Sample]] = {s: [] for s in cfg.systems}
+    ratios: dict[str, list[float]] = {s: [] for s in cfg.systems}
+    for round_index in range(cfg.rounds):
+        shift = round_index % len(cfg.systems)
+        order = cfg.systems[shift:] + cfg.systems[:shift]
+        this_round = {}
+        for system in order:
+            sample = run_ranks(_train, cfg.world_size, (system, cfg), timeout=1800, threads=cfg.threads)[0]
+            samples[system].append(sample)
+            this_round[system] = statistics.median(sample.step_s)
+            progress(f"round {round_index + 1}/{cfg.rounds} {system:10s} {this_round[system]:.3f} s/step")
+        if "ddp" in this_round:
+            for system, seconds in this_round.items():
+                ratios[system].append(seconds / this_round["ddp"])
+    results = []
+    for system in cfg.systems:
+        runs = samples[system]
+        med = lambda name: statistics.median(x for s in runs for x in getattr(s, name))  # noqa: E731
+        results.append(SystemResult(
+            system, med("step_s"), statistics.median(ratios[system]) if ratios[system] else None,
+            med("forward_s"), med("backward_s"), med("optimizer_s"),
+            max(s.peak_rss_mib for s in runs), runs[-1].model_state_mib, runs[-1].final_loss))
+    return results
+
+
+def as_json(cfg: StepBenchConfig, results: list[SystemResult]) -> dict[str, Any]:
+    return {"config": asdict(cfg), "results": [asdict(r) for r in results]}
+
+
+def render(cfg: StepBenchConfig, results: list[SystemResult]) -> Any:
+    """A rich table of the results."""
+    from rich.table import Table
+
+    m = cfg.model
+    params = sum(p.numel() for p in GPT(m).parameters()) if m.d_model <= 2048 else 0
+    table = Table(title=f"step time: GPT {m.layers}L d{m.d_model} h{m.heads} vocab {m.vocab} seq {m.seq_len}"
+                        f" ({params / 1e6:.1f}M params), micro-batch {cfg.micro_batch}, {cfg.precision}, "
+                        f"{cfg.world_size} ranks x {cfg.threads} thread(s), {cfg.rounds} interleaved rounds")
+    for col in ("system", "x DDP", "step s", "forward", "backward", "optimizer", "model states MiB/rank",
+                "peak RSS MiB/rank", "final loss"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for r in results:
+        table.add_row(DESCRIPTIONS[r.system], f"{r.ratio_to_ddp:.2f}" if r.ratio_to_ddp is not None else "-",
+                      f"{r.step_s:.3f}", f"{r.forward_s:.3f}", f"{r.backward_s:.3f}", f"{r.optimizer_s:.3f}",
+                      f"{r.model_state_mib:.0f}", f"{r.peak_rss_mib:.0f}", f"{r.final_loss:.4f}")
+    return table
