@@ -91,6 +91,60 @@ def env(
         envreport.print_table(report)
 
 
+bench_app = typer.Typer(help="Side-by-side measurements: step time against DDP/FSDP2, collectives.",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("step")
+def bench_step(
+    layers: Annotated[int, typer.Option(help="GPT layers.")] = 12,
+    d_model: Annotated[int, typer.Option(help="GPT width.")] = 768,
+    heads: Annotated[int, typer.Option(help="Attention heads.")] = 12,
+    vocab: Annotated[int, typer.Option(help="Vocabulary size.")] = 8192,
+    seq_len: Annotated[int, typer.Option(help="Sequence length.")] = 128,
+    micro_batch: Annotated[int, typer.Option(help="Micro-batch per rank.")] = 2,
+    ranks: Annotated[int, typer.Option(help="Ranks (local processes, gloo).")] = 2,
+    threads: Annotated[int, typer.Option(help="CPU threads per rank.")] = 1,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds (each system once per round).")] = 3,
+    steps: Annotated[int, typer.Option(help="Timed steps per round, after one warm-up step.")] = 3,
+    systems: Annotated[str, typer.Option(help="Comma-separated: ddp, ddp-fused, fsdp2, zero0, zero1, zero2.")] =
+        "ddp,fsdp2,zero1,zero2",
+    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 for zerorun's stages.")] = "fp32",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
+) -> None:
+    """Step time and memory of zerorun's stages against DDP and FSDP2, in one interleaved run."""
+    from rich.console import Console
+
+    from zerorun.bench import step
+    from zerorun.bench.gpt import GPTConfig
+
+    chosen = tuple(s.strip() for s in systems.split(",") if s.strip())
+    unknown = [s for s in chosen if s not in step.SYSTEMS]
+    if unknown:
+        raise ZerorunError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(step.SYSTEMS)}.")
+    cfg = step.StepBenchConfig(GPTConfig(layers, d_model, heads, vocab, seq_len), micro_batch, ranks, threads,
+                               rounds, 1, steps, chosen, precision)
+    results = step.run(cfg, progress=lambda line: typer.echo(line, err=True))
+    Console(width=200).print(step.render(cfg, results))
+    if json_out is not None:
+        json_out.write_text(json.dumps(step.as_json(cfg, results), indent=2))
+
+
+@bench_app.command("comm")
+def bench_comm(
+    sizes: Annotated[str, typer.Option(help="Comma-separated buffer sizes in MiB.")] = "25,100",
+    ranks: Annotated[int, typer.Option(help="Ranks (local processes, gloo).")] = 2,
+) -> None:
+    """The backend's collectives against the implementations zerorun picks for it."""
+    from rich.console import Console
+
+    from zerorun.bench import comm
+
+    sizes_mib = [float(s) for s in sizes.split(",") if s.strip()]
+    Console(width=200).print(comm.render(comm.run(sizes_mib, ranks), ranks))
+
+
 def main() -> None:
     app()
 

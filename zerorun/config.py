@@ -136,7 +136,7 @@ class Recipe:
     script: str = _f(doc="The training script, relative to the recipe file (required).")
     args: list[str] = _f(doc="Arguments passed to the script (a list, or one string split like a shell).", factory=list)
     name: str | None = _f(None, "Run name: telemetry goes to runs/<name>/ (default: the recipe file's stem).")
-    nproc_per_node: int | None = _f(None, "Workers per node (default: the node's GPUs, or 2 CPU workers).", ge=1)
+    nproc_per_node: int | None = _f(None, "Workers per node (default: the node's GPUs, or 2 CPU workers). With a hostfile it caps each host's slots, like --num-gpus, unless --num-gpus/--include/--exclude is given.", ge=1)
     hostfile: str | None = _f(None, "DeepSpeed-style hostfile for multi-node jobs (relative to the recipe file).")
     master_addr: str | None = _f(None, "Rendezvous address (default: the first node).")
     master_port: int | None = _f(None, "Rendezvous port (default: a free port).", ge=1, le=65535)

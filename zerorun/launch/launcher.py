@@ -78,11 +78,12 @@ def select_nodes(recipe: Recipe, options: LaunchOptions, gpus: int) -> list[Node
             raise HostfileError("--include, --exclude and --num-nodes choose hosts from a hostfile; "
                                 "give one with --hostfile (or `hostfile:` in the recipe).")
         return [hostfile.local_node(options.num_gpus or recipe.nproc_per_node or gpus or 2)]
+    hosts = hostfile.parse_hostfile(path)
     slots_chosen = options.num_gpus is not None or options.include or options.exclude
     if slots_chosen or recipe.nproc_per_node is None:
-        return hostfile.load(path, options.include, options.exclude, options.num_nodes, options.num_gpus)
+        return hostfile.select_nodes(hosts, options.include, options.exclude, options.num_nodes, options.num_gpus)
     try:
-        return hostfile.load(path, None, None, options.num_nodes, recipe.nproc_per_node)
+        return hostfile.select_nodes(hosts, None, None, options.num_nodes, recipe.nproc_per_node)
     except HostfileError as exc:
         raise HostfileError(f"{recipe.source}: nproc_per_node: {recipe.nproc_per_node} applies as --num-gpus "
                             f"to hostfile nodes: {exc}") from None

@@ -1,0 +1,29 @@
+"""The README cannot drift: its recipe reference, quick start and test command are checked."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from zerorun import config
+
+ROOT = Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text()
+TEST_COMMAND = "python -m pytest -q"
+
+
+def test_recipe_reference_equals_the_dataclasses() -> None:
+    section = re.search(r"<!-- recipe-reference:start -->\n(.*?)<!-- recipe-reference:end -->", README, re.S)
+    assert section, "README lost its recipe-reference markers"
+    assert section.group(1).strip() == config.reference_markdown().strip(), (
+        "README's recipe reference is stale: regenerate it with "
+        "python -c 'from zerorun import config; print(config.reference_markdown())'")
+
+
+def test_quick_start_is_two_commands_and_ci_runs_the_readme_test_command() -> None:
+    quick = README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```bash\n(.*?)\n```", quick, re.S)
+    assert commands == ['pip install ".[test]" && zerorun launch recipes/quickstart.yaml',
+                        f'pip install ".[test]" && {TEST_COMMAND}']
+    assert (ROOT / "recipes/quickstart.yaml").is_file()
+    assert TEST_COMMAND in (ROOT / ".ci/run").read_text()

@@ -1,0 +1,69 @@
+"""`zerorun bench comm`: the backend's own collectives against the ones zerorun uses instead.
+
+This is the measurement behind `zerorun.runtime.collectives`: on gloo a reduce-scatter done as an
+all-reduce plus a copy, and an all-gather done as one broadcast per owner, beat gloo's own.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from zerorun.bench.spawn import run_ranks
+
+
+@dataclass
+class CommResult:
+    size_mib: float
+    operation: str
+    implementation: str
+    median_ms: float
+
+
+def _measure(rank: int, world: int, sizes_mib: list[float], repeats: int) -> list[CommResult]:
+    from zerorun.runtime.collectives import Collectives
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    comm = Collectives()
+    out = []
+    for mib in sizes_mib:
+        numel = int(mib * 2**20 / 4) // world * world
+        full, shard = torch.randn(numel), torch.randn(numel // world)
+        cases: list[tuple[str, str, Callable[[], Any]]] = [
+            ("all-reduce", "backend all_reduce", lambda: dist.all_reduce(full)),
+            ("reduce-scatter", "backend reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(shard, full)),
+            ("reduce-scatter", "zerorun", lambda: comm.reduce_scatter(full, shard).wait()),
+            ("all-gather", "backend all_gather_into_tensor", lambda: dist.all_gather_into_tensor(full, shard)),
+            ("all-gather", "zerorun", lambda: comm.all_gather(full).wait()),
+        ]
+        for operation, impl, fn in cases:
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            out.append(CommResult(mib, operation, impl, statistics.median(times) * 1e3))
+    return out
+
+
+def run(sizes_mib: list[float], world_size: int = 2, repeats: int = 9) -> list[CommResult]:
+    return run_ranks(_measure, world_size, (sizes_mib, repeats), timeout=1800)[0]
+
+
+def render(results: list[CommResult], world_size: int, backend: str = "gloo") -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"collectives on {backend}, {world_size} ranks, fp32, median")
+    for col in ("MiB", "operation", "implementation", "ms", "GB/s (buffer)"):
+        table.add_column(col, justify="left" if col in ("operation", "implementation") else "right")
+    for r in results:
+        table.add_row(f"{r.size_mib:g}", r.operation, r.implementation, f"{r.median_ms:.1f}",
+                      f"{r.size_mib * 2**20 / (r.median_ms / 1e3) / 1e9:.2f}")
+    return table
