@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
 from zerorun.runtime.collectives import Collectives
+from zerorun.runtime import events
 from zerorun.runtime.dist import init_distributed
 from zerorun.runtime.flat import FlatParams
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
@@ -71,6 +73,8 @@ class Engine:
         self.global_step = 0
         self.skipped_steps = 0
         self.grad_norm: float | None = None
+        self.tokens_per_sample: int | None = None  # set it when inputs are not (batch, seq) token ids
+        self._window = _StepWindow()
 
     # -- setup helpers ----------------------------------------------------------------------
     def _sync_buffers(self) -> None:
@@ -96,6 +100,7 @@ class Engine:
         dtype = self.policy.param_dtype
         if dtype != torch.float32:
             args, kwargs = _cast_floats((args, kwargs), dtype)
+        self._window.count_inputs(args, kwargs, self.tokens_per_sample)
         return self.module(*args, **kwargs)
 
     @property
@@ -105,6 +110,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss / grad_accum_steps` (times the loss scale) and reduce gradients."""
+        self._window.add_loss(loss)
         self.reducer.begin_backward(reduce=self.is_boundary)
         try:
             (loss * (self.scaler.scale / self.grad_accum_steps)).backward()
@@ -140,6 +146,8 @@ class Engine:
         self.scaler.update(found_inf)
         self.reducer.zero()
         self.global_step += 1
+        events.emit(self._window.close(self.global_step, norm, self.scaler.scale, found_inf, self.skipped_steps,
+                                       self.comm.stats.as_dict()))
 
     def _global_norm(self, grads: list[list[torch.Tensor]]) -> float:
         """L2 norm of the summed gradients across all shards (inf/nan if any rank has one)."""
@@ -192,3 +200,41 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     return obj
+
+
+class _StepWindow:
+    """Accumulates what the micro-steps of one optimizer step did, for `events.StepStats`."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.started = time.perf_counter()
+        self.losses: list[torch.Tensor] = []
+        self.samples = 0
+        self.tokens = 0
+
+    def count_inputs(self, args: tuple, kwargs: dict, tokens_per_sample: int | None) -> None:
+        """Samples = the first tensor's batch dimension; tokens = its numel when it holds token ids."""
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.ndim > 0), None)
+        if first is None:
+            return
+        samples = first.shape[0]
+        self.samples += samples
+        if tokens_per_sample is not None:
+            self.tokens += samples * tokens_per_sample
+        elif not first.is_floating_point() and first.ndim >= 2:
+            self.tokens += first.numel()
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self.losses.append(loss.detach())
+
+    def close(self, step: int, norm: float, scale: float, skipped: bool, skipped_total: int,
+              comm: dict[str, dict[str, float]]) -> events.StepStats:
+        now = time.perf_counter()
+        loss = torch.stack(self.losses).float().mean() if self.losses else None
+        stats = events.StepStats(step, loss, norm, scale, skipped, skipped_total, now - self.started,
+                                 self.samples, self.tokens, comm)
+        self._reset()
+        return stats
+
