@@ -55,13 +55,33 @@ class Run:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     grad_norms: list[float] = field(default_factory=list)
     param_sums: list[float] = field(default_factory=list)  # before each step: unchanged across a skipped step
+    eval_losses: list[float] = field(default_factory=list)
+
+
+def _eval(model, rank: int, micro: int) -> float:
+    """An inference pass between steps: eval mode, no autograd."""
+    model.eval()
+    with torch.no_grad():
+        loss = model(batch(99, rank, micro)).item()
+    model.train()
+    return loss
 
 
 OPT = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
+def tied_gpt(seed: int = 0, checkpoint: str = "none") -> nn.Module:
+    """A small GPT with a tied embedding/output matrix and optional activation checkpointing."""
+    from zerorun.bench.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(layers=3, d_model=24, heads=2, vocab=VOCAB, seq_len=SEQ - 1, tie_weights=True,
+                         checkpoint=checkpoint))
+
+
 def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, seed: int = 0,
-                  dtype: torch.dtype = torch.float32, loss_scale: float = 1.0) -> Run:
+                  dtype: torch.dtype = torch.float32, loss_scale: float = 1.0, model_fn=make_model,
+                  eval_every: int = 0) -> Run:
     """DDP + torch AdamW.
 
     fp32: real DDP. A low-precision `dtype` follows zerorun's policy, which DDP cannot express
@@ -71,7 +91,7 @@ def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, 
     """
     import torch.distributed as dist
 
-    master = make_model(seed)
+    master = model_fn(seed)
     compute = copy.deepcopy(master).to(dtype)  # the replicas that run forward/backward
     model = DDP(compute) if dtype == torch.float32 else compute
     opt = torch.optim.AdamW(master.parameters(), **OPT)
@@ -99,6 +119,8 @@ def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, 
         with torch.no_grad():
             for m, c in trainable:
                 c.copy_(m)
+        if eval_every and len(run.grad_norms) % eval_every == 0:
+            run.eval_losses.append(_eval(model, rank, micro))
     # frozen parameters are not stepped: they live in the compute dtype, as in the engine
     run.params = {n: (m if m.requires_grad else c).detach().float().clone()
                   for (n, m), c in zip(master.named_parameters(), compute.parameters())}
@@ -106,7 +128,8 @@ def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, 
 
 
 def engine_run(rank: int, steps: int, accum: int, recipe_overrides: list[str], clip: float | None = None,
-               seed: int = 0, inject_inf_at: tuple[int, ...] = ()) -> tuple[Run, object]:
+               seed: int = 0, inject_inf_at: tuple[int, ...] = (), model_fn=make_model,
+               eval_every: int = 0) -> tuple[Run, object]:
     """Train the same model through zerorun's engine; `inject_inf_at` poisons rank 0's gradient on those micro-steps."""
     import zerorun
     from zerorun import config
@@ -115,13 +138,14 @@ def engine_run(rank: int, steps: int, accum: int, recipe_overrides: list[str], c
     if clip is not None:
         overrides.append(f"train.clip_grad_norm={clip}")
     recipe = config.loads("script: train.py\n", "test.yaml", overrides)
-    model = make_model(seed)
+    model = model_fn(seed)
     opt = torch.optim.AdamW(model.parameters(), **OPT)
     engine = zerorun.initialize(model, opt, recipe)
     run = Run()
     micro = 0
     for _ in range(steps):
-        run.param_sums.append(sum(float(p.detach().double().sum()) for p in engine.module.parameters()))
+        with engine.gathered():
+            run.param_sums.append(sum(float(p.detach().double().sum()) for p in engine.module.parameters()))
         for _a in range(accum):
             loss = engine(batch(seed, rank, micro))
             if micro in inject_inf_at and rank == 0:
@@ -131,9 +155,18 @@ def engine_run(rank: int, steps: int, accum: int, recipe_overrides: list[str], c
             run.losses.append(loss.item())
             micro += 1
         run.grad_norms.append(engine.grad_norm)
-    run.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    if engine.flat.master is not None:  # compare the fp32 master weights, not their low-precision copy
+        if eval_every and len(run.grad_norms) % eval_every == 0:
+            run.eval_losses.append(_eval(engine, rank, micro))
+    if engine.scheduler is not None:  # stage 3: the consolidated state dict, broadcast for comparison
+        import torch.distributed as dist
+
+        state = [engine.state_dict()]
+        dist.broadcast_object_list(state, src=0)
+        run.params = {n: state[0][n].float() for n, _ in engine.module.named_parameters()}
+    elif engine.flat.master is not None:  # compare the fp32 master weights, not their low-precision copy
         run.params = engine_master_params(engine)
+    else:
+        run.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     return run, engine
 
 

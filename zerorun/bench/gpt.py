@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -21,6 +22,7 @@ class GPTConfig:
     vocab: int = 8192
     seq_len: int = 128
     tie_weights: bool = False
+    checkpoint: str = "none"  # activation checkpointing per block: none | reentrant | non-reentrant
 
 
 BENCHMARK = GPTConfig()
@@ -72,7 +74,10 @@ class GPT(nn.Module):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         x = self.tok(inputs) + self.pos(torch.arange(inputs.shape[1], device=tokens.device))
         for block in self.blocks:
-            x = block(x)
+            if self.cfg.checkpoint == "none" or not torch.is_grad_enabled():
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.cfg.checkpoint == "reentrant")
         logits = self.head(self.ln_f(x)).float()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 

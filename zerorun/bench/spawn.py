@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue as queue_module
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -58,15 +59,25 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
         proc.start()
     values: dict[int, Any] = {}
     failure = None
+    deadline = time.monotonic() + timeout
     try:
         while len(values) < world_size and failure is None:
-            rank, ok, value = results.get(timeout=timeout)
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in values]
+                if dead:
+                    time.sleep(0.5)  # its report may still be in the pipe
+                    if results.empty():
+                        failure = (f"rank {dead[0]} died without reporting (exit code {procs[dead[0]].exitcode}; "
+                                   "negative: killed by that signal)")
+                elif time.monotonic() > deadline:
+                    failure = f"timed out after {timeout:.0f}s; ranks that finished: {sorted(values)}"
+                continue
             if ok:
                 values[rank] = value
             else:
                 failure = f"rank {rank} failed:\n{value}"
-    except queue_module.Empty:
-        failure = f"timed out after {timeout:.0f}s; ranks that finished: {sorted(values)}"
     finally:
         for proc in procs:
             proc.join(timeout=0.5 if failure else 10)

@@ -15,6 +15,7 @@ parameters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -33,18 +34,17 @@ from zerorun.runtime.memory import MemoryReport, tensor_bytes
 from zerorun.runtime.optimizer import ShardedAdamW, param_groups_from
 from zerorun.runtime.precision import LossScaler, PrecisionPolicy
 from zerorun.runtime.stage12 import GradReducer
+from zerorun.runtime.stage3 import ParamScheduler, ShardedParams, full_state_dict, gathered
 
 log = logging.getLogger("zerorun")
 
 
 class Engine:
-    """Wraps a model and its optimizer in ZeRO stage 0, 1 or 2 (stage 3: see the stage 3 issue)."""
+    """Wraps a model and its optimizer in ZeRO stage 0, 1, 2 or 3."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, recipe: Recipe) -> None:
         self.recipe = recipe
         zero = recipe.zero
-        if zero.stage == 3:
-            raise ZerorunError("zero.stage: 3 is not available yet in this version; use stage 0, 1 or 2.")
         if zero.offload_optimizer.device != "none":
             raise ZerorunError("zero.offload_optimizer is not available yet in this version; set device: none.")
         self.info = init_distributed(recipe.launch.timeout_s)
@@ -56,12 +56,21 @@ class Engine:
         self.module = model.to(self.device)
         groups, decoupled = param_groups_from(optimizer, model, recipe.optimizer)
         self._sync_buffers()
-        shard_world = 1 if self.stage == 0 else self.comm.world_size
         bucket_numel = max(1, int(zero.bucket_mb * 2**20 // 4))
-        self.flat = FlatParams([g["params"] for g in groups], self.policy, self.comm, shard_world,
-                               bucket_numel, self.device)
+        group_params = [g["params"] for g in groups]
+        self.scheduler: ParamScheduler | None = None
+        if self.stage == 3:
+            self.flat = ShardedParams(model, group_params, zero.wrap, zero.param_persistence_threshold,
+                                      bucket_numel, self.policy, self.comm, self.device)
+            self.scheduler = ParamScheduler(self.flat, zero.prefetch_units)
+            # stage 3 reduces gradients like stage 2, per unit, as soon as backward completes one
+            self.reducer = GradReducer(self.flat, 2, zero.overlap_comm, ordered=False,
+                                       on_launch=self.scheduler.unit_reduced)
+        else:
+            shard_world = 1 if self.stage == 0 else self.comm.world_size
+            self.flat = FlatParams(group_params, self.policy, self.comm, shard_world, bucket_numel, self.device)
+            self.reducer = GradReducer(self.flat, self.stage, zero.overlap_comm)
         self._cast_frozen()
-        self.reducer = GradReducer(self.flat, self.stage, zero.overlap_comm)
         self.optimizer = ShardedAdamW(groups, decoupled, self.flat.group_numels, self.device)
         self._masters = [self.flat.master_pieces(g) for g in range(len(groups))]
         self._moments = [[(self.flat.state_slice(u, self.optimizer.exp_avg[g]),
@@ -112,10 +121,14 @@ class Engine:
         """Backpropagate `loss / grad_accum_steps` (times the loss scale) and reduce gradients."""
         self._window.add_loss(loss)
         self.reducer.begin_backward(reduce=self.is_boundary)
+        if self.scheduler is not None:
+            self.scheduler.begin_backward()
         try:
             (loss * (self.scaler.scale / self.grad_accum_steps)).backward()
         finally:
             self.reducer.end_backward()
+            if self.scheduler is not None:
+                self.scheduler.end_backward()
 
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, update the parameters."""
@@ -169,7 +182,10 @@ class Engine:
         place = self.device.type
         frozen = [p for p in self.module.parameters() if not p.requires_grad]
         report = MemoryReport()
-        report.add("params", place, tensor_bytes([self.flat.flat]) + tensor_bytes(frozen))
+        if self.scheduler is not None:  # stage 3: whatever units are gathered now (persistent ones at rest)
+            report.add("params", place, self.flat.gathered_bytes() + tensor_bytes(frozen))
+        else:
+            report.add("params", place, tensor_bytes([self.flat.flat]) + tensor_bytes(frozen))
         report.add("grads", place, self.reducer.held_bytes())
         report.add("master", place, tensor_bytes(self.flat.master or []))
         report.add("optimizer", place, self.optimizer.held_bytes())
@@ -188,8 +204,20 @@ class Engine:
         return self.train(False)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's full state dict (parameters are whole on every rank in stages 0-2)."""
+        """The full state dict: every rank in stages 0-2; stage 3 consolidates on rank 0 ({} elsewhere),
+        one unit at a time, in fp32."""
+        if self.scheduler is not None:
+            return full_state_dict(self.module, self.flat)
         return self.module.state_dict()
+
+    def gathered(self, params: Any = None, modify: bool = False, src: int = 0) -> Any:
+        """Context manager: full parameters inside (stage 3; stages 0-2 always hold them).
+
+        With `modify=True`, rank `src`'s values are written back to every rank's shard on exit.
+        """
+        if self.scheduler is None:
+            return contextlib.nullcontext()
+        return gathered(self.flat, params, modify, src)
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:

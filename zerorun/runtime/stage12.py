@@ -24,6 +24,7 @@ size in the same pass that unscales and clips (`Engine._optimizer_step`).
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 
 import torch
 from torch import nn
@@ -54,9 +55,15 @@ class BufferPool:
 class GradReducer:
     """Receives gradients from backward hooks and leaves this rank's reduced pieces ready to step."""
 
-    def __init__(self, flat: FlatParams, stage: int, overlap: bool) -> None:
+    def __init__(self, flat: FlatParams, stage: int, overlap: bool, ordered: bool = True,
+                 on_launch: Callable[[int], None] | None = None) -> None:
+        """`ordered=False` launches each unit as soon as it is complete (stage 3: backward's own
+        order, the same on every rank for the same graph) instead of strictly in layout order;
+        `on_launch(k)` is told when unit k's gradients have gone out (stage 3 frees its parameters)."""
         assert stage in (0, 1, 2), f"GradReducer handles stages 0-2, got {stage}"
         self.flat = flat
+        self.ordered = ordered
+        self.on_launch = on_launch
         self.comm = flat.comm
         self.stage = stage
         self.overlap = overlap
@@ -84,6 +91,7 @@ class GradReducer:
         self._staging: dict[int, torch.Tensor] = {}
         self._handles: list[Handle] = []
         self._next_launch = 0
+        self._launched: set[int] = set()
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self._in_backward:
@@ -92,7 +100,7 @@ class GradReducer:
         k, index = self._place[param]
         unit = self.flat.units[k]
         grad, param.grad = param.grad, None
-        if k < self._next_launch:
+        if k in self._launched:
             raise ZerorunError(
                 f"parameter {tuple(param.shape)} received a second gradient after its bucket was reduced "
                 "(a parameter used in two re-entrant checkpoint regions?); set zero.overlap_comm: false.")
@@ -100,7 +108,10 @@ class GradReducer:
         self._grad_region(k, unit)[span.offset:span.end].add_(grad.view(-1))
         self._seen[k].add(index)
         if self.overlap and self._reduce:
-            self._launch_ready()
+            if self.ordered:
+                self._launch_ready()
+            elif len(self._seen[k]) == len(unit.params):
+                self._launch(k)
 
     def _grad_region(self, k: int, unit: Unit) -> torch.Tensor:
         """Where unit k's gradients accumulate during this backward."""
@@ -126,14 +137,19 @@ class GradReducer:
             out = self.flat.state_slice(unit, self.grad_shards[unit.group])
             handle = self.comm.reduce_scatter(region, out, accumulate=True)
         self._handles.append(handle)
-        self._next_launch = k + 1
+        self._launched.add(k)
+        while self._next_launch in self._launched:
+            self._next_launch += 1
+        if self.on_launch is not None:
+            self.on_launch(k)
 
     def end_backward(self) -> None:
         """After `loss.backward()`: reduce what is left, wait for every unit, recycle staging."""
         self._in_backward = False
         if self._reduce:
-            while self._next_launch < len(self.flat.units):
-                self._launch(self._next_launch)
+            for k in range(len(self.flat.units)):
+                if k not in self._launched:
+                    self._launch(k)
         for handle in self._handles:
             handle.wait()
         for buffer in self._staging.values():
