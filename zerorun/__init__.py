@@ -31,8 +31,22 @@ def recipe() -> Recipe:
     return _recipe
 
 
+def sharded_init() -> Any:
+    """Context manager: models built inside never exist whole on any rank (see zerorun.runtime.sharded_init)."""
+    from zerorun.runtime.sharded_init import sharded_init as _sharded_init
+
+    return _sharded_init()
+
+
 def initialize(model: Any, optimizer: Any = None, config: Recipe | None = None) -> Engine:
     """Wrap `model` (and optionally a torch Adam/AdamW whose param groups are taken over) in a ZeRO engine."""
     from zerorun.runtime.engine import Engine
 
-    return Engine(model, optimizer, config or recipe())
+    engine = Engine(model, optimizer, config or recipe())
+    try:  # the telemetry probe (when the launcher started one) reads memory and model FLOPs from it
+        from zerorun.telemetry import probe
+
+        probe.attach_engine(engine)
+    except Exception:  # noqa: BLE001 - telemetry never breaks initialize
+        pass
+    return engine

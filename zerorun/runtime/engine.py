@@ -27,7 +27,7 @@ from torch import nn
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
 from zerorun.runtime.collectives import Collectives
-from zerorun.runtime import events
+from zerorun.runtime import events, sharded_init
 from zerorun.runtime.dist import init_distributed
 from zerorun.runtime.flat import FlatParams
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
@@ -53,7 +53,11 @@ class Engine:
         self.policy = PrecisionPolicy.from_config(recipe.precision)
         self.scaler = LossScaler(recipe.precision)
         self.comm = Collectives()
-        self.module = model.to(self.device)
+        init_log = sharded_init.log_for(model)
+        if init_log is not None and self.stage < 3:  # stages 0-2 hold whole parameters anyway
+            init_log.replay(sharded_init.materialize, self.device)
+            init_log = None
+        self.module = _to_device(model, self.device)
         groups, decoupled = param_groups_from(optimizer, model, recipe.optimizer)
         self._sync_buffers()
         bucket_numel = max(1, int(zero.bucket_mb * 2**20 // 4))
@@ -61,7 +65,7 @@ class Engine:
         self.scheduler: ParamScheduler | None = None
         if self.stage == 3:
             self.flat = ShardedParams(model, group_params, zero.wrap, zero.param_persistence_threshold,
-                                      bucket_numel, self.policy, self.comm, self.device)
+                                      bucket_numel, self.policy, self.comm, self.device, init_log)
             self.scheduler = ParamScheduler(self.flat, zero.prefetch_units)
             # stage 3 reduces gradients like stage 2, per unit, as soon as backward completes one
             self.reducer = GradReducer(self.flat, 2, zero.overlap_comm, ordered=False,
@@ -218,6 +222,18 @@ class Engine:
         if self.scheduler is None:
             return contextlib.nullcontext()
         return gathered(self.flat, params, modify, src)
+
+
+def _to_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """Move parameters and buffers to `device`, leaving `sharded_init`'s meta parameters to the store."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+        for param in module._parameters.values():
+            if param is not None and not param.is_meta and param.device != device:
+                param.data = param.data.to(device)
+    return model
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:

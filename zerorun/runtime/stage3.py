@@ -33,6 +33,7 @@ from zerorun.runtime.collectives import Collectives, Handle
 from zerorun.runtime.flat import ALIGN_BYTES, Unit
 from zerorun.runtime.partition import flat_layout
 from zerorun.runtime.precision import PrecisionPolicy
+from zerorun.runtime.sharded_init import InitLog, materialize
 
 
 @dataclass
@@ -58,7 +59,7 @@ class ShardedParams:
 
     def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[str],
                  persistence_threshold: int, auto_wrap_numel: int, policy: PrecisionPolicy,
-                 comm: Collectives, device: torch.device) -> None:
+                 comm: Collectives, device: torch.device, init_log: InitLog | None = None) -> None:
         self.policy, self.comm, self.device = policy, comm, device
         self.shard_world, self.shard_rank = comm.world_size, comm.rank
         self.module_units = self._plan_module_units(model, groups, wrap, persistence_threshold, auto_wrap_numel)
@@ -69,7 +70,8 @@ class ShardedParams:
         self.unit_owner: list[ModuleUnit] = []
         self._layout_units(groups)
         self.group_numels = [sum(u.layout.shard_numel for u in self.units if u.group == g) for g in range(len(groups))]
-        self.master = self._shard_from(model)
+        self.master = self._shard_from_replay(init_log) if init_log is not None else self._shard_from(model)
+        self._make_views()
         for mu in self.module_units:
             self.release(mu) if mu.kind != "persistent" else self.gather(mu)
         self.wait(self.persistent)
@@ -121,17 +123,43 @@ class ShardedParams:
                 self.full.append(torch.empty(layout.padded_numel, dtype=self.policy.param_dtype, device=self.device))
 
     def _shard_from(self, model: nn.Module) -> list[torch.Tensor]:
-        """Keep this rank's pieces of rank 0's parameter values as fp32 master; params become views."""
-        master = [torch.empty(n, dtype=torch.float32, device=self.device) for n in self.group_numels]
-        for k, unit in enumerate(self.units):
+        """Keep this rank's pieces of rank 0's parameter values as fp32 master, one unit at a time."""
+        master = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in self.group_numels]
+        for unit in self.units:
             full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device)
             for span, param in zip(unit.layout.spans, unit.params):
                 full[span.offset:span.end].copy_(param.detach().reshape(-1))
-            self.comm.broadcast(full, src=0).wait()  # one unit at a time: never the whole model
+            self.comm.broadcast(full, src=0).wait()
             self.state_slice(unit, master[unit.group]).copy_(self.unit_piece(unit, full))
+        return master
+
+    def _shard_from_replay(self, log: InitLog) -> list[torch.Tensor]:
+        """Replay a `sharded_init` log, keeping only this rank's pieces (every rank computes the same values)."""
+        master = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in self.group_numels]
+        place = {param: (unit, span) for unit in self.units for span, param in zip(unit.layout.spans, unit.params)}
+
+        def keep(param: nn.Parameter, value: torch.Tensor) -> None:
+            if param not in place:  # frozen: stays whole
+                materialize(param, value)
+                return
+            unit, span = place[param]
+            lo, hi = unit.layout.shard_range(self.shard_rank)
+            start, end = max(span.offset, lo), min(span.end, hi)
+            if start < end:
+                piece = self.state_slice(unit, master[unit.group])[start - lo:end - lo]
+                piece.copy_(value.reshape(-1)[start - span.offset:end - span.offset])
+
+        log.replay(keep, self.device)
+        return master
+
+    def _make_views(self) -> None:
+        """Parameters become views into their unit's buffer (kept here while the unit is released)."""
+        for k, unit in enumerate(self.units):
             self.views.append([self.full[k][span.offset:span.end].view(param.shape)
                                for span, param in zip(unit.layout.spans, unit.params)])
-        return master
+            for param in unit.params:
+                if param.is_meta:  # from sharded_init: becomes a real (empty until gathered) parameter
+                    materialize(param, torch.empty(0, dtype=self.policy.param_dtype, device=self.device))
 
     # -- views (the interface shared with FlatParams) ------------------------------------------
     def unit_piece(self, unit: Unit, buffer: torch.Tensor) -> torch.Tensor:
