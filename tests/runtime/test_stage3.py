@@ -98,3 +98,30 @@ def test_stage3_memory_at_rest_is_16_over_n_and_gathering_stays_in_the_prefetch_
         # in use, prefetched, and the one whose gradients are on their way: at most 3 blocks at once
         window = m["root"] + m["persistent_bytes"] + 3 * m["largest_block"]
         assert m["peak"] <= window < m["root"] + m["persistent_bytes"] + m["all_blocks"], (rank, m)
+
+
+def _gathered(rank: int, world: int) -> dict:
+    import zerorun
+    from zerorun import config
+
+    engine = zerorun.initialize(tied_gpt(0), None, config.loads("script: t.py", "t.yaml", BASE))
+    model = engine.module
+    full = engine.state_dict()
+    reference = [full] if rank == 0 else [None]
+    torch.distributed.broadcast_object_list(reference, src=0)
+    with engine.gathered():
+        reads_match = all(torch.equal(p.detach(), reference[0][n]) for n, p in model.named_parameters())
+    released = model.blocks[0].fc.weight.numel() == 0  # gathered only inside the block
+    target = model.blocks[1].fc.weight
+    with engine.gathered([target], modify=True, src=0):
+        if rank == 0:
+            target.data.fill_(0.5)  # only rank 0 writes: its values reach every shard
+    after = engine.state_dict()
+    return {"reads_match": reads_match, "released": released,
+            "written": rank != 0 or bool((after["blocks.1.fc.weight"] == 0.5).all()),
+            "others_kept": rank != 0 or torch.equal(after["blocks.0.fc.weight"], full["blocks.0.fc.weight"])}
+
+
+def test_gathered_gives_full_parameters_and_writes_back_from_one_rank() -> None:
+    for r in run_ranks(_gathered, 3):
+        assert all(r.values()), r

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from zerorun.bench.gpt import GPT, GPTConfig, synthetic_tokens
 from zerorun.bench.spawn import run_ranks
 
-SYSTEMS = ("ddp", "ddp-fused", "fsdp2", "zero1", "zero2", "zero0")
-DEFAULT_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2")
+SYSTEMS = ("ddp", "ddp-fused", "fsdp2", "zero1", "zero2", "zero3", "zero0")
+DEFAULT_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 DESCRIPTIONS = {
     "ddp": "DDP + torch AdamW (default: for-loop on CPU)",
     "ddp-fused": "DDP + torch AdamW(fused=True)",
@@ -29,6 +29,7 @@ DESCRIPTIONS = {
     "zero0": "zerorun stage 0",
     "zero1": "zerorun stage 1",
     "zero2": "zerorun stage 2",
+    "zero3": "zerorun stage 3 (unit per block)",
 }
 
 
@@ -95,7 +96,7 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
     model = GPT(cfg.model)
     batches = [synthetic_tokens(cfg.model, cfg.micro_batch, 0, rank, i) for i in range(cfg.warmup + cfg.steps)]
     if system.startswith("zero"):
-        recipe = config.loads("script: bench", "<bench>", [f"zero.stage={system[-1]}",
+        recipe = config.loads("script: bench", "<bench>", [f"zero.stage={system[-1]}", "zero.wrap=[Block]",
                                                          f"precision.dtype={cfg.precision}", "optimizer.lr=1e-4"])
         engine = zerorun.initialize(model, None, recipe)
         forward, backward, step = engine, engine.backward, engine.step

@@ -10,6 +10,10 @@ buffers (module buffers), comm (staging buffers for collectives). Places: cpu, c
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -57,3 +61,24 @@ class MemoryReport:
         for (kind, place), nbytes in sorted(self.entries.items()):
             out[kind][place] = nbytes
         return dict(out)
+
+
+@functools.cache
+def retain_freed_host_memory() -> bool:
+    """Ask glibc to keep freed blocks of up to 32 MiB for reuse instead of returning them to the OS.
+
+    Stage 3 on CPU frees and re-allocates every gathered unit twice a step, and torch's CPU
+    allocator has no cache: with glibc's defaults each gather then faults in fresh pages (measured
+    on the 98M GPT: forward 1.28 s -> 0.88 s with this). Units are at most a bucket (or one
+    parameter) so they fit under glibc's 32 MiB mmap ceiling. RSS then follows the peak working set
+    rather than dropping between units. A no-op (False) where the C library is not glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 32 * 2**20)) and bool(mallopt(m_trim_threshold, 1 << 30))

@@ -43,10 +43,11 @@ class BufferPool:
         self.allocated_bytes = 0
 
     def get(self, numel: int) -> torch.Tensor:
+        """A buffer of `numel` elements with undefined contents (the caller writes or zeroes every element)."""
         if self._free[numel]:
-            return self._free[numel].pop().zero_()
+            return self._free[numel].pop()
         self.allocated_bytes += numel * torch.empty((), dtype=self.dtype).element_size()
-        return torch.zeros(numel, dtype=self.dtype, device=self.device)
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
 
     def put(self, buffer: torch.Tensor) -> None:
         self._free[buffer.numel()].append(buffer)
@@ -105,7 +106,11 @@ class GradReducer:
                 f"parameter {tuple(param.shape)} received a second gradient after its bucket was reduced "
                 "(a parameter used in two re-entrant checkpoint regions?); set zero.overlap_comm: false.")
         span = unit.layout.spans[index]
-        self._grad_region(k, unit)[span.offset:span.end].add_(grad.view(-1))
+        region = self._grad_region(k, unit)[span.offset:span.end]
+        if self.full_grads is None and index not in self._seen[k]:
+            region.copy_(grad.view(-1))  # a fresh staging buffer: the first gradient overwrites
+        else:
+            region.add_(grad.view(-1))
         self._seen[k].add(index)
         if self.overlap and self._reduce:
             if self.ordered:
@@ -118,7 +123,9 @@ class GradReducer:
         if self.full_grads is not None:
             return self.flat.unit_full(unit, self.full_grads)
         if k not in self._staging:
-            self._staging[k] = self.pool.get(unit.padded_numel)
+            staging = self.pool.get(unit.padded_numel)
+            staging[unit.layout.numel:].zero_()  # padding; parameter regions are written by their first gradient
+            self._staging[k] = staging
         return self._staging[k]
 
     def _launch_ready(self) -> None:
@@ -129,6 +136,10 @@ class GradReducer:
     def _launch(self, k: int) -> None:
         unit = self.flat.units[k]
         region = self._grad_region(k, unit)
+        if self.full_grads is None:
+            for index, span in enumerate(unit.layout.spans):
+                if index not in self._seen[k]:  # no gradient this backward (an unused parameter)
+                    region[span.offset:span.end].zero_()
         if self.stage == 0:
             handle = self.comm.all_reduce(region)
         elif self.stage == 1:

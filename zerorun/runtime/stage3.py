@@ -31,7 +31,8 @@ from torch.utils.hooks import RemovableHandle
 
 from zerorun.runtime.collectives import Collectives, Handle
 from zerorun.runtime.flat import ALIGN_BYTES, Unit
-from zerorun.runtime.partition import flat_layout
+from zerorun.runtime.memory import retain_freed_host_memory
+from zerorun.runtime.partition import bucket_params, flat_layout
 from zerorun.runtime.precision import PrecisionPolicy
 from zerorun.runtime.sharded_init import InitLog, materialize
 
@@ -58,17 +59,19 @@ class ShardedParams:
     shard_world: int
 
     def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[str],
-                 persistence_threshold: int, auto_wrap_numel: int, policy: PrecisionPolicy,
+                 persistence_threshold: int, bucket_numel: int, policy: PrecisionPolicy,
                  comm: Collectives, device: torch.device, init_log: InitLog | None = None) -> None:
         self.policy, self.comm, self.device = policy, comm, device
+        if device.type == "cpu":
+            retain_freed_host_memory()
         self.shard_world, self.shard_rank = comm.world_size, comm.rank
-        self.module_units = self._plan_module_units(model, groups, wrap, persistence_threshold, auto_wrap_numel)
+        self.module_units = self._plan_module_units(model, groups, wrap, persistence_threshold, bucket_numel)
         self.units: list[Unit] = []
         self.full: list[torch.Tensor] = []  # per unit: the gathered buffer (storage resized to 0 when released)
         self.views: list[list[torch.Tensor]] = []  # per unit: its parameters' views into `full`
         self.peak_gathered_bytes = 0
         self.unit_owner: list[ModuleUnit] = []
-        self._layout_units(groups)
+        self._layout_units(groups, bucket_numel)
         self.group_numels = [sum(u.layout.shard_numel for u in self.units if u.group == g) for g in range(len(groups))]
         self.master = self._shard_from_replay(init_log) if init_log is not None else self._shard_from(model)
         self._make_views()
@@ -106,21 +109,23 @@ class ShardedParams:
                 self.param_unit[param] = root  # shared between units: gathered for the whole pass
         return [*ordered, root, self.persistent]
 
-    def _layout_units(self, groups: list[list[nn.Parameter]]) -> None:
-        """One Unit per (module unit, param group), in reverse module order (backward's order)."""
+    def _layout_units(self, groups: list[list[nn.Parameter]], bucket_numel: int) -> None:
+        """Units per (module unit, param group), each at most a bucket (or one larger parameter), in
+        reverse module order (backward's order). Bounded buffers stay reusable by the host allocator."""
         align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.policy.param_dtype).element_size())
         state_offsets = [0] * len(groups)
         for mu in reversed(self.module_units):
             for g, params in enumerate(groups):
                 members = [p for p in params if self.param_unit.get(p) is mu]
-                if not members:
-                    continue
-                layout = flat_layout([p.numel() for p in members], self.shard_world, align)
-                mu.units.append(len(self.units))
-                self.units.append(Unit(g, members, layout, 0, state_offsets[g]))
-                self.unit_owner.append(mu)
-                state_offsets[g] += layout.shard_numel
-                self.full.append(torch.empty(layout.padded_numel, dtype=self.policy.param_dtype, device=self.device))
+                for indices in bucket_params([p.numel() for p in members], bucket_numel) if members else []:
+                    chunk = [members[i] for i in indices]
+                    layout = flat_layout([p.numel() for p in chunk], self.shard_world, align)
+                    mu.units.append(len(self.units))
+                    self.units.append(Unit(g, chunk, layout, 0, state_offsets[g]))
+                    self.unit_owner.append(mu)
+                    state_offsets[g] += layout.shard_numel
+                    self.full.append(torch.empty(layout.padded_numel, dtype=self.policy.param_dtype,
+                                                 device=self.device))
 
     def _shard_from(self, model: nn.Module) -> list[torch.Tensor]:
         """Keep this rank's pieces of rank 0's parameter values as fp32 master, one unit at a time."""
