@@ -1,0 +1,35 @@
+"""`zerorun bench adam` runs every implementation side by side (tiny sizes here; no timing asserts)."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from zerorun.bench import adam
+from zerorun.cli import app
+
+
+def test_bench_reports_every_implementation_against_the_roofline() -> None:
+    bench = adam.run([1000, 4097], threads=1, repeats=2, budget_s=0.5, bandwidth_numel=10**5)
+    assert bench.bandwidth_gb_s > 0
+    assert [(r.numel, r.implementation) for r in bench.results] == \
+        [(n, name) for n in (1000, 4097) for name in adam.IMPLEMENTATIONS]
+    for r in bench.results:
+        assert (r.median_s is not None and r.runs >= 1) or r.note, r
+        assert r.bytes_per_param == (30 if r.implementation.endswith("+bf16") else 28)
+
+
+def test_bench_adam_command_prints_the_table() -> None:
+    result = CliRunner().invoke(app, ["bench", "adam", "--sizes", "2K", "--repeats", "1", "--bandwidth-size", "100K",
+                                      "--implementations", "zerorun,torch fused"])
+    assert result.exit_code == 0, result.output
+    assert "roofline" in result.output and "zerorun" in result.output and "torch fused" in result.output
+
+
+def test_bench_adam_rejects_unknown_implementations_and_sizes() -> None:
+    for args in (["--implementations", "apex"], ["--sizes", "-3M"]):
+        result = CliRunner().invoke(app, ["bench", "adam", *args])
+        assert result.exit_code == 2 and "zerorun: error:" in result.output, result.output
+
+
+def test_sizes_are_parameter_counts_in_powers_of_ten() -> None:
+    assert [adam.parse_size(s) for s in ("1M", "16m", "2.5K", "100")] == [10**6, 16 * 10**6, 2500, 100]

@@ -1,0 +1,210 @@
+"""Building the kernels: a cache per machine/torch/source, one builder per node under a file lock,
+and failures that say why once and fall back to torch with the right numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tests.launch.launched import subprocess_env
+from zerorun import ops
+from zerorun.cli import app
+
+HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
+
+# Each racer waits until both have started, then asks for the kernel; `_compile` is wrapped to
+# leave a mark, so the test can count how many processes compiled.
+RACER = """
+import json, sys, time
+from pathlib import Path
+import torch
+from zerorun import ops
+
+me, sync = sys.argv[1], Path(sys.argv[2])
+real_compile = ops._compile
+def marked_compile(spec, directory):
+    (sync / f"compiled-{me}").touch()
+    return real_compile(spec, directory)
+ops._compile = marked_compile
+(sync / f"ready-{me}").touch()
+while len(list(sync.glob("ready-*"))) < 2:
+    time.sleep(0.01)
+state = ops._load("cpu_adam")
+params, grads = torch.randn(1000), torch.randn(1000)
+expected = params.clone()
+hyper = dict(step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+ops._torch_adamw_step(expected, grads.clone(), torch.zeros(1000), torch.zeros(1000), 1, 1e-2, 0.9, 0.999, 1e-8, 0.1,
+                      1, 1.0, None)
+ops.adamw_step(params, grads, torch.zeros(1000), torch.zeros(1000), **hyper)
+print(json.dumps({"loaded": state.lib is not None, "reason": state.reason,
+                  "right": torch.allclose(params, expected, rtol=1e-6, atol=1e-7)}))
+"""
+
+# A compiler that works for torch's version probes but fails every compilation, after a second.
+FAILING_CXX = """#!/bin/sh
+for arg in "$@"; do
+  if [ "$arg" = "-c" ]; then sleep 1; echo "cpu_adam.cpp:1:1: error: simulated compiler failure" >&2; exit 1; fi
+done
+exec g++ "$@"
+"""
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty kernel cache for this test, and a process that has loaded nothing yet."""
+    monkeypatch.setenv("ZERORUN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("ZERORUN_KERNELS", raising=False)
+    monkeypatch.setattr(ops, "_loaded", {})
+    monkeypatch.setattr(ops, "_warned", set())
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def failing_cxx(tmp_path: Path) -> str:
+    script = tmp_path / "failing-c++"
+    script.write_text(FAILING_CXX)
+    script.chmod(0o755)
+    return str(script)
+
+
+def _race(tmp_path: Path, env: dict[str, str]) -> tuple[list[dict], int]:
+    """Two processes asking for cpu_adam at once: their reports and how many of them compiled."""
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(i), str(sync)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for i in range(2)]
+    reports = []
+    for racer in racers:
+        out, err = racer.communicate(timeout=300)
+        assert racer.returncode == 0, err
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports, len(list(sync.glob("compiled-*")))
+
+
+def _one_step(**kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """(adamw_step's params, the torch fallback's params) after one identical step."""
+    params, grads = torch.randn(1023), torch.randn(1023)
+    expected = params.clone()
+    ops._torch_adamw_step(expected, grads.clone(), torch.zeros(1023), torch.zeros(1023), 1, HYPER["lr"],
+                          HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"], 1, 4.0, None)
+    ops.adamw_step(params, grads, torch.zeros(1023), torch.zeros(1023), step=1, grad_divisor=4.0, **HYPER, **kwargs)
+    return params, expected
+
+
+def test_cache_dir_follows_the_environment_and_the_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("ZERORUN_CACHE", raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch-ext"))
+    monkeypatch.delenv("CXX", raising=False)
+    under_torch = ops.build_dir("cpu_adam")
+    assert under_torch.parent == tmp_path / "torch-ext" / "zerorun"
+    assert under_torch.name.startswith(f"{torch.__version__}-cpu_adam-")
+    monkeypatch.setenv("ZERORUN_CACHE", str(tmp_path / "zr"))
+    assert ops.build_dir("cpu_adam").parent == tmp_path / "zr" / "kernels"
+    monkeypatch.setenv("CXX", "clang++")
+    assert ops.build_dir("cpu_adam").name != under_torch.name, "another compiler must not load this build"
+
+
+def test_two_processes_racing_compile_once_and_both_load(fresh_cache: Path, tmp_path: Path) -> None:
+    env = dict(subprocess_env(), ZERORUN_CACHE=str(fresh_cache))
+    env.pop("CXX", None)
+    reports, compiled = _race(tmp_path, env)
+    assert compiled == 1, reports
+    assert all(r["loaded"] and r["right"] for r in reports), reports
+
+
+def test_a_failed_build_is_not_repeated_by_the_rank_that_waited(fresh_cache: Path, tmp_path: Path,
+                                                                failing_cxx: str) -> None:
+    env = dict(subprocess_env(), ZERORUN_CACHE=str(fresh_cache), CXX=failing_cxx)
+    reports, compiled = _race(tmp_path, env)
+    assert compiled == 1, reports
+    for report in reports:
+        assert not report["loaded"] and report["right"], report
+        assert "simulated compiler failure" in report["reason"] and "build.log" in report["reason"], report
+
+
+def test_missing_compiler_warns_once_with_the_reason_and_falls_back(fresh_cache: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            ours, expected = _one_step(lowp_out=torch.empty(1023, dtype=torch.bfloat16))
+            assert torch.equal(ours, expected)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and issubclass(caught[0].category, ops.KernelWarning), messages
+    assert "no C++ compiler: `/nonexistent/c++` not found" in messages[0]
+    assert ops.status()["cpu_adam"].startswith("failed: no C++ compiler")
+
+
+def test_compile_error_is_summarised_and_logged(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                failing_cxx: str) -> None:
+    monkeypatch.setenv("CXX", failing_cxx)
+    line = ops.build(["cpu_adam"])["cpu_adam"]
+    assert line.startswith("failed: build failed: cpu_adam.cpp:1:1: error: simulated compiler failure"), line
+    assert "simulated compiler failure" in (ops.build_dir("cpu_adam") / "build.log").read_text()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours, expected = _one_step()
+    assert torch.equal(ours, expected)
+
+
+def test_status_builds_nothing_and_reports_each_kernel(fresh_cache: Path) -> None:
+    status = ops.status()
+    assert set(status) == {"cpu_adam", "fused_adam"}
+    assert status["cpu_adam"].startswith("not built yet")
+    if not torch.cuda.is_available():
+        assert status["fused_adam"] == "unavailable: no CUDA device"
+    assert not fresh_cache.exists()
+
+
+def test_env_build_prebuilds_and_reports(fresh_cache: Path) -> None:
+    result = CliRunner().invoke(app, ["env", "--build", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "cpu_adam: loaded" in result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["kernels"]["cpu_adam"].startswith("loaded")
+    assert ops.build_dir("cpu_adam").is_relative_to(fresh_cache)
+
+
+def test_env_build_fails_with_status_1_when_a_kernel_cannot_build(fresh_cache: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    result = CliRunner().invoke(app, ["env", "--build"])
+    assert result.exit_code == 1
+    assert "cpu_adam: failed: no C++ compiler" in result.output
+
+
+def test_disabled_kernels_fall_back_without_a_warning(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZERORUN_KERNELS", "off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours, expected = _one_step()
+    assert torch.equal(ours, expected)
+    assert ops.status()["cpu_adam"] == "unavailable: disabled (ZERORUN_KERNELS=off)"
+    assert not fresh_cache.exists()
+
+
+def test_installed_sources_are_found() -> None:
+    assert (ops.sources_dir() / "adam.h").is_file() and (ops.sources_dir() / "cpu_adam.cpp").is_file()
+    assert os.access(ops.sources_dir() / "fused_adam.cu", os.R_OK)
+
+
+def test_a_damaged_cache_entry_says_how_to_rebuild(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ops.build(["cpu_adam"])["cpu_adam"].startswith("loaded")
+    library = ops.build_dir("cpu_adam") / (ops.build_dir("cpu_adam") / "BUILT").read_text()
+    damaged = library.with_name("damaged.so")
+    damaged.write_bytes(b"not a shared library")
+    (ops.build_dir("cpu_adam") / "BUILT").write_text(damaged.name)
+    monkeypatch.setattr(ops, "_loaded", {})
+    with pytest.warns(ops.KernelWarning, match=re.escape(f"delete {ops.build_dir('cpu_adam')} to rebuild")):
+        ours, expected = _one_step()
+    assert torch.equal(ours, expected)

@@ -1,0 +1,444 @@
+"""zerorun's Adam(W) kernels (`kernels/`): built once per machine, loaded by every rank, honest fallbacks.
+
+`adamw_step` updates one flat fp32 shard in place. It runs our kernel for the tensors' device
+(`cpu_adam` on CPU, `fused_adam` on CUDA) when that kernel is built or can be built now, else
+torch's fused Adam(W) with the same numerics, after one warning that says why.
+
+Build and cache. The sources have no torch headers (they compile in seconds and expose a C ABI
+called through ctypes), and are built with `torch.utils.cpp_extension.load` into
+`<cache>/<torch version>-<kind>-<hash>/`, where the hash covers the sources, the flags, the
+compiler, the Python version and (for CUDA) the target architectures, so any change rebuilds and
+nothing stale loads. `<cache>` is `$ZERORUN_CACHE/kernels`, else `$TORCH_EXTENSIONS_DIR/zerorun`,
+else `~/.cache/zerorun/kernels`. The CPU kernel is compiled for AVX2+FMA and baseline x86-64 and
+picks at run time, so one cache can be shared by different machines (an NFS home).
+
+Ranks on one node. The first rank to need a kernel takes an exclusive `flock` on `<dir>/build.lock`
+and builds; the others block on the lock, then find the `.so` (named by `<dir>/BUILT`, written
+last) and load it. A build that fails writes its reason to `<dir>/FAILED`: for a minute, other ranks
+reuse it instead of each failing again; after that a new process (at once: `zerorun env --build`)
+tries again. The kernel releases a flock when its holder dies, so a killed build blocks nobody.
+
+`ZERORUN_KERNELS=off` skips our kernels (torch's fused Adam, no warning).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+KINDS = ("cpu_adam", "fused_adam")
+LOCK_TIMEOUT_S = 900.0  # a CUDA build on a busy node can take minutes; a hung one should not hang a job forever
+FAILURE_REUSE_S = 60.0  # a failure this recent is another rank's of the same job: reuse it, do not rebuild
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class KernelWarning(UserWarning):
+    """A zerorun kernel is unavailable and torch's implementation runs instead."""
+
+
+class BuildError(Exception):
+    """A kernel could not be built; the message is the reason, in one line."""
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    kind: str
+    source: str
+    cuda: bool
+    cflags: tuple[str, ...]
+    cuda_cflags: tuple[str, ...] = ()
+    ldflags: tuple[str, ...] = ()
+
+
+# -fno-math-errno lets sqrtf vectorise (without it the loop runs at half speed); no implicit fma
+# contraction (adam.h places its fmas where torch has them); no -march=native:
+# cpu_adam.cpp dispatches between AVX2+FMA and baseline at run time, so the cache stays portable.
+SPECS = {
+    "cpu_adam": KernelSpec("cpu_adam", "cpu_adam.cpp", cuda=False,
+                           cflags=("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"), ldflags=("-fopenmp",)),
+    "fused_adam": KernelSpec("fused_adam", "fused_adam.cu", cuda=True, cflags=("-O3",),
+                             cuda_cflags=("-O3", "-std=c++17", "--fmad=false")),
+}
+
+
+def sources_dir() -> Path:
+    """Where the kernel sources are: `zerorun/kernels` in a wheel, `kernels/` in a checkout."""
+    installed = Path(__file__).resolve().parent / "kernels"
+    return installed if (installed / "adam.h").is_file() else Path(__file__).resolve().parents[1] / "kernels"
+
+
+def cache_root() -> Path:
+    if os.environ.get("ZERORUN_CACHE"):
+        return Path(os.environ["ZERORUN_CACHE"]) / "kernels"
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "zerorun"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zerorun" / "kernels"
+
+
+def build_dir(kind: str) -> Path:
+    """The cache directory of one kernel for this machine, torch, compiler and source."""
+    spec = SPECS[kind]
+    digest = hashlib.sha256()
+    for name in ("adam.h", spec.source):
+        digest.update(name.encode() + b"\0" + (sources_dir() / name).read_bytes())
+    key = [spec, _cxx(), platform.machine(), sys.version_info[:2], torch.__version__]
+    if spec.cuda:
+        key += [os.environ.get("TORCH_CUDA_ARCH_LIST"), _cuda_home(), _cuda_capabilities()]
+    digest.update(repr(key).encode())
+    return cache_root() / f"{torch.__version__}-{kind}-{digest.hexdigest()[:16]}"
+
+
+def _cxx() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def _cuda_home() -> str | None:
+    from torch.utils import cpp_extension
+
+    return cpp_extension.CUDA_HOME or os.environ.get("CUDA_HOME")
+
+
+def _cuda_capabilities() -> list[tuple[int, int]]:
+    if not torch.cuda.is_available():
+        return []
+    return sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+
+
+# ---- per process: what is loaded, what is not and why ----
+
+@dataclass
+class _Loaded:
+    lib: ctypes.CDLL | None
+    reason: str  # why lib is None ("" when loaded)
+    unavailable: bool = False  # nothing to build here (no CUDA device, disabled): not a failure
+
+
+_loaded: dict[str, _Loaded] = {}
+_warned: set[str] = set()
+_process_lock = threading.Lock()
+
+
+def _disabled() -> bool:
+    return os.environ.get("ZERORUN_KERNELS", "").lower() in ("0", "off", "false", "no", "torch")
+
+
+def _unavailable_reason(kind: str) -> str | None:
+    """Why this kernel cannot exist here at all (not an error)."""
+    if _disabled():
+        return f"disabled (ZERORUN_KERNELS={os.environ['ZERORUN_KERNELS']})"
+    if SPECS[kind].cuda and not torch.cuda.is_available():
+        return "no CUDA device"
+    return None
+
+
+def _preflight(spec: KernelSpec) -> None:
+    """Fail fast, with the fix, on what would otherwise be a long cascade of build errors."""
+    from torch.utils import cpp_extension
+
+    cxx = _cxx()
+    if shutil.which(shlex.split(cxx)[0] if cxx.strip() else "c++") is None:
+        raise BuildError(f"no C++ compiler: `{cxx}` not found (install g++, or set CXX to one)")
+    try:
+        subprocess.run([*shlex.split(cxx), "--version"], capture_output=True, check=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise BuildError(f"the C++ compiler `{cxx}` does not run ({exc})") from None
+    if not cpp_extension.is_ninja_available():
+        raise BuildError("ninja not found; torch.utils.cpp_extension needs it (pip install ninja)")
+    if not spec.cuda:
+        return
+    if torch.version.cuda is None:
+        raise BuildError(f"torch {torch.__version__} is a CPU-only build")
+    cuda_home = _cuda_home()
+    nvcc = Path(cuda_home or "/nonexistent") / "bin" / "nvcc"
+    if not nvcc.is_file():
+        raise BuildError(f"nvcc not found (CUDA_HOME={cuda_home}); install the CUDA {torch.version.cuda} toolkit "
+                         "or set CUDA_HOME to it")
+    try:
+        banner = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BuildError(f"{nvcc} does not run: {exc}") from None
+    found = re.search(r"release (\d+)\.(\d+)", banner)
+    if found and found.group(1) != torch.version.cuda.split(".")[0]:
+        raise BuildError(f"CUDA version mismatch: {nvcc} is CUDA {found.group(1)}.{found.group(2)} but torch was "
+                         f"built with CUDA {torch.version.cuda}; set CUDA_HOME to a {torch.version.cuda} toolkit")
+
+
+@contextmanager
+def _file_lock(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """An exclusive flock on `path`: held by one process of the node, released if it dies."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise BuildError(f"waited {timeout:.0f} s for another process building in {path.parent}; "
+                                     f"remove {path} if no build is running") from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _library(directory: Path) -> Path | None:
+    """The built library named by `<dir>/BUILT` (written last, atomically), if there is one."""
+    built = directory / "BUILT"
+    if not built.is_file():
+        return None
+    library = directory / built.read_text().strip()
+    return library if library.is_file() else None
+
+
+def _compile(spec: KernelSpec, directory: Path) -> Path:
+    """Run torch.utils.cpp_extension quietly; the library's path, or BuildError with the first error line."""
+    from torch.utils import cpp_extension
+
+    _preflight(spec)
+    (directory / "lock").unlink(missing_ok=True)  # torch's own baton, left behind by a killed build; we hold ours
+    name = f"zerorun_{spec.kind}"
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cpp_extension.load(name=name, sources=[str(sources_dir() / spec.source)], extra_cflags=list(spec.cflags),
+                               extra_cuda_cflags=list(spec.cuda_cflags), extra_ldflags=list(spec.ldflags),
+                               extra_include_paths=[str(sources_dir())], build_directory=str(directory),
+                               verbose=False, with_cuda=spec.cuda, is_python_module=False)
+    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/OSError/...; all mean "did not build"
+        log = directory / "build.log"
+        log.write_text(f"{type(exc).__name__}: {exc}\n")
+        raise BuildError(f"{_first_error(str(exc))} (full log: {log})") from None
+    finally:
+        torch_log.setLevel(level)
+    # torch renames to name_v1, ... when one process builds a name twice with different arguments
+    library = max(directory.glob(f"{name}*.so"), key=lambda p: p.stat().st_mtime)
+    _write_atomically(directory / "BUILT", library.name)
+    return library
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def _first_error(output: str) -> str:
+    """The compiler's first error lines (`file:line: error: ...`), else the last line of the output."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\berror\b", line, re.I)
+              and not line.startswith(("Error building extension", "ninja: build stopped"))]
+    chosen = errors[:2] or lines[-1:] or ["unknown error"]
+    return "build failed: " + " | ".join(line[:300] for line in chosen)
+
+
+def _build_or_wait(kind: str, retry_failed: bool) -> tuple[Path, bool]:
+    """(library path, compiled by this process). One process of the node builds; the others wait and load."""
+    directory = build_dir(kind)
+    library = _library(directory)
+    if library is not None:
+        return library, False
+    directory.mkdir(parents=True, exist_ok=True)
+    with _file_lock(directory / "build.lock"):
+        library = _library(directory)
+        if library is not None:
+            return library, False
+        failed = directory / "FAILED"
+        if failed.is_file() and not retry_failed and time.time() - failed.stat().st_mtime < FAILURE_REUSE_S:
+            raise BuildError(failed.read_text().strip())  # another rank of this job just failed: do not fail again
+        try:
+            library = _compile(SPECS[kind], directory)
+        except BuildError as exc:
+            _write_atomically(failed, str(exc))
+            raise
+        failed.unlink(missing_ok=True)
+        return library, True
+
+
+def _open(kind: str, library: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(library))
+    pointer, i32, i64, f64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
+    if kind == "cpu_adam":
+        lib.zr_cpu_adam.argtypes = [pointer, pointer, i32, pointer, pointer, pointer, i32, i64, i64, f64, f64, f64,
+                                    f64, f64, i32, f64, i32]
+        lib.zr_cpu_adam.restype = i32
+        lib.zr_cpu_adam_use_isa.argtypes = [i32]
+        lib.zr_cpu_adam_use_isa.restype = i32
+        lib.zr_cpu_adam_isa.restype = i32
+        lib.zr_cpu_adam_isa_name.argtypes = [i32]
+        lib.zr_cpu_adam_isa_name.restype = ctypes.c_char_p
+    else:
+        lib.zr_cuda_adam.argtypes = [pointer, pointer, i32, pointer, pointer, pointer, i32, i64, i64, f64, f64, f64,
+                                     f64, f64, i32, f64, pointer]
+        lib.zr_cuda_adam.restype = i32
+        lib.zr_cuda_error_string.argtypes = [i32]
+        lib.zr_cuda_error_string.restype = ctypes.c_char_p
+    return lib
+
+
+def _load(kind: str, retry_failed: bool = False) -> _Loaded:
+    """This process's handle on a kernel: loaded from the cache, built now, or the reason it is not."""
+    with _process_lock:
+        state = _loaded.get(kind)
+        if state is not None and (state.lib is not None or not retry_failed):
+            return state
+        reason = _unavailable_reason(kind)
+        if reason is not None:
+            state = _Loaded(None, reason, unavailable=True)
+        else:
+            try:
+                library, _ = _build_or_wait(kind, retry_failed)
+            except BuildError as exc:
+                state = _Loaded(None, str(exc))
+            else:
+                try:
+                    state = _Loaded(_open(kind, library), "")
+                except (OSError, AttributeError) as exc:  # a damaged cache entry: say how to rebuild it
+                    state = _Loaded(None, f"cannot load {library} ({exc}); delete {library.parent} to rebuild")
+        _loaded[kind] = state
+        return state
+
+
+def _kernel(kind: str) -> ctypes.CDLL | None:
+    """The loaded kernel, or None after warning once (per process) why torch's implementation runs instead."""
+    state = _load(kind)
+    if state.lib is None and not state.unavailable and kind not in _warned:
+        _warned.add(kind)
+        warnings.warn(f"zerorun: the {kind} kernel is unavailable ({state.reason}); Adam runs on torch's fused "
+                      "implementation instead (same results; a low-precision copy takes a second pass). "
+                      "`zerorun env --build` retries and shows the status.", KernelWarning, stacklevel=3)
+    return state.lib
+
+
+# ---- the public interface ----
+
+def adamw_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+               step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               decoupled: bool = True, grad_divisor: float = 1.0, lowp_out: torch.Tensor | None = None) -> None:
+    """One Adam(W) update of flat fp32 tensors in place (params = fp32 master).
+
+    grads may be fp32, bf16 or fp16 and are divided by `grad_divisor` in the same pass; their
+    contents afterwards are unspecified (torch's fallback divides them in place). If `lowp_out`
+    (bf16/fp16, same numel) is given, the updated params are also written there, cast. Our kernel
+    runs when built (CPU or CUDA by device), else torch's fused Adam(W) with the same numerics.
+    """
+    _check(params, grads, exp_avg, exp_avg_sq, lowp_out)
+    if params.numel() == 0:
+        return
+    hyper = (int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(decoupled),
+             float(grad_divisor))
+    kind = {"cpu": "cpu_adam", "cuda": "fused_adam"}.get(params.device.type)
+    lib = _kernel(kind) if kind is not None else None
+    if lib is None:
+        _torch_adamw_step(params, grads, exp_avg, exp_avg_sq, *hyper, lowp_out)
+        return
+    lowp_ptr, lowp_code = (lowp_out.data_ptr(), _DTYPE_CODES[lowp_out.dtype]) if lowp_out is not None else (None, -1)
+    args = (params.data_ptr(), grads.data_ptr(), _DTYPE_CODES[grads.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+            lowp_ptr, lowp_code, params.numel(), *hyper)
+    if kind == "cpu_adam":
+        code = lib.zr_cpu_adam(*args, torch.get_num_threads())
+        assert code == 0, f"zr_cpu_adam rejected its arguments (code {code})"
+    else:
+        with torch.cuda.device(params.device):
+            code = lib.zr_cuda_adam(*args, torch.cuda.current_stream(params.device).cuda_stream)
+        if code != 0:
+            raise RuntimeError(f"zerorun fused_adam kernel launch failed: {lib.zr_cuda_error_string(code).decode()}")
+
+
+def _check(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+           lowp_out: torch.Tensor | None) -> None:
+    named = {"params": params, "grads": grads, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if lowp_out is not None:
+        named["lowp_out"] = lowp_out
+    for name, tensor in named.items():
+        if not tensor.is_contiguous() or tensor.numel() != params.numel() or tensor.device != params.device:
+            raise ValueError(f"adamw_step: {name} must be contiguous, on {params.device}, with {params.numel()} "
+                             f"elements; got {tuple(tensor.shape)} on {tensor.device}")
+    for name in ("params", "exp_avg", "exp_avg_sq"):
+        if named[name].dtype != torch.float32:
+            raise ValueError(f"adamw_step: {name} must be float32, got {named[name].dtype}")
+    if grads.dtype not in _DTYPE_CODES:
+        raise ValueError(f"adamw_step: grads must be float32, bfloat16 or float16, got {grads.dtype}")
+    if lowp_out is not None and lowp_out.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"adamw_step: lowp_out must be bfloat16 or float16, got {lowp_out.dtype}")
+
+
+def _torch_adamw_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                      step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                      decoupled: int, grad_divisor: float, lowp_out: torch.Tensor | None) -> None:
+    """The fallback: torch's fused Adam(W) (grad_scale = divisor), then a cast copy."""
+    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    grads = grads if grads.dtype == torch.float32 else grads.float()
+    device = params.device
+    divisor = None if grad_divisor == 1.0 else torch.full((), grad_divisor, dtype=torch.float32, device=device)
+    fused([params], [grads], [exp_avg], [exp_avg_sq], [], [torch.full((), float(step), device=device)], lr=lr,
+          beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+          grad_scale=divisor, found_inf=None)
+    if lowp_out is not None:
+        lowp_out.copy_(params)
+
+
+def status() -> dict[str, str]:
+    """Per kernel, one line: loaded / built / not built yet / failed / unavailable, and why. Builds nothing."""
+    out = {}
+    for kind in KINDS:
+        state = _loaded.get(kind)
+        unavailable = _unavailable_reason(kind)
+        if unavailable is not None:
+            out[kind] = f"unavailable: {unavailable}"
+            continue
+        directory = build_dir(kind)
+        if state is not None and state.lib is not None:
+            isa = f", {state.lib.zr_cpu_adam_isa_name(state.lib.zr_cpu_adam_isa()).decode()}" \
+                if kind == "cpu_adam" else ""
+            out[kind] = f"loaded{isa} (cached at {directory})"
+        elif _library(directory) is not None:
+            out[kind] = f"built (cached at {directory})"
+        elif state is not None:
+            out[kind] = f"failed: {state.reason}"
+        elif (directory / "FAILED").is_file():
+            out[kind] = f"failed: {(directory / 'FAILED').read_text().strip()}"
+        else:
+            out[kind] = "not built yet (builds on first use, or run `zerorun env --build`)"
+    return out
+
+
+def build(kinds: Sequence[str] = KINDS) -> dict[str, str]:
+    """Build (or load from the cache) each kernel now, retrying earlier failures; their status lines."""
+    unknown = [k for k in kinds if k not in SPECS]
+    if unknown:
+        raise ValueError(f"unknown kernels {unknown}; choose from {list(SPECS)}")
+    for kind in kinds:
+        _load(kind, retry_failed=True)
+    return {kind: line for kind, line in status().items() if kind in kinds}
+
+
+def use_cpu_isa(level: int) -> str:
+    """Restrict cpu_adam to an instruction set (-1 best, 0 generic, 1 avx2); the name of the one in use."""
+    lib = _load("cpu_adam").lib
+    if lib is None:
+        raise BuildError(_loaded["cpu_adam"].reason)
+    return lib.zr_cpu_adam_isa_name(lib.zr_cpu_adam_use_isa(level)).decode()
