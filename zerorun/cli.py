@@ -80,18 +80,23 @@ def launch(
 @app.command()
 def env(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    build: Annotated[bool, typer.Option("--build", help="First build zerorun's kernels (retrying failed builds); "
+                                                        "exit status 1 if one fails.")] = False,
 ) -> None:
     """Report versions, devices, compilers and kernels: paste it into a bug report."""
     from zerorun import envreport
 
+    failed = envreport.build_kernels(progress=lambda line: typer.echo(line, err=True)) if build else []
     report = envreport.collect()
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
         envreport.print_table(report)
+    if failed:
+        raise typer.Exit(1)
 
 
-bench_app = typer.Typer(help="Side-by-side measurements: step time against DDP/FSDP2, collectives.",
+bench_app = typer.Typer(help="Side-by-side measurements: step time against DDP/FSDP2, collectives, Adam kernels.",
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
@@ -108,8 +113,8 @@ def bench_step(
     threads: Annotated[int, typer.Option(help="CPU threads per rank.")] = 1,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds (each system once per round).")] = 3,
     steps: Annotated[int, typer.Option(help="Timed steps per round, after one warm-up step.")] = 3,
-    systems: Annotated[str, typer.Option(help="Comma-separated: ddp, ddp-fused, fsdp2, zero0, zero1, zero2.")] =
-        "ddp,fsdp2,zero1,zero2",
+    systems: Annotated[str, typer.Option(help="Comma-separated: ddp, ddp-fused, fsdp2, zero0, zero1, zero2, zero3.")] =
+        "ddp,fsdp2,zero1,zero2,zero3",
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 for zerorun's stages.")] = "fp32",
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
 ) -> None:
@@ -143,6 +148,52 @@ def bench_comm(
 
     sizes_mib = [float(s) for s in sizes.split(",") if s.strip()]
     Console(width=200).print(comm.render(comm.run(sizes_mib, ranks), ranks))
+
+
+@bench_app.command("adam")
+def bench_adam(
+    sizes: Annotated[str, typer.Option(help="Comma-separated shard sizes in parameters (K/M/G = 10^3/6/9).")] =
+        "1M,16M",
+    threads: Annotated[int, typer.Option(help="CPU threads (torch's and our kernel's).")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed steps per implementation and size, after one warm-up.")] = 10,
+    implementations: Annotated[str, typer.Option(help="Comma-separated subset of: zerorun, zerorun+bf16, "
+                                                      "torch fused, torch fused+bf16, torch foreach, "
+                                                      "torch for-loop (default: all).")] = "",
+    bandwidth_size: Annotated[str, typer.Option(help="Elements of the torch add that measures memory bandwidth; "
+                                                     "make it larger than the last-level cache.")] = "64M",
+) -> None:
+    """Params/s and GB/s of our CPU Adam kernel and torch's, against the measured memory bandwidth."""
+    from rich.console import Console
+
+    from zerorun.bench import adam
+
+    try:
+        numels = [adam.parse_size(s) for s in sizes.split(",") if s.strip()]
+        bandwidth_numel = adam.parse_size(bandwidth_size)
+    except ValueError as exc:
+        raise ZerorunError(f"--sizes/--bandwidth-size: {exc}") from None
+    chosen = tuple(s.strip() for s in implementations.split(",") if s.strip()) or adam.IMPLEMENTATIONS
+    unknown = [s for s in chosen if s not in adam.IMPLEMENTATIONS]
+    if unknown:
+        raise ZerorunError(f"--implementations: unknown {', '.join(unknown)}; "
+                           f"choose from {', '.join(adam.IMPLEMENTATIONS)}.")
+    if threads < 1 or repeats < 1:
+        raise ZerorunError("--threads and --repeats must be at least 1.")
+    Console(width=200).print(adam.render(adam.run(numels, threads, repeats, chosen, bandwidth_numel=bandwidth_numel)))
+
+
+@app.command()
+def report(
+    run: Annotated[Path, typer.Argument(help="A run directory (runs/<name>) or its telemetry.jsonl.",
+                                        show_default=False)],
+    job: Annotated[str | None, typer.Option(help="The job id to show (default: the file's last job).")] = None,
+) -> None:
+    """Show a job's telemetry summary again, from runs/<name>/telemetry.jsonl."""
+    from rich.console import Console
+
+    from zerorun.telemetry import report as telemetry_report
+
+    Console(width=200).print(telemetry_report.render(telemetry_report.load(run, job)))
 
 
 def main() -> None:

@@ -119,6 +119,8 @@ class TelemetryConfig:
     enabled: bool = _f(True, "Stream per-rank memory and throughput to the launcher.")
     interval_s: float = _f(1.0, "Seconds between samples.", gt=0)
     stall_s: float = _f(300.0, "Report a stall (and every rank's stack) when no step finishes for this long.", gt=0)
+    peak_tflops: float | None = _f(None, "Peak dense TFLOP/s of one device, for MFU (null: looked up from the "
+                                         "GPU's name; MFU is n/a on CPU).", gt=0)
 
 
 @dataclass

@@ -12,7 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import zerorun
 
@@ -29,7 +29,7 @@ def collect() -> Report:
         "distributed": _distributed(),
         "compilers": {name: _tool_version(name, flag) for name, flag in
                       (("gcc", "--version"), ("g++", "--version"), ("nvcc", "--version"), ("ninja", "--version"))},
-        "kernels": {"status": _kernels()},
+        "kernels": _kernels(),
     }
 
 
@@ -99,20 +99,29 @@ def _tool_version(name: str, flag: str) -> str:
     return f"{path} ({line.strip()})"
 
 
-def _kernels() -> str:
+def _kernels() -> dict[str, str]:
+    """Per kernel: loaded / built / not built yet / failed (why) / unavailable (why). Builds nothing."""
     try:
-        from zerorun import ops  # type: ignore[attr-defined]
-    except ImportError:
-        return "not built (zerorun.ops unavailable)"
+        from zerorun import ops
     except Exception as exc:  # noqa: BLE001 - a module that fails to import is worth reporting as is
-        return f"not built (importing zerorun.ops failed: {exc})"
-    status = getattr(ops, "status", None)
-    if status is None:
-        return "unknown (zerorun.ops has no status())"
+        return {"status": f"not built (importing zerorun.ops failed: {exc})"}
     try:
-        return str(status())
+        return ops.status()
     except Exception as exc:  # noqa: BLE001 - a broken build is exactly what the report must show
-        return f"error: {exc}"
+        return {"status": f"error: {exc}"}
+
+
+def build_kernels(progress: Callable[[str], None]) -> list[str]:
+    """Build every kernel this machine can have (`zerorun env --build`); the kinds that failed."""
+    from zerorun import ops
+
+    failed = []
+    for kind in ops.KINDS:
+        line = ops.build([kind])[kind]
+        progress(f"{kind}: {line}")
+        if line.startswith("failed"):
+            failed.append(kind)
+    return failed
 
 
 def _gib(nbytes: float) -> str:

@@ -14,7 +14,7 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., LaunchedJob]]:
     jobs: list[LaunchedJob] = []
 
     def start(script: str, args: Sequence[str] = (), flags: Sequence[str] = (), **keys: object) -> LaunchedJob:
-        job = LaunchedJob.start(write_recipe(tmp_path, script, args, **keys), *flags)
+        job = LaunchedJob.start(write_recipe(tmp_path, script, args, **keys), *flags, cwd=tmp_path)
         jobs.append(job)
         return job
 

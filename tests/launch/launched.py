@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import psutil
@@ -46,10 +46,11 @@ class LaunchedJob:
             reader.start()
 
     @classmethod
-    def start(cls, recipe: Path, *flags: str) -> LaunchedJob:
+    def start(cls, recipe: Path, *flags: str, cwd: Path | None = None) -> LaunchedJob:
+        """Launch `recipe` from `cwd` (where runs/<name>/telemetry.jsonl goes; default: the checkout)."""
         proc = subprocess.Popen([sys.executable, "-m", "zerorun.cli", "launch", str(recipe), *flags],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-                                cwd=REPO)
+                                cwd=cwd or REPO)
         return cls(proc)
 
     def _read(self, stream, sink: list[str]) -> None:
@@ -62,13 +63,20 @@ class LaunchedJob:
 
     # -- watching ---------------------------------------------------------------------------------
 
-    def wait_for(self, text: str, count: int = 1, timeout: float = 60.0) -> None:
-        """Wait until `count` stdout lines end with `text`; fail with the output so far if not."""
+    def wait_for(self, text: str, count: int = 1, timeout: float = 60.0, stream: str = "stdout") -> None:
+        """Wait until `count` lines of `stream` (stdout or stderr) end with `text`; else fail with the output."""
+        lines = self.stdout if stream == "stdout" else self.stderr
         with self._changed:
             done = self._changed.wait_for(
-                lambda: sum(line.endswith(text) for line in self.stdout) >= count or self.proc.poll() is not None,
+                lambda: sum(line.endswith(text) for line in lines) >= count or self.proc.poll() is not None,
                 timeout=timeout)
         assert done and self.proc.poll() is None, f"launcher ended or timed out before {count}x {text!r}:\n{self.output}"
+
+    def wait_until(self, condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+        """Wait until `condition()` (checked whenever a line arrives) holds while the launcher runs."""
+        with self._changed:
+            done = self._changed.wait_for(lambda: condition() or self.proc.poll() is not None, timeout=timeout)
+        assert done and self.proc.poll() is None, f"launcher ended or timed out before {what}:\n{self.output}"
 
     def send(self, sig: int) -> None:
         self._times["signal"] = time.monotonic()

@@ -14,7 +14,7 @@ from zerorun.errors import HostfileError, LaunchError
 from zerorun.hostfile import Node
 from zerorun.launch import launcher
 from zerorun.launch.launcher import LaunchOptions
-from zerorun.launch.plan import MachineFacts, plan, render
+from zerorun.launch.plan import MachineFacts, plan, render, with_env
 from zerorun.launch.transport import transport_for
 
 CPU = MachineFacts(cpu_count=8, cuda=False, python="/py/bin/python")
@@ -96,6 +96,15 @@ def test_env_carries_the_resolved_recipe_job_id_and_host():
     assert [n.env["ZERORUN_NODE_HOST"] for n in p.nodes] == ["a", "b"]
 
 
+def test_plan_carries_steps_and_telemetry_and_with_env_adds_the_collector_address_to_every_node():
+    p = plan(recipe(train={"steps": 7}, telemetry={"stall_s": 9}), [Node("a", (0,)), Node("b", (0,))], "j", 1, GPU)
+    assert (p.steps, p.telemetry.stall_s) == (7, 9.0)
+    launched = with_env(p, {"ZERORUN_TELEMETRY": "10.0.0.1:4000"})
+    assert all(n.env["ZERORUN_TELEMETRY"] == "10.0.0.1:4000" for n in launched.nodes)
+    assert all("ZERORUN_TELEMETRY" not in n.env for n in p.nodes)  # the original plan is untouched
+    assert [n.env["ZERORUN_NODE_HOST"] for n in launched.nodes] == ["a", "b"]
+
+
 def test_recipe_env_reaches_workers_but_cannot_replace_zerorun_variables():
     env = plan(recipe(env={"NCCL_DEBUG": "INFO", "ZERORUN_JOB_ID": "mine"}), TWO_LOCAL, "job-1", 1, CPU).nodes[0].env
     assert env["NCCL_DEBUG"] == "INFO" and env["ZERORUN_JOB_ID"] == "job-1"
@@ -108,6 +117,7 @@ def test_dry_run_shows_each_host_its_env_and_a_command_line_the_shell_reads_back
     assert "node 0: a  ranks 0" in text and "node 1: b  ranks 1-2" in text
     assert "CUDA_VISIBLE_DEVICES=0,1" in text and "ZERORUN_JOB_ID=job-1" in text
     assert "ZERORUN_RECIPE=<the resolved recipe as JSON" in text  # summarised, not dumped
+    assert "telemetry: runs/r/telemetry.jsonl; every node's env also gets ZERORUN_TELEMETRY=" in text
     commands = [line.strip() for line in text.splitlines() if line.startswith("    /py/bin/python")]
     assert [tuple(shlex.split(c)) for c in commands] == [n.argv for n in p.nodes]
 

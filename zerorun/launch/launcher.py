@@ -5,8 +5,9 @@
     exit_code = run(launch_plan)                                              # starts, supervises, tears down
 
 `make_plan` gathers the impure facts (recipe file, hostfile, GPUs, CPU count, a free port, the job
-id) and hands them to the pure `plan.plan`. `run` picks a transport per node and lets the
-supervisor drive the job.
+id) and hands them to the pure `plan.plan`. `run` picks a transport per node, starts the telemetry
+monitor (collector, live view, stall watch) unless the recipe turned it off, tells the workers its
+address, and lets the supervisor drive the job.
 """
 
 from __future__ import annotations
@@ -21,14 +22,19 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from zerorun import config, hostfile
 from zerorun.config import Recipe
 from zerorun.errors import HostfileError, LaunchError
 from zerorun.hostfile import Node
-from zerorun.launch.plan import LaunchPlan, MachineFacts, is_local, plan, render
+from zerorun.launch.plan import LaunchPlan, MachineFacts, is_local, plan, render, with_env
 from zerorun.launch.supervisor import Supervisor
 from zerorun.launch.transport import transport_for
+from zerorun.telemetry import ADDRESS_ENV
+
+if TYPE_CHECKING:
+    from zerorun.telemetry.monitor import Monitor
 
 __all__ = ["LaunchOptions", "make_plan", "render", "run"]
 
@@ -63,7 +69,31 @@ def run(launch_plan: LaunchPlan) -> int:
     transports = [transport_for(node.host, launch_plan.job_id) for node in launch_plan.nodes]
     if is_local(launch_plan.nodes[0].host):
         _check_port_free(launch_plan.master_addr, launch_plan.master_port)
-    return Supervisor(launch_plan, transports).run()
+    monitor = _start_monitor(launch_plan)
+    if monitor is not None:
+        launch_plan = with_env(launch_plan, {ADDRESS_ENV: monitor.address})
+    exit_code = 1
+    try:
+        exit_code = Supervisor(launch_plan, transports, output=monitor).run()
+    finally:
+        if monitor is not None:
+            monitor.finish(exit_code)
+    return exit_code
+
+
+def _start_monitor(launch_plan: LaunchPlan) -> Monitor | None:
+    """The telemetry monitor, listening; None when the recipe turned telemetry off or it cannot start."""
+    if not launch_plan.telemetry.enabled:
+        return None
+    from zerorun.telemetry.monitor import Monitor
+
+    monitor = Monitor(launch_plan)
+    try:
+        monitor.start()
+    except OSError as exc:  # the job runs without telemetry rather than not at all
+        print(f"zerorun: telemetry off: cannot start the collector ({monitor.path}): {exc}", file=sys.stderr)
+        return None
+    return monitor
 
 
 def select_nodes(recipe: Recipe, options: LaunchOptions, gpus: int) -> list[Node]:

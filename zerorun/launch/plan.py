@@ -16,15 +16,17 @@ for the user, not a silent retry).
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from zerorun import config
-from zerorun.config import Recipe
+from zerorun.config import Recipe, TelemetryConfig
 from zerorun.errors import LaunchError
 from zerorun.hostfile import Node
 from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV
+from zerorun.telemetry import ADDRESS_ENV, RUNS_DIR
 
 WORKER_MODULE = "zerorun.launch.worker"
 RECIPE_SOURCE_ENV = config.RECIPE_ENV + "_SOURCE"
@@ -72,6 +74,8 @@ class LaunchPlan:
     world_size: int
     kill_grace_s: float
     nodes: tuple[NodeCommand, ...]
+    steps: int = 0  # the recipe's train.steps: the launcher's progress bar counts towards it
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
 
 def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, facts: MachineFacts) -> LaunchPlan:
@@ -88,7 +92,15 @@ def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, f
         commands.append(NodeCommand(node.host, node_rank, first_rank, node.nproc, argv, env))
         first_rank += node.nproc
     return LaunchPlan(job_id=job_id, name=recipe.name or "job", master_addr=master_addr, master_port=master_port,
-                      world_size=first_rank, kill_grace_s=recipe.launch.kill_grace_s, nodes=tuple(commands))
+                      world_size=first_rank, kill_grace_s=recipe.launch.kill_grace_s, nodes=tuple(commands),
+                      steps=recipe.train.steps, telemetry=recipe.telemetry)
+
+
+def with_env(launch_plan: LaunchPlan, extra: Mapping[str, str]) -> LaunchPlan:
+    """The same plan with `extra` added to every node's environment (what only exists at launch,
+    such as the telemetry collector's address)."""
+    nodes = tuple(dataclasses.replace(node, env={**node.env, **extra}) for node in launch_plan.nodes)
+    return dataclasses.replace(launch_plan, nodes=nodes)
 
 
 def torchrun_argv(python: str, nnodes: int, node_rank: int, nproc: int, master_addr: str, master_port: int,
@@ -151,6 +163,9 @@ def render(launch_plan: LaunchPlan) -> str:
     p = launch_plan
     nodes = f"{len(p.nodes)} node{'s' if len(p.nodes) != 1 else ''}"
     lines = [f"job {p.job_id} ({p.name}): {nodes}, {p.world_size} workers, master {p.master_addr}:{p.master_port}"]
+    if p.telemetry.enabled:
+        lines.append(f"telemetry: {RUNS_DIR}/{p.name}/telemetry.jsonl; every node's env also gets "
+                     f"{ADDRESS_ENV}=<the launcher's collector, host:port chosen at launch>")
     for node in p.nodes:
         lines.append("")
         lines.append(f"node {node.node_rank}: {node.host}  ranks {_span(node.ranks)}")

@@ -12,6 +12,9 @@
   signal: the main loop wakes every 0.1 s and acts, so no lock is ever taken inside a handler.
 - **Nothing left behind.** Whatever the ending (success included), every transport's `stop` runs,
   which ends every process that still carries the job's id.
+- **Where lines go** is an `Output`: by default straight to stdout/stderr; the telemetry monitor
+  (`zerorun.telemetry.monitor`) is another, which shows them above a live table and uses the loop's
+  `tick` to refresh it and to watch for stalls.
 """
 
 from __future__ import annotations
@@ -47,15 +50,32 @@ class Outcome:
     signal: int | None = None  # the signal that stopped the launcher
 
 
+class Output:
+    """Where the supervisor's lines go: here, to stdout (fd 1) and stderr (fd 2) as they come."""
+
+    def __init__(self, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None) -> None:
+        self.files = {1: stdout or sys.stdout.buffer, 2: stderr or sys.stderr.buffer}
+
+    def write(self, fd: int, line: bytes) -> None:
+        out = self.files[fd]
+        try:
+            out.write(line + b"\n")
+            out.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # our own output is gone (piped into `head`): keep supervising
+
+    def tick(self) -> None:
+        """Called about every 0.1 s while the job runs (and while its last output drains)."""
+
+
 class Supervisor:
     """Runs `plan` through `transports` (one per node, in node order) and returns the exit code."""
 
-    def __init__(self, plan: LaunchPlan, transports: Sequence[Transport],
-                 stdout: BinaryIO | None = None, stderr: BinaryIO | None = None) -> None:
+    def __init__(self, plan: LaunchPlan, transports: Sequence[Transport], output: Output | None = None) -> None:
         assert len(transports) == len(plan.nodes), "supervisor: one transport per node"
         self.plan = plan
         self.transports = list(transports)
-        self._out = {1: stdout or sys.stdout.buffer, 2: stderr or sys.stderr.buffer}
+        self.output = output or Output()
         self._events: queue.Queue[tuple[int, int, bytes | None]] = queue.Queue()
         self._open_streams = [0] * len(transports)
         self._tails: dict[tuple[str, int | str], deque[bytes]] = defaultdict(lambda: deque(maxlen=TAIL_LINES))
@@ -91,6 +111,7 @@ class Supervisor:
                 self._say(f"received {signal.Signals(self._signal).name}; stopping job {self.plan.job_id}")
                 return Outcome(128 + self._signal, signal=self._signal)
             self._handle_events(timeout=0.1)
+            self.output.tick()
             if self._first_failure is not None:
                 return Outcome(self._first_failure.exit_status, failure=self._first_failure)
             if all(t.poll() is not None for t in self.transports):
@@ -146,6 +167,7 @@ class Supervisor:
         deadline = time.monotonic() + timeout
         while sum(self._open_streams) > 0 and time.monotonic() < deadline:
             self._handle_events(timeout=0.05)
+            self.output.tick()
         self._handle_events(timeout=0)
 
     def _read_in_background(self, node_index: int, fd: int, stream: IO[bytes]) -> None:
@@ -203,12 +225,7 @@ class Supervisor:
         self._write(2, f"zerorun: {message}".encode())
 
     def _write(self, fd: int, line: bytes) -> None:
-        out = self._out[fd]
-        try:
-            out.write(line + b"\n")
-            out.flush()
-        except (BrokenPipeError, ValueError):
-            pass  # our own output is gone (piped into `head`): keep supervising
+        self.output.write(fd, line)
 
     def _install_signal_handlers(self) -> dict[int, object]:
         if threading.current_thread() is not threading.main_thread():

@@ -5,25 +5,36 @@
    launcher learns how the rank ended.
 2. Join the process group: `init_distributed(recipe.launch.timeout_s)` (nccl on CUDA, gloo on CPU).
    The recipe comes from the environment the launcher set; `zerorun.recipe()` reads it there too.
-3. Run the user's script as `__main__` with `runpy`, with `sys.argv` and `sys.path[0]` as
+3. Register `faulthandler` for SIGUSR1: on that signal every thread's Python stack goes to stderr
+   (and so through the relay); the launcher's stall report uses it. Start the telemetry probe when
+   the launcher gave a collector address (`ZERORUN_TELEMETRY`) and `telemetry.enabled`.
+4. Run the user's script as `__main__` with `runpy`, with `sys.argv` and `sys.path[0]` as
    `python script.py args` would set them. Nothing is seeded: that is the script's (or the
    engine's) business.
-4. Destroy the process group on a clean exit. After a failure it is left alone: tearing down a
-   communicator whose peers are gone can block, and the process is about to end anyway.
+5. Stop the probe (a last sample and what is still queued, for at most 2 s). Destroy the process
+   group on a clean exit. After a failure it is left alone: tearing down a communicator whose
+   peers are gone can block, and the process is about to end anyway.
 
 An exception in the script prints its usual traceback (without this module's frames) and exits 1.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import runpy
+import signal
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV, streams
+from zerorun.telemetry import ADDRESS_ENV
+
+STACK_SIGNAL = signal.SIGUSR1  # `kill -USR1 <pid>` prints a worker's Python stacks
 
 USAGE = "usage: python -m zerorun.launch.worker -- SCRIPT [ARGS...]"
 
@@ -47,25 +58,47 @@ def run_script(script: str, args: list[str]) -> int:
     from zerorun.runtime.dist import init_distributed
 
     recipe = config.from_env()
-    init_distributed(recipe.launch.timeout_s if recipe else 300.0)
+    info = init_distributed(recipe.launch.timeout_s if recipe else 300.0)
+    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
+    stop_probe = _start_probe(recipe, info)
     script = os.path.abspath(script)
     sys.argv = [script, *args]
     # The script's directory comes first, as for `python script.py`; the entries after it stay, so
     # that a zerorun checkout found through the working directory remains importable.
     sys.path.insert(0, os.path.dirname(script))
+    namespace: dict[str, Any] = {}
     try:
-        runpy.run_path(script, run_name="__main__")
+        namespace = runpy.run_path(script, run_name="__main__")  # kept: the probe's last sample sees the engine
         code = 0
     except SystemExit as exc:
         code = _exit_code(exc.code)
     except BaseException as exc:  # noqa: BLE001 - the user's error, reported as Python would
         _print_user_traceback(exc, script)
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+    if stop_probe is not None:
+        stop_probe()
+    namespace.clear()
     sys.stdout.flush()
     sys.stderr.flush()
     if code == 0:
         _destroy_process_group()
     return code
+
+
+def _start_probe(recipe: Any, info: Any) -> Callable[[], None] | None:
+    """Start this rank's telemetry probe; return its stop function (None: no collector, or telemetry off)."""
+    address = os.environ.get(ADDRESS_ENV)
+    if not address or recipe is None or not recipe.telemetry.enabled:
+        return None
+    try:
+        from zerorun.telemetry import probe
+
+        host = os.environ.get(NODE_HOST_ENV) or socket.gethostname()
+        probe.start(address, recipe.telemetry, info.rank, host, info.device)
+        return probe.stop
+    except Exception as exc:  # noqa: BLE001 - telemetry must never stop training
+        print(f"zerorun: telemetry off on this rank: {exc!r}", file=sys.stderr)
+        return None
 
 
 def _exit_code(value: object) -> int:

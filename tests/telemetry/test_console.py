@@ -1,0 +1,146 @@
+"""State folding and rendering from synthetic records, without processes: live table, plain line,
+summary, `zerorun report`, which ranks are behind, FLOPs and device peaks."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+from typer.testing import CliRunner
+
+from zerorun.cli import app
+from zerorun.errors import ZerorunError
+from zerorun.telemetry import console, report
+from zerorun.telemetry.flops import count_training_flops, peak_tflops
+from zerorun.telemetry.state import RunState
+
+MiB = 2**20
+
+
+def job_records(job_id: str = "demo-1", steps: int = 4, ranks: int = 2) -> list[dict]:
+    """A finished 2-rank job on one CUDA host: hello, engine, steps 1..steps, a sample per step, bye, end."""
+    out: list[dict] = [{"type": "job", "job_id": job_id, "name": "demo", "world_size": ranks, "steps": 10,
+                        "t": 100.0}]
+    for r in range(ranks):
+        out.append({"type": "hello", "rank": r, "t": 101.0, "host": "gpu-node", "pid": 1000 + r, "pid_start": 99.0})
+        out.append({"type": "engine", "rank": r, "t": 102.0, "params": 1_000_000_000, "peak_tflops": 989.0})
+    for step in range(1, steps + 1):
+        for r in range(ranks):
+            seconds = 2.0 if step == 1 else 0.5  # the first step is slow (start-up) and left out of means
+            out.append({"type": "step", "rank": r, "t": 102.0 + step, "step": step, "loss": 3.0 - 0.1 * step - r / 100,
+                        "grad_norm": 1.0, "loss_scale": 1.0, "skipped": False, "skipped_total": 0,
+                        "step_time_s": seconds, "samples": 8, "tokens": 8192, "samples_per_s": 8 / seconds,
+                        "tokens_per_s": 8192 / seconds, "flops": 6e9 * 8192, "tflops": 6e9 * 8192 / seconds / 1e12,
+                        "mfu": 6e9 * 8192 / seconds / 1e12 / 989.0,
+                        "comm": {"reduce_scatter": {"bytes": 4e9 * step, "calls": 10 * step, "seconds": 0.1 * step}}})
+            out.append({"type": "sample", "rank": r, "t": 102.0 + step, "rss": (3000 + step) * MiB, "cpu_percent": 99.0,
+                        "cuda": {"allocated": 20_000 * MiB, "reserved": 30_000 * MiB, "peak": (24_000 + step) * MiB},
+                        "memory": {"params": {"cuda": 2 * 10**9}, "optimizer": {"nvme": 12 * 10**9}},
+                        "io": {"read_bytes": step * 10**9, "write_bytes": step * 10**9},
+                        "where": {"file": "/x/train.py", "line": 7, "function": "main", "in_collective": False}})
+    out += [{"type": "bye", "rank": r, "t": 110.0} for r in range(ranks)]
+    out.append({"type": "end", "exit_code": 0, "t": 111.0})
+    return out
+
+
+def fold(records: list[dict]) -> RunState:
+    state = RunState()
+    for record in records:
+        state.ingest(record, record["t"])
+    return state
+
+
+def text(renderable, width: int = 200) -> str:
+    buffer = io.StringIO()
+    Console(file=buffer, width=width, color_system=None).print(renderable)
+    return buffer.getvalue()
+
+
+def test_state_keeps_latest_figures_and_means_without_the_first_step_and_ignores_repeats():
+    records = job_records()
+    records.insert(12, dict(records[10]))  # a step record sent twice across a reconnect
+    state = fold(records)
+    rank = state.ranks[1]
+    assert (state.step, state.total_steps, rank.host, rank.finished) == (4, 10, "gpu-node", True)
+    assert rank.loss == pytest.approx(2.6 - 0.01)
+    assert rank.steps_seen == 4 and rank.timed_s == pytest.approx(1.5)  # steps 2-4
+    assert rank.mean(rank.timed_tokens) == pytest.approx(8192 / 0.5)
+    assert rank.device_peak == 24_004 * MiB and rank.rss_peak == 3004 * MiB and rank.nvme_bytes == 12 * 10**9
+    assert rank.io_rate == pytest.approx(2e9) and rank.io_bytes == 6 * 10**9
+    assert rank.comm_seconds == pytest.approx(0.4) and rank.busy_s == pytest.approx(3.5)  # all steps
+
+
+def test_live_view_has_a_progress_bar_a_row_per_rank_and_totals():
+    state = fold(job_records()[:-4])  # still running: no bye, no end
+    shown = text(console.live_view(state, now=107.0))
+    assert "step 4/10" in shown and "40%" in shown
+    assert "ETA 0:00:02" in shown  # 6 steps x 0.5 s, less the 1 s since the last one
+    rows = [line.split() for line in shown.splitlines() if line.startswith(("gpu-node", "all"))]
+    assert [row[:3] for row in rows] == [["gpu-node", "0", "4"], ["gpu-node", "1", "4"], ["all", "4", "2.5950"]]
+    assert rows[0][3:] == ["2.6000", "500", "ms", "16,384", "98.3", "9.9%", "19.5", "GiB", "/", "23.4", "GiB",
+                           "2.9", "GiB", "2.00"]
+    assert "32,768" in rows[2] and "196.6" in rows[2]  # totals: summed tokens/s and TFLOP/s
+
+
+def test_plain_summary_line_says_progress_and_totals_in_one_line():
+    line = console.summary_line(fold(job_records()[:-4]), now=107.0)
+    assert line.startswith("step 4/10 (40%) elapsed 0:00:07 ETA 0:00:02 | loss 2.5950 | step 500 ms")
+    assert "32,768 tokens/s" in line and "196.6 TFLOP/s (MFU 9.9%)" in line and "NVMe 4.00 GB/s" in line
+    assert "\n" not in line
+
+
+def test_summary_table_shows_mean_throughput_peaks_skips_and_comm_per_rank():
+    shown = text(console.summary_table(fold(job_records())))
+    assert "job demo-1: 4/10 steps in 0:00:11, exit code 0" in shown
+    row = next(line for line in shown.splitlines() if "gpu-node" in line and " 0 " in line)
+    for figure in ("16.0", "16,384", "98.3", "9.9%", "23.4 GiB", "2.9 GiB", "0.40 s (11%)", "5.6 GiB"):
+        assert figure in row, (figure, row)
+
+
+def test_behind_is_the_lowest_step_or_at_equal_steps_the_ranks_outside_a_collective():
+    state = fold(job_records()[:-4])
+    state.ranks[0].step = 3
+    behind, waiting = state.behind()
+    assert [r.rank for r in behind] == [0] and [r.rank for r in waiting] == [1]
+    state.ranks[0].step = 4
+    state.ranks[0].where = {"function": "wait", "file": "collectives.py", "line": 62, "in_collective": True}
+    behind, waiting = state.behind()
+    assert [r.rank for r in behind] == [1] and [r.rank for r in waiting] == [0]
+    assert behind[0].describe_where() == "in main (train.py:7)"
+    state.ranks[1].where = dict(state.ranks[0].where)
+    assert state.behind() == ([], [state.ranks[0], state.ranks[1]])  # everyone waits: no culprit to name
+
+
+def test_report_shows_the_last_job_of_a_run_directory_or_the_one_asked_for(tmp_path: Path):
+    run = tmp_path / "runs" / "demo"
+    run.mkdir(parents=True)
+    lines = job_records("first", steps=2) + job_records("second", steps=3)
+    (run / "telemetry.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n{\"cut short")
+    assert report.load(run).job["job_id"] == "second" and report.load(run).step == 3
+    assert report.load(run / "telemetry.jsonl", job_id="first").step == 2
+    with pytest.raises(ZerorunError, match="no job third; it holds first, second"):
+        report.load(run, job_id="third")
+    with pytest.raises(ZerorunError, match="no telemetry.jsonl here"):
+        report.load(tmp_path)
+
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0 and "job second: 3/10 steps" in result.output
+    result = CliRunner().invoke(app, ["report", str(tmp_path / "nowhere")])
+    assert result.exit_code == 2 and "no telemetry.jsonl" in result.output
+
+
+@pytest.mark.parametrize(("name", "dtype", "peak"), [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.0), ("NVIDIA H100 PCIe", "bf16", 756.0), ("NVIDIA H200", "fp16", 989.0),
+    ("NVIDIA A100-SXM4-80GB", "fp32", 19.5), ("NVIDIA A10G", "bf16", 70.0), ("NVIDIA L4", "bf16", 121.0),
+    ("Some future GPU", "bf16", None), (None, "bf16", None)])
+def test_device_peaks_come_from_the_name_and_dtype(name, dtype, peak):
+    assert peak_tflops(name, dtype) == peak
+
+
+def test_measured_training_flops_are_three_forwards():
+    assert count_training_flops(nn.Linear(16, 8), torch.randn(4, 16)) == 3 * 2 * 4 * 16 * 8

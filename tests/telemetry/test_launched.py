@@ -1,0 +1,96 @@
+"""Real 2-rank CPU launches with telemetry: records, memory, plain output, report, stalls, a killed launcher.
+
+Each test runs `python -m zerorun.cli launch` from a temporary directory (so the run lands in
+`tmp_path/runs/recipe/telemetry.jsonl`) with `scripts/tiny_train.py`, and checks afterwards that
+no process of the job is left.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from zerorun.cli import app
+
+TINY = str(Path(__file__).parent / "scripts" / "tiny_train.py")
+FAST = {"interval_s": 0.1}
+
+
+def records(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "runs" / "recipe" / "telemetry.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def of(recs: list[dict], kind: str, rank: int | None = None) -> list[dict]:
+    return [r for r in recs if r["type"] == kind and (rank is None or r.get("rank") == rank)]
+
+
+def test_two_ranks_stream_every_step_memory_equals_engine_memory_plain_summaries_and_report(launch, tmp_path):
+    job = launch(TINY, nproc_per_node=2, train={"steps": 5}, telemetry=FAST)
+    assert job.wait() == 0, job.output
+    recs = records(tmp_path)
+    assert recs[0]["type"] == "job" and recs[0]["world_size"] == 2 and recs[0]["steps"] == 5
+    assert recs[-1] == {"type": "end", "exit_code": 0, "t": recs[-1]["t"]}
+    pids = set(job.worker_pids())
+    for rank in (0, 1):
+        (hello,) = of(recs, "hello", rank)
+        assert hello["host"] == "localhost" and hello["pid"] in pids
+        steps = of(recs, "step", rank)
+        assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
+        assert all(s["tokens"] == 36 and s["samples"] == 4 and s["tokens_per_s"] > 0 for s in steps)
+        assert all(isinstance(s["loss"], float) and s["tflops"] > 0 and s["mfu"] is None for s in steps)
+        (engine,) = of(recs, "engine", rank)
+        assert engine["params"] == 64 * 16 + 16 * 64 + 64 and engine["peak_tflops"] is None
+        printed = next(line for line in job.stdout if line.startswith(f"[localhost:{rank}] memory "))
+        assert of(recs, "sample", rank)[-1]["memory"] == json.loads(printed.split(" memory ", 1)[1])
+        assert of(recs, "bye", rank)
+    stderr = "\n".join(job.stderr)
+    assert "zerorun: step 5/5 (100%)" in stderr  # not a terminal: plain summary lines
+    assert "peak RSS" in stderr and "zerorun: telemetry: runs/recipe/telemetry.jsonl" in stderr
+    assert job.leftovers() == []
+
+    report = CliRunner().invoke(app, ["report", str(tmp_path / "runs" / "recipe")])
+    assert report.exit_code == 0, report.output
+    assert f"job {recs[0]['job_id']}: 5/5 steps" in report.output and "exit code 0" in report.output
+    assert len([line for line in report.output.splitlines() if "localhost" in line]) == 2
+
+
+def test_a_sleeping_rank_triggers_the_stall_report_with_the_stack_of_the_sleeping_frame(launch, tmp_path):
+    job = launch(TINY, ["--sleep-rank", "1", "--sleep-at", "2"], nproc_per_node=2, train={"steps": 50},
+                 telemetry={"interval_s": 0.2, "stall_s": 2.0})
+    job.wait_for("[localhost:1] sleeping")
+
+    def stacks_from_both_ranks() -> bool:  # faulthandler's lines, relayed; each main thread ends in runpy
+        return all(any(line.startswith(f"[localhost:{rank}] ") and line.endswith("in _run_module_as_main")
+                       for line in job.stderr) for rank in (0, 1))
+
+    job.wait_until(stacks_from_both_ranks, "both ranks' stacks", timeout=30)
+    stderr = "\n".join(job.stderr)
+    assert "zerorun: stall: no rank has finished a step for" in stderr
+    assert "zerorun: behind: rank 1 on localhost at step 2, in sleep_here (tiny_train.py:" in stderr
+    assert "zerorun: waiting for them: rank 0 on localhost at step 2" in stderr
+    stack = [line for line in job.stderr if line.startswith("[localhost:1] ")]
+    assert any('tiny_train.py", line' in line and line.endswith("in sleep_here") for line in stack)
+    assert any(line.startswith("[localhost:0]  ") and 'File "' in line for line in job.stderr)  # rank 0's too
+    job.send(signal.SIGINT)
+    assert job.wait() == 130, job.output
+    assert of(records(tmp_path), "stall")[0]["behind"] == [1]
+    assert job.leftovers() == []
+
+
+def test_a_killed_launcher_does_not_leave_workers_hanging(launch, tmp_path):
+    job = launch(TINY, ["--step-delay", "0.05"], nproc_per_node=2, train={"steps": 10_000}, telemetry=FAST)
+    deadline = time.monotonic() + 60
+    while not all(of(records(tmp_path), "step", rank) for rank in (0, 1)):  # both ranks are streaming
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output
+        time.sleep(0.2)
+    job.proc.kill()  # SIGKILL: no teardown, the collector vanishes mid-stream
+    job.wait()
+    deadline = time.monotonic() + 15
+    while job.leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert job.leftovers() == [], job.output

@@ -1,0 +1,84 @@
+"""The launcher's monitor as the supervisor's output, without workers: live and plain display, stalls."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from pathlib import Path
+
+from tests.telemetry.test_console import job_records
+from zerorun import config
+from zerorun.hostfile import Node
+from zerorun.launch.plan import MachineFacts, plan
+from zerorun.telemetry.monitor import Monitor
+
+
+def make_monitor(tmp_path: Path, live: bool, **telemetry: float) -> tuple[Monitor, io.BytesIO, io.BytesIO]:
+    recipe = config.from_dict({"script": "/x/train.py", "train": {"steps": 10}, "telemetry": telemetry}, "<test>")
+    recipe.name = "demo"
+    launch_plan = plan(recipe, [Node("localhost", (0, 1))], "demo-1", 29500, MachineFacts(2, False, "python"))
+    out, err = io.BytesIO(), io.BytesIO()
+    return Monitor(launch_plan, out, err, live=live, runs_dir=tmp_path / "runs", width=160), out, err
+
+
+def feed(monitor: Monitor, records: list[dict]) -> None:
+    for record in records:
+        if record["type"] not in ("job", "end"):
+            monitor.collector.record(record)
+
+
+def test_live_mode_prints_worker_lines_above_the_table_and_the_summary_at_the_end(tmp_path: Path):
+    monitor, out, err = make_monitor(tmp_path, live=True)
+    monitor.start()
+    monitor.write(1, b"[localhost:0] hello from rank 0")
+    monitor.write(2, b"[localhost:1] a warning on stderr")
+    feed(monitor, job_records()[1:-4])
+    monitor.tick()
+    shown = out.getvalue().decode()
+    assert shown.index("hello from rank 0") < shown.index("a warning on stderr") < shown.index("step 4/10")
+    assert "gpu-node" in shown and err.getvalue() == b""  # on a terminal everything shares the live console
+    monitor.finish(0)
+    shown = out.getvalue().decode()
+    assert "job demo-1: 4/10 steps" in shown and "peak RSS" in shown
+    assert "zerorun report " + str(tmp_path / "runs" / "demo") in err.getvalue().decode()
+
+
+def test_plain_mode_passes_lines_through_and_prints_a_summary_line_per_tenth_of_the_steps(tmp_path: Path):
+    monitor, out, err = make_monitor(tmp_path, live=False)
+    monitor.start()
+    monitor.write(1, b"[localhost:0] hello")
+    records = job_records(steps=10)[1:-4]
+    for step in range(1, 11):
+        feed(monitor, [r for r in records if r.get("step", 1) == step and r["type"] == "step"])
+        monitor.tick()
+        monitor.tick()  # nothing new: no second line
+    monitor.finish(0)
+    assert out.getvalue() == b"[localhost:0] hello\n"
+    lines = err.getvalue().decode().splitlines()
+    summaries = [line for line in lines if line.startswith("zerorun: step ")]
+    assert [line.split()[2] for line in summaries] == [f"{s}/10" for s in range(1, 11)]
+    assert any("job demo-1: 10/10 steps" in line for line in lines)
+    written = (tmp_path / "runs" / "demo" / "telemetry.jsonl").read_text().splitlines()
+    assert '"type":"job"' in written[0] and '"type":"end"' in written[-1]
+
+
+def test_a_stall_is_reported_once_per_stall_s_and_never_signals_a_pid_that_is_not_the_worker(tmp_path: Path):
+    monitor, _, err = make_monitor(tmp_path, live=False, stall_s=0.2)
+    monitor.start()
+    records = [r for r in job_records()[1:-4] if r["type"] != "hello"]
+    # rank 0 "is" this test process but started at another time (a reused pid): it must not be signalled
+    feed(monitor, [{"type": "hello", "rank": 0, "t": 1.0, "host": "localhost", "pid": os.getpid(), "pid_start": 1.0},
+                   {"type": "hello", "rank": 1, "t": 1.0, "host": "far-away", "pid": 1234, "pid_start": 1.0}])
+    feed(monitor, records)
+    monitor.tick()
+    assert "stall" not in err.getvalue().decode()
+    time.sleep(0.25)
+    monitor.tick()
+    monitor.tick()
+    monitor.finish(1)
+    shown = err.getvalue().decode()
+    assert shown.count("zerorun: stall: no rank has finished a step for") == 1
+    assert "zerorun: all ranks: rank 0 on localhost at step 4, in main (train.py:7)" in shown
+    assert f"rank 0 on localhost: no stack: pid {os.getpid()} is a different process now" in shown
+    assert "rank 1 on far-away: no stack: on another machine" in shown

@@ -1,0 +1,159 @@
+"""The worker's probe, in this process: what it sends, and that a dead or frozen launcher never blocks training."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from zerorun import config
+from zerorun.runtime import events
+from zerorun.runtime.memory import MemoryReport
+from zerorun.telemetry.collector import Collector
+from zerorun.telemetry.probe import OUTBOX, Probe, where
+
+FAST = config.TelemetryConfig(interval_s=0.05)
+
+
+class FakeEngine:
+    """What the probe reads from an engine: module, recipe, device, stage, memory()."""
+
+    def __init__(self) -> None:
+        self.module = nn.Linear(10, 10)  # 110 parameters
+        self.recipe = config.from_dict({"script": "train.py"}, "<test>")
+        self.device = torch.device("cpu")
+        self.stage = 2
+
+    def memory(self) -> MemoryReport:
+        report = MemoryReport()
+        report.add("params", "cpu", 440)
+        report.add("optimizer", "nvme", 880)
+        return report
+
+
+def stats(step: int, seconds: float = 0.5) -> events.StepStats:
+    return events.StepStats(step=step, loss=torch.tensor(2.0 / step), grad_norm=float("inf") if step == 2 else 1.5,
+                            loss_scale=1.0, skipped=step == 2, skipped_total=int(step >= 2), step_time_s=seconds,
+                            samples=4, tokens=4 * 128, comm={"all_reduce": {"bytes": 8.0 * step, "calls": step,
+                                                                            "seconds": 0.01 * step}})
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_probe_sends_hello_engine_steps_samples_and_bye_that_the_collector_folds_per_rank(tmp_path: Path):
+    collector = Collector(tmp_path / "telemetry.jsonl")
+    probe = Probe(collector.start(), FAST, rank=3, host="node-7", device=torch.device("cpu"))
+    engine = FakeEngine()
+    probe.start()
+    try:
+        probe.attach_engine(engine)
+        for step in (1, 2, 3):
+            events.emit(stats(step))
+        wait_until(lambda: collector.state.ranks.get(3) is not None and collector.state.ranks[3].step == 3
+                   and collector.state.ranks[3].memory is not None)
+    finally:
+        probe.stop()
+        collector.close()
+    rank = collector.state.ranks[3]
+    assert (rank.host, rank.finished, rank.params, rank.skipped_total) == ("node-7", True, 110, 1)
+    assert rank.loss == pytest.approx(2.0 / 3) and rank.grad_norm == 1.5
+    assert rank.tflops == pytest.approx(6 * 110 * 512 / 0.5 / 1e12) and rank.mfu is None  # CPU: no peak
+    assert rank.memory == engine.memory().as_dict() and rank.nvme_bytes == 880
+    assert rank.comm["all_reduce"]["calls"] == 3
+    assert rank.rss and rank.rss > 0
+    lines = (tmp_path / "telemetry.jsonl").read_text()
+    assert '"grad_norm":null' in lines and "Infinity" not in lines  # an overflowed norm is valid JSON
+
+
+def test_a_script_can_give_its_own_flop_count_per_sample(tmp_path: Path):
+    from zerorun.telemetry import probe as probe_module
+
+    collector = Collector(tmp_path / "telemetry.jsonl")
+    probe_module.start(collector.start(), FAST, rank=0, host="h")
+    engine = FakeEngine()
+    try:
+        probe_module.attach_engine(engine)
+        probe_module.set_model_flops(per_sample=1e9)  # e.g. count_training_flops(model, batch) / len(batch)
+        events.emit(stats(1))
+        wait_until(lambda: 0 in collector.state.ranks and collector.state.ranks[0].step == 1)
+    finally:
+        probe_module.set_model_flops()  # back to 6 x params per token
+        probe_module.stop()
+        collector.close()
+    assert collector.state.ranks[0].tflops == pytest.approx(1e9 * 4 / 0.5 / 1e12)
+    assert probe_module.current() is None
+
+
+def test_a_frozen_or_dead_launcher_never_blocks_the_step_listener_and_stop_is_bounded():
+    frozen = socket.create_server(("127.0.0.1", 0), backlog=1)  # accepts into its backlog, never reads
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead_port = closed.getsockname()[1]  # nothing listens here once closed
+    try:
+        for address in (f"127.0.0.1:{frozen.getsockname()[1]}", f"127.0.0.1:{dead_port}"):
+            probe = Probe(address, FAST, rank=0, host="h")
+            probe.start()
+            slowest = 0.0
+            big = stats(1)
+            big.comm = {f"kind{i}": {"bytes": 1.0, "calls": 1, "seconds": 0.0} for i in range(50)}  # fill buffers
+            for step in range(1, 20_001):
+                big.step = step
+                started = time.perf_counter()
+                events.emit(big)
+                slowest = max(slowest, time.perf_counter() - started)
+            time.sleep(0.3)  # let the probe thread try to send
+            started = time.monotonic()
+            probe.stop(timeout=2.0)
+            assert time.monotonic() - started < 3.0
+            # blocking on the socket would take SOCKET_TIMEOUT_S (1 s); GIL hand-offs take milliseconds
+            assert slowest < 0.2, f"a step listener call took {slowest * 1e3:.1f} ms ({address})"
+            assert len(probe._outbox) <= OUTBOX
+    finally:
+        frozen.close()
+
+
+def test_where_names_the_innermost_frame_and_sees_a_thread_waiting_in_torch_distributed():
+    here = where(threading.get_ident())
+    assert here is not None and here["function"] == "where" and not here["in_collective"]
+
+    release = threading.Event()
+    namespace: dict = {}
+    fake = compile("def wait_for_peers(event):\n    event.wait()\n", "/x/torch/distributed/distributed_c10d.py", "exec")
+    exec(fake, namespace)
+    thread = threading.Thread(target=namespace["wait_for_peers"], args=(release,), daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: (where(thread.ident) or {}).get("in_collective", False))
+    finally:
+        release.set()
+        thread.join()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_loss_is_read_after_its_event_and_allocator_figures_are_sent(tmp_path: Path):
+    collector = Collector(tmp_path / "telemetry.jsonl")
+    probe = Probe(collector.start(), FAST, rank=0, host="h", device=torch.device("cuda", 0))
+    probe.start()
+    try:
+        x = torch.randn(2048, 2048, device="cuda")
+        step = stats(1)
+        step.loss = (x @ x).mean().detach()  # still queued on the training stream when emitted
+        events.emit(step)
+        wait_until(lambda: 0 in collector.state.ranks and collector.state.ranks[0].step == 1
+                   and collector.state.ranks[0].cuda)
+    finally:
+        probe.stop()
+        collector.close()
+    rank = collector.state.ranks[0]
+    assert rank.loss == pytest.approx(step.loss.item(), rel=1e-6)
+    assert rank.device_now and rank.device_now >= x.numel() * 4 and rank.device_peak >= rank.device_now

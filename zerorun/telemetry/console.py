@@ -1,0 +1,213 @@
+"""What the launcher shows: pure rendering of a `RunState` into rich renderables and plain lines.
+
+- `live_view`: a progress bar over `train.steps` with ETA, and a table with one row per rank
+  (host, rank, step, loss, step time, tokens/s, TFLOP/s, MFU, device memory now/peak, CPU RSS,
+  NVMe GB/s) and a totals row. On a terminal it sits under the workers' scrolling output.
+- `summary_line`: the same in one line, printed now and then when the output is not a terminal.
+- `summary_table`: the end-of-job summary (also `zerorun report`): mean throughput, peak memory
+  per rank, skipped steps, time in communication and bytes of I/O.
+
+Columns in words: "device" memory is CUDA's allocated bytes (peak: `max_memory_allocated`) or, on
+CPU, the bytes `engine.memory()` reports (peak: the highest sample); "NVMe GB/s" is the rank's
+block-device I/O rate (NVMe offload and checkpoint writes); "comm" is the host time collectives
+spent in flight, launch to `wait()` (and its share of the time in steps), which overlaps compute
+when overlap works, so it is not time lost.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from zerorun.telemetry.state import RankState, RunState
+
+_LIVE_COLUMNS = ("host", "rank", "step", "loss", "step time", "tokens/s", "TFLOP/s", "MFU", "device now / peak",
+                 "CPU RSS", "NVMe GB/s")
+_SUMMARY_COLUMNS = ("host", "rank", "steps", "samples/s", "tokens/s", "TFLOP/s", "MFU", "peak device", "peak RSS",
+                    "skipped", "comm", "I/O")
+
+
+def live_view(state: RunState, now: float | None = None) -> RenderableType:
+    """Progress bar and per-rank table."""
+    now = time.time() if now is None else now
+    return Group(progress(state, now), rank_table(state))
+
+
+def progress(state: RunState, now: float) -> RenderableType:
+    total = state.total_steps
+    step = state.step
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column(width=40)
+    grid.add_column(no_wrap=True)
+    bar = ProgressBar(total=max(total, 1), completed=min(step, total or step), width=40)
+    eta = state.eta_s(now)
+    timing = f"{_percent(step, total)}  elapsed {duration(state.elapsed_s(now))}  ETA {duration(eta)}"
+    quiet = now - state.last_step_at if state.last_step_at is not None else None
+    if quiet is not None and quiet >= 10 and step < total:
+        timing += f"  [no step for {quiet:.0f} s]"
+    grid.add_row(Text(f"step {step}/{total}", style="bold"), bar, Text(timing))
+    return grid
+
+
+def rank_table(state: RunState) -> Table:
+    table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 1))
+    for i, name in enumerate(_LIVE_COLUMNS):
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+    ranks = state.sorted_ranks()
+    for r in ranks:
+        table.add_row(r.host, str(r.rank), str(r.step), _loss(r.loss), seconds(r.step_time_s), _count(r.tokens_per_s),
+                      _flops(r.tflops), _mfu(r.mfu), f"{nbytes(r.device_now)} / {nbytes(r.device_peak or None)}",
+                      nbytes(r.rss), _gbps(r.io_rate))
+    if len(ranks) > 1:
+        t = totals(ranks)
+        table.add_row("all", "", str(state.step), _loss(t["loss"]), seconds(t["step_time_s"]),
+                      _count(t["tokens_per_s"]), _flops(t["tflops"]), _mfu(t["mfu"]),
+                      f"{nbytes(t['device_now'])} / {nbytes(t['device_peak'])}", nbytes(t["rss"]),
+                      _gbps(t["io_rate"]), style="bold")
+    return table
+
+
+def totals(ranks: list[RankState]) -> dict[str, float | None]:
+    """Across ranks: mean loss, slowest step, summed throughput and memory."""
+    total = _sum
+    losses = [r.loss for r in ranks if r.loss is not None]
+    tflops = total([r.tflops for r in ranks])
+    peak = total([r.peak_tflops for r in ranks if r.tflops is not None])
+    return {
+        "loss": sum(losses) / len(losses) if losses else None,
+        "step_time_s": max((r.step_time_s for r in ranks if r.step_time_s is not None), default=None),
+        "tokens_per_s": total([r.tokens_per_s for r in ranks]),
+        "tflops": tflops,
+        "mfu": tflops / peak if tflops is not None and peak else None,
+        "device_now": total([r.device_now for r in ranks]),
+        "device_peak": total([r.device_peak or None for r in ranks]),
+        "rss": total([r.rss for r in ranks]),
+        "io_rate": total([r.io_rate for r in ranks]),
+    }
+
+
+def summary_line(state: RunState, now: float | None = None) -> str:
+    """One plain line for logs: progress, then the totals of the table."""
+    now = time.time() if now is None else now
+    t = totals(state.sorted_ranks())
+    parts = [f"step {state.step}/{state.total_steps} ({_percent(state.step, state.total_steps)}) "
+             f"elapsed {duration(state.elapsed_s(now))} ETA {duration(state.eta_s(now))}",
+             f"loss {_loss(t['loss'])}", f"step {seconds(t['step_time_s'])}",
+             f"{_count(t['tokens_per_s'])} tokens/s", f"{_flops(t['tflops'])} TFLOP/s (MFU {_mfu(t['mfu'])})",
+             f"device {nbytes(t['device_now'])} (peak {nbytes(t['device_peak'])})", f"RSS {nbytes(t['rss'])}",
+             f"NVMe {_gbps(t['io_rate'])} GB/s"]
+    return " | ".join(parts)
+
+
+def summary_table(state: RunState) -> Table:
+    """The end-of-job table, one row per rank and a totals row."""
+    title = f"job {state.job.get('job_id', '?')}: {state.step}/{state.total_steps} steps in " \
+            f"{duration(state.elapsed_s(state.ended_at or time.time()))}"
+    if state.exit_code is not None:
+        title += f", exit code {state.exit_code}"
+    if state.stalls:
+        title += f", {len(state.stalls)} stall report{'s' if len(state.stalls) != 1 else ''}"
+    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, show_edge=False,
+                  padding=(0, 0), caption_justify="left",
+                  caption="means over the steps after each rank's first; all: sums (max for skipped, comm)")
+    for i, name in enumerate(_SUMMARY_COLUMNS):
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+    ranks = state.sorted_ranks()
+    for r in ranks:
+        table.add_row(r.host, str(r.rank), str(r.step), _count(r.mean(r.timed_samples), 1),
+                      _count(r.mean(r.timed_tokens)), _flops(_tflops_mean(r)), _mfu(_mfu_mean(r)),
+                      nbytes(r.device_peak or None), nbytes(r.rss_peak or None), str(r.skipped_total),
+                      _comm(r.comm_seconds, r.busy_s), nbytes(r.io_bytes))
+    if len(ranks) > 1:
+        total = _sum
+        tflops = total([_tflops_mean(r) for r in ranks])
+        peak = total([r.peak_tflops for r in ranks if _tflops_mean(r) is not None])
+        table.add_row("all", "", str(state.step), _count(total([r.mean(r.timed_samples) for r in ranks]), 1),
+                      _count(total([r.mean(r.timed_tokens) for r in ranks])), _flops(tflops),
+                      _mfu(tflops / peak if tflops is not None and peak else None),
+                      nbytes(total([r.device_peak or None for r in ranks])),
+                      nbytes(total([r.rss_peak or None for r in ranks])),
+                      str(max(r.skipped_total for r in ranks)),
+                      _comm(max(r.comm_seconds for r in ranks), max(r.busy_s for r in ranks)),
+                      nbytes(sum(r.io_bytes for r in ranks)), style="bold")
+    return table
+
+
+def _sum(values: list[float | None]) -> float | None:
+    """The sum of the values present; None when none is."""
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+def _tflops_mean(r: RankState) -> float | None:
+    return r.timed_flops / r.timed_s / 1e12 if r.timed_flops and r.timed_s > 0 else None
+
+
+def _mfu_mean(r: RankState) -> float | None:
+    tflops = _tflops_mean(r)
+    return tflops / r.peak_tflops if tflops is not None and r.peak_tflops else None
+
+
+def _comm(comm_s: float, busy_s: float) -> str:
+    """Seconds in flight, and as a share of the time spent in steps."""
+    if not comm_s:
+        return "-"
+    share = f" ({100 * comm_s / busy_s:.0f}%)" if busy_s > 0 else ""
+    return f"{comm_s:.2f} s{share}"
+
+
+# -- formatting ------------------------------------------------------------------------------------
+
+
+def nbytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def duration(s: float | None) -> str:
+    if s is None:
+        return "-:--:--"
+    s = int(round(s))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _percent(step: int, total: int) -> str:
+    return f"{100 * step / total:.0f}%" if total else "-"
+
+
+def _count(x: float | None, digits: int = 0) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def _loss(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def _flops(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
+
+
+def _mfu(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _gbps(bytes_per_s: float | None) -> str:
+    return "-" if bytes_per_s is None else f"{bytes_per_s / 1e9:.2f}"

@@ -1,0 +1,276 @@
+"""The launcher's side of telemetry, plugged into the supervisor as its `Output`.
+
+    monitor = Monitor(launch_plan)
+    launch_plan = with_env(launch_plan, {ADDRESS_ENV: monitor.start()})   # collector listening
+    code = Supervisor(launch_plan, transports, output=monitor).run()      # lines + tick() every 0.1 s
+    monitor.finish(code)                                                  # summary table, `end` record
+
+Display:
+- On a terminal (stdout and stderr both TTYs): a rich Live region at the bottom (progress bar and
+  the per-rank table, `console.live_view`). Worker and launcher lines collected since the last
+  tick print above it through the Live console, so they scroll while the table stays put.
+- Otherwise (CI, a log file): lines pass through unchanged; a plain `zerorun: step ...` summary
+  line goes to stderr at each tenth of `train.steps`, and at least every 30 s while steps advance.
+
+Stall watch: once an engine exists, when no rank has finished a step for `telemetry.stall_s`, the
+monitor says which ranks are behind (the lowest step; at equal steps, the ranks not waiting inside
+a collective) and sends SIGUSR1 to every rank's training process. The worker bootstrap registered
+`faulthandler` for SIGUSR1, so each prints all its threads' Python stacks on stderr, which the
+relay prefixes with `[host:rank]`. Only pids that a `hello` announced, on this machine, with the
+same process start time, are signalled. It repeats every `stall_s` while the stall lasts, and
+stops watching once every rank has reached `train.steps`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import psutil
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from zerorun.launch.plan import LaunchPlan, is_local
+from zerorun.launch.supervisor import Output
+from zerorun.telemetry import RUNS_DIR, console
+from zerorun.telemetry.collector import Collector
+from zerorun.telemetry.state import RankState
+
+PLAIN_EVERY_S = 30.0
+LIVE_REFRESH_S = 0.25
+STACK_SIGNAL = signal.SIGUSR1
+
+
+class Monitor(Output):
+    """Collector, display and stall watch for one job."""
+
+    def __init__(self, plan: LaunchPlan, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
+                 live: bool | None = None, runs_dir: str | os.PathLike = RUNS_DIR, width: int | None = None) -> None:
+        super().__init__(stdout, stderr)
+        self.plan = plan
+        self.telemetry = plan.telemetry
+        self.path = Path(runs_dir) / plan.name / "telemetry.jsonl"
+        local = all(is_local(node.host) for node in plan.nodes)
+        self.collector = Collector(self.path, bind_host="127.0.0.1" if local else "",
+                                   advertise_host="127.0.0.1" if local else socket.getfqdn())
+        self.state = self.collector.state
+        self.live = _is_terminal(self.files[1], self.files[2]) if live is None else live
+        self._width = width
+        self._live: Live | None = None
+        self._pending: list[str] = []
+        self._rendered_at = 0.0
+        self._plain = (0, -1, 0.0)  # (step, tenth, time) of the last plain summary line
+        self._stalled_at: float | None = None
+        self.address: str | None = None  # host:port the workers report to, once started
+
+    def start(self) -> str:
+        """Start the collector (and the live region); return the address workers report to."""
+        self.address = address = self.collector.start()
+        self.collector.record({"type": "job", "job_id": self.plan.job_id, "name": self.plan.name,
+                               "world_size": self.plan.world_size, "steps": self.plan.steps,
+                               "interval_s": self.telemetry.interval_s, "stall_s": self.telemetry.stall_s,
+                               "t": time.time()})
+        if self.live:
+            rich_console = Console(file=_TextStream(self.files[1]), force_terminal=True, width=self._width)
+            self._live = Live(console=rich_console, auto_refresh=False, transient=False,
+                              redirect_stdout=False, redirect_stderr=False)
+            self._live.start()
+        return address
+
+    # -- the supervisor's Output -------------------------------------------------------------------
+
+    def write(self, fd: int, line: bytes) -> None:
+        if self._live is not None:
+            self._pending.append(line.decode("utf-8", "replace"))
+        else:
+            super().write(fd, line)
+
+    def tick(self) -> None:
+        try:
+            self._tick(time.time())
+        except Exception as exc:  # noqa: BLE001 - the display must never end the job
+            self._stop_live()
+            super().write(2, f"zerorun: telemetry display stopped: {exc!r}".encode())
+
+    def finish(self, exit_code: int) -> None:
+        """The job has ended: record it, print the summary, close everything (never raises)."""
+        try:
+            self.collector.record({"type": "end", "exit_code": exit_code, "t": time.time()})
+        finally:
+            self.collector.close()
+        try:
+            self._summarize()
+        except Exception as exc:  # noqa: BLE001 - the job's exit code matters more than its summary
+            self._stop_live()
+            super().write(2, f"zerorun: telemetry summary failed: {exc!r}".encode())
+
+    def _summarize(self) -> None:
+        with self.collector.lock:
+            ranks = bool(self.state.ranks)
+            view = console.live_view(self.state)
+            table = console.summary_table(self.state) if ranks else None
+        if self._live is not None:
+            self._flush_pending()
+            self._live.update(view, refresh=True)
+            self._stop_live(keep=table)
+        elif table is not None:
+            for line in _plain_text(table, self._width or 160).splitlines():
+                super().write(2, line.rstrip().encode())
+        if ranks:
+            self._say(f"telemetry: {self.path} ({self.collector.records} records); "
+                      f"`zerorun report {self.path.parent}` shows this summary again")
+
+    # -- each tick ---------------------------------------------------------------------------------
+
+    def _tick(self, now: float) -> None:
+        with self.collector.lock:
+            stall = self._stall_check(now)
+            view = None
+            if self._live is not None and (self._pending or stall or now - self._rendered_at >= LIVE_REFRESH_S):
+                view = console.live_view(self.state, now)
+            plain = self._plain_line(now) if self._live is None else None
+        if stall is not None:
+            self._report_stall(*stall)
+        if plain is not None:
+            super().write(2, f"zerorun: {plain}".encode())
+        if view is not None and self._live is not None:
+            self._flush_pending()
+            self._live.update(view, refresh=True)
+            self._rendered_at = now
+
+    def _plain_line(self, now: float) -> str | None:
+        step, total = self.state.step, self.state.total_steps
+        last_step, last_tenth, last_at = self._plain
+        if step == 0 or step == last_step:
+            return None
+        tenth = step * 10 // total if total else -1
+        if tenth == last_tenth and now - last_at < PLAIN_EVERY_S:
+            return None
+        self._plain = (step, tenth, now)
+        return console.summary_line(self.state, now)
+
+    def _stall_check(self, now: float) -> tuple[list[str], list[RankState], dict[str, Any]] | None:
+        """Under the lock: the stall report's lines, the ranks to signal and the record, when due."""
+        state = self.state
+        since = state.last_step_at or state.engine_at
+        ranks = [r for r in state.sorted_ranks() if not r.finished]
+        if since is None or not ranks or now - since < self.telemetry.stall_s:
+            return None
+        if state.total_steps and state.step >= state.total_steps:
+            return None  # training is over; the script may save or evaluate for as long as it likes
+        if self._stalled_at is not None and now - self._stalled_at < self.telemetry.stall_s:
+            return None
+        self._stalled_at = now
+        behind, waiting = state.behind()
+        lines = [f"stall: no rank has finished a step for {now - since:.0f} s "
+                 f"(telemetry.stall_s = {self.telemetry.stall_s:g}); steps: "
+                 + ", ".join(f"rank {r.rank} {r.step}" for r in ranks)]
+        if behind:
+            lines.append("behind: " + "; ".join(_rank_spot(r) for r in behind))
+        if waiting:
+            label = "waiting for them: " if behind else "all ranks: "
+            lines.append(label + "; ".join(_rank_spot(r) for r in waiting))
+        lines.append(f"every rank's Python stack follows ({STACK_SIGNAL.name} to each worker; faulthandler)")
+        record = {"type": "stall", "t": now, "quiet_s": now - since, "steps": {str(r.rank): r.step for r in ranks},
+                  "behind": [r.rank for r in behind]}
+        return lines, ranks, record
+
+    def _report_stall(self, lines: list[str], ranks: list[RankState], record: dict[str, Any]) -> None:
+        for line in lines:
+            self._say(line)
+        self.collector.record(record)
+        for r in ranks:
+            problem = _signal_stack(r)
+            if problem:
+                self._say(f"rank {r.rank} on {r.host}: no stack: {problem}")
+
+    # -- output helpers --------------------------------------------------------------------------
+
+    def _say(self, message: str) -> None:
+        self.write(2, f"zerorun: {message}".encode())
+
+    def _flush_pending(self) -> None:
+        if self._live is not None and self._pending:
+            lines, self._pending = self._pending, []
+            self._live.console.print(Text("\n".join(lines)), soft_wrap=True, highlight=False, markup=False)
+
+    def _stop_live(self, keep: Any = None) -> None:
+        live, self._live = self._live, None
+        if live is None:
+            return
+        try:
+            live.stop()  # the last view stays on screen
+            if keep is not None:
+                live.console.print(keep)
+        finally:
+            for line in self._pending:  # anything that never made it above the table
+                super().write(1, line.encode())
+            self._pending = []
+
+
+def _rank_spot(r: RankState) -> str:
+    return f"rank {r.rank} on {r.host} at step {r.step}, {r.describe_where()}"
+
+
+def _signal_stack(r: RankState) -> str | None:
+    """Ask one rank's training process for its stacks; a reason when it cannot be asked."""
+    if r.pid is None:
+        return "it never said hello"
+    if not is_local(r.host):
+        return "on another machine (stacks come from this machine's workers only)"
+    try:
+        proc = psutil.Process(r.pid)
+        if r.pid_start is not None and abs(proc.create_time() - r.pid_start) > 1.0:
+            return f"pid {r.pid} is a different process now"
+        proc.send_signal(STACK_SIGNAL)
+    except psutil.NoSuchProcess:
+        return f"pid {r.pid} has exited"
+    except psutil.Error as exc:
+        return str(exc)
+    return None
+
+
+def _is_terminal(*streams: Any) -> bool:
+    if os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return all(stream.isatty() for stream in streams)
+    except (AttributeError, ValueError):
+        return False
+
+
+def _plain_text(renderable: Any, width: int) -> str:
+    buffer = io.StringIO()
+    Console(file=buffer, width=width, color_system=None, force_terminal=False).print(renderable)
+    return buffer.getvalue()
+
+
+class _TextStream:
+    """A text face on the binary stream the supervisor writes to (rich writes str)."""
+
+    encoding = "utf-8"
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+
+    def write(self, text: str) -> int:
+        try:
+            self.raw.write(text.encode("utf-8", "replace"))
+        except (BrokenPipeError, ValueError):
+            pass
+        return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.raw.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
+    def isatty(self) -> bool:
+        return True

@@ -1,0 +1,376 @@
+"""The worker's side of telemetry: a background thread per rank that streams JSON lines to the launcher.
+
+    probe.start("127.0.0.1:41234", recipe.telemetry, rank=0, host="node-0", device=device)  # worker
+    probe.attach_engine(engine)                                                  # zerorun.initialize
+    probe.set_model_flops(per_sample=count_training_flops(model, batch) / batch_size)  # optional
+    probe.stop()                                                                 # worker, at the end
+
+Records (one JSON object per line; every one has `type`, `rank` and `t`, the worker's wall clock):
+- `hello`  on every (re)connection: host, pid, pid_start (its create time), local_rank, device.
+- `engine` once an engine exists: params, stage, dtype, device_name, peak_tflops, flops_per_token.
+- `step`   per optimizer step, from the engine's `events.StepStats`: step, loss, grad_norm,
+           loss_scale, skipped, skipped_total, step_time_s, samples, tokens, samples_per_s,
+           tokens_per_s, flops, tflops, mfu, comm (cumulative bytes/calls/seconds per collective).
+- `sample` every `telemetry.interval_s`: rss, cpu_percent, cuda (allocated/reserved/peak) or null,
+           memory (`engine.memory().as_dict()`), io (the process's block-device bytes read and
+           written: NVMe offload and checkpoints), where (the training thread's innermost frame,
+           and whether it waits in a collective), dropped (records lost to a full queue).
+- `bye`    when the worker's script has ended.
+
+It must never slow or break training:
+- On the training thread, the step listener only appends the engine's `StepStats` to a bounded
+  deque (the oldest is dropped when full); the float conversion of the loss, JSON and sockets all
+  happen on the probe's daemon thread.
+- A CUDA loss is read only after an event recorded behind it has completed, and on a side stream,
+  so the probe never waits for later work nor makes the training stream wait.
+- Comm figures are the counters `runtime.collectives` keeps (bytes at launch, host time from launch
+  to the end of `wait()`); reading them adds no synchronisation, so overlap is measured, not removed.
+- The socket has a short timeout. A failed connect or send drops the connection and retries with
+  backoff (up to 5 s); meanwhile records wait in a bounded deque (oldest dropped). Every failure
+  inside the thread is swallowed: a dead launcher never ends a worker, the supervisor's teardown does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+import psutil
+
+from zerorun.config import TelemetryConfig
+from zerorun.telemetry.flops import ModelFlops, count_params, peak_tflops
+
+log = logging.getLogger("zerorun")
+
+STEP_QUEUE = 4096  # steps waiting for the probe thread (drop oldest beyond)
+OUTBOX = 8192  # records waiting for the launcher (drop oldest beyond)
+FLUSH_S = 0.25  # steps reach the launcher at least this often
+SOCKET_TIMEOUT_S = 1.0
+MAX_BACKOFF_S = 5.0
+_BATCH_BYTES = 256 * 1024
+# A training thread whose stack passes through these is waiting for other ranks.
+_COLLECTIVE_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep,
+                     os.path.join("zerorun", "runtime", "collectives.py"))
+
+_probe: Probe | None = None
+_flops_override: dict[str, float | None] = {}
+
+
+def start(address: str, telemetry: TelemetryConfig, rank: int, host: str, device: Any = None) -> Probe:
+    """Start this process's probe (one per process; a second call returns the running one)."""
+    global _probe
+    if _probe is None:
+        _probe = Probe(address, telemetry, rank, host, device)
+        _probe.start()
+    return _probe
+
+
+def current() -> Probe | None:
+    return _probe
+
+
+def stop(timeout: float = 2.0) -> None:
+    """Send what is left (a last sample and `bye`) for up to `timeout` seconds, then stop."""
+    global _probe
+    if _probe is not None:
+        _probe.stop(timeout)
+        _probe = None
+
+
+def attach_engine(engine: Any) -> None:
+    """Tell the running probe (if any) about the engine: memory figures and the model's FLOPs."""
+    if _probe is not None:
+        _probe.attach_engine(engine)
+
+
+def set_model_flops(per_token: float | None = None, per_sample: float | None = None) -> None:
+    """Override the model FLOPs of one training step (default: 6 x params per token).
+
+    Use `per_sample` for models whose inputs are not tokens, e.g. with a measured count from
+    `zerorun.telemetry.flops.count_training_flops(model, batch) / batch_size`.
+    """
+    _flops_override.update(per_token=per_token, per_sample=per_sample)
+    engine = _probe.engine() if _probe is not None else None
+    if engine is not None:
+        _probe.attach_engine(engine)  # sends the engine record again, with the new counts
+
+
+class Probe:
+    """Samples this rank and streams records to the launcher's collector from a daemon thread."""
+
+    def __init__(self, address: str, telemetry: TelemetryConfig, rank: int, host: str, device: Any = None) -> None:
+        host_part, _, port = address.rpartition(":")
+        self.address = (host_part.strip("[]"), int(port))
+        self.interval_s = telemetry.interval_s
+        self.peak_override = telemetry.peak_tflops
+        self.rank = rank
+        self.host = host
+        self.device = device
+        self._process = psutil.Process()
+        self._main_thread = threading.main_thread().ident
+        self._steps: deque[tuple[Any, Any]] = deque(maxlen=STEP_QUEUE)
+        self._outbox: deque[bytes] = deque(maxlen=OUTBOX)
+        self._dropped = 0
+        self._engine: weakref.ReferenceType | None = None
+        self._engine_record: dict[str, Any] | None = None
+        self._flops: ModelFlops | None = None
+        self._sock: socket.socket | None = None
+        self._next_connect = 0.0
+        self._backoff = 0.5
+        self._side_stream: Any = None
+        self._stopping = threading.Event()
+        self._unsubscribe: Any = None
+        self._thread = threading.Thread(target=self._run, name="zerorun-telemetry", daemon=True)
+
+    # -- training thread ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        from zerorun.runtime import events
+
+        self._process.cpu_percent(None)  # the first call only starts the measurement
+        self._unsubscribe = events.subscribe(self._on_step)
+        self._thread.start()
+
+    def _on_step(self, stats: Any) -> None:
+        """The engine's step listener: O(1), no device sync, never raises."""
+        ready = None
+        loss = stats.loss
+        if loss is not None and loss.is_cuda:
+            import torch
+
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(loss.device))  # behind the loss, on the training stream
+        if len(self._steps) == self._steps.maxlen:
+            self._dropped += 1
+        self._steps.append((stats, ready))
+
+    def engine(self) -> Any:
+        """The attached engine, while it lives (the probe holds only a weak reference)."""
+        return self._engine() if self._engine is not None else None
+
+    def attach_engine(self, engine: Any) -> None:
+        self._engine = weakref.ref(engine)
+        recipe = getattr(engine, "recipe", None)
+        dtype = recipe.precision.dtype if recipe is not None else "fp32"
+        device = getattr(engine, "device", None) or self.device
+        self.device = device
+        device_name = _device_name(device)
+        peak = self.peak_override or peak_tflops(device_name, dtype)
+        params = count_params(engine.module)
+        self._flops = ModelFlops(params, **{k: v for k, v in _flops_override.items() if v is not None})
+        self._engine_record = {"type": "engine", "rank": self.rank, "params": params,
+                               "stage": getattr(engine, "stage", None), "dtype": dtype,
+                               "device_name": device_name, "peak_tflops": peak,
+                               "flops_per_token": self._flops.per_token, "flops_per_sample": self._flops.per_sample}
+        self._enqueue(dict(self._engine_record, t=time.time()))
+
+    def stop(self, timeout: float = 2.0) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        self._stopping.set()
+        self._thread.join(timeout)
+
+    # -- probe thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_sample = 0.0
+        while not self._stopping.wait(min(self.interval_s, FLUSH_S)):
+            try:
+                self._take_steps(wait=False)
+                if time.monotonic() >= next_sample:
+                    next_sample = time.monotonic() + self.interval_s
+                    self._enqueue(self._sample())
+                self._send()
+            except Exception:  # noqa: BLE001 - telemetry must never break training
+                log.debug("zerorun telemetry: probe round failed", exc_info=True)
+        try:  # the script ended: everything left, a last sample and goodbye
+            self._take_steps(wait=True)
+            self._enqueue(self._sample())
+            self._enqueue({"type": "bye", "rank": self.rank, "t": time.time()})
+            self._send()
+        except Exception:  # noqa: BLE001
+            log.debug("zerorun telemetry: final flush failed", exc_info=True)
+        self._disconnect()
+
+    def _enqueue(self, record: dict[str, Any]) -> None:
+        if len(self._outbox) == self._outbox.maxlen:
+            self._dropped += 1
+        self._outbox.append(json.dumps(record, separators=(",", ":"), allow_nan=False).encode() + b"\n")
+
+    def _take_steps(self, wait: bool) -> None:
+        """Turn queued StepStats into records, in order; a CUDA loss not computed yet waits a round."""
+        while self._steps:
+            stats, ready = self._steps[0]
+            if ready is not None and not ready.query():
+                if not wait:
+                    return
+                ready.synchronize()
+            self._steps.popleft()
+            self._enqueue(self._step_record(stats, self._loss_value(stats.loss)))
+
+    def _loss_value(self, loss: Any) -> float | None:
+        if loss is None:
+            return None
+        if not loss.is_cuda:
+            return float(loss)
+        import torch
+
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=loss.device)
+        with torch.cuda.stream(self._side_stream):  # the value is ready; copy it without queueing behind training
+            return float(loss)
+
+    def _step_record(self, stats: Any, loss: float | None) -> dict[str, Any]:
+        seconds = stats.step_time_s
+        flops = self._flops.step_flops(stats.tokens, stats.samples) if self._flops else None
+        tflops = flops / seconds / 1e12 if flops and seconds > 0 else None
+        peak = self._engine_record["peak_tflops"] if self._engine_record else None
+        return {
+            "type": "step", "rank": self.rank, "t": time.time(), "step": stats.step,
+            "loss": _finite(loss), "grad_norm": _finite(stats.grad_norm), "loss_scale": _finite(stats.loss_scale),
+            "skipped": bool(stats.skipped), "skipped_total": stats.skipped_total, "step_time_s": seconds,
+            "samples": stats.samples, "tokens": stats.tokens,
+            "samples_per_s": stats.samples / seconds if seconds > 0 else None,
+            "tokens_per_s": stats.tokens / seconds if seconds > 0 and stats.tokens else None,
+            "flops": flops, "tflops": tflops, "mfu": tflops / peak if tflops is not None and peak else None,
+            "comm": stats.comm,
+        }
+
+    def _sample(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"type": "sample", "rank": self.rank, "t": time.time()}
+        with self._process.oneshot():
+            record["rss"] = self._process.memory_info().rss
+            record["cpu_percent"] = self._process.cpu_percent(None)
+            record["io"] = _io_bytes(self._process)
+        record["cuda"] = _cuda_memory(self.device)
+        record["memory"] = _engine_memory(self.engine())
+        record["where"] = where(self._main_thread)
+        record["dropped"] = self._dropped
+        return record
+
+    # -- connection ------------------------------------------------------------------------------
+
+    def _send(self) -> None:
+        while self._outbox:
+            sock = self._connection()
+            if sock is None:
+                return
+            batch: list[bytes] = []
+            size = 0
+            while self._outbox and size < _BATCH_BYTES:
+                batch.append(self._outbox.popleft())
+                size += len(batch[-1])
+            try:
+                sock.sendall(b"".join(batch))
+            except OSError:
+                self._outbox.extendleft(reversed(batch))  # may repeat a few; the collector ignores repeats
+                self._disconnect(retry=True)
+                return
+
+    def _connection(self) -> socket.socket | None:
+        if self._sock is not None:
+            return self._sock
+        if time.monotonic() < self._next_connect:
+            return None
+        try:
+            sock = socket.create_connection(self.address, timeout=SOCKET_TIMEOUT_S)
+            sock.settimeout(SOCKET_TIMEOUT_S)
+            greeting = [self._hello()] + ([dict(self._engine_record, t=time.time())] if self._engine_record else [])
+            sock.sendall(b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in greeting))
+        except OSError:
+            self._disconnect(retry=True)
+            return None
+        self._sock = sock
+        self._backoff = 0.5
+        return sock
+
+    def _disconnect(self, retry: bool = False) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+        if retry:
+            self._next_connect = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
+
+    def _hello(self) -> dict[str, Any]:
+        return {"type": "hello", "rank": self.rank, "t": time.time(), "host": self.host, "pid": os.getpid(),
+                "pid_start": self._process.create_time(), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+                "device": str(self.device) if self.device is not None else None}
+
+
+# -- measurements ------------------------------------------------------------------------------
+
+
+def where(thread_id: int | None) -> dict[str, Any] | None:
+    """The innermost Python frame of a thread, and whether its stack waits in a collective."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    if frame is None:
+        return None
+    spot = {"file": frame.f_code.co_filename, "line": frame.f_lineno, "function": frame.f_code.co_name}
+    in_collective = False
+    while frame is not None and not in_collective:
+        in_collective = any(part in frame.f_code.co_filename for part in _COLLECTIVE_FILES)
+        frame = frame.f_back
+    return dict(spot, in_collective=in_collective)
+
+
+def _engine_memory(engine: Any) -> dict[str, dict[str, int]] | None:
+    if engine is None:
+        return None
+    for _ in range(3):  # the training thread may resize a list we iterate: just try again
+        try:
+            return engine.memory().as_dict()
+        except RuntimeError:
+            continue
+    return None
+
+
+def _cuda_memory(device: Any) -> dict[str, int] | None:
+    """The caching allocator's figures (host-side counters: no sync); None without CUDA in use."""
+    if device is None or getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return None
+    return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
+            "peak": torch.cuda.max_memory_allocated(device)}
+
+
+def _device_name(device: Any) -> str | None:
+    if device is None or getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    try:
+        return torch.cuda.get_device_name(device)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _io_bytes(process: psutil.Process) -> dict[str, int] | None:
+    try:
+        counters = process.io_counters()
+    except (AttributeError, psutil.Error, OSError):
+        return None
+    return {"read_bytes": counters.read_bytes, "write_bytes": counters.write_bytes}
+
+
+def _finite(value: float | None) -> float | None:
+    """JSON has no inf/nan: an overflowed norm travels as null (with `skipped` telling why)."""
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None

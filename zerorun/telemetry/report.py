@@ -1,0 +1,70 @@
+"""`zerorun report runs/<name>`: the end-of-job summary again, from the run's telemetry.jsonl.
+
+The file may hold several jobs of the same name, one after another (each starts with a `job`
+record); the report shows the last one, or the one whose id is given. A job still running (no
+`end` record) is shown as far as it got.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+
+from zerorun.errors import ZerorunError
+from zerorun.telemetry import console
+from zerorun.telemetry.state import RunState
+
+FILE_NAME = "telemetry.jsonl"
+
+
+def load(path: str | Path, job_id: str | None = None) -> RunState:
+    """The state of one job in a run directory (or a telemetry.jsonl file)."""
+    path = Path(path)
+    file = path / FILE_NAME if path.is_dir() else path
+    if not file.is_file():
+        raise ZerorunError(f"{path}: no {FILE_NAME} here; give a run directory (runs/<name>) or its {FILE_NAME}.")
+    jobs = _split_jobs(file)
+    if not jobs:
+        raise ZerorunError(f"{file}: no telemetry records in it.")
+    if job_id is None:
+        records = jobs[-1]
+    else:
+        matching = [j for j in jobs if j[0].get("job_id") == job_id]
+        if not matching:
+            known = ", ".join(str(j[0].get("job_id")) for j in jobs)
+            raise ZerorunError(f"{file}: no job {job_id}; it holds {known}.")
+        records = matching[-1]
+    state = RunState()
+    for record in records:
+        state.ingest(record, float(record.get("t") or 0.0))
+    return state
+
+
+def render(state: RunState) -> RenderableType:
+    """The summary table, with the stall reports the job had."""
+    parts: list[RenderableType] = [console.summary_table(state)]
+    for stall in state.stalls:
+        behind = ", ".join(f"rank {r}" for r in stall.get("behind", [])) or "no rank in particular"
+        parts.append(Text(f"stall after {stall.get('quiet_s', 0):.0f} s without a step; behind: {behind}"))
+    return Group(*parts)
+
+
+def _split_jobs(file: Path) -> list[list[dict[str, Any]]]:
+    """The file's records, grouped by job (records before any `job` record form a job of their own)."""
+    jobs: list[list[dict[str, Any]]] = []
+    with open(file, "rb") as f:
+        for raw in f:
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                continue  # a line cut short by a crash
+            if not isinstance(record, dict):
+                continue
+            if record.get("type") == "job" or not jobs:
+                jobs.append([])
+            jobs[-1].append(record)
+    return jobs

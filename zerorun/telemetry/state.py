@@ -1,0 +1,234 @@
+"""The state of a job as the records describe it: the latest figures per rank, and running totals.
+
+One `RunState` is fed record by record, live by the collector (`now` = the launcher's clock when
+the record arrived) or afterwards by `zerorun report` (`now` = the record's own `t`), so the live
+view, the final summary and the report all come from the same arithmetic.
+
+Throughput totals leave out each rank's first step: it includes start-up (engine construction,
+first allocations, kernel warm-up) and would drag the means of short runs down.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RankState:
+    """What one rank reported last, plus its running totals."""
+
+    rank: int
+    host: str = "?"
+    pid: int | None = None
+    pid_start: float | None = None
+    finished: bool = False  # said `bye`
+    params: int | None = None
+    peak_tflops: float | None = None
+    # the latest step
+    step: int = 0
+    loss: float | None = None
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    step_time_s: float | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    skipped_total: int = 0
+    comm: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the latest sample
+    rss: int | None = None
+    rss_peak: int = 0
+    cpu_percent: float | None = None
+    device_now: int | None = None  # CUDA allocated, or on CPU the bytes the engine holds
+    device_peak: int = 0
+    cuda: bool = False
+    memory: dict[str, dict[str, int]] | None = None
+    nvme_bytes: int = 0
+    io_rate: float | None = None  # block-device bytes/s between the last two samples
+    io_bytes: int = 0  # since the first sample
+    where: dict[str, Any] | None = None
+    last_sample_at: float | None = None
+    busy_s: float = 0.0  # the time of every step, the first included
+    # totals over steps after the first
+    steps_seen: int = 0
+    timed_s: float = 0.0
+    timed_samples: int = 0
+    timed_tokens: int = 0
+    timed_flops: float = 0.0
+    _io_first: int | None = None
+    _io_last: tuple[float, int] | None = None
+
+    def ingest(self, record: dict[str, Any], now: float) -> None:
+        kind = record.get("type")
+        if kind == "hello":
+            self.host = str(record.get("host", self.host))
+            self.pid, self.pid_start = record.get("pid"), record.get("pid_start")
+        elif kind == "engine":
+            self.params, self.peak_tflops = record.get("params"), record.get("peak_tflops")
+        elif kind == "step":
+            self._step(record)
+        elif kind == "sample":
+            self._sample(record, now)
+        elif kind == "bye":
+            self.finished = True
+
+    def _step(self, r: dict[str, Any]) -> None:
+        step = int(r.get("step", 0))
+        if step <= self.step and self.steps_seen:
+            return  # a repeat after a reconnect
+        self.busy_s += r.get("step_time_s") or 0.0
+        if self.steps_seen and r.get("step_time_s"):
+            self.timed_s += r["step_time_s"]
+            self.timed_samples += r.get("samples") or 0
+            self.timed_tokens += r.get("tokens") or 0
+            self.timed_flops += r.get("flops") or 0.0
+        self.steps_seen += 1
+        self.step = step
+        for key in ("loss", "grad_norm", "loss_scale", "step_time_s", "samples_per_s", "tokens_per_s", "tflops",
+                    "mfu"):
+            setattr(self, key, r.get(key))
+        self.skipped_total = int(r.get("skipped_total") or 0)
+        self.comm = r.get("comm") or self.comm
+
+    def _sample(self, r: dict[str, Any], now: float) -> None:
+        self.last_sample_at = now
+        self.rss = r.get("rss")
+        self.rss_peak = max(self.rss_peak, self.rss or 0)
+        self.cpu_percent = r.get("cpu_percent")
+        self.memory = r.get("memory") or self.memory
+        self.where = r.get("where")
+        cuda = r.get("cuda")
+        self.cuda = cuda is not None
+        if cuda is not None:
+            self.device_now = cuda.get("allocated")
+            self.device_peak = max(self.device_peak, cuda.get("peak") or 0)
+        elif self.memory is not None:
+            self.device_now = sum(b for kind in self.memory.values() for place, b in kind.items() if place != "nvme")
+            self.device_peak = max(self.device_peak, self.device_now)
+        if self.memory is not None:
+            self.nvme_bytes = sum(places.get("nvme", 0) for places in self.memory.values())
+        io = r.get("io")
+        if io is not None:
+            total = int(io.get("read_bytes", 0)) + int(io.get("write_bytes", 0))
+            t = float(r.get("t", now))
+            if self._io_first is None:
+                self._io_first = total
+            if self._io_last is not None and t > self._io_last[0]:
+                self.io_rate = (total - self._io_last[1]) / (t - self._io_last[0])
+            self._io_last = (t, total)
+            self.io_bytes = total - self._io_first
+
+    # -- derived ---------------------------------------------------------------------------------
+
+    def mean(self, amount: float) -> float | None:
+        """`amount` per second over the timed steps (None before the second step)."""
+        return amount / self.timed_s if self.timed_s > 0 else None
+
+    @property
+    def comm_seconds(self) -> float:
+        return sum(float(k.get("seconds", 0.0)) for k in self.comm.values())
+
+    @property
+    def comm_bytes(self) -> int:
+        return int(sum(float(k.get("bytes", 0)) for k in self.comm.values()))
+
+    def describe_where(self) -> str:
+        if not self.where:
+            return "no sample yet"
+        w = self.where
+        return f"in {w.get('function')} ({os.path.basename(str(w.get('file')))}:{w.get('line')})"
+
+
+@dataclass
+class RunState:
+    """The whole job: the launcher's header, every rank, progress and stalls."""
+
+    job: dict[str, Any] = field(default_factory=dict)
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    exit_code: int | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    engine_at: float | None = None  # when the first engine was built (stall detection starts then)
+    last_step_at: float | None = None  # when any rank last finished a step
+    stalls: list[dict[str, Any]] = field(default_factory=list)
+
+    def ingest(self, record: dict[str, Any], now: float) -> None:
+        kind = record.get("type")
+        if kind == "job":
+            self.job = dict(record)
+            self.started_at = float(record.get("t", now))
+            return
+        if kind == "end":
+            self.exit_code = record.get("exit_code")
+            self.ended_at = float(record.get("t", now))
+            return
+        if kind == "stall":
+            self.stalls.append(dict(record))
+            return
+        rank = record.get("rank")
+        if not isinstance(rank, int):
+            return
+        state = self.ranks.setdefault(rank, RankState(rank))
+        before = state.step
+        state.ingest(record, now)
+        if kind == "engine" and self.engine_at is None:
+            self.engine_at = now
+        if kind == "step" and state.step > before:
+            self.last_step_at = now
+
+    # -- progress --------------------------------------------------------------------------------
+
+    @property
+    def total_steps(self) -> int:
+        return int(self.job.get("steps") or 0)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.job.get("world_size") or len(self.ranks))
+
+    @property
+    def step(self) -> int:
+        """Steps every reporting rank has finished."""
+        return min((r.step for r in self.ranks.values()), default=0)
+
+    def eta_s(self, now: float) -> float | None:
+        """Steps left times the slowest rank's mean step time, less the time since the last step.
+
+        Step times come from the workers, so no clock is compared across machines.
+        """
+        step_times = [r.timed_s / (r.steps_seen - 1) if r.steps_seen > 1 else r.step_time_s
+                      for r in self.ranks.values()]
+        step_times = [t for t in step_times if t]
+        if not self.total_steps or not step_times or self.last_step_at is None:
+            return None
+        left = max(0, self.total_steps - self.step) * max(step_times)
+        return max(0.0, left - (now - self.last_step_at)) if left else 0.0
+
+    def elapsed_s(self, now: float) -> float:
+        return (self.ended_at or now) - self.started_at if self.started_at is not None else 0.0
+
+    def sorted_ranks(self) -> list[RankState]:
+        return [self.ranks[r] for r in sorted(self.ranks)]
+
+    # -- stalls ----------------------------------------------------------------------------------
+
+    def behind(self) -> tuple[list[RankState], list[RankState]]:
+        """(ranks holding the others up, ranks waiting for them).
+
+        Ranks at the lowest step are behind when steps differ. When every rank is at the same step
+        (a collective every step keeps them within one), the ranks whose training thread is *not*
+        inside a collective are the ones the others wait for.
+        """
+        ranks = [r for r in self.sorted_ranks() if not r.finished]
+        if not ranks:
+            return [], []
+        low = min(r.step for r in ranks)
+        if any(r.step > low for r in ranks):
+            return [r for r in ranks if r.step == low], [r for r in ranks if r.step > low]
+        waiting = [r for r in ranks if r.where and r.where.get("in_collective")]
+        if waiting and len(waiting) < len(ranks):
+            return [r for r in ranks if r not in waiting], waiting
+        return [], ranks
