@@ -75,6 +75,15 @@ ZR_HOST_DEVICE void adam_update(float& p, float g, float& m, float& v, const Ada
   p = p - c.step_size * m / denom;
 }
 
+// One flat shard's tensors, as both kernels receive them (lowp_out may be null).
+struct Shard {
+  float* params;
+  const void* grads;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* lowp_out;
+};
+
 // ---- fp32 <-> bf16/fp16 as bit patterns, round-to-nearest-even, branch-free so loops vectorise ----
 
 ZR_HOST_DEVICE uint32_t float_to_bits(float f) {

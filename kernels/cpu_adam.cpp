@@ -23,13 +23,6 @@ namespace {
 
 using namespace zerorun;
 
-struct Shard {
-  float* params;
-  const void* grads;
-  float* exp_avg;
-  float* exp_avg_sq;
-  void* lowp_out;
-};
 
 template <bool kDecoupled, bool kUnscale, int kGrad, int kLowp, bool kFma>
 inline __attribute__((always_inline)) void adam_range(const Shard& s, const AdamConfig& config, int64_t begin,

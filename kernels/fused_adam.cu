@@ -20,13 +20,6 @@ using namespace zerorun;
 constexpr int kThreads = 256;
 constexpr int kVec = 4;
 
-struct Shard {
-  float* params;
-  const void* grads;
-  float* exp_avg;
-  float* exp_avg_sq;
-  void* lowp_out;
-};
 
 template <bool kDecoupled, int kGrad, int kLowp>
 __device__ __forceinline__ void update_one(const Shard& s, const AdamConfig& c, int64_t i) {
