@@ -55,3 +55,22 @@ def test_stages_0_1_2_match_ddp_adamw_fp32(world: int) -> None:
     results = run_ranks(_compare, world, (CASES,))
     problems = [p for rank_problems in results for p in rank_problems]
     assert not problems, "\n".join(problems)
+
+
+def _overlap(rank: int, world: int, overlap: bool) -> tuple[int, int]:
+    from tests.runtime.reference import batch, make_model
+
+    import zerorun
+    from zerorun import config
+
+    recipe = config.loads("script: t.py", "t.yaml", ["zero.stage=2", "zero.bucket_mb=0.0005",
+                                                      f"zero.overlap_comm={str(overlap).lower()}"])
+    engine = zerorun.initialize(make_model(0), None, recipe)
+    engine.backward(engine(batch(0, rank, 0)))
+    return engine.reducer.overlapped_launches, len(engine.flat.units)
+
+
+def test_stage2_reduces_buckets_while_backward_runs_only_with_overlap_comm() -> None:
+    launched, units = run_ranks(_overlap, 2, (True,))[0]
+    assert units > 3 and launched >= units - 1, (launched, units)  # all but the last bucket start early
+    assert run_ranks(_overlap, 2, (False,))[0][0] == 0

@@ -6,6 +6,7 @@ import functools
 
 import pytest
 import torch
+from torch import nn
 
 from tests.harness import run_ranks
 from tests.runtime.reference import ddp_reference, engine_run, tied_gpt
@@ -125,3 +126,62 @@ def _gathered(rank: int, world: int) -> dict:
 def test_gathered_gives_full_parameters_and_writes_back_from_one_rank() -> None:
     for r in run_ranks(_gathered, 3):
         assert all(r.values()), r
+
+
+class _Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(13, 13)
+        self.outer = nn.Linear(13, 13)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.outer(torch.tanh(self.inner(x)))
+
+
+class Quirky(nn.Module):
+    """Stage 3's awkward cases in one model: a unit called twice per forward, a submodule of a unit
+    called on its own, execution order that changes with the input, and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(37, 13)
+        self.a, self.b, self.c = _Mixer(), _Mixer(), _Mixer()
+        self.head = nn.Linear(13, 37)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 13))
+        self.calls = 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) * self.scale
+        x = self.a(self.a(x))  # a unit used twice in one forward
+        self.calls += 1  # the order changes every third call, the same way on every rank
+        first, second = (self.b, self.c) if self.calls % 3 else (self.c, self.b)
+        x = second(first(x))
+        x = x + self.c.inner(x)  # a unit's submodule called outside the unit's forward
+        return torch.nn.functional.cross_entropy(self.head(x)[:, :-1].reshape(-1, 37), tokens[:, 1:].reshape(-1))
+
+
+def quirky(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return Quirky()
+
+
+def _quirky(rank: int, world: int) -> list[str]:
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    ref = ddp_reference(rank, STEPS, 2, model_fn=quirky, eval_every=3)
+    run, _ = engine_run(rank, STEPS, 2, ["zero.stage=3", "zero.wrap=[_Mixer]", "zero.param_persistence_threshold=20",
+                                         "zero.prefetch_units=2"], model_fn=quirky, eval_every=3)
+    problems = []
+    for what, ours, theirs in (("losses", run.losses, ref.losses), ("eval", run.eval_losses, ref.eval_losses)):
+        if not torch.allclose(torch.tensor(ours), torch.tensor(theirs), rtol=LOSS_RTOL, atol=0):
+            problems.append(f"rank {rank}: {what} {ours[:4]} vs DDP {theirs[:4]}")
+    for pname, value in ref.params.items():
+        if (run.params[pname] - value).abs().max().item() > PARAM_ATOL:
+            problems.append(f"rank {rank}: parameter {pname} differs")
+    return problems
+
+
+def test_stage3_handles_repeated_units_changing_order_loose_submodules_and_buffers() -> None:
+    problems = [p for r in run_ranks(_quirky, 2) for p in r]
+    assert not problems, "\n".join(problems)

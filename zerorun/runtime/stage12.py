@@ -79,6 +79,7 @@ class GradReducer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._place]
         self._reset_backward_state(reduce=False)
         self._in_backward = False
+        self.overlapped_launches = 0  # units whose reduction started while backward was still running
 
     # -- backward ---------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
@@ -113,10 +114,12 @@ class GradReducer:
             region.add_(grad.view(-1))
         self._seen[k].add(index)
         if self.overlap and self._reduce:
+            launched = len(self._launched)
             if self.ordered:
                 self._launch_ready()
             elif len(self._seen[k]) == len(unit.params):
                 self._launch(k)
+            self.overlapped_launches += len(self._launched) - launched
 
     def _grad_region(self, k: int, unit: Unit) -> torch.Tensor:
         """Where unit k's gradients accumulate during this backward."""
