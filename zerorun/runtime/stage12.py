@@ -23,7 +23,7 @@ size in the same pass that unscales and clips (`Engine._optimizer_step`).
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Callable
 
 import torch
@@ -32,6 +32,9 @@ from torch import nn
 from zerorun.errors import ZerorunError
 from zerorun.runtime.collectives import Handle
 from zerorun.runtime.flat import FlatParams, Unit
+
+
+MAX_INFLIGHT = 2  # unit reductions in flight at once; beyond that the oldest is finished first
 
 
 class BufferPool:
@@ -91,7 +94,7 @@ class GradReducer:
         self._reduce = reduce
         self._seen: list[set[int]] = [set() for _ in self.flat.units]
         self._staging: dict[int, torch.Tensor] = {}
-        self._handles: list[Handle] = []
+        self._inflight: deque[tuple[int, Handle]] = deque()
         self._next_launch = 0
         self._launched: set[int] = set()
 
@@ -150,7 +153,9 @@ class GradReducer:
         else:
             out = self.flat.state_slice(unit, self.grad_shards[unit.group])
             handle = self.comm.reduce_scatter(region, out, accumulate=True)
-        self._handles.append(handle)
+        self._inflight.append((k, handle))
+        while len(self._inflight) > MAX_INFLIGHT:  # bound staging memory: finish the oldest, recycle it
+            self._finish(*self._inflight.popleft())
         self._launched.add(k)
         while self._next_launch in self._launched:
             self._next_launch += 1
@@ -164,11 +169,17 @@ class GradReducer:
             for k in range(len(self.flat.units)):
                 if k not in self._launched:
                     self._launch(k)
-        for handle in self._handles:
-            handle.wait()
-        for buffer in self._staging.values():
+        while self._inflight:
+            self._finish(*self._inflight.popleft())
+        for buffer in self._staging.values():  # units that were not reduced (accumulation-only micro-steps)
             self.pool.put(buffer)
         self._reset_backward_state(reduce=False)
+
+    def _finish(self, k: int, handle: Handle) -> None:
+        handle.wait()
+        staging = self._staging.pop(k, None)
+        if staging is not None:
+            self.pool.put(staging)
 
     # -- optimizer side ---------------------------------------------------------------------
     def grad_pieces(self, group: int) -> list[torch.Tensor]:
