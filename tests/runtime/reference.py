@@ -157,12 +157,9 @@ def engine_run(rank: int, steps: int, accum: int, recipe_overrides: list[str], c
         run.grad_norms.append(engine.grad_norm)
         if eval_every and len(run.grad_norms) % eval_every == 0:
             run.eval_losses.append(_eval(engine, rank, micro))
-    if engine.scheduler is not None:  # stage 3: the consolidated state dict, broadcast for comparison
-        import torch.distributed as dist
-
-        state = [engine.state_dict()]
-        dist.broadcast_object_list(state, src=0)
-        run.params = {n: state[0][n].float() for n, _ in engine.module.named_parameters()}
+    if engine.scheduler is not None:  # stage 3: the parameters as gathered on every rank
+        with engine.gathered():
+            run.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     elif engine.flat.master is not None:  # compare the fp32 master weights, not their low-precision copy
         run.params = engine_master_params(engine)
     else:
