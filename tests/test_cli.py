@@ -59,12 +59,13 @@ def test_dry_run_prints_every_nodes_command_and_env_and_starts_nothing(recipe: P
     assert "ZERORUN_JOB_ID=" in result.stdout
 
 
-def test_remote_hosts_are_refused_with_a_one_line_launch_error(recipe: Path, tmp_path: Path):
+def test_an_unreachable_remote_host_fails_preflight_with_a_launch_error_naming_it(recipe: Path, tmp_path: Path):
     hosts = tmp_path / "hosts"
-    hosts.write_text("worker-0 slots=2\n")
+    hosts.write_text("worker-0.invalid slots=2\n")
     result = invoke("launch", str(recipe), "--hostfile", str(hosts))
     assert result.exit_code == 2
-    assert result.stderr.startswith("zerorun: error: host worker-0: multi-node launch over SSH is not available yet")
+    assert result.stderr.startswith("zerorun: error: preflight failed on 1 of 1 host(s); nothing was started.")
+    assert "worker-0.invalid" in result.stderr and "unreachable over ssh" in result.stderr
 
 
 def test_version_prints_the_package_version():

@@ -61,6 +61,8 @@ def launch(
     exclude: Annotated[str | None, typer.Option(help="Hosts/slots to leave out, same syntax as --include.")] = None,
     num_nodes: Annotated[int | None, typer.Option(help="Use the first N hosts.")] = None,
     num_gpus: Annotated[int | None, typer.Option(help="Use the first N slots of every host.")] = None,
+    master_addr: Annotated[str | None, typer.Option(help="Rendezvous address (default: the first node).")] = None,
+    master_port: Annotated[int | None, typer.Option(help="Rendezvous port (default: a free port).")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
                                                       help="Override a recipe key, e.g. --set zero.stage=3.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print every node's command and environment; start nothing.")] = False,
@@ -69,7 +71,8 @@ def launch(
     from zerorun.launch import launcher
 
     options = launcher.LaunchOptions(hostfile=hostfile, include=include, exclude=exclude, num_nodes=num_nodes,
-                                     num_gpus=num_gpus, overrides=tuple(set_ or ()))
+                                     num_gpus=num_gpus, master_addr=master_addr, master_port=master_port,
+                                     overrides=tuple(set_ or ()))
     launch_plan = launcher.make_plan(recipe, options)
     if dry_run:
         typer.echo(launcher.render(launch_plan))

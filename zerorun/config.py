@@ -129,6 +129,19 @@ class LaunchConfig:
 
     timeout_s: float = _f(300.0, "Collective timeout: a rank stuck this long in a collective fails the job.", gt=0)
     kill_grace_s: float = _f(3.0, "Seconds between SIGTERM and SIGKILL when tearing the job down.", ge=0)
+    transport: Literal["auto", "ssh"] = _f("auto", "auto: localhost runs as a local process, other hosts over SSH; "
+                                                   "ssh: every host over SSH, this machine included.")
+
+
+@dataclass
+class SSHConfig:
+    """How the launcher reaches other hosts; `~/.ssh/config` applies too, these settings win over it."""
+
+    port: int | None = _f(None, "SSH port (null: ~/.ssh/config's, else 22).", ge=1, le=65535)
+    user: str | None = _f(None, "Remote user (null: ~/.ssh/config's, else yours).")
+    identity_file: str | None = _f(None, "Private key file (null: ssh's defaults and agent).")
+    options: list[str] = _f(doc="Extra ssh options as KEY=VALUE, each passed as `-o KEY=VALUE` "
+                                "(e.g. StrictHostKeyChecking=accept-new).", factory=list)
 
 
 @dataclass
@@ -144,6 +157,7 @@ class Recipe:
     master_port: int | None = _f(None, "Rendezvous port (default: a free port).", ge=1, le=65535)
     env: dict[str, str] = _f(doc="Extra environment variables for every worker.", factory=dict)
     launch: LaunchConfig = _f(doc="Process lifecycle.", factory=LaunchConfig)
+    ssh: SSHConfig = _f(doc="SSH to the other hosts of a multi-node job.", factory=SSHConfig)
     zero: ZeroConfig = _f(doc="ZeRO partitioning.", factory=ZeroConfig)
     precision: PrecisionConfig = _f(doc="Numeric formats.", factory=PrecisionConfig)
     optimizer: OptimizerConfig = _f(doc="Default optimizer.", factory=OptimizerConfig)

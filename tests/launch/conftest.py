@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch.launched import LaunchedJob, write_recipe
+from tests.launch.sshd import PrivateSSHD, find_sshd
 
 
 @pytest.fixture
@@ -21,3 +22,27 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., LaunchedJob]]:
     yield start
     for job in jobs:
         job.cleanup()
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateSSHD]:
+    """A private sshd on 127.0.0.1 and 127.0.0.2 (two "hosts"); skips when sshd is not installed."""
+    if find_sshd() is None:
+        pytest.skip("sshd is not installed (CI installs openssh-server)")
+    server = PrivateSSHD.start(tmp_path_factory.mktemp("sshd"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def launch_ssh(launch: Callable[..., LaunchedJob], sshd: PrivateSSHD, tmp_path: Path) -> Callable[..., LaunchedJob]:
+    """`launch_ssh(script, args, nproc=2, ...)`: a launch on both loopback "hosts", every node over SSH."""
+    hosts = tmp_path / "hosts"
+
+    def start(script: str, args: Sequence[str] = (), nproc: int = 2, flags: Sequence[str] = (),
+              **keys: object) -> LaunchedJob:
+        hosts.write_text("".join(f"{host} slots={nproc}\n" for host in sshd.hosts))
+        keys.setdefault("launch", {"kill_grace_s": 1.0, "transport": "ssh"})
+        return launch(script, args, flags=["--hostfile", str(hosts), *flags], ssh=sshd.recipe_section(), **keys)
+
+    return start

@@ -15,6 +15,7 @@ from zerorun.hostfile import Node
 from zerorun.launch import launcher
 from zerorun.launch.launcher import LaunchOptions
 from zerorun.launch.plan import MachineFacts, plan, render, with_env
+from zerorun.launch.ssh import ssh_argv
 from zerorun.launch.transport import transport_for
 
 CPU = MachineFacts(cpu_count=8, cuda=False, python="/py/bin/python")
@@ -163,9 +164,64 @@ def test_include_without_a_hostfile_is_an_error(recipe_file: Path):
         launcher.make_plan(recipe_file, LaunchOptions(include="localhost:0"))
 
 
-def test_a_remote_host_is_planned_but_refused_at_launch_until_ssh_exists():
-    with pytest.raises(LaunchError, match="worker-1: multi-node launch over SSH is not available yet"):
-        transport_for("worker-1", "job-1")
+def test_remote_hosts_run_over_ssh_and_local_ones_as_processes_unless_transport_is_ssh():
+    nodes = [Node("localhost", (0,)), Node("worker-1", (0,))]
+    p = plan(recipe(), nodes, "job-1", 29500, CPU)
+    assert [type(transport_for(node, p)).__name__ for node in p.nodes] == ["LocalTransport", "SSHTransport"]
+    p = plan(recipe(launch={"transport": "ssh"}), nodes, "job-1", 29500, CPU)
+    assert [node.over_ssh for node in p.nodes] == [True, True]
+
+
+def test_ssh_nodes_get_the_propagated_environment_then_env_file_then_recipe_env():
+    inherited = {"PATH": "/venv/bin:/usr/bin", "PYTHONPATH": "/src", "VIRTUAL_ENV": "/venv", "HOME": "/root",
+                 "NCCL_DEBUG": "INFO", "CUDA_HOME": "/cuda", "SECRET": "x", "LD_LIBRARY_PATH": "/lib"}
+    facts = MachineFacts(cpu_count=8, cuda=False, python="/venv/bin/python", inherited_env=inherited,
+                         cwd="/jobs", env_file={"NCCL_DEBUG": "WARN", "FROM_FILE": "1", "TOKEN": "file"})
+    p = plan(recipe(env={"TOKEN": "recipe"}), [Node("localhost", (0,)), Node("worker-1", (0,))], "job-1", 29500, facts)
+    local, remote = p.nodes
+    assert "PATH" not in local.env and local.env["FROM_FILE"] == "1"  # a local node inherits everything anyway
+    assert {k: remote.env[k] for k in ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_HOME")} == {
+        "PATH": "/venv/bin:/usr/bin", "PYTHONPATH": "/src", "VIRTUAL_ENV": "/venv", "LD_LIBRARY_PATH": "/lib",
+        "CUDA_HOME": "/cuda"}
+    assert (remote.env["NCCL_DEBUG"], remote.env["TOKEN"], remote.env["FROM_FILE"]) == ("WARN", "recipe", "1")
+    assert "SECRET" not in remote.env and "HOME" not in remote.env
+    assert (remote.over_ssh, remote.cwd) == (True, "/jobs")
+    assert p.master_addr == "localhost"  # node 0 is this machine: the others reach it by its name, not 127.0.0.1
+    text = render(p)
+    assert "node 1: worker-1  ranks 1  over ssh, in /jobs" in text and "    PATH=/venv/bin:/usr/bin" in text
+
+
+def test_env_file_takes_key_value_lines_with_comments_blanks_export_and_quotes():
+    text = "# cluster settings\n\nNCCL_IB_DISABLE=1\nexport HF_HOME='/data/hf'\nEMPTY=\n"
+    assert launcher.parse_env_file(text, ".zerorun_env") == {"NCCL_IB_DISABLE": "1", "HF_HOME": "/data/hf", "EMPTY": ""}
+    with pytest.raises(LaunchError, match=r"\.zerorun_env:2: expected KEY=VALUE, got 'oops'"):
+        launcher.parse_env_file("A=1\noops\n", ".zerorun_env")
+
+
+def test_env_file_is_read_from_the_working_directory_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".zerorun_env").write_text("WHERE=home\n")
+    monkeypatch.setenv("HOME", str(home))
+    assert launcher.load_env_file(str(tmp_path)) == {"WHERE": "home"}
+    (tmp_path / ".zerorun_env").write_text("WHERE=cwd\n")
+    assert launcher.load_env_file(str(tmp_path)) == {"WHERE": "cwd"}
+
+
+def test_ssh_argv_puts_recipe_options_before_zerorun_defaults_so_they_win():
+    ssh = config.SSHConfig(port=2222, user="ada", identity_file="~/.ssh/k", options=["ServerAliveInterval=1"])
+    argv = ssh_argv(ssh, "worker-1", "exec true")
+    assert argv[:3] == ["ssh", "-T", "-x"] and argv[-3:] == ["worker-1", "--", "exec true"]
+    assert argv[argv.index("-p") + 1] == "2222" and argv[argv.index("-l") + 1] == "ada"
+    assert not argv[argv.index("-i") + 1].startswith("~")
+    options = [argv[i + 1] for i, arg in enumerate(argv) if arg == "-o"]
+    assert options.index("ServerAliveInterval=1") < options.index("ServerAliveInterval=3")
+    assert "BatchMode=yes" in options
+
+
+def test_master_addr_and_port_options_override_the_recipe(recipe_file: Path):
+    p = launcher.make_plan(recipe_file, LaunchOptions(master_addr="10.0.0.5", master_port=29999))
+    assert (p.master_addr, p.master_port) == ("10.0.0.5", 29999)
 
 
 def test_job_ids_are_unique_and_readable():

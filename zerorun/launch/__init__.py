@@ -1,4 +1,4 @@
-"""Launching a job: plan (pure), transports (local; ssh later), supervisor (lifecycle), worker bootstrap.
+"""Launching a job: plan (pure), transports (local, ssh + remote supervisor), supervisor (lifecycle), worker bootstrap.
 
 `zerorun.launch.launcher` is the entry point the CLI calls. This package's `__init__` stays tiny
 because every worker imports it before forking its output relay.

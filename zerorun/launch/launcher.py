@@ -5,7 +5,8 @@
     exit_code = run(launch_plan)                                              # starts, supervises, tears down
 
 `make_plan` gathers the impure facts (recipe file, hostfile, GPUs, CPU count, a free port, the job
-id) and hands them to the pure `plan.plan`. `run` picks a transport per node, starts the telemetry
+id, the working directory and its `.zerorun_env`) and hands them to the pure `plan.plan`. `run`
+checks the SSH hosts (`preflight`), picks a transport per node, starts the telemetry
 monitor (collector, live view, stall watch) unless the recipe turned it off, tells the workers its
 address, and lets the supervisor drive the job.
 """
@@ -28,6 +29,7 @@ from zerorun import config, hostfile
 from zerorun.config import Recipe
 from zerorun.errors import HostfileError, LaunchError
 from zerorun.hostfile import Node
+from zerorun.launch import preflight
 from zerorun.launch.plan import LaunchPlan, MachineFacts, is_local, plan, render, with_env
 from zerorun.launch.supervisor import Supervisor
 from zerorun.launch.transport import transport_for
@@ -48,16 +50,22 @@ class LaunchOptions:
     exclude: str | None = None  # ... or to drop
     num_nodes: int | None = None  # the first N hosts
     num_gpus: int | None = None  # the first N slots of every host (default: the recipe's nproc_per_node)
+    master_addr: str | None = None  # overrides the recipe's `master_addr`
+    master_port: int | None = None  # overrides the recipe's `master_port`
     overrides: Sequence[str] = field(default_factory=tuple)  # `--set KEY=VALUE`
 
 
 def make_plan(recipe_path: str | os.PathLike, options: LaunchOptions) -> LaunchPlan:
     """Load the recipe, select the nodes and plan the job; starts nothing."""
-    recipe = config.load(recipe_path, overrides=options.overrides)
+    flags = [f"master_addr={options.master_addr}"] if options.master_addr else []
+    flags += [f"master_port={options.master_port}"] if options.master_port else []
+    recipe = config.load(recipe_path, overrides=[*options.overrides, *flags])
     gpus = local_gpu_count()
     nodes = select_nodes(recipe, options, gpus)
+    cwd = os.getcwd()
     facts = MachineFacts(cpu_count=os.cpu_count() or 1, cuda=gpus > 0, python=sys.executable,
-                         inherited_env=dict(os.environ))
+                         inherited_env=dict(os.environ), cwd=cwd, env_file=load_env_file(cwd),
+                         hostname=socket.getfqdn())
     master_port = recipe.master_port or (free_port() if is_local(nodes[0].host) else 29500)
     return plan(recipe, nodes, new_job_id(recipe.name or "job"), master_port, facts)
 
@@ -66,7 +74,8 @@ def run(launch_plan: LaunchPlan) -> int:
     """Run the planned job to its end; return the launcher's exit code."""
     if importlib.util.find_spec("torch") is None:
         raise LaunchError(f"torch is not installed for {sys.executable}; zerorun runs workers with torchrun.")
-    transports = [transport_for(node.host, launch_plan.job_id) for node in launch_plan.nodes]
+    preflight.check_hosts(launch_plan)
+    transports = [transport_for(node, launch_plan) for node in launch_plan.nodes]
     if is_local(launch_plan.nodes[0].host):
         _check_port_free(launch_plan.master_addr, launch_plan.master_port)
     monitor = _start_monitor(launch_plan)
@@ -117,6 +126,40 @@ def select_nodes(recipe: Recipe, options: LaunchOptions, gpus: int) -> list[Node
     except HostfileError as exc:
         raise HostfileError(f"{recipe.source}: nproc_per_node: {recipe.nproc_per_node} applies as --num-gpus "
                             f"to hostfile nodes: {exc}") from None
+
+
+ENV_FILE = ".zerorun_env"
+
+
+def load_env_file(cwd: str) -> dict[str, str]:
+    """The variables of `.zerorun_env` in `cwd`, else in the home directory (none if neither exists)."""
+    for directory in (cwd, os.path.expanduser("~")):
+        path = os.path.join(directory, ENV_FILE)
+        try:
+            with open(path) as file:
+                return parse_env_file(file.read(), path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise LaunchError(f"{path}: cannot read ({exc.strerror or exc}).") from None
+    return {}
+
+
+def parse_env_file(text: str, source: str) -> dict[str, str]:
+    """`KEY=VALUE` lines; blank lines and `#` comments are skipped, a value may be quoted."""
+    env: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.removeprefix("export ").partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key.isidentifier():
+            raise LaunchError(f"{source}:{number}: expected KEY=VALUE, got {raw.strip()!r}.")
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        env[key] = value
+    return env
 
 
 def local_gpu_count() -> int:

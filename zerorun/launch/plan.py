@@ -12,6 +12,12 @@ has to discover the others, and node i's workers get global ranks `first_rank + 
 torchrun starts `python -m zerorun.launch.worker -- script args` (its `-m`/`--module` flag) on
 each local rank; `--max-restarts 0` because a failed rank ends the job (restarts are a decision
 for the user, not a silent retry).
+
+A node on another host runs the same command over SSH (see `zerorun.launch.ssh`). It does not
+inherit the launcher's environment, so its `env` also carries what a remote shell would lack:
+PATH, LD_LIBRARY_PATH, PYTHONPATH, the active virtualenv or conda prefix, and every NCCL_* and
+CUDA_* variable. Every node also gets the `.zerorun_env` file's variables. Precedence, lowest
+first: propagated variables, `.zerorun_env`, zerorun's defaults, the recipe's `env`, ZERORUN_*.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from zerorun import config
-from zerorun.config import Recipe, TelemetryConfig
+from zerorun.config import Recipe, SSHConfig, TelemetryConfig
 from zerorun.errors import LaunchError
 from zerorun.hostfile import Node
 from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV
@@ -31,6 +37,8 @@ from zerorun.telemetry import ADDRESS_ENV, RUNS_DIR
 WORKER_MODULE = "zerorun.launch.worker"
 RECIPE_SOURCE_ENV = config.RECIPE_ENV + "_SOURCE"
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+PROPAGATED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX")
+PROPAGATED_ENV_PREFIXES = ("NCCL_", "CUDA_")
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,9 @@ class MachineFacts:
     cuda: bool  # slots are CUDA devices: set CUDA_VISIBLE_DEVICES from them
     python: str  # the interpreter that runs torchrun on every node
     inherited_env: Mapping[str, str] = field(default_factory=dict)  # the launcher's environment
+    cwd: str = "."  # the working directory, the same on every node
+    env_file: Mapping[str, str] = field(default_factory=dict)  # the `.zerorun_env` variables
+    hostname: str = "localhost"  # how other hosts reach this one (the rendezvous, when node 0 is local)
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,8 @@ class NodeCommand:
     nproc: int
     argv: tuple[str, ...]
     env: Mapping[str, str]  # added on top of the environment the transport inherits
+    over_ssh: bool = False  # started through `ssh host` rather than as a local process
+    cwd: str = "."
 
     @property
     def ranks(self) -> range:
@@ -76,24 +89,28 @@ class LaunchPlan:
     nodes: tuple[NodeCommand, ...]
     steps: int = 0  # the recipe's train.steps: the launcher's progress bar counts towards it
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    ssh: SSHConfig = field(default_factory=SSHConfig)
 
 
 def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, facts: MachineFacts) -> LaunchPlan:
     """Build the per-node commands for `recipe` on `nodes` (in node-rank order)."""
     assert nodes, "plan: at least one node is needed"
     master_addr = recipe.master_addr or _address_of(nodes[0].host)
+    if is_local(nodes[0].host) and not all(is_local(node.host) for node in nodes) and not recipe.master_addr:
+        master_addr = facts.hostname  # 127.0.0.1 would mean each remote host itself
     recipe_json = config.to_json(recipe)
     commands = []
     first_rank = 0
     for node_rank, node in enumerate(nodes):
         argv = torchrun_argv(facts.python, len(nodes), node_rank, node.nproc, master_addr, master_port,
                              recipe.script, recipe.args)
-        env = node_env(recipe, node, job_id, recipe_json, facts)
-        commands.append(NodeCommand(node.host, node_rank, first_rank, node.nproc, argv, env))
+        over_ssh = runs_over_ssh(node.host, recipe.launch.transport)
+        env = node_env(recipe, node, job_id, recipe_json, facts, over_ssh)
+        commands.append(NodeCommand(node.host, node_rank, first_rank, node.nproc, argv, env, over_ssh, facts.cwd))
         first_rank += node.nproc
     return LaunchPlan(job_id=job_id, name=recipe.name or "job", master_addr=master_addr, master_port=master_port,
                       world_size=first_rank, kill_grace_s=recipe.launch.kill_grace_s, nodes=tuple(commands),
-                      steps=recipe.train.steps, telemetry=recipe.telemetry)
+                      steps=recipe.train.steps, telemetry=recipe.telemetry, ssh=recipe.ssh)
 
 
 def with_env(launch_plan: LaunchPlan, extra: Mapping[str, str]) -> LaunchPlan:
@@ -123,13 +140,15 @@ def torchrun_argv(python: str, nnodes: int, node_rank: int, nproc: int, master_a
     )
 
 
-def node_env(recipe: Recipe, node: Node, job_id: str, recipe_json: str, facts: MachineFacts) -> dict[str, str]:
+def node_env(recipe: Recipe, node: Node, job_id: str, recipe_json: str, facts: MachineFacts,
+             over_ssh: bool = False) -> dict[str, str]:
     """The variables zerorun sets for one node's torchrun (and so for its workers).
 
     The recipe's `env` overrides zerorun's defaults (OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES) but not
     the ZERORUN_* variables the worker bootstrap depends on.
     """
-    env: dict[str, str] = {}
+    env: dict[str, str] = propagated_env(facts.inherited_env) if over_ssh else {}
+    env.update(facts.env_file)
     if facts.cuda:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(_devices(node, facts.inherited_env.get("CUDA_VISIBLE_DEVICES")))
     if "OMP_NUM_THREADS" not in facts.inherited_env:
@@ -141,6 +160,17 @@ def node_env(recipe: Recipe, node: Node, job_id: str, recipe_json: str, facts: M
     env[JOB_ID_ENV] = job_id
     env[NODE_HOST_ENV] = node.host
     return env
+
+
+def propagated_env(inherited: Mapping[str, str]) -> dict[str, str]:
+    """What a remote node gets from the launcher's environment (a login shell there would lack it)."""
+    return {key: value for key, value in inherited.items()
+            if key in PROPAGATED_ENV or key.startswith(PROPAGATED_ENV_PREFIXES)}
+
+
+def runs_over_ssh(host: str, transport: str) -> bool:
+    """Whether a node on `host` is started over SSH (`launch.transport: ssh` forces it for every host)."""
+    return transport == "ssh" or not is_local(host)
 
 
 def _devices(node: Node, inherited: str | None) -> list[str]:
@@ -168,7 +198,8 @@ def render(launch_plan: LaunchPlan) -> str:
                      f"{ADDRESS_ENV}=<the launcher's collector, host:port chosen at launch>")
     for node in p.nodes:
         lines.append("")
-        lines.append(f"node {node.node_rank}: {node.host}  ranks {_span(node.ranks)}")
+        how = f"  over ssh, in {node.cwd}" if node.over_ssh else ""
+        lines.append(f"node {node.node_rank}: {node.host}  ranks {_span(node.ranks)}{how}")
         lines.append("  env:")
         for key in sorted(node.env):
             lines.append(f"    {key}={_shown_value(key, node.env[key])}")

@@ -7,6 +7,9 @@
   stops every node at once. torchrun would notice too, but then signals the workers' groups and
   waits up to 30 s before SIGKILL, and it exits 1 whatever the rank's status was; the supervisor
   stops everything within `kill_grace_s` and exits with the failing rank's own status.
+- **A lost node ends the job.** A node whose transport exits non-zero while others still run (its
+  ssh connection dropped, the host stopped answering, torchrun failed there) stops every node once
+  `_NODE_SETTLE_S` has passed without a rank's exit record explaining it.
 - **Signals.** SIGINT, SIGTERM and SIGHUP to the launcher stop the job the same way; the launcher
   exits 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM). The handler only records the
   signal: the main loop wakes every 0.1 s and acts, so no lock is ever taken inside a handler.
@@ -37,6 +40,7 @@ from zerorun.launch.transport import Transport
 
 TAIL_LINES = 20  # lines of a failed rank shown in the failure report
 _SETTLE_S = 2.0  # after every torchrun exited: how long to wait for their pipes to close
+_NODE_SETTLE_S = 1.0  # after one node failed while others run: how long its ranks' exit records may take
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -106,6 +110,7 @@ class Supervisor:
     def _watch(self) -> Outcome:
         """Handle output until the first of: a signal, a failed rank, every torchrun having exited."""
         exited_at: float | None = None
+        failed_at: dict[int, float] = {}
         while True:
             if self._signal is not None:
                 self._say(f"received {signal.Signals(self._signal).name}; stopping job {self.plan.job_id}")
@@ -114,6 +119,13 @@ class Supervisor:
             self.output.tick()
             if self._first_failure is not None:
                 return Outcome(self._first_failure.exit_status, failure=self._first_failure)
+            for index, transport in enumerate(self.transports):
+                code = transport.poll()
+                if code and time.monotonic() - failed_at.setdefault(index, time.monotonic()) > _NODE_SETTLE_S:
+                    self._handle_events(timeout=0)
+                    if self._first_failure is not None:
+                        return Outcome(self._first_failure.exit_status, failure=self._first_failure)
+                    return Outcome(_status(code), failed_node=index)
             if all(t.poll() is not None for t in self.transports):
                 exited_at = exited_at or time.monotonic()
                 # Their exit records may still be in the pipes: read on until the pipes close.
@@ -127,8 +139,8 @@ class Supervisor:
             return Outcome(self._first_failure.exit_status, failure=self._first_failure)
         for index, transport in enumerate(self.transports):
             code = transport.poll()
-            if code:  # a negative code -N means killed by signal N
-                return Outcome(code if code > 0 else 128 - code, failed_node=index)
+            if code:
+                return Outcome(_status(code), failed_node=index)
         return Outcome(0)
 
     def _handle_events(self, timeout: float) -> None:
@@ -198,9 +210,10 @@ class Supervisor:
                       f"exit code {outcome.exit_code}")
         elif outcome.failed_node is not None:
             host = self.plan.nodes[outcome.failed_node].host
-            self._failure_block(f"torchrun on {host} failed (exit code {outcome.exit_code})",
-                                self._tails[(host, "torchrun")], "torchrun")
-            self._say(f"job {self.plan.job_id} stopped: torchrun on {host} failed; exit code {outcome.exit_code}")
+            what = self.transports[outcome.failed_node].what
+            self._failure_block(f"{what} on {host} failed (exit code {outcome.exit_code})",
+                                self._tails[(host, "torchrun")], what)
+            self._say(f"job {self.plan.job_id} stopped: {what} on {host} failed; exit code {outcome.exit_code}")
         elif outcome.signal is not None:
             self._say(f"job {self.plan.job_id} stopped ({still_running} processes ended); "
                       f"exit code {outcome.exit_code}")
@@ -241,6 +254,11 @@ class Supervisor:
     def _restore_signal_handlers(previous: dict[int, object]) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def _status(code: int) -> int:
+    """A process's exit status as a shell shows it (killed by signal N: 128+N)."""
+    return code if code > 0 else 128 - code
 
 
 def _plural(count: int, noun: str) -> str:

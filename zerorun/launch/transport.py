@@ -2,15 +2,16 @@
 
 The supervisor only sees the `Transport` interface: `start` a node's command and get its output
 streams, `poll` for its exit, `stop` it. `LocalTransport` runs the command as a child process;
-an `SSHTransport` (a later issue) will run the same command through `ssh -tt host`, whose hang-up
-ends the remote side.
+`zerorun.launch.ssh.SSHTransport` runs it on another host under a remote supervisor
+(`zerorun.launch.remote`), which uses a `LocalTransport` there.
 
 Ending a local job leaves nothing behind, whatever the workers do:
 - torchrun starts every worker in a *new session* (its own process group), so signalling
   torchrun's group does not reach the workers, and a worker's own children (dataloader workers)
   sit in the worker's group. So `stop` collects the processes first: torchrun, all its
   descendants (a psutil tree walk), and every process whose environment carries this job's
-  `ZERORUN_JOB_ID` (orphans whose parent already died and were re-parented away from the tree).
+  `ZERORUN_JOB_ID` and this node's `ZERORUN_NODE_HOST` (orphans whose parent already died and
+  were re-parented away from the tree; the host keeps two nodes on one machine apart).
 - It signals each of their process groups (never the launcher's own) and each process, SIGTERM
   first, then SIGKILL to whatever is still alive after the grace period, re-collecting in case a
   dying process started another. Workers that ignore SIGTERM therefore still die.
@@ -32,14 +33,16 @@ from typing import IO
 import psutil
 
 from zerorun.errors import LaunchError
-from zerorun.launch import JOB_ID_ENV
-from zerorun.launch.plan import NodeCommand, is_local
+from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV
+from zerorun.launch.plan import LaunchPlan, NodeCommand
 
 _KILL_WAIT_S = 5.0  # after SIGKILL: the kernel needs a moment to reap
 
 
 class Transport(abc.ABC):
     """Runs one node's command; owns every process that command starts."""
+
+    what = "torchrun"  # what ran the node's command, for reports ("torchrun on HOST failed")
 
     def __init__(self, host: str, job_id: str) -> None:
         self.host = host
@@ -61,13 +64,13 @@ class Transport(abc.ABC):
         """
 
 
-def transport_for(host: str, job_id: str) -> Transport:
-    """The transport that reaches `host`."""
-    if is_local(host):
-        return LocalTransport(host, job_id)
-    raise LaunchError(f"host {host}: multi-node launch over SSH is not available yet; this version runs jobs "
-                      "on the local machine only (use a hostfile with just `localhost`, or no hostfile). "
-                      "`zerorun launch --dry-run` still shows the per-node commands.")
+def transport_for(node: NodeCommand, launch_plan: LaunchPlan) -> Transport:
+    """The transport that reaches `node`'s host: SSH when the plan says so, else a local process."""
+    if node.over_ssh:
+        from zerorun.launch.ssh import SSHTransport  # it imports this module
+
+        return SSHTransport(node.host, launch_plan.job_id, launch_plan.ssh, launch_plan.kill_grace_s)
+    return LocalTransport(node.host, launch_plan.job_id)
 
 
 class LocalTransport(Transport):
@@ -121,17 +124,18 @@ class LocalTransport(Transport):
                 found.update((p.pid, p) for p in root.children(recursive=True))
             except psutil.NoSuchProcess:
                 pass
-        found.update((p.pid, p) for p in processes_with_job_id(self.job_id))
+        found.update((p.pid, p) for p in processes_with_job_id(self.job_id, self.host))
         found.pop(os.getpid(), None)
         return [p for p in found.values() if _alive(p)]
 
 
-def processes_with_job_id(job_id: str) -> list[psutil.Process]:
-    """Live processes (of this user) whose environment has ZERORUN_JOB_ID=job_id."""
+def processes_with_job_id(job_id: str, host: str | None = None) -> list[psutil.Process]:
+    """Live processes (of this user) whose environment has ZERORUN_JOB_ID=job_id (and, given a
+    host, ZERORUN_NODE_HOST=host)."""
     matches = []
     for proc in psutil.process_iter(["environ"], ad_value=None):
         env = proc.info.get("environ")
-        if env and env.get(JOB_ID_ENV) == job_id:
+        if env and env.get(JOB_ID_ENV) == job_id and (host is None or env.get(NODE_HOST_ENV) == host):
             matches.append(proc)
     return matches
 

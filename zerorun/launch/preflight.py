@@ -1,0 +1,112 @@
+"""Preflight: before anything starts, check every SSH host the way its node will run.
+
+One `ssh host` per host, all at once, runs the node's Python in the job's working directory with
+the propagated PATH/PYTHONPATH/virtualenv, and reports its Python, torch and zerorun versions
+and whether the training script is there. The launcher compares them with its own and prints one
+table; any difference (or an unreachable host) stops the launch with that table and what to do.
+Versions must match because every rank runs the same collectives on the same flat layouts: a
+different torch or zerorun on one host fails late and obscurely.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from zerorun.errors import LaunchError
+from zerorun.launch.plan import LaunchPlan, NodeCommand
+from zerorun.launch.ssh import bootstrap_env, ssh_argv
+
+TIMEOUT_S = 30.0
+# Run by the remote python: must not need zerorun to be importable (that is one of the checks).
+_PROBE = """
+import json, os, platform, sys
+def version(module):
+    try:
+        return __import__(module).__version__
+    except Exception as exc:
+        return "missing (" + type(exc).__name__ + ")"
+print(json.dumps({"python": platform.python_version(), "torch": version("torch"),
+                  "zerorun": version("zerorun"), "script": os.path.isfile(sys.argv[1])}))
+"""
+
+
+@dataclass(frozen=True)
+class HostCheck:
+    """What one host reported (or why it could not)."""
+
+    host: str
+    python: str = "-"
+    torch: str = "-"
+    zerorun: str = "-"
+    script: bool | None = None  # None: not checked
+    problem: str = ""  # empty: reachable and every check passed
+
+
+def local_facts() -> dict[str, str]:
+    import platform
+
+    import torch
+
+    import zerorun
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "zerorun": zerorun.__version__}
+
+
+def check_hosts(launch_plan: LaunchPlan) -> None:
+    """Raise a LaunchError with the table if any SSH node of the plan is not ready to run."""
+    remote = [node for node in launch_plan.nodes if node.over_ssh]
+    if not remote:
+        return
+    script = remote[0].argv[remote[0].argv.index("--") + 1]  # torchrun ... -m worker -- SCRIPT ARGS
+    expected = local_facts()
+    with ThreadPoolExecutor(len(remote)) as pool:
+        checks = list(pool.map(lambda node: check_host(launch_plan, node, script, expected), remote))
+    failed = [check for check in checks if check.problem]
+    if failed:
+        raise LaunchError(f"preflight failed on {len(failed)} of {len(checks)} host(s); nothing was started.\n"
+                          f"{render(checks, expected, script)}")
+
+
+def check_host(launch_plan: LaunchPlan, node: NodeCommand, script: str, expected: dict[str, str]) -> HostCheck:
+    """Probe one host over SSH and compare what it reports with `expected`."""
+    env = [f"{key}={value}" for key, value in bootstrap_env(node).items()]
+    command = (f"cd {shlex.quote(node.cwd)} && exec "
+               + shlex.join(["env", *env, node.argv[0], "-c", _PROBE, script]))
+    try:
+        result = subprocess.run(ssh_argv(launch_plan.ssh, node.host, command), stdin=subprocess.DEVNULL,
+                                capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return HostCheck(node.host, problem=f"no answer over ssh within {TIMEOUT_S:g} s")
+    except OSError as exc:
+        return HostCheck(node.host, problem=f"cannot run ssh: {exc.strerror or exc}")
+    last_error = (result.stderr.strip().splitlines() or [""])[-1]
+    if result.returncode == 255:
+        return HostCheck(node.host, problem=f"unreachable over ssh: {last_error or 'exit code 255'}")
+    try:
+        facts = json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return HostCheck(node.host, problem=f"{node.argv[0]} in {node.cwd} failed (exit code {result.returncode}): "
+                                            f"{last_error}")
+    problems = [f"{key} {facts[key]} here, {expected[key]} on the launcher"
+                for key in ("python", "torch", "zerorun") if facts[key] != expected[key]]
+    if not facts["script"]:
+        problems.append(f"no script {script}")
+    return HostCheck(node.host, facts["python"], facts["torch"], facts["zerorun"], facts["script"], "; ".join(problems))
+
+
+def render(checks: list[HostCheck], expected: dict[str, str], script: str) -> str:
+    """The preflight table: one row per host, the launcher's own versions first."""
+    rows = [("host", "python", "torch", "zerorun", "script", "problem"),
+            ("(launcher)", expected["python"], expected["torch"], expected["zerorun"], "yes", "")]
+    shown = {True: "yes", False: "no", None: "-"}
+    rows += [(c.host, c.python, c.torch, c.zerorun, shown[c.script], c.problem or "ok") for c in checks]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in rows]
+    lines.append(f"Every host needs the launcher's Python, torch and zerorun in the same paths, and {script} "
+                 "(a shared filesystem, or the same checkout everywhere); ssh settings come from the recipe's "
+                 "`ssh:` section and ~/.ssh/config.")
+    return "\n".join(line.rstrip() for line in lines)
