@@ -80,6 +80,10 @@ class Engine:
         self._moments = [[(self.flat.state_slice(u, self.optimizer.exp_avg[g]),
                            self.flat.state_slice(u, self.optimizer.exp_avg_sq[g]))
                           for u in self.flat.units if u.group == g] for g in range(len(groups))]
+        # stages 0-2 in bf16/fp16: the kernel writes the cast weights straight into the parameter
+        # buffer; stage 3 casts when it gathers (it keeps no low-precision shard)
+        lowp = [self.flat.lowp_pieces(g) for g in range(len(groups))] if self.stage < 3 else None
+        self._lowp = lowp if lowp and all(p is not None for p in lowp) else None
         self.grad_accum_steps = recipe.train.grad_accum_steps
         self.clip_grad_norm = recipe.train.clip_grad_norm
         self.micro_steps = 0
@@ -158,8 +162,8 @@ class Engine:
             coef = 1.0
             if self.clip_grad_norm is not None:
                 coef = min(1.0, self.clip_grad_norm / (norm + 1e-6))
-            self.optimizer.step_pieces(self._masters, grads, self._moments, sum_divisor / coef)
-            self.flat.publish()
+            self.optimizer.step_pieces(self._masters, grads, self._moments, sum_divisor / coef, self._lowp)
+            self.flat.publish(cast_done=self._lowp is not None)
         self.scaler.update(found_inf)
         self.reducer.zero()
         self.global_step += 1

@@ -125,9 +125,17 @@ class FlatParams:
         return [self.state_slice(u, self.master[group]) for u in units]
 
     # -- after an optimizer step ------------------------------------------------------------
-    def publish(self) -> None:
-        """Make every rank's parameters equal the updated master: cast own pieces, then all-gather."""
-        if self.master is not None:
+    def lowp_pieces(self, group: int) -> list[torch.Tensor] | None:
+        """Where the optimizer writes the cast update for `group` (own pieces of the param buffer), or
+        None when the parameters are the fp32 master themselves."""
+        if self.master is None:
+            return None
+        return [self.unit_piece(u) for u in self.units if u.group == group]
+
+    def publish(self, cast_done: bool = False) -> None:
+        """Make every rank's parameters equal the updated master: cast own pieces (unless the
+        optimizer already wrote them), then all-gather."""
+        if self.master is not None and not cast_done:
             for unit in self.units:
                 self.unit_piece(unit).copy_(self.state_slice(unit, self.master[unit.group]))
         if self.shard_world == 1:

@@ -2,9 +2,10 @@
 
 `ShardedAdamW` is a `torch.optim.Optimizer`, so `param_groups` behaves as users expect and a
 stock `torch.optim.lr_scheduler` can drive it, but its state is flat: per param group, one
-contiguous fp32 tensor each for `exp_avg` and `exp_avg_sq` covering only this rank's pieces. One
-call to torch's fused Adam(W) kernel updates a whole group; it also divides the gradients by
-`grad_divisor` (world size x loss scale / clip coefficient) in the same pass.
+contiguous fp32 tensor each for `exp_avg` and `exp_avg_sq` covering only this rank's pieces. zerorun's kernel (`zerorun.ops`, torch's fused
+Adam(W) where it is not built) updates each piece and, in the same pass, divides the gradients by
+`grad_divisor` (world size x loss scale / clip coefficient) and writes the low-precision copy of
+the updated weights when the caller gives one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from zerorun import ops
 from zerorun.config import OptimizerConfig
 from zerorun.errors import ZerorunError
 
@@ -58,25 +60,25 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.decoupled = decoupled
         self.exp_avg = [torch.zeros(n, dtype=torch.float32, device=device) for n in group_numels]
         self.exp_avg_sq = [torch.zeros(n, dtype=torch.float32, device=device) for n in group_numels]
-        self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in group_numels]
+        self.steps = [0 for _ in group_numels]  # a Python int: no device sync to read it
 
     @torch.no_grad()
     def step_pieces(self, masters: list[list[torch.Tensor]], grads: list[list[torch.Tensor]],
-                    moment_pieces: list[list[tuple[torch.Tensor, torch.Tensor]]], grad_divisor: float) -> None:
-        """One update of every group: `masters[g][i] -= f(grads[g][i] / grad_divisor, moments)`."""
-        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+                    moment_pieces: list[list[tuple[torch.Tensor, torch.Tensor]]], grad_divisor: float,
+                    lowp_out: list[list[torch.Tensor]] | None = None) -> None:
+        """One update of every group: `masters[g][i] -= f(grads[g][i] / grad_divisor, moments)`,
+        also written cast into `lowp_out[g][i]` when given."""
         for g, group in enumerate(self.param_groups):
             if not masters[g]:
                 continue
             self.steps[g] += 1
-            divisor = None
-            if grad_divisor != 1.0:
-                divisor = torch.full((), grad_divisor, dtype=torch.float32, device=masters[g][0].device)
             beta1, beta2 = group["betas"]
-            kernel(masters[g], grads[g], [m for m, _ in moment_pieces[g]], [v for _, v in moment_pieces[g]], [],
-                   [self.steps[g]] * len(masters[g]), lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                   weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
-                   maximize=False, grad_scale=divisor, found_inf=None)
+            for i, (master, grad) in enumerate(zip(masters[g], grads[g])):
+                exp_avg, exp_avg_sq = moment_pieces[g][i]
+                ops.adamw_step(master, grad, exp_avg, exp_avg_sq, step=self.steps[g], lr=float(group["lr"]),
+                               beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                               weight_decay=float(group["weight_decay"]), decoupled=self.decoupled,
+                               grad_divisor=grad_divisor, lowp_out=lowp_out[g][i] if lowp_out else None)
 
     def step(self, closure: Any = None) -> None:  # noqa: D102 - the engine drives the update
         raise ZerorunError("call engine.step(), which reduces gradients first; the optimizer cannot step alone.")

@@ -212,8 +212,10 @@ class ShardedParams:
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         mu.state = "released"
 
-    def publish(self) -> None:
-        """After an optimizer step: refresh every unit that is gathered right now (the rest gather later)."""
+    def publish(self, cast_done: bool = False) -> None:
+        """After an optimizer step: refresh every unit that is gathered right now (the rest gather later).
+
+        `cast_done` is part of the shared interface; stage 3 always refills from the master."""
         live = [mu for mu in self.module_units if mu.state != "released"]
         for mu in live:
             self.release(mu)
