@@ -199,6 +199,57 @@ def report(
     Console(width=200).print(telemetry_report.render(telemetry_report.load(run, job)))
 
 
+@app.command()
+def estimate(
+    recipe: Annotated[Path | None, typer.Argument(help="A recipe YAML: its zero.* and precision keys apply.",
+                                                  show_default=False)] = None,
+    model: Annotated[str | None, typer.Option(help="Model factory module:function, built on the meta device "
+                                                   "(e.g. zerorun.bench.gpt:GPT).")] = None,
+    params: Annotated[float | None, typer.Option(help="Trainable parameters, instead of --model (e.g. 7e9).")] = None,
+    largest_layer: Annotated[int | None, typer.Option(help="Parameters of the largest stage-3 unit (a block).")] = None,
+    nodes: Annotated[int, typer.Option(help="Nodes.")] = 1,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node.")] = 8,
+    gpu_mem: Annotated[float | None, typer.Option(help="Memory of one GPU, GiB.")] = None,
+    cpu_mem: Annotated[float | None, typer.Option(help="CPU memory of one node, GiB.")] = None,
+    precision: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16 (default: the recipe's, "
+                                                       "else fp32).")] = None,
+    micro_batch: Annotated[int | None, typer.Option(help="Samples per GPU per forward (activations).")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Sequence length (activations).")] = None,
+    hidden: Annotated[int | None, typer.Option(help="Hidden size (activations; the block size without "
+                                                    "--largest-layer).")] = None,
+    layers: Annotated[int | None, typer.Option(help="Transformer layers (activations).")] = None,
+    checkpointing: Annotated[bool, typer.Option("--checkpointing", help="Activation checkpointing per layer.")] = False,
+    paper: Annotated[bool, typer.Option("--paper", help="Add the ZeRO paper's model-state figure (2-byte "
+                                                        "gradients) per configuration.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
+) -> None:
+    """Plan memory: bytes per GPU, CPU and NVMe for every ZeRO stage and offload, and the fastest that fits."""
+    from rich.console import Console
+
+    from zerorun import config
+    from zerorun import estimate as planner
+
+    loaded = config.load(recipe, check_script=False) if recipe is not None else config.Recipe(script="")
+    zero, dtype = loaded.zero, precision or loaded.precision.dtype
+    if (model is None) == (params is None):
+        raise ZerorunError("estimate: give exactly one of --model module:function or --params N.")
+    if model is not None:
+        shape = planner.shape_of(planner.build_on_meta(model), zero.wrap, zero.param_persistence_threshold,
+                                 zero.bucket_mb)
+    else:
+        shape = planner.shape_from_size(params, largest_layer, hidden)
+    shape_args = (micro_batch, seq_len, hidden, layers)
+    activations = planner.Activations(*shape_args) if all(a is not None for a in shape_args) else None
+    settings = planner.Settings(dtype, zero.bucket_mb, zero.allgather_bucket_mb, zero.prefetch_units, checkpointing)
+    result = planner.estimate(shape, planner.Cluster(nodes, gpus_per_node, gpu_mem, cpu_mem), settings, activations)
+    if as_json:
+        typer.echo(json.dumps(planner.as_json(result), indent=2))
+        return
+    Console(width=200).print(planner.render(result, paper))
+    for line in planner.summary(result):
+        typer.echo(line)
+
+
 def main() -> None:
     app()
 

@@ -82,7 +82,7 @@ class ShardedParams:
     # -- planning ---------------------------------------------------------------------------
     def _plan_module_units(self, model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[str],
                            threshold: int, auto_numel: int) -> list[ModuleUnit]:
-        wrapped = _wrapped_modules(model, wrap, auto_numel)
+        wrapped = wrapped_modules(model, wrap, auto_numel)
         root = ModuleUnit("<root>", model, "root")
         self.persistent = ModuleUnit("<persistent>", model, "persistent")
         unit_of_module: dict[nn.Module, ModuleUnit] = {}
@@ -230,7 +230,7 @@ class ShardedParams:
         return sum(u.layout.numel for u in self.units)
 
 
-def _wrapped_modules(model: nn.Module, wrap: list[str], auto_numel: int) -> list[tuple[str, nn.Module]]:
+def wrapped_modules(model: nn.Module, wrap: list[str], auto_numel: int) -> list[tuple[str, nn.Module]]:
     """Modules that become units: by class name, or (no names given) large children, descending into containers."""
     if wrap:
         found, inside = [], set()

@@ -1,0 +1,134 @@
+"""The memory planner: the ZeRO paper's figures, the engine's measured bytes, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from tests.harness import run_ranks
+from zerorun import estimate as planner
+from zerorun.cli import app
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def test_paper_reference_point_7_5b_params_on_64_gpus() -> None:
+    psi, n = 7.5e9, 64
+    figures = [planner.paper_model_states(psi, n, stage) / 1e9 for stage in range(4)]
+    assert [round(f, 1) for f in figures] == [120.0, 31.4, 16.6, 1.9]
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_our_mixed_precision_states_exceed_the_papers_only_by_fp32_gradients(n: int) -> None:
+    shape = planner.ModelShape(params=10**9)
+    for stage in range(4):
+        ours = sum(planner.model_states(shape, n, stage, "bf16").values())
+        grads = {0: 2, 1: 2, 2: 2 / n, 3: 0}[stage] * shape.params  # 4-byte instead of 2-byte gradients
+        assert ours == pytest.approx(planner.paper_model_states(shape.params, n, stage) + grads)
+
+
+def test_offload_moves_optimizer_states_off_the_gpu_and_param_offload_the_shards() -> None:
+    shape, cluster = planner.ModelShape(params=10**9, largest_unit=10**7), planner.Cluster(1, 4)
+    settings = planner.Settings("bf16")
+    base = planner.place(shape, cluster, settings, 3, "none", "none", None)
+    cpu = planner.place(shape, cluster, settings, 3, "cpu", "none", None)
+    both = planner.place(shape, cluster, settings, 3, "cpu", "cpu", None)
+    nvme = planner.place(shape, cluster, settings, 3, "nvme", "nvme", None)
+    assert cpu.cpu_per_rank == 16 * shape.params / 4 and cpu.gpu["moments"] == cpu.gpu["master"] == 0
+    assert base.gpu_total - cpu.gpu_total == 14 * shape.params / 4  # 16/N off, the 2-byte shard on
+    assert both.gpu["params"] == 0 and both.cpu_per_rank == 18 * shape.params / 4
+    assert nvme.nvme_per_rank == 14 * shape.params / 4 and nvme.cpu_per_rank < cpu.cpu_per_rank
+
+
+def test_recommendation_is_the_fastest_configuration_that_fits() -> None:
+    shape = planner.shape_from_size(7e9, None, 4096)
+    roomy = planner.estimate(shape, planner.Cluster(8, 8, 80), planner.Settings("bf16"))
+    assert roomy.recommended is not None and roomy.recommended.stage == 1
+    tight = planner.estimate(shape, planner.Cluster(1, 1, 80, 512), planner.Settings("bf16"))
+    assert tight.recommended is not None and tight.recommended.offload_optimizer != "none"
+    assert planner.estimate(shape, planner.Cluster(1, 1, 1, 1)).recommended is None
+
+
+def test_checkpointing_shrinks_activations() -> None:
+    act = planner.Activations(micro_batch=4, seq_len=2048, hidden=4096, layers=32)
+    full, ckpt = (planner.activation_bytes(act, "bf16", c) for c in (False, True))
+    assert full == 34 * 4 * 2048 * 4096 * 32 and ckpt < full / 10
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(301, 517), nn.GELU(), nn.Linear(517, 299), nn.LayerNorm(299), nn.Linear(299, 7))
+
+
+def test_shape_on_the_meta_device_matches_the_real_model() -> None:
+    with torch.device("meta"):
+        meta = _model()
+    args = ([], 100_000, 0.25)
+    assert planner.shape_of(meta, *args) == planner.shape_of(_model(), *args)
+    assert planner.shape_of(_model(), *args).persistent == 517 + 299 * 2 + 299 * 7 + 7 + 299
+
+
+def _measure(rank: int, world: int) -> dict:
+    import zerorun
+    from zerorun import config
+
+    out = {}
+    for dtype in PRECISIONS:
+        for stage in range(4):
+            recipe = config.loads("script: t.py", "t.yaml", [f"zero.stage={stage}", f"precision.dtype={dtype}",
+                                                              "zero.bucket_mb=0.25"])
+            model = _model()
+            engine = zerorun.initialize(model, None, recipe)
+            x = torch.randn(4, 301)
+            for _ in range(2):  # steady state: gradient buffers and moments exist
+                engine.backward(engine(x).float().pow(2).mean())
+                engine.step()
+            out[(dtype, stage)] = engine.memory().model_states()
+            engine.reducer.remove_hooks()
+            if engine.scheduler is not None:
+                engine.scheduler.remove()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_estimate_matches_engine_model_states_within_5_percent(world: int) -> None:
+    shape = planner.shape_of(_model(), [], 100_000, 0.25)
+    for rank, measured in enumerate(run_ranks(_measure, world)):
+        for (dtype, stage), nbytes in measured.items():
+            estimated = sum(planner.model_states(shape, world, stage, dtype).values())
+            assert abs(nbytes - estimated) / nbytes < 0.05, f"{dtype} stage {stage} rank {rank}/{world}: " \
+                                                            f"engine {nbytes} B, estimate {estimated:.0f} B"
+
+
+def test_cli_prints_a_table_and_a_recommendation() -> None:
+    result = CliRunner().invoke(app, ["estimate", "--params", "7e9", "--nodes", "8", "--gpus-per-node", "8",
+                                      "--gpu-mem", "80"])
+    assert result.exit_code == 0, result.output
+    assert "stage 3, optimizer->cpu" in result.output and "Recommended: stage" in result.output
+
+
+def test_cli_json_parses() -> None:
+    result = CliRunner().invoke(app, ["estimate", "--params", "7e9", "--gpu-mem", "80", "--precision", "bf16",
+                                      "--micro-batch", "1", "--seq-len", "2048", "--hidden", "4096", "--layers", "32",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert len(data["configurations"]) == 13 and data["recommended"].startswith("stage")
+    assert all(c["gpu_bytes"]["activations"] > 0 for c in data["configurations"])
+
+
+def test_cli_builds_a_model_factory_on_the_meta_device() -> None:
+    result = CliRunner().invoke(app, ["estimate", "--model", "zerorun.bench.gpt:GPT", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["model"]["params"] == 97_737_216
+
+
+@pytest.mark.parametrize("spec", ["nope.nothing:GPT", "zerorun.bench.gpt:Missing", "no_colon", "json:dumps"])
+def test_cli_bad_model_is_a_one_line_error(spec: str) -> None:
+    result = CliRunner().invoke(app, ["estimate", "--model", spec])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "zerorun: error: --model" in result.output

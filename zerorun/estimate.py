@@ -1,0 +1,378 @@
+"""The memory planner behind `zerorun estimate`: bytes per GPU, CPU and NVMe for every stage and offload.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
+Training Trillion Parameter Models", section 5): with Psi parameters, N data-parallel ranks and K
+bytes of optimizer state per parameter (K = 12 for mixed-precision Adam: fp32 master, momentum,
+variance), stage 0 holds (2 + 2 + K) Psi, stage 1 4 Psi + K Psi/N, stage 2 2 Psi + (2 + K) Psi/N,
+stage 3 (4 + K) Psi/N. The paper's gradients are 2 bytes; ours are accumulated in fp32 (see
+`runtime/precision.py`), so `model_states()` below is what `Engine.memory()` measures and
+`paper_model_states()` is the paper's figure, kept for comparison.
+
+Everything here is pure arithmetic on integers; `shape_of()` is the one place that looks at a
+module (built on the meta device, so no memory is touched).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerorun.errors import ZerorunError
+
+GIB = 2**30
+MIB = 2**20
+PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ADAM_K = 12  # bytes per parameter of mixed-precision Adam's state: fp32 master (4) + two moments (8)
+OFFLOADS = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know about a model, in elements."""
+
+    params: int  # trainable parameters (Psi)
+    largest_unit: int = 0  # stage 3: the largest module unit gathered at once (a transformer block)
+    root: int = 0  # stage 3: parameters outside every unit (embeddings, head), gathered for the whole pass
+    persistent: int = 0  # stage 3: parameters under zero.param_persistence_threshold, kept whole
+
+
+@dataclass(frozen=True)
+class Activations:
+    """A transformer's activation shape; all four known or the activations are not estimated."""
+
+    micro_batch: int
+    seq_len: int
+    hidden: int
+    layers: int
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The recipe keys the estimate depends on (defaults: `config.ZeroConfig`'s)."""
+
+    precision: str = "fp32"
+    bucket_mb: float = 25.0
+    allgather_bucket_mb: float = 25.0
+    prefetch_units: int = 1
+    checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_mem_gib: float | None = None
+    cpu_mem_gib: float | None = None  # per node
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class Placement:
+    """Bytes of one configuration: per GPU by kind, and per node on CPU and NVMe."""
+
+    stage: int
+    offload_optimizer: str
+    offload_param: str
+    gpu: dict[str, int] = field(default_factory=dict)  # params, grads, master, moments, buffers, activations
+    cpu_per_rank: int = 0
+    nvme_per_rank: int = 0
+    paper_model_states: int = 0  # per GPU, the ZeRO paper's 2-byte-gradient figure (no offload)
+    fits: bool | None = None
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(self.gpu.values())
+
+    @property
+    def name(self) -> str:
+        parts = [f"stage {self.stage}"]
+        if self.offload_optimizer != "none":
+            parts.append(f"optimizer->{self.offload_optimizer}")
+        if self.offload_param != "none":
+            parts.append(f"params->{self.offload_param}")
+        return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Formulas
+
+
+def paper_model_states(psi: float, n: int, stage: int, k: int = ADAM_K) -> float:
+    """Bytes of model states per rank as the ZeRO paper counts them (section 5, figure 1).
+
+    2-byte parameters and 2-byte gradients, K bytes of optimizer state: stage 0 (2 + 2 + K) Psi,
+    stage 1 (P_os) 4 Psi + K Psi/N, stage 2 (P_os+g) 2 Psi + (2 + K) Psi/N, stage 3 (P_os+g+p)
+    (4 + K) Psi/N. The paper's example: Psi = 7.5B, N = 64, K = 12 gives 120, 31.4, 16.6, 1.9 GB.
+    """
+    sharded = {0: 0, 1: k, 2: 2 + k, 3: 4 + k}[stage]
+    return (4 + k - sharded) * psi + sharded * psi / n
+
+
+def model_states(shape: ModelShape, n: int, stage: int, precision: str) -> dict[str, float]:
+    """Bytes per rank of params, grads, master and moments, as `Engine.memory()` accounts them.
+
+    Our policy differs from the paper in one place: gradients are accumulated and reduced in fp32
+    (4 bytes, not 2) whatever the compute dtype, because bf16 accumulation loses bits on every add.
+    With p = 2 (bf16/fp16) that gives 18 Psi / 6 + 12/N / 2 + 16/N bytes per parameter for stages
+    0-2 (the paper: 16 / 4 + 12/N / 2 + 14/N). In fp32 the parameters are the master weights
+    (no copy): 16 / 8 + 8/N / 4 + 12/N, the paper's figures with p = 4 and K = 8.
+
+    Stage 3 holds only shards at rest: fp32 master 4/N, fp32 gradient shard 4/N and moments 8/N
+    (the 2-byte shard is cast from the master when gathered), i.e. (4 + K) Psi/N as in the paper,
+    plus the persistent parameters (under `param_persistence_threshold`) kept whole in p bytes.
+    """
+    psi, p, mixed = shape.params, PARAM_BYTES[precision], precision != "fp32"
+    if stage == 3:
+        return {"params": p * shape.persistent, "grads": 4 * psi / n, "master": 4 * psi / n,
+                "moments": 8 * psi / n}
+    return {"params": p * psi,
+            "grads": 4 * psi / n if stage == 2 else 4 * psi,
+            "master": (4 * psi / n if stage >= 1 else 4 * psi) if mixed else 0,
+            "moments": 8 * psi / n if stage >= 1 else 8 * psi}
+
+
+def working_buffers(shape: ModelShape, stage: int, settings: Settings) -> float:
+    """GPU bytes of communication and gathering buffers, beyond the model states.
+
+    Reduce buckets: two fp32 buckets of `zero.bucket_mb` (one filling while one is reduced, with
+    `overlap_comm`). Stage 3 also gathers: the root unit for the whole pass, and (2 + prefetch_units)
+    of the largest unit in p bytes: the one computing, the ones prefetched, and the one whose
+    gradients are still being reduced (what `test_stage3.py` bounds the engine's peak by).
+    """
+    buffers = 2 * settings.bucket_mb * MIB
+    if stage == 3:
+        p = PARAM_BYTES[settings.precision]
+        buffers += p * (shape.root + (2 + settings.prefetch_units) * shape.largest_unit)
+    return buffers
+
+
+def activation_bytes(act: Activations, precision: str, checkpointing: bool) -> float:
+    """Activation bytes per GPU of a GPT-style transformer with fused (flash) attention.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+    section 4.1): one layer stores 34 s b h bytes in 16-bit (plus 5 a s^2 b for attention scores,
+    which fused attention does not store). We scale by p/2 for fp32. With activation checkpointing
+    only each layer's input (s b h p) is kept, plus one layer's full activations while it is recomputed.
+    """
+    sbh = act.seq_len * act.micro_batch * act.hidden
+    per_layer = 34 * sbh * PARAM_BYTES[precision] / 2
+    if checkpointing:
+        return act.layers * sbh * PARAM_BYTES[precision] + per_layer
+    return act.layers * per_layer
+
+
+def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, offload_optimizer: str,
+          offload_param: str, activations: Activations | None) -> Placement:
+    """One configuration's bytes: model states split between GPU, CPU and NVMe (per rank).
+
+    Optimizer offload (not yet in the engine; this is the plan) moves the fp32 master, the moments
+    and the fp32 gradient shard (16 Psi/N) off the GPU; in fp32, where the parameters are the master,
+    the GPU keeps them and the CPU holds the master copy. To NVMe go master and moments; gradient
+    shards stay in CPU memory (they change every micro-batch), with a CPU staging buffer of two
+    buckets for the NVMe reads/writes. Stage 1 keeps its full gradient on the GPU. Parameter offload
+    (stage 3) also moves the p-byte parameter shard, which the GPU otherwise keeps to gather from
+    whenever the master is not on the GPU.
+    """
+    n, p, psi = cluster.world, PARAM_BYTES[settings.precision], shape.params
+    states = model_states(shape, n, stage, settings.precision)
+    out = Placement(stage, offload_optimizer, offload_param,
+                    paper_model_states=round(paper_model_states(psi, n, stage)))
+    gpu = dict(states)
+    cpu = nvme = 0.0
+    if offload_optimizer != "none":
+        moved = 4 * psi / n + states["moments"]  # the fp32 master shard (a copy, in fp32) and the moments
+        grad_shard = 4 * psi / n
+        gpu["master"], gpu["moments"] = 0, 0
+        if stage >= 2:
+            gpu["grads"] = 0
+        if stage == 3:
+            gpu["params"] += p * psi / n  # the shard to gather from, now that the master is elsewhere
+        cpu += grad_shard
+        if offload_optimizer == "cpu":
+            cpu += moved
+        else:
+            nvme += moved
+            cpu += 2 * settings.bucket_mb * MIB
+    if offload_param != "none":
+        gpu["params"] -= p * psi / n
+        if offload_param == "cpu":
+            cpu += p * psi / n
+        else:
+            nvme += p * psi / n
+    gpu["buffers"] = working_buffers(shape, stage, settings)
+    gpu["activations"] = activation_bytes(activations, settings.precision, settings.checkpointing) if activations else 0
+    out.gpu = {k: round(v) for k, v in gpu.items()}
+    out.cpu_per_rank, out.nvme_per_rank = round(cpu), round(nvme)
+    if cluster.gpu_mem_gib is not None:
+        out.fits = out.gpu_total <= cluster.gpu_mem_gib * GIB and (
+            cluster.cpu_mem_gib is None or out.cpu_per_rank * cluster.gpus_per_node <= cluster.cpu_mem_gib * GIB)
+    return out
+
+
+def configurations() -> list[tuple[int, str, str]]:
+    """(stage, optimizer offload, param offload), fastest first: least offload, then lowest stage.
+
+    Offload costs more than sharding (PCIe or NVMe against NVLink/network), so any configuration
+    without it comes first; param offload only exists for stage 3 and only to a tier no faster than
+    the optimizer's (the parameters are needed more often).
+    """
+    rows = [(0, "none", "none")] + [(s, o, "none") for s in (1, 2) for o in OFFLOADS]
+    rows += [(3, o, pr) for o in OFFLOADS for pr in OFFLOADS if OFFLOADS.index(pr) <= OFFLOADS.index(o)]
+    cost = {("none", "none"): 0, ("cpu", "none"): 1, ("cpu", "cpu"): 2, ("nvme", "none"): 3, ("nvme", "cpu"): 4,
+            ("nvme", "nvme"): 5}
+    return sorted(rows, key=lambda r: (cost[(r[1], r[2])], r[0]))
+
+
+@dataclass
+class Estimate:
+    shape: ModelShape
+    cluster: Cluster
+    settings: Settings
+    activations: Activations | None
+    rows: list[Placement]
+    notes: list[str]
+
+    @property
+    def recommended(self) -> Placement | None:
+        return next((r for r in self.rows if r.fits), None)
+
+
+def estimate(shape: ModelShape, cluster: Cluster, settings: Settings = Settings(),
+             activations: Activations | None = None) -> Estimate:
+    """Every configuration's placement, fastest first, with the first that fits as the recommendation."""
+    if shape.params <= 0:
+        raise ZerorunError("estimate: the model has no trainable parameters.")
+    if settings.precision not in PARAM_BYTES:
+        raise ZerorunError(f"--precision: {settings.precision!r}; choose from {', '.join(PARAM_BYTES)}.")
+    if cluster.nodes < 1 or cluster.gpus_per_node < 1:
+        raise ZerorunError("--nodes and --gpus-per-node must be at least 1.")
+    notes = []
+    if shape.largest_unit == 0:
+        notes.append("stage 3's gather window is not counted: give --largest-layer (or --hidden, or a --model).")
+    if activations is None:
+        notes.append("activations are not counted: give --micro-batch, --seq-len, --hidden and --layers.")
+    rows = [place(shape, cluster, settings, *row, activations) for row in configurations()]
+    return Estimate(shape, cluster, settings, activations, rows, notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def load_factory(spec: str) -> Any:
+    """`package.module:function` -> the callable (a class works too)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ZerorunError(f"--model {spec!r}: expected module:function, e.g. zerorun.bench.gpt:GPT.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ZerorunError(f"--model {spec!r}: cannot import {module_name} ({exc}).") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ZerorunError(f"--model {spec!r}: {module_name} has no callable {attr}.")
+    return factory
+
+
+def build_on_meta(spec: str) -> nn.Module:
+    """Call the factory under the meta device: shapes only, no memory."""
+    factory = load_factory(spec)
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as exc:  # the user's code: any failure is a bad --model
+        raise ZerorunError(f"--model {spec!r}: building it on the meta device failed: "
+                           f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise ZerorunError(f"--model {spec!r}: returned {type(model).__name__}, not a torch.nn.Module.")
+    return model
+
+
+def shape_of(model: nn.Module, wrap: list[str], persistence_threshold: int, bucket_mb: float) -> ModelShape:
+    """Count a model's parameters the way stage 3 plans its units (`runtime/stage3.py`)."""
+    from zerorun.runtime.stage3 import wrapped_modules
+
+    trainable = {p for p in model.parameters() if p.requires_grad}
+    persistent = {p for p in trainable if p.numel() < persistence_threshold}
+    sharded = trainable - persistent
+    units = [{p for p in mod.parameters() if p in sharded}
+             for _, mod in wrapped_modules(model, wrap, int(bucket_mb * MIB) // 4)]
+    owners: dict[nn.Parameter, int] = {}
+    for unit in units:
+        for p in unit:
+            owners[p] = owners.get(p, 0) + 1
+    in_one = [{p for p in unit if owners[p] == 1} for unit in units]
+    root = sharded - {p for unit in in_one for p in unit}
+    count = lambda params: sum(p.numel() for p in params)  # noqa: E731
+    return ModelShape(params=count(trainable), largest_unit=max((count(u) for u in in_one), default=0),
+                      root=count(root), persistent=count(persistent))
+
+
+def shape_from_size(params: float, largest_layer: int | None, hidden: int | None) -> ModelShape:
+    """A model given only by its size: the largest unit from --largest-layer, else a block of width --hidden."""
+    if largest_layer is None and hidden is not None:
+        largest_layer = 12 * hidden * hidden + 13 * hidden  # attention 4h^2 + MLP 8h^2, biases and norms
+    return ModelShape(params=int(params), largest_unit=largest_layer or 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f}"
+
+
+def render(est: Estimate, paper: bool = False) -> Any:
+    """A rich Table: one row per configuration, fastest first."""
+    from rich.table import Table
+
+    c = est.cluster
+    title = (f"{est.shape.params / 1e9:.3g}B params, {est.settings.precision}, {c.nodes} node(s) x "
+             f"{c.gpus_per_node} GPU(s) (GiB per GPU, per node)")
+    table = Table(title=title)
+    for col in ("configuration", "params", "grads", "master", "moments", "buffers", "activations", "GPU total",
+                *(["paper states"] if paper else []), "CPU/node", "NVMe/node", "fits"):
+        table.add_column(col, justify="left" if col == "configuration" else "right")
+    for r in est.rows:
+        fits = "?" if r.fits is None else ("yes" if r.fits else "no")
+        name = r.name + ("  <- recommended" if r is est.recommended else "")
+        kinds = ("params", "grads", "master", "moments", "buffers", "activations")
+        table.add_row(name, *(_gb(r.gpu[k]) for k in kinds),
+                      _gb(r.gpu_total), *([_gb(r.paper_model_states)] if paper else []),
+                      _gb(r.cpu_per_rank * c.gpus_per_node), _gb(r.nvme_per_rank * c.gpus_per_node), fits)
+    return table
+
+
+def summary(est: Estimate) -> list[str]:
+    """The recommendation and the notes, one line each."""
+    best = est.recommended
+    if est.cluster.gpu_mem_gib is None:
+        lines = ["Give --gpu-mem (and --cpu-mem) to see which configurations fit."]
+    elif best is None:
+        lines = ["Nothing fits: add GPUs or nodes, enable activation checkpointing, or shrink the micro-batch."]
+    else:
+        lines = [f"Recommended: {best.name} ({_gb(best.gpu_total)} GiB per GPU): the fastest configuration that fits."]
+    return lines + [f"Note: {n}" for n in est.notes]
+
+
+def as_json(est: Estimate) -> dict[str, Any]:
+    best = est.recommended
+    return {"model": dataclasses.asdict(est.shape), "cluster": dataclasses.asdict(est.cluster),
+            "settings": dataclasses.asdict(est.settings),
+            "activations": dataclasses.asdict(est.activations) if est.activations else None,
+            "configurations": [{"stage": r.stage, "offload_optimizer": r.offload_optimizer,
+                                "offload_param": r.offload_param, "gpu_bytes": r.gpu, "gpu_total_bytes": r.gpu_total,
+                                "paper_model_states_bytes": r.paper_model_states,
+                                "cpu_bytes_per_node": r.cpu_per_rank * est.cluster.gpus_per_node,
+                                "nvme_bytes_per_node": r.nvme_per_rank * est.cluster.gpus_per_node,
+                                "fits": r.fits} for r in est.rows],
+            "recommended": best.name if best else None, "notes": est.notes}
