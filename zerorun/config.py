@@ -50,6 +50,18 @@ class OffloadConfig:
     device: OffloadDevice = _f("none", "none: stay on the device; cpu: host memory; nvme: files under nvme_path.")
     nvme_path: str | None = _f(None, "Directory for NVMe offload files (required when device is nvme).")
     pin_memory: bool = _f(True, "Pin host buffers for faster copies (only where CUDA exists).")
+    buffer_mb: float = _f(64.0, "Size of one tile streamed between places (per buffer of the swap ring), MiB.", gt=0)
+
+
+@dataclass
+class AioConfig:
+    """Asynchronous NVMe I/O for offload (O_DIRECT, aligned buffers)."""
+
+    block_size: int = _f(8 * 2**20, "Bytes per I/O request (a multiple of 4096).", ge=4096)
+    queue_depth: int = _f(8, "Requests in flight per file operation.", ge=1)
+    threads: int = _f(4, "I/O threads (the thread-pool backend; native AIO uses one submitter).", ge=1)
+    backend: Literal["auto", "libaio", "threads"] = _f("auto", "auto: Linux native AIO where the kernel allows it, "
+                                                               "else a thread pool of pread/pwrite.")
 
 
 @dataclass
@@ -65,6 +77,7 @@ class ZeroConfig:
     wrap: list[str] = _f(doc="Stage 3: module class names that become their own unit (e.g. Block).", factory=list)
     offload_optimizer: OffloadConfig = _f(doc="Offload of fp32 master weights and Adam moments.", factory=OffloadConfig)
     offload_param: OffloadConfig = _f(doc="Offload of parameters (stage 3 only).", factory=OffloadConfig)
+    aio: AioConfig = _f(doc="NVMe I/O settings for offload.", factory=AioConfig)
 
 
 @dataclass
@@ -484,6 +497,8 @@ def _check_cross_fields(recipe: Recipe, ctx: _Ctx) -> None:
               "use zero.offload_optimizer for stages 1 and 2.")
     if recipe.zero.offload_optimizer.device != "none" and recipe.zero.stage == 0:
         _fail(ctx, "zero.offload_optimizer.device", "optimizer offload needs zero.stage >= 1.")
+    if recipe.zero.aio.block_size % 4096:
+        _fail(ctx, "zero.aio.block_size", f"must be a multiple of 4096 (O_DIRECT), got {recipe.zero.aio.block_size}.")
 
 
 # ---------------------------------------------------------------------------------------------
