@@ -20,7 +20,7 @@ def _error(text: str, overrides: tuple[str, ...] = ()) -> str:
 @pytest.mark.parametrize("text, expected", [
     ("script: t.py\nzero:\n  stgae: 2\n", "r.yaml:3: zero.stgae: unknown key; did you mean 'stage'?"),
     ("script: t.py\noptimiser: {lr: 1}\n", "r.yaml:2: optimiser: unknown key; did you mean 'optimizer'?"),
-    ("script: t.py\nzero: {zzz: 1}\n", "r.yaml:2: zero.zzz: unknown key; valid keys here: allgather_bucket_mb,"),
+    ("script: t.py\nzero: {zzz: 1}\n", "r.yaml:2: zero.zzz: unknown key; valid keys here: aio, allgather_bucket_mb,"),
     ("script: t.py\nzero:\n  stage: two\n", "r.yaml:3: zero.stage: expected an integer, got str 'two'."),
     ("script: t.py\nzero:\n  overlap_comm: 1\n", "r.yaml:3: zero.overlap_comm: expected true or false, got int 1."),
     ("script: t.py\ntrain: {steps: 2.5}\n", "r.yaml:2: train.steps: expected an integer, got 2.5."),
