@@ -31,6 +31,7 @@ from zerorun.runtime import events, sharded_init
 from zerorun.runtime.dist import init_distributed
 from zerorun.runtime.flat import FlatParams
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
+from zerorun.runtime.offload import HOST, HostHome, NvmeHome, OffloadedAdam, Piece, nvme_dir
 from zerorun.runtime.optimizer import ShardedAdamW, param_groups_from
 from zerorun.runtime.precision import LossScaler, PrecisionPolicy
 from zerorun.runtime.stage12 import GradReducer
@@ -45,8 +46,6 @@ class Engine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, recipe: Recipe) -> None:
         self.recipe = recipe
         zero = recipe.zero
-        if zero.offload_optimizer.device != "none":
-            raise ZerorunError("zero.offload_optimizer is not available yet in this version; set device: none.")
         self.info = init_distributed(recipe.launch.timeout_s)
         self.device = self.info.device
         self.stage = zero.stage
@@ -63,27 +62,35 @@ class Engine:
         bucket_numel = max(1, int(zero.bucket_mb * 2**20 // 4))
         group_params = [g["params"] for g in groups]
         self.scheduler: ParamScheduler | None = None
+        offloaded = zero.offload_optimizer.device != "none"
+        master_device = HOST if offloaded else None  # the fp32 master goes where the CPU steps it
         if self.stage == 3:
             self.flat = ShardedParams(model, group_params, zero.wrap, zero.param_persistence_threshold,
-                                      bucket_numel, self.policy, self.comm, self.device, init_log)
+                                      bucket_numel, self.policy, self.comm, self.device, init_log, master_device)
             self.scheduler = ParamScheduler(self.flat, zero.prefetch_units)
             # stage 3 reduces gradients like stage 2, per unit, as soon as backward completes one
             self.reducer = GradReducer(self.flat, 2, zero.overlap_comm, ordered=False,
                                        on_launch=self.scheduler.unit_reduced)
         else:
             shard_world = 1 if self.stage == 0 else self.comm.world_size
-            self.flat = FlatParams(group_params, self.policy, self.comm, shard_world, bucket_numel, self.device)
+            self.flat = FlatParams(group_params, self.policy, self.comm, shard_world, bucket_numel, self.device,
+                                   master_device)
             self.reducer = GradReducer(self.flat, self.stage, zero.overlap_comm)
         self._cast_frozen()
-        self.optimizer = ShardedAdamW(groups, decoupled, self.flat.group_numels, self.device)
-        self._masters = [self.flat.master_pieces(g) for g in range(len(groups))]
-        self._moments = [[(self.flat.state_slice(u, self.optimizer.exp_avg[g]),
-                           self.flat.state_slice(u, self.optimizer.exp_avg_sq[g]))
-                          for u in self.flat.units if u.group == g] for g in range(len(groups))]
-        # stages 0-2 in bf16/fp16: the kernel writes the cast weights straight into the parameter
-        # buffer; stage 3 casts when it gathers (it keeps no low-precision shard)
-        lowp = [self.flat.lowp_pieces(g) for g in range(len(groups))] if self.stage < 3 else None
-        self._lowp = lowp if lowp and all(p is not None for p in lowp) else None
+        state_device = {"none": self.device, "cpu": HOST, "nvme": None}[zero.offload_optimizer.device]
+        self.optimizer = ShardedAdamW(groups, decoupled, self.flat.group_numels, state_device)
+        self.offload: OffloadedAdam | None = None
+        if offloaded:
+            self.offload = self._build_offload()
+        else:
+            self._masters = [self.flat.master_pieces(g) for g in range(len(groups))]
+            self._moments = [[(self.flat.state_slice(u, self.optimizer.exp_avg[g]),
+                               self.flat.state_slice(u, self.optimizer.exp_avg_sq[g]))
+                              for u in self.flat.units if u.group == g] for g in range(len(groups))]
+            # stages 0-2 in bf16/fp16: the kernel writes the cast weights straight into the parameter
+            # buffer; stage 3 casts when it gathers (it keeps no low-precision shard)
+            lowp = [self.flat.lowp_pieces(g) for g in range(len(groups))] if self.stage < 3 else None
+            self._lowp = lowp if lowp and all(p is not None for p in lowp) else None
         self.grad_accum_steps = recipe.train.grad_accum_steps
         self.clip_grad_norm = recipe.train.clip_grad_norm
         self.micro_steps = 0
@@ -107,6 +114,33 @@ class Engine:
         for param in self.module.parameters():
             if not param.requires_grad and param.is_floating_point():
                 param.data = param.data.to(dtype)
+
+    def _build_offload(self) -> OffloadedAdam:
+        """Master and moments to their home (host memory or NVMe files); parameters stay where they are
+        computed with, except stage 3's shard under `offload_param`."""
+        zero = self.recipe.zero
+        off = zero.offload_optimizer
+        tile_numel = max(1024, int(off.buffer_mb * 2**20) // 4)
+        if self.stage == 3:  # gathers read a compute-dtype shard; the master is the optimizer's alone
+            self.flat.use_param_shard(HOST if zero.offload_param.device == "cpu" else self.device,
+                                      zero.offload_param.pin_memory)
+        if off.device == "cpu":
+            home = HostHome(self.flat.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
+        else:
+            from zerorun.runtime.nvme import check_nvme_path  # builds the aio kernel: only when used
+
+            check_nvme_path(off.nvme_path, "zero.offload_optimizer.nvme_path", 12 * sum(self.flat.group_numels))
+            root = nvme_dir(off.nvme_path, self.recipe.name, self.info.rank)
+            home = NvmeHome(root, self.flat.group_numels, tile_numel, zero.aio, off.pin_memory)
+            for g, master in enumerate(self.flat.master):
+                home.place(g, master)
+            self.flat.master = None  # it lives on disk now; the store reads and writes it
+            self.flat.master_home = home
+        self._pieces = [[Piece(g, u.state_offset, u.layout.shard_numel, grad, out)
+                         for u, grad, out in zip([u for u in self.flat.units if u.group == g],
+                                                 self.reducer.grad_pieces(g), self.flat.shard_pieces(g))]
+                        for g in range(len(self.flat.group_numels))]
+        return OffloadedAdam(self.optimizer, home, self.device, tile_numel, off.pin_memory)
 
     # -- training loop ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -151,7 +185,7 @@ class Engine:
 
     def _optimizer_step(self) -> None:
         sum_divisor = self.comm.world_size * self.scaler.scale  # reduced gradients are sums of scaled grads
-        grads = [self.reducer.grad_pieces(g) for g in range(len(self._masters))]
+        grads = [self.reducer.grad_pieces(g) for g in range(len(self.flat.group_numels))]
         norm = self._global_norm(grads) / sum_divisor
         self.grad_norm = norm
         found_inf = not math.isfinite(norm)
@@ -162,13 +196,20 @@ class Engine:
             coef = 1.0
             if self.clip_grad_norm is not None:
                 coef = min(1.0, self.clip_grad_norm / (norm + 1e-6))
-            self.optimizer.step_pieces(self._masters, grads, self._moments, sum_divisor / coef, self._lowp)
-            self.flat.publish(cast_done=self._lowp is not None)
+            if self.offload is not None:
+                self.offload.step(self._pieces, sum_divisor / coef)
+                self.flat.publish(cast_done=True)
+            else:
+                self.optimizer.step_pieces(self._masters, grads, self._moments, sum_divisor / coef, self._lowp)
+                self.flat.publish(cast_done=self._lowp is not None)
         self.scaler.update(found_inf)
         self.reducer.zero()
         self.global_step += 1
+        traffic = self.comm.stats.as_dict()
+        if self.offload is not None:
+            traffic.update(self.offload.stats())
         events.emit(self._window.close(self.global_step, norm, self.scaler.scale, found_inf, self.skipped_steps,
-                                       self.comm.stats.as_dict()))
+                                       traffic))
 
     def _global_norm(self, grads: list[list[torch.Tensor]]) -> float:
         """L2 norm of the summed gradients across all shards (inf/nan if any rank has one)."""
@@ -192,13 +233,21 @@ class Engine:
         report = MemoryReport()
         if self.scheduler is not None:  # stage 3: whatever units are gathered now (persistent ones at rest)
             report.add("params", place, self.flat.gathered_bytes() + tensor_bytes(frozen))
+            if self.flat.param_shard is not None:
+                report.add("params", self.flat.param_shard[0].device.type, tensor_bytes(self.flat.param_shard))
         else:
             report.add("params", place, tensor_bytes([self.flat.flat]) + tensor_bytes(frozen))
         report.add("grads", place, self.reducer.held_bytes())
-        report.add("master", place, tensor_bytes(self.flat.master or []))
-        report.add("optimizer", place, self.optimizer.held_bytes())
         report.add("buffers", place, tensor_bytes(list(self.module.buffers())))
         report.add("comm", place, self.reducer.pool.allocated_bytes)
+        if self.offload is None:
+            report.add("master", place, tensor_bytes(self.flat.master or []))
+            report.add("optimizer", place, self.optimizer.held_bytes())
+        else:
+            for kind, places in self.offload.home.held_bytes().items():
+                for where, nbytes in places.items():
+                    report.add(kind, where, nbytes)
+            report.add("comm", HOST.type, self.offload.transfers.held_bytes())
         return report
 
     def parameters(self) -> Any:

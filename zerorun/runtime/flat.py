@@ -48,8 +48,12 @@ class FlatParams:
     """Owns the flat parameter buffer and the fp32 master pieces of this rank."""
 
     def __init__(self, groups: list[list[nn.Parameter]], policy: PrecisionPolicy, comm: Collectives,
-                 shard_world: int, bucket_numel: int, device: torch.device) -> None:
+                 shard_world: int, bucket_numel: int, device: torch.device,
+                 master_device: torch.device | None = None) -> None:
+        """`master_device`: keep a separate fp32 master there (optimizer offload), even for fp32 parameters."""
         self.policy = policy
+        self.master_device = master_device or device
+        self.separate_master = policy.separate_master or master_device is not None
         self.comm = comm
         self.shard_world = shard_world  # 1 for stage 0: no sharding
         self.shard_rank = comm.rank if shard_world > 1 else 0
@@ -84,7 +88,7 @@ class FlatParams:
         for handle in handles:
             handle.wait()
         self._fp32_staging = staging  # read once by _build_master for a separate master
-        flat = staging if not self.policy.separate_master else staging.to(self.policy.param_dtype)
+        flat = staging.to(self.policy.param_dtype)  # fp32: the staging buffer itself
         for unit in self.units:
             for span, param in zip(unit.layout.spans, unit.params):
                 start = unit.flat_offset + span.offset
@@ -92,11 +96,12 @@ class FlatParams:
         return flat
 
     def _build_master(self) -> list[torch.Tensor] | None:
-        """fp32 master pieces per group: a separate tensor for bf16/fp16, None when params are fp32."""
+        """fp32 master pieces per group: a separate tensor for bf16/fp16 or when offloaded, else None
+        (the fp32 parameters are their own master)."""
         staging, self._fp32_staging = self._fp32_staging, None
-        if not self.policy.separate_master:
+        if not self.separate_master:
             return None
-        master = [torch.empty(n, dtype=torch.float32, device=self.device) for n in self.group_numels]
+        master = [torch.empty(n, dtype=torch.float32, device=self.master_device) for n in self.group_numels]
         for unit in self.units:
             self.state_slice(unit, master[unit.group]).copy_(self.unit_piece(unit, staging))
         return master
@@ -124,13 +129,17 @@ class FlatParams:
             return [self.unit_piece(u) for u in units]
         return [self.state_slice(u, self.master[group]) for u in units]
 
+    def shard_pieces(self, group: int) -> list[torch.Tensor]:
+        """This rank's own pieces of the parameter buffer for `group` (compute dtype), in unit order."""
+        return [self.unit_piece(u) for u in self.units if u.group == group]
+
     # -- after an optimizer step ------------------------------------------------------------
     def lowp_pieces(self, group: int) -> list[torch.Tensor] | None:
         """Where the optimizer writes the cast update for `group` (own pieces of the param buffer), or
         None when the parameters are the fp32 master themselves."""
         if self.master is None:
             return None
-        return [self.unit_piece(u) for u in self.units if u.group == group]
+        return self.shard_pieces(group)
 
     def publish(self, cast_done: bool = False) -> None:
         """Make every rank's parameters equal the updated master: cast own pieces (unless the

@@ -54,12 +54,14 @@ class ShardedAdamW(torch.optim.Optimizer):
     """Adam(W) whose state covers this rank's flat pieces only."""
 
     def __init__(self, groups: list[dict[str, Any]], decoupled: bool, group_numels: Sequence[int],
-                 device: torch.device) -> None:
+                 device: torch.device | None) -> None:
+        """`device`: where the moments live; None when an offload home other than memory holds them (NVMe)."""
         defaults = {k: groups[0][k] for k in HYPER} if groups else {"lr": 1e-3}
         super().__init__(groups, defaults)
         self.decoupled = decoupled
-        self.exp_avg = [torch.zeros(n, dtype=torch.float32, device=device) for n in group_numels]
-        self.exp_avg_sq = [torch.zeros(n, dtype=torch.float32, device=device) for n in group_numels]
+        numels = group_numels if device is not None else []
+        self.exp_avg = [torch.zeros(n, dtype=torch.float32, device=device) for n in numels]
+        self.exp_avg_sq = [torch.zeros(n, dtype=torch.float32, device=device) for n in numels]
         self.steps = [0 for _ in group_numels]  # a Python int: no device sync to read it
 
     @torch.no_grad()

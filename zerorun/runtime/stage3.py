@@ -60,8 +60,11 @@ class ShardedParams:
 
     def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[str],
                  persistence_threshold: int, bucket_numel: int, policy: PrecisionPolicy,
-                 comm: Collectives, device: torch.device, init_log: InitLog | None = None) -> None:
+                 comm: Collectives, device: torch.device, init_log: InitLog | None = None,
+                 master_device: torch.device | None = None) -> None:
         self.policy, self.comm, self.device = policy, comm, device
+        self.master_device = master_device or device  # the host when the optimizer is offloaded
+        self.param_shard: list[torch.Tensor] | None = None  # see use_param_shard
         if device.type == "cpu":
             retain_freed_host_memory()
         self.shard_world, self.shard_rank = comm.world_size, comm.rank
@@ -129,7 +132,7 @@ class ShardedParams:
 
     def _shard_from(self, model: nn.Module) -> list[torch.Tensor]:
         """Keep this rank's pieces of rank 0's parameter values as fp32 master, one unit at a time."""
-        master = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in self.group_numels]
+        master = [torch.zeros(n, dtype=torch.float32, device=self.master_device) for n in self.group_numels]
         for unit in self.units:
             full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device)
             for span, param in zip(unit.layout.spans, unit.params):
@@ -140,7 +143,7 @@ class ShardedParams:
 
     def _shard_from_replay(self, log: InitLog) -> list[torch.Tensor]:
         """Replay a `sharded_init` log, keeping only this rank's pieces (every rank computes the same values)."""
-        master = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in self.group_numels]
+        master = [torch.zeros(n, dtype=torch.float32, device=self.master_device) for n in self.group_numels]
         place = {param: (unit, span) for unit in self.units for span, param in zip(unit.layout.spans, unit.params)}
 
         def keep(param: nn.Parameter, value: torch.Tensor) -> None:
@@ -178,6 +181,35 @@ class ShardedParams:
     def master_pieces(self, group: int) -> list[torch.Tensor]:
         return [self.state_slice(u, self.master[group]) for u in self.units if u.group == group]
 
+    def use_param_shard(self, place: torch.device, pin: bool = False) -> list[torch.Tensor]:
+        """Keep this rank's parameter shard in the compute dtype at `place`, and gather from it.
+
+        Used when the optimizer is offloaded: the fp32 master then lives on the host (or NVMe) and
+        is touched only by the optimizer, which writes each update into this shard in the same pass;
+        `place` is the device, or the host for `offload_param: cpu` (pinned where CUDA exists)."""
+        pin = pin and place.type == "cpu" and torch.cuda.is_available()
+        self.param_shard = [torch.empty(n, dtype=self.policy.param_dtype, device=place, pin_memory=pin)
+                            for n in self.group_numels]
+        for shard, master in zip(self.param_shard, self.master):
+            shard.copy_(master)
+        return self.param_shard
+
+    def shard_pieces(self, group: int) -> list[torch.Tensor]:
+        """Where gathers read `group`'s pieces from (and an offloaded optimizer writes them)."""
+        source = self.param_shard if self.param_shard is not None else self.master
+        return [self.state_slice(u, source[group]) for u in self.units if u.group == group]
+
+    def _fill_piece(self, unit: Unit, full: torch.Tensor) -> None:
+        """Copy this rank's piece of `unit` into its gathered buffer (casting, or host->device)."""
+        source = self.param_shard if self.param_shard is not None else self.master
+        self.unit_piece(unit, full).copy_(self.state_slice(unit, source[unit.group]), non_blocking=True)
+
+    def set_master_piece(self, unit: Unit, values: torch.Tensor) -> None:
+        """Overwrite this rank's piece of `unit` (fp32 master, and the compute-dtype shard if kept)."""
+        self.state_slice(unit, self.master[unit.group]).copy_(values)
+        if self.param_shard is not None:
+            self.state_slice(unit, self.param_shard[unit.group]).copy_(values)
+
     # -- the state machine --------------------------------------------------------------------
     def gather(self, mu: ModuleUnit) -> None:
         """Start gathering `mu` (no-op unless released); `wait` finishes it."""
@@ -186,7 +218,7 @@ class ShardedParams:
         for k in mu.units:
             unit, full = self.units[k], self.full[k]
             full.untyped_storage().resize_(full.numel() * full.element_size())
-            self.unit_piece(unit, full).copy_(self.state_slice(unit, self.master[unit.group]))
+            self._fill_piece(unit, full)
             mu.handles.append(self.comm.all_gather(full))
             for param, view in zip(unit.params, self.views[k]):
                 param.data = view
@@ -380,7 +412,7 @@ def gathered(store: ShardedParams, params: Iterable[nn.Parameter] | None = None,
                 if modify:
                     unit, full = store.units[k], store.full[k]
                     store.comm.broadcast(full, src=src).wait()
-                    store.state_slice(unit, store.master[unit.group]).copy_(store.unit_piece(unit, full))
+                    store.set_master_piece(unit, store.unit_piece(unit, full))
             if before[id(mu)] == "released":
                 store.release(mu)
 
