@@ -36,6 +36,7 @@ def _error(text: str, overrides: tuple[str, ...] = ()) -> str:
     ("script: t.py\nscript: u.py\n", "r.yaml:2: script: given twice (first at line 1)."),
     ("script: t.py\nzero: {offload_optimizer: nvme}\n", "r.yaml:2: zero.offload_optimizer.nvme_path: required when device is nvme"),
     ("script: t.py\nzero: {stage: 2, offload_param: cpu}\n", "r.yaml:2: zero.offload_param.device: parameter offload needs zero.stage: 3"),
+    ("script: t.py\nzero: {stage: 3, offload_param: cpu}\n", "r.yaml:2: zero.offload_param.device: parameter offload needs zero.offload_optimizer too"),
 ])
 def test_each_mistake_names_file_line_key_and_expectation(text: str, expected: str) -> None:
     assert _error(text).startswith(expected)

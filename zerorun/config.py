@@ -495,6 +495,10 @@ def _check_cross_fields(recipe: Recipe, ctx: _Ctx) -> None:
         _fail(ctx, "zero.offload_param.device",
               f"parameter offload needs zero.stage: 3 (stage is {recipe.zero.stage}); "
               "use zero.offload_optimizer for stages 1 and 2.")
+    if recipe.zero.offload_param.device != "none" and recipe.zero.offload_optimizer.device == "none":
+        _fail(ctx, "zero.offload_param.device",
+              "parameter offload needs zero.offload_optimizer too: the fp32 master is the larger copy of the "
+              "parameters, so offload it first (e.g. offload_optimizer: cpu).")
     if recipe.zero.offload_optimizer.device != "none" and recipe.zero.stage == 0:
         _fail(ctx, "zero.offload_optimizer.device", "optimizer offload needs zero.stage >= 1.")
     if recipe.zero.aio.block_size % 4096:
