@@ -144,3 +144,12 @@ def test_device_peaks_come_from_the_name_and_dtype(name, dtype, peak):
 
 def test_measured_training_flops_are_three_forwards():
     assert count_training_flops(nn.Linear(16, 8), torch.randn(4, 16)) == 3 * 2 * 4 * 16 * 8
+
+
+def test_offload_column_shows_bytes_and_rate_per_direction_and_the_wait() -> None:
+    from zerorun.telemetry.console import offload_text
+
+    text = offload_text({"d2h": {"bytes": 2 * 2**30, "seconds": 0.5}, "h2d": {"bytes": 0, "seconds": 0.0},
+                         "nvme_read": {"bytes": 3 * 2**20, "seconds": 0.001}, "wait": {"bytes": 0, "seconds": 0.25}})
+    assert text == "D2H 2.0 GiB @ 4.29 GB/s, NVMe read 3.0 MiB @ 3.15 GB/s; waited 250 ms"
+    assert offload_text({}) == "-"

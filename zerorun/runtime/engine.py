@@ -205,11 +205,9 @@ class Engine:
         self.scaler.update(found_inf)
         self.reducer.zero()
         self.global_step += 1
-        traffic = self.comm.stats.as_dict()
-        if self.offload is not None:
-            traffic.update(self.offload.stats())
+        offload = self.offload.stats() if self.offload is not None else {}
         events.emit(self._window.close(self.global_step, norm, self.scaler.scale, found_inf, self.skipped_steps,
-                                       traffic))
+                                       self.comm.stats.as_dict(), offload))
 
     def _global_norm(self, grads: list[list[torch.Tensor]]) -> float:
         """L2 norm of the summed gradients across all shards (inf/nan if any rank has one)."""
@@ -327,11 +325,11 @@ class _StepWindow:
         self.losses.append(loss.detach())
 
     def close(self, step: int, norm: float, scale: float, skipped: bool, skipped_total: int,
-              comm: dict[str, dict[str, float]]) -> events.StepStats:
+              comm: dict[str, dict[str, float]], offload: dict[str, dict[str, float]]) -> events.StepStats:
         now = time.perf_counter()
         loss = torch.stack(self.losses).float().mean() if self.losses else None
         stats = events.StepStats(step, loss, norm, scale, skipped, skipped_total, now - self.started,
-                                 self.samples, self.tokens, comm)
+                                 self.samples, self.tokens, comm, offload)
         self._reset()
         return stats
 

@@ -31,6 +31,9 @@ class StepStats:
     samples: int  # samples this rank processed in this step
     tokens: int  # tokens this rank processed in this step
     comm: dict[str, dict[str, float]] = field(default_factory=dict)  # cumulative per collective kind
+    # cumulative offload traffic: d2h / h2d (device <-> host), nvme_read / nvme_write: bytes and seconds in
+    # flight; wait: seconds the step blocked on transfers or I/O
+    offload: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 _listeners: list[Callable[[StepStats], None]] = []

@@ -55,7 +55,9 @@ class TransferStats:
     wait_s: float = 0.0
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        return {f"offload_{d}": {"bytes": self.bytes[d], "calls": 0, "seconds": self.seconds[d]} for d in self.bytes}
+        out = {d: {"bytes": self.bytes[d], "seconds": self.seconds[d]} for d in self.bytes}
+        out["wait"] = {"bytes": 0, "seconds": self.wait_s}
+        return out
 
 
 class Home(Protocol):
@@ -122,18 +124,18 @@ class NvmeHome:
 
         self.stores[group].for_each_tile(list(self.NAMES), list(spans), update, write_back=list(self.NAMES))
 
-    def io_stats(self) -> dict[str, dict[str, float]]:
-        total = {"nvme_read": {"bytes": 0, "calls": 0, "seconds": 0.0},
-                 "nvme_write": {"bytes": 0, "calls": 0, "seconds": 0.0},
-                 "nvme_wait": {"bytes": 0, "calls": 0, "seconds": 0.0}}
+    def io_stats(self) -> tuple[dict[str, dict[str, float]], float]:
+        """Bytes and seconds of NVMe reads and writes, and the seconds the step waited on them."""
+        total = {"nvme_read": {"bytes": 0, "seconds": 0.0}, "nvme_write": {"bytes": 0, "seconds": 0.0}}
+        wait = 0.0
         for store in self.stores:
             s = store.stats
             total["nvme_read"]["bytes"] += s.bytes_read
             total["nvme_read"]["seconds"] += s.read_s
             total["nvme_write"]["bytes"] += s.bytes_written
             total["nvme_write"]["seconds"] += s.write_s
-            total["nvme_wait"]["seconds"] += s.wait_s
-        return total
+            wait += s.wait_s
+        return total, wait
 
     def held_bytes(self) -> dict[str, dict[str, int]]:
         nbytes = sum(n * 4 for n in self.group_numels)
@@ -299,8 +301,10 @@ class OffloadedAdam:
         self.transfers.finish()
 
     def stats(self) -> dict[str, dict[str, float]]:
+        """Cumulative traffic per direction (`d2h`, `h2d`, `nvme_read`, `nvme_write`) and `wait`."""
         out = self.transfers.stats.as_dict()
-        out["offload_wait"] = {"bytes": 0, "calls": 0, "seconds": self.transfers.stats.wait_s}
         if isinstance(self.home, NvmeHome):
-            out.update(self.home.io_stats())
+            io, wait = self.home.io_stats()
+            out.update(io)
+            out["wait"]["seconds"] += wait
         return out

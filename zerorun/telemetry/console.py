@@ -5,7 +5,8 @@
   NVMe GB/s) and a totals row. On a terminal it sits under the workers' scrolling output.
 - `summary_line`: the same in one line, printed now and then when the output is not a terminal.
 - `summary_table`: the end-of-job summary (also `zerorun report`): mean throughput, peak memory
-  per rank, skipped steps, time in communication and bytes of I/O.
+  per rank, skipped steps, time in communication, offload traffic (bytes and GB/s per direction,
+  and the time steps waited on it) and bytes of block-device I/O.
 
 Columns in words: "device" memory is CUDA's allocated bytes (peak: `max_memory_allocated`) or, on
 CPU, the bytes `engine.memory()` reports (peak: the highest sample); "NVMe GB/s" is the rank's
@@ -29,7 +30,7 @@ from zerorun.telemetry.state import RankState, RunState
 _LIVE_COLUMNS = ("host", "rank", "step", "loss", "step time", "tokens/s", "TFLOP/s", "MFU", "device now / peak",
                  "CPU RSS", "NVMe GB/s")
 _SUMMARY_COLUMNS = ("host", "rank", "steps", "samples/s", "tokens/s", "TFLOP/s", "MFU", "peak device", "peak RSS",
-                    "skipped", "comm", "I/O")
+                    "skipped", "comm", "offload", "I/O")
 
 
 def live_view(state: RunState, now: float | None = None) -> RenderableType:
@@ -123,7 +124,7 @@ def summary_table(state: RunState) -> Table:
         table.add_row(r.host, str(r.rank), str(r.step), _count(r.mean(r.timed_samples), 1),
                       _count(r.mean(r.timed_tokens)), _flops(_tflops_mean(r)), _mfu(_mfu_mean(r)),
                       nbytes(r.device_peak or None), nbytes(r.rss_peak or None), str(r.skipped_total),
-                      _comm(r.comm_seconds, r.busy_s), nbytes(r.io_bytes))
+                      _comm(r.comm_seconds, r.busy_s), offload_text(r.offload), nbytes(r.io_bytes))
     if len(ranks) > 1:
         total = _sum
         tflops = total([_tflops_mean(r) for r in ranks])
@@ -134,7 +135,7 @@ def summary_table(state: RunState) -> Table:
                       nbytes(total([r.device_peak or None for r in ranks])),
                       nbytes(total([r.rss_peak or None for r in ranks])),
                       str(max(r.skipped_total for r in ranks)),
-                      _comm(max(r.comm_seconds for r in ranks), max(r.busy_s for r in ranks)),
+                      _comm(max(r.comm_seconds for r in ranks), max(r.busy_s for r in ranks)), "",
                       nbytes(sum(r.io_bytes for r in ranks)), style="bold")
     return table
 
@@ -160,6 +161,23 @@ def _comm(comm_s: float, busy_s: float) -> str:
         return "-"
     share = f" ({100 * comm_s / busy_s:.0f}%)" if busy_s > 0 else ""
     return f"{comm_s:.2f} s{share}"
+
+
+_DIRECTIONS = (("d2h", "D2H"), ("h2d", "H2D"), ("nvme_read", "NVMe read"), ("nvme_write", "NVMe write"))
+
+
+def offload_text(offload: dict[str, dict[str, float]]) -> str:
+    """Bytes and GB/s per direction of offload traffic, and the seconds the steps waited on it."""
+    parts = []
+    for key, label in _DIRECTIONS:
+        entry = offload.get(key)
+        if not entry or not entry.get("bytes"):
+            continue
+        rate = entry["bytes"] / entry["seconds"] if entry.get("seconds") else None
+        parts.append(f"{label} {nbytes(entry['bytes'])} @ {_gbps(rate)} GB/s")
+    if not parts:
+        return "-"
+    return ", ".join(parts) + f"; waited {seconds(offload.get('wait', {}).get('seconds', 0.0))}"
 
 
 # -- formatting ------------------------------------------------------------------------------------

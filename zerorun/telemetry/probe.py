@@ -243,6 +243,7 @@ class Probe:
             "tokens_per_s": stats.tokens / seconds if seconds > 0 and stats.tokens else None,
             "flops": flops, "tflops": tflops, "mfu": tflops / peak if tflops is not None and peak else None,
             "comm": stats.comm,
+            "offload": stats.offload,
         }
 
     def _sample(self) -> dict[str, Any]:

@@ -38,6 +38,7 @@ class RankState:
     mfu: float | None = None
     skipped_total: int = 0
     comm: dict[str, dict[str, float]] = field(default_factory=dict)
+    offload: dict[str, dict[str, float]] = field(default_factory=dict)  # d2h, h2d, nvme_read/write, wait
     # the latest sample
     rss: int | None = None
     rss_peak: int = 0
@@ -92,6 +93,7 @@ class RankState:
             setattr(self, key, r.get(key))
         self.skipped_total = int(r.get("skipped_total") or 0)
         self.comm = r.get("comm") or self.comm
+        self.offload = r.get("offload") or self.offload
 
     def _sample(self, r: dict[str, Any], now: float) -> None:
         self.last_sample_at = now
