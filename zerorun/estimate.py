@@ -60,6 +60,7 @@ class Settings:
     allgather_bucket_mb: float = 25.0
     prefetch_units: int = 1
     checkpointing: bool = False
+    offload_buffer_mb: float = 64.0  # zero.offload_optimizer.buffer_mb
 
 
 @dataclass(frozen=True)
@@ -169,48 +170,56 @@ def activation_bytes(act: Activations, precision: str, checkpointing: bool) -> f
     return act.layers * per_layer
 
 
+NVME_RING_SLOTS = 3  # the NVMe store's ring: read of tile k+1, update of tile k, write of tile k-1
+
+
+def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload_optimizer: str = "none",
+                  offload_param: str = "none") -> dict[str, dict[str, float]]:
+    """Model-state bytes per rank by place ("gpu", "cpu", "nvme") and kind, as `Engine.memory()` holds them.
+
+    Optimizer offload (`runtime/offload.py`) moves the fp32 master and the moments (12 Psi/N) to the
+    host or to NVMe; in fp32 the master then becomes a copy (the GPU keeps its parameters). The
+    reduced fp32 gradient shard stays on the GPU and is streamed to the CPU tile by tile at the step
+    (DeepSpeed moves it to the CPU after every micro-batch instead: 4 Psi/N less GPU memory, one
+    PCIe transfer per micro-batch more). Stage 3 then gathers from a p-byte parameter shard, kept
+    on the GPU or, with parameter offload, on the host / NVMe.
+    """
+    p, psi = PARAM_BYTES[precision], shape.params
+    states = model_states(shape, n, stage, precision)
+    out = {"gpu": dict(states), "cpu": {}, "nvme": {}}
+    if offload_optimizer != "none":
+        home = out[offload_optimizer]
+        out["gpu"]["master"], out["gpu"]["moments"] = 0, 0
+        home["master"], home["moments"] = 4 * psi / n, states["moments"]
+        if stage == 3:
+            shard_place = "gpu" if offload_param == "none" else offload_param
+            out[shard_place]["params"] = out[shard_place].get("params", 0) + p * psi / n
+    return out
+
+
+def offload_buffers(settings: Settings, offload_optimizer: str) -> float:
+    """Host bytes of offload staging: two gradient and two update tiles of `offload_buffer_mb`
+    (pinned where CUDA exists), plus the NVMe store's ring of master + moment tiles."""
+    if offload_optimizer == "none":
+        return 0.0
+    tile = settings.offload_buffer_mb * MIB
+    return 4 * tile + (NVME_RING_SLOTS * 3 * tile if offload_optimizer == "nvme" else 0)
+
+
 def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, offload_optimizer: str,
           offload_param: str, activations: Activations | None) -> Placement:
-    """One configuration's bytes: model states split between GPU, CPU and NVMe (per rank).
-
-    Optimizer offload (not yet in the engine; this is the plan) moves the fp32 master, the moments
-    and the fp32 gradient shard (16 Psi/N) off the GPU; in fp32, where the parameters are the master,
-    the GPU keeps them and the CPU holds the master copy. To NVMe go master and moments; gradient
-    shards stay in CPU memory (they change every micro-batch), with a CPU staging buffer of two
-    buckets for the NVMe reads/writes. Stage 1 keeps its full gradient on the GPU. Parameter offload
-    (stage 3) also moves the p-byte parameter shard, which the GPU otherwise keeps to gather from
-    whenever the master is not on the GPU.
-    """
-    n, p, psi = cluster.world, PARAM_BYTES[settings.precision], shape.params
-    states = model_states(shape, n, stage, settings.precision)
+    """One configuration's bytes: model states split between GPU, CPU and NVMe (per rank), plus the
+    GPU's working buffers and activations and the host's offload staging."""
+    n, psi = cluster.world, shape.params
+    placed = placed_states(shape, n, stage, settings.precision, offload_optimizer, offload_param)
     out = Placement(stage, offload_optimizer, offload_param,
                     paper_model_states=round(paper_model_states(psi, n, stage)))
-    gpu = dict(states)
-    cpu = nvme = 0.0
-    if offload_optimizer != "none":
-        moved = 4 * psi / n + states["moments"]  # the fp32 master shard (a copy, in fp32) and the moments
-        grad_shard = 4 * psi / n
-        gpu["master"], gpu["moments"] = 0, 0
-        if stage >= 2:
-            gpu["grads"] = 0
-        if stage == 3:
-            gpu["params"] += p * psi / n  # the shard to gather from, now that the master is elsewhere
-        cpu += grad_shard
-        if offload_optimizer == "cpu":
-            cpu += moved
-        else:
-            nvme += moved
-            cpu += 2 * settings.bucket_mb * MIB
-    if offload_param != "none":
-        gpu["params"] -= p * psi / n
-        if offload_param == "cpu":
-            cpu += p * psi / n
-        else:
-            nvme += p * psi / n
+    gpu = dict(placed["gpu"])
     gpu["buffers"] = working_buffers(shape, stage, settings)
     gpu["activations"] = activation_bytes(activations, settings.precision, settings.checkpointing) if activations else 0
     out.gpu = {k: round(v) for k, v in gpu.items()}
-    out.cpu_per_rank, out.nvme_per_rank = round(cpu), round(nvme)
+    out.cpu_per_rank = round(sum(placed["cpu"].values()) + offload_buffers(settings, offload_optimizer))
+    out.nvme_per_rank = round(sum(placed["nvme"].values()))
     if cluster.gpu_mem_gib is not None:
         out.fits = out.gpu_total <= cluster.gpu_mem_gib * GIB and (
             cluster.cpu_mem_gib is None or out.cpu_per_rank * cluster.gpus_per_node <= cluster.cpu_mem_gib * GIB)
