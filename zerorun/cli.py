@@ -116,9 +116,11 @@ def bench_step(
     threads: Annotated[int, typer.Option(help="CPU threads per rank.")] = 1,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds (each system once per round).")] = 3,
     steps: Annotated[int, typer.Option(help="Timed steps per round, after one warm-up step.")] = 3,
-    systems: Annotated[str, typer.Option(help="Comma-separated: ddp, ddp-fused, fsdp2, zero0, zero1, zero2, zero3.")] =
+    systems: Annotated[str, typer.Option(help="Comma-separated: ddp, ddp-fused, fsdp2, zero0-3, zero1-offload, "
+                                               "zero2-offload, zero3-offload (CPU), zero2-nvme, zero3-nvme.")] =
         "ddp,fsdp2,zero1,zero2,zero3",
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 for zerorun's stages.")] = "fp32",
+    nvme_path: Annotated[str | None, typer.Option(help="Directory for the *-nvme systems' offload files.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
 ) -> None:
     """Step time and memory of zerorun's stages against DDP and FSDP2, in one interleaved run."""
@@ -131,8 +133,10 @@ def bench_step(
     unknown = [s for s in chosen if s not in step.SYSTEMS]
     if unknown:
         raise ZerorunError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(step.SYSTEMS)}.")
+    if any(s.endswith("nvme") for s in chosen) and not nvme_path:
+        raise ZerorunError("--nvme-path: required by the *-nvme systems (a directory on a real disk, not tmpfs).")
     cfg = step.StepBenchConfig(GPTConfig(layers, d_model, heads, vocab, seq_len), micro_batch, ranks, threads,
-                               rounds, 1, steps, chosen, precision)
+                               rounds, 1, steps, chosen, precision, nvme_path)
     results = step.run(cfg, progress=lambda line: typer.echo(line, err=True))
     Console(width=200).print(step.render(cfg, results))
     if json_out is not None:

@@ -21,7 +21,19 @@ import torch.distributed as dist
 from zerorun.bench.gpt import GPT, GPTConfig, synthetic_tokens
 from zerorun.bench.spawn import run_ranks
 
-SYSTEMS = ("ddp", "ddp-fused", "fsdp2", "zero1", "zero2", "zero3", "zero0")
+# zerorun's systems: the recipe overrides each one runs with
+ZERO_SYSTEMS = {
+    "zero0": ["zero.stage=0"],
+    "zero1": ["zero.stage=1"],
+    "zero2": ["zero.stage=2"],
+    "zero3": ["zero.stage=3"],
+    "zero1-offload": ["zero.stage=1", "zero.offload_optimizer.device=cpu"],
+    "zero2-offload": ["zero.stage=2", "zero.offload_optimizer.device=cpu"],
+    "zero3-offload": ["zero.stage=3", "zero.offload_optimizer.device=cpu", "zero.offload_param.device=cpu"],
+    "zero2-nvme": ["zero.stage=2", "zero.offload_optimizer.device=nvme"],
+    "zero3-nvme": ["zero.stage=3", "zero.offload_optimizer.device=nvme", "zero.offload_param.device=cpu"],
+}
+SYSTEMS = ("ddp", "ddp-fused", "fsdp2", *ZERO_SYSTEMS)
 DEFAULT_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 DESCRIPTIONS = {
     "ddp": "DDP + torch AdamW (default: for-loop on CPU)",
@@ -31,6 +43,11 @@ DESCRIPTIONS = {
     "zero1": "zerorun stage 1",
     "zero2": "zerorun stage 2",
     "zero3": "zerorun stage 3 (unit per block)",
+    "zero1-offload": "zerorun stage 1, optimizer on CPU",
+    "zero2-offload": "zerorun stage 2, optimizer on CPU",
+    "zero3-offload": "zerorun stage 3, optimizer + params on CPU",
+    "zero2-nvme": "zerorun stage 2, optimizer on NVMe",
+    "zero3-nvme": "zerorun stage 3, optimizer on NVMe, params on CPU",
 }
 
 
@@ -45,6 +62,7 @@ class StepBenchConfig:
     steps: int = 3
     systems: tuple[str, ...] = DEFAULT_SYSTEMS
     precision: str = "fp32"
+    nvme_path: str | None = None  # for the *-nvme systems
 
 
 @dataclass
@@ -95,12 +113,14 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
     init_distributed()
     torch.manual_seed(0)
     # stage 3 builds the way a user of a large model does: never whole on any rank (same values)
-    with zerorun.sharded_init() if system == "zero3" else contextlib.nullcontext():
+    with zerorun.sharded_init() if system.startswith("zero3") else contextlib.nullcontext():
         model = GPT(cfg.model)
     batches = [synthetic_tokens(cfg.model, cfg.micro_batch, 0, rank, i) for i in range(cfg.warmup + cfg.steps)]
-    if system.startswith("zero"):
-        recipe = config.loads("script: bench", "<bench>", [f"zero.stage={system[-1]}", "zero.wrap=[Block]",
-                                                         f"precision.dtype={cfg.precision}", "optimizer.lr=1e-4"])
+    if system in ZERO_SYSTEMS:
+        nvme = [f"zero.offload_optimizer.nvme_path={cfg.nvme_path}"] if system.endswith("nvme") else []
+        recipe = config.loads("script: bench", "<bench>", [*ZERO_SYSTEMS[system], *nvme, "zero.wrap=[Block]",
+                                                         f"precision.dtype={cfg.precision}", "optimizer.lr=1e-4",
+                                                         "name=bench-step"])
         engine = zerorun.initialize(model, None, recipe)
         forward, backward, step = engine, engine.backward, engine.step
         state_mib = lambda: engine.memory().model_states() / 2**20  # noqa: E731
@@ -126,7 +146,7 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
                 times[name].append(b - a)
     steps = [sum(parts) for parts in zip(*times.values())]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return Sample(steps, times["forward"], times["backward"], times["optimizer"], rss, state_mib(), float(loss))
+    return Sample(steps, times["forward"], times["backward"], times["optimizer"], rss, state_mib(), float(loss.detach()))
 
 
 def _now() -> float:
