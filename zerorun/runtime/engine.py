@@ -29,7 +29,7 @@ from zerorun.errors import ZerorunError
 from zerorun.runtime.collectives import Collectives
 from zerorun.runtime import events, sharded_init
 from zerorun.runtime.dist import init_distributed
-from zerorun.runtime.flat import FlatParams
+from zerorun.runtime.flat import FlatParams, Unit
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
 from zerorun.runtime.offload import HOST, HostHome, NvmeHome, OffloadedAdam, Piece, nvme_dir
 from zerorun.runtime.optimizer import ShardedAdamW, param_groups_from
@@ -122,8 +122,19 @@ class Engine:
         off = zero.offload_optimizer
         tile_numel = max(1024, int(off.buffer_mb * 2**20) // 4)
         if self.stage == 3:  # gathers read a compute-dtype shard; the master is the optimizer's alone
-            self.flat.use_param_shard(HOST if zero.offload_param.device == "cpu" else self.device,
-                                      zero.offload_param.pin_memory)
+            param = zero.offload_param
+            if param.device == "nvme":
+                from zerorun.runtime.nvme import NvmeStore, check_nvme_path
+
+                dtype = self.policy.param_dtype
+                numels = self.flat.group_numels
+                check_nvme_path(param.nvme_path, "zero.offload_param.nvme_path", dtype.itemsize * sum(numels))
+                store = NvmeStore(nvme_dir(param.nvme_path, self.recipe.name, self.info.rank) / "params",
+                                  {self.flat.param_file(g): n for g, n in enumerate(numels)},
+                                  tile_numel=tile_numel, aio=zero.aio, pin=param.pin_memory, dtype=dtype)
+                self.flat.use_param_store(store, param.pin_memory)
+            else:
+                self.flat.use_param_shard(HOST if param.device == "cpu" else self.device, param.pin_memory)
         if off.device == "cpu":
             home = HostHome(self.flat.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
         else:
@@ -136,11 +147,18 @@ class Engine:
                 home.place(g, master)
             self.flat.master = None  # it lives on disk now; the store reads and writes it
             self.flat.master_home = home
-        self._pieces = [[Piece(g, u.state_offset, u.layout.shard_numel, grad, out)
+        self._pieces = [[self._piece(g, u, grad, out)
                          for u, grad, out in zip([u for u in self.flat.units if u.group == g],
                                                  self.reducer.grad_pieces(g), self.flat.shard_pieces(g))]
                         for g in range(len(self.flat.group_numels))]
         return OffloadedAdam(self.optimizer, home, self.device, tile_numel, off.pin_memory)
+
+    def _piece(self, group: int, unit: Unit, grad: torch.Tensor, out: torch.Tensor | None) -> Piece:
+        piece = Piece(group, unit.state_offset, unit.layout.shard_numel, grad, out)
+        if out is None:  # stage 3's parameter shard is in NVMe files: updates are written there
+            piece.sink = lambda lo, values: self.flat.write_param_piece(group, unit.state_offset + lo, values)
+            piece.sink_dtype = self.policy.param_dtype
+        return piece
 
     # -- training loop ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -233,6 +251,9 @@ class Engine:
             report.add("params", place, self.flat.gathered_bytes() + tensor_bytes(frozen))
             if self.flat.param_shard is not None:
                 report.add("params", self.flat.param_shard[0].device.type, tensor_bytes(self.flat.param_shard))
+            if self.flat.param_store is not None:
+                report.add("params", "nvme", self.policy.param_dtype.itemsize * sum(self.flat.group_numels))
+                report.add("comm", HOST.type, tensor_bytes([self.flat._bounce]))
         else:
             report.add("params", place, tensor_bytes([self.flat.flat]) + tensor_bytes(frozen))
         report.add("grads", place, self.reducer.held_bytes())

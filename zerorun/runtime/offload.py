@@ -43,7 +43,9 @@ class Piece:
     start: int  # offset in the group's state (master, moments)
     numel: int
     grad: torch.Tensor  # this rank's reduced gradient piece (on the device)
-    out: torch.Tensor | None  # where the updated parameter goes (device or host, compute dtype); None: nowhere
+    out: torch.Tensor | None  # where the updated parameter goes (device or host, compute dtype)
+    sink: Callable[[int, torch.Tensor], None] | None = None  # or who takes it: sink(offset in piece, values)
+    sink_dtype: torch.dtype = torch.float32
 
 
 @dataclass
@@ -281,7 +283,14 @@ class OffloadedAdam:
                 piece, lo, hi = tiles[k]
                 grad = self.transfers.fetch(k)
                 out = piece.out[lo:hi] if piece.out is not None else None
-                if out is None:
+                if out is None and piece.sink is not None:  # stage 3's parameter shard in NVMe files
+                    staged = self.transfers.out_slot(hi - lo, piece.sink_dtype)
+                    lowp = staged if staged.dtype != torch.float32 else None
+                    ops.adamw_step(master, grad, exp_avg, exp_avg_sq, lowp_out=lowp, **hyper)
+                    if lowp is None:
+                        staged.copy_(master)
+                    piece.sink(lo, staged)
+                elif out is None:
                     ops.adamw_step(master, grad, exp_avg, exp_avg_sq, **hyper)
                 elif out.device.type == "cpu" and self.transfers.device.type != "cpu":
                     # a host destination (stage 3's offloaded parameter shard): written in the same pass

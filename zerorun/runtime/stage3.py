@@ -65,6 +65,8 @@ class ShardedParams:
         self.policy, self.comm, self.device = policy, comm, device
         self.master_device = master_device or device  # the host when the optimizer is offloaded
         self.param_shard: list[torch.Tensor] | None = None  # see use_param_shard
+        self.param_store = None  # see use_param_store
+        self.master_home = None  # optimizer offload to NVMe: the master lives there (self.master is None)
         if device.type == "cpu":
             retain_freed_host_memory()
         self.shard_world, self.shard_rank = comm.world_size, comm.rank
@@ -194,20 +196,65 @@ class ShardedParams:
             shard.copy_(master)
         return self.param_shard
 
-    def shard_pieces(self, group: int) -> list[torch.Tensor]:
-        """Where gathers read `group`'s pieces from (and an offloaded optimizer writes them)."""
+    def use_param_store(self, store, pin: bool = False) -> None:
+        """Keep this rank's compute-dtype parameter shard in NVMe files instead (`offload_param: nvme`):
+        one file per param group in `store` (an `NvmeStore`); gathers read their piece through an
+        aligned bounce buffer the size of the largest piece."""
+        from zerorun.runtime.nvme import aligned_empty
+
+        dtype = self.policy.param_dtype
+        for g, master in enumerate(self.master):
+            for lo in range(0, master.numel(), 2**24):  # bounded host memory while placing
+                store.write(self.param_file(g), master[lo:lo + 2**24].to(dtype), start=lo)
+        self.param_store = store
+        self._bounce = aligned_empty(max((u.layout.shard_numel for u in self.units), default=0), dtype, pin)
+
+    @staticmethod
+    def param_file(group: int) -> str:
+        return f"params-{group}"
+
+    def shard_pieces(self, group: int) -> list[torch.Tensor | None]:
+        """Where gathers read `group`'s pieces from (and an offloaded optimizer writes them); None
+        for pieces in NVMe files (`write_param_piece`)."""
+        units = [u for u in self.units if u.group == group]
+        if self.param_store is not None:
+            return [None for _ in units]
         source = self.param_shard if self.param_shard is not None else self.master
-        return [self.state_slice(u, source[group]) for u in self.units if u.group == group]
+        return [self.state_slice(u, source[group]) for u in units]
+
+    def write_param_piece(self, group: int, start: int, values: torch.Tensor) -> None:
+        """Write compute-dtype values at `start` of `group`'s shard file (`offload_param: nvme`)."""
+        self.param_store.write(self.param_file(group), values, start=start)
 
     def _fill_piece(self, unit: Unit, full: torch.Tensor) -> None:
         """Copy this rank's piece of `unit` into its gathered buffer (casting, or host->device)."""
+        piece = self.unit_piece(unit, full)
+        if self.param_store is not None:
+            bounce = self._bounce[:piece.numel()]
+            self.param_store.read(self.param_file(unit.group), bounce, start=unit.state_offset)
+            piece.copy_(bounce)  # synchronous: the bounce buffer is reused by the next piece
+            return
         source = self.param_shard if self.param_shard is not None else self.master
-        self.unit_piece(unit, full).copy_(self.state_slice(unit, source[unit.group]), non_blocking=True)
+        piece.copy_(self.state_slice(unit, source[unit.group]), non_blocking=True)
+
+    def read_master_piece(self, unit: Unit, out: torch.Tensor) -> None:
+        """This rank's fp32 master piece of `unit`, into `out` (from memory or the NVMe home)."""
+        if self.master is None:
+            values = torch.empty(unit.layout.shard_numel, dtype=torch.float32)
+            self.master_home.read(unit.group, "master", values, start=unit.state_offset)
+            out.copy_(values)
+        else:
+            out.copy_(self.state_slice(unit, self.master[unit.group]))
 
     def set_master_piece(self, unit: Unit, values: torch.Tensor) -> None:
         """Overwrite this rank's piece of `unit` (fp32 master, and the compute-dtype shard if kept)."""
-        self.state_slice(unit, self.master[unit.group]).copy_(values)
-        if self.param_shard is not None:
+        if self.master is None:
+            self.master_home.write(unit.group, "master", values.float().cpu(), start=unit.state_offset)
+        else:
+            self.state_slice(unit, self.master[unit.group]).copy_(values)
+        if self.param_store is not None:
+            self.write_param_piece(unit.group, unit.state_offset, values.to(self.policy.param_dtype).cpu())
+        elif self.param_shard is not None:
             self.state_slice(unit, self.param_shard[unit.group]).copy_(values)
 
     # -- the state machine --------------------------------------------------------------------
@@ -425,7 +472,7 @@ def full_state_dict(module: nn.Module, store: ShardedParams) -> dict[str, torch.
     values: dict[str, torch.Tensor] = {}
     for k, unit in enumerate(store.units):
         full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=store.device)
-        store.unit_piece(unit, full).copy_(store.state_slice(unit, store.master[unit.group]))
+        store.read_master_piece(unit, store.unit_piece(unit, full))
         store.comm.all_gather(full).wait()
         if store.shard_rank == 0:
             for span, param, view in zip(unit.layout.spans, unit.params, store.views[k]):
