@@ -188,56 +188,51 @@ class Transfers:
         if k >= len(self._tiles) or k <= self._launched:
             return
         src, slot = self._tiles[k], k % self.SLOTS
-        dst = self._grad[slot][:src.numel()]
+        self._grad_ready[slot] = self._copy(self._grad[slot][:src.numel()], src, "d2h")
+        self._launched = k
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> torch.cuda.Event | None:
+        """Copy on the side stream (an event marks its end), or at once on CPU."""
         started = time.perf_counter()
+        event = None
         if self.cuda:
             with torch.cuda.stream(self._stream):
                 dst.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
-            self._grad_ready[slot] = event
         else:
             dst.copy_(src)
-        self.stats.seconds["d2h"] += time.perf_counter() - started
-        self.stats.bytes["d2h"] += src.numel() * src.element_size()
-        self._launched = k
+        self.stats.seconds[direction] += time.perf_counter() - started
+        self.stats.bytes[direction] += src.numel() * src.element_size()
+        return event
+
+    def _wait(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            started = time.perf_counter()
+            event.synchronize()
+            self.stats.wait_s += time.perf_counter() - started
 
     def fetch(self, k: int) -> torch.Tensor:
         """Tile k's gradient in host staging (valid until `fetch(k + SLOTS)`)."""
         self._launch(k)
         self._launch(k + 1)  # in flight while the caller updates tile k
         slot = k % self.SLOTS
-        if self.cuda and self._grad_ready[slot] is not None:
-            started = time.perf_counter()
-            self._grad_ready[slot].synchronize()
-            self.stats.wait_s += time.perf_counter() - started
+        self._wait(self._grad_ready[slot])
+        self._grad_ready[slot] = None
         return self._grad[slot][:self._tiles[k].numel()]
 
     # -- updated parameters, host -> device ----------------------------------------------------
     def out_slot(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host staging tile for the next `send` (waits until its previous copy has left)."""
         slot = self._sent % self.SLOTS
-        if self._out_free[slot] is not None:
-            started = time.perf_counter()
-            self._out_free[slot].synchronize()
-            self.stats.wait_s += time.perf_counter() - started
-            self._out_free[slot] = None
+        self._wait(self._out_free[slot])
+        self._out_free[slot] = None
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         return self._out[slot][:nbytes].view(dtype)
 
     def send(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy `src` (the last `out_slot`) into `dst`; asynchronous on CUDA."""
-        started = time.perf_counter()
-        if self.cuda:
-            with torch.cuda.stream(self._stream):
-                dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            self._out_free[self._sent % self.SLOTS] = event
-        else:
-            dst.copy_(src)
-        self.stats.seconds["h2d"] += time.perf_counter() - started
-        self.stats.bytes["h2d"] += src.numel() * src.element_size()
+        self._out_free[self._sent % self.SLOTS] = self._copy(dst, src, "h2d")
         self._sent += 1
 
     def finish(self) -> None:
