@@ -1,8 +1,10 @@
-"""zerorun's Adam(W) kernels (`kernels/`): built once per machine, loaded by every rank, honest fallbacks.
+"""zerorun's kernels (`kernels/`): built once per machine, loaded by every rank, honest fallbacks.
 
 `adamw_step` updates one flat fp32 shard in place. It runs our kernel for the tensors' device
 (`cpu_adam` on CPU, `fused_adam` on CUDA) when that kernel is built or can be built now, else
-torch's fused Adam(W) with the same numerics, after one warning that says why.
+torch's fused Adam(W) with the same numerics, after one warning that says why. `aio_library` is the
+asynchronous O_DIRECT reader/writer behind the NVMe store (`zerorun/runtime/aio.py` wraps it; its
+fallback is a Python thread pool).
 
 Build and cache. The sources have no torch headers (they compile in seconds and expose a C ABI
 called through ctypes), and are built with `torch.utils.cpp_extension.load` into
@@ -44,14 +46,14 @@ from typing import Iterator, Sequence
 
 import torch
 
-KINDS = ("cpu_adam", "fused_adam")
+KINDS = ("cpu_adam", "fused_adam", "aio")
 LOCK_TIMEOUT_S = 900.0  # a CUDA build on a busy node can take minutes; a hung one should not hang a job forever
 FAILURE_REUSE_S = 60.0  # a failure this recent is another rank's of the same job: reuse it, do not rebuild
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class KernelWarning(UserWarning):
-    """A zerorun kernel is unavailable and torch's implementation runs instead."""
+    """A zerorun kernel is unavailable and a fallback (torch's Adam, Python I/O threads) runs instead."""
 
 
 class BuildError(Exception):
@@ -66,6 +68,7 @@ class KernelSpec:
     cflags: tuple[str, ...]
     cuda_cflags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
+    headers: tuple[str, ...] = ("adam.h",)  # hashed with the source: a change rebuilds
 
 
 # -fno-math-errno lets sqrtf vectorise (without it the loop runs at half speed); no implicit fma
@@ -76,6 +79,8 @@ SPECS = {
                            cflags=("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"), ldflags=("-fopenmp",)),
     "fused_adam": KernelSpec("fused_adam", "fused_adam.cu", cuda=True, cflags=("-O3",),
                              cuda_cflags=("-O3", "-std=c++17", "--fmad=false")),
+    # asynchronous O_DIRECT reads/writes for the NVMe store (zerorun/runtime/aio.py); raw syscalls, no libaio
+    "aio": KernelSpec("aio", "aio.cpp", cuda=False, cflags=("-O2", "-pthread"), ldflags=("-pthread",), headers=()),
 }
 
 
@@ -97,7 +102,7 @@ def build_dir(kind: str) -> Path:
     """The cache directory of one kernel for this machine, torch, compiler and source."""
     spec = SPECS[kind]
     digest = hashlib.sha256()
-    for name in ("adam.h", spec.source):
+    for name in (*spec.headers, spec.source):
         digest.update(name.encode() + b"\0" + (sources_dir() / name).read_bytes())
     key = [spec, _cxx(), platform.machine(), sys.version_info[:2], torch.__version__]
     if spec.cuda:
@@ -146,6 +151,8 @@ def _unavailable_reason(kind: str) -> str | None:
         return f"disabled (ZERORUN_KERNELS={os.environ['ZERORUN_KERNELS']})"
     if SPECS[kind].cuda and not torch.cuda.is_available():
         return "no CUDA device"
+    if kind == "aio" and not sys.platform.startswith("linux"):
+        return "Linux only"
     return None
 
 
@@ -290,6 +297,14 @@ def _open(kind: str, library: Path) -> ctypes.CDLL:
         lib.zr_cpu_adam_isa.restype = i32
         lib.zr_cpu_adam_isa_name.argtypes = [i32]
         lib.zr_cpu_adam_isa_name.restype = ctypes.c_char_p
+    elif kind == "aio":
+        text = ctypes.c_char_p
+        for name, args, result in (("zr_aio_create", [i32, i32, i32, i64, text, i32], pointer),
+                                   ("zr_aio_backend", [pointer], i32), ("zr_aio_backend_name", [i32], text),
+                                   ("zr_aio_submit", [pointer, i32, pointer, i64, i64, i32], i64),
+                                   ("zr_aio_wait", [pointer, i64, ctypes.POINTER(i64), text, i32], i32),
+                                   ("zr_aio_poll", [pointer, i64], i32), ("zr_aio_destroy", [pointer], None)):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     else:
         lib.zr_cuda_adam.argtypes = [pointer, pointer, i32, pointer, pointer, pointer, i32, i64, i64, f64, f64, f64,
                                      f64, f64, i32, f64, pointer]
@@ -414,6 +429,8 @@ def status() -> dict[str, str]:
         if state is not None and state.lib is not None:
             isa = f", {state.lib.zr_cpu_adam_isa_name(state.lib.zr_cpu_adam_isa()).decode()}" \
                 if kind == "cpu_adam" else ""
+            if kind == "aio":
+                isa = f", {_aio_backend(state.lib)} backend"
             out[kind] = f"loaded{isa} (cached at {directory})"
         elif _library(directory) is not None:
             out[kind] = f"built (cached at {directory})"
@@ -434,6 +451,26 @@ def build(kinds: Sequence[str] = KINDS) -> dict[str, str]:
     for kind in kinds:
         _load(kind, retry_failed=True)
     return {kind: line for kind, line in status().items() if kind in kinds}
+
+
+def _aio_backend(lib: ctypes.CDLL) -> str:
+    """The backend the aio kernel picks here by default: `libaio` (native AIO) or `threads`."""
+    engine = lib.zr_aio_create(0, 1, 1, 4096, None, 0)
+    try:
+        return lib.zr_aio_backend_name(lib.zr_aio_backend(engine)).decode()
+    finally:
+        lib.zr_aio_destroy(engine)
+
+
+def aio_library() -> ctypes.CDLL | None:
+    """The aio kernel, or None after warning once (per process) that NVMe I/O runs on Python threads."""
+    state = _load("aio")
+    if state.lib is None and not state.unavailable and "aio" not in _warned:
+        _warned.add("aio")
+        warnings.warn(f"zerorun: the aio kernel is unavailable ({state.reason}); NVMe offload I/O runs on a Python "
+                      "thread pool instead (same results, more CPU per byte). `zerorun env --build` retries and "
+                      "shows the status.", KernelWarning, stacklevel=3)
+    return state.lib
 
 
 def use_cpu_isa(level: int) -> str:

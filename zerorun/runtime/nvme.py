@@ -1,0 +1,441 @@
+"""NVMe tile store: one rank's offloaded state in O_DIRECT files, streamed through a ring of aligned buffers.
+
+    check_nvme_path(path, "zero.offload_optimizer.nvme_path", need_bytes)    # before training starts
+    store = NvmeStore(root, {"master": n, "exp_avg": n, "exp_avg_sq": n}, tile_numel=t, aio=recipe.zero.aio)
+    store.write("master", master)                                          # place whole tensors
+    store.for_each_tile(names, spans, update, write_back=names)            # the optimizer's pass
+
+Files. One file per name under `root` (the caller's `<nvme_path>/<run>/rank-<r>/`), preallocated
+and rounded up to 4096 bytes, opened with O_DIRECT: no page cache, so the host RAM the offload
+saves is not quietly spent again by the kernel. O_DIRECT moves whole 4096-byte blocks between
+4096-aligned buffers, while callers address elements (an fp32 span can start anywhere): every
+transfer covers the aligned blocks around its elements, and a write that owns only part of a
+block first reads that block (read-modify-write).
+
+The pipeline (`for_each_tile`). Spans are cut into tiles of at most `tile_numel` elements; each
+tile has one slot of a ring of three per name. While `fn` updates tile k in its slot, the read of
+tile k+1 and the write-back of tile k-1 are in flight:
+
+    slot k%3:      read k  ->  fn(k)  ->  write k
+    slot (k+1)%3:  ...write k-2 done -> read k+1 (during fn(k)) -> fn(k+1) -> ...
+
+Neighbouring tiles can share a block (tile k-1 ends and tile k starts inside it). Tile k's read
+of that block started before fn(k-1) ran, so after fn(k) the store copies tile k-1's part of the
+block from k-1's slot into k's, and tile k-1's write-back leaves the shared block to tile k. Every
+block is then written by exactly one tile, after every update in it, and no write races a read of
+the same block. Spans must be increasing and disjoint (the optimizer's pieces are).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import shutil
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from zerorun.errors import ZerorunError
+from zerorun.runtime.aio import ALIGN, AioEngine, AioError, open_engine
+
+RING_SLOTS = 3
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+    """An uninitialised 1-D tensor whose data starts on a 4096-byte boundary (O_DIRECT can use it).
+
+    torch's allocator only promises 64-byte alignment, so this over-allocates and slices. Pinned only
+    where CUDA exists (the CPU build of torch raises on `pin_memory=True`).
+    """
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    shift = -raw.data_ptr() % ALIGN
+    return raw[shift:shift + nbytes].view(dtype)
+
+
+# ---- the path check ------------------------------------------------------------------------------
+
+def check_nvme_path(path: str | os.PathLike | None, key: str, need_bytes: int) -> None:
+    """Raise ZerorunError, naming `key` and `path`, unless `path` can hold `need_bytes` of O_DIRECT files."""
+    if not path:
+        raise ZerorunError(f"{key}: not set; NVMe offload needs a directory on a local disk.")
+    where = Path(path)
+    if not where.exists():
+        raise ZerorunError(f"{key}: {path} does not exist; create it on a local NVMe disk (mkdir -p {path}) or "
+                           f"point {key} at an existing directory.")
+    if not where.is_dir():
+        raise ZerorunError(f"{key}: {path} is not a directory.")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ZerorunError(f"{key}: {path} is read-only for this process (uid {os.getuid()}); make it writable or "
+                           "choose another directory.")
+    fs = filesystem_type(where)
+    if fs in MEMORY_FILESYSTEMS:
+        raise ZerorunError(f"{key}: {path} is on {fs}, which lives in RAM: offloading there saves no memory (and "
+                           "older kernels refuse O_DIRECT on it); use a directory on a real disk, ideally local NVMe.")
+    free = shutil.disk_usage(where).free
+    if free < need_bytes:
+        raise ZerorunError(f"{key}: {path} has {_gib(free)} free, but this rank's offload files need "
+                           f"{_gib(need_bytes)}; free space there or choose a larger disk.")
+    _probe_direct_io(where, key, fs)
+
+
+def _probe_direct_io(where: Path, key: str, fs: str) -> None:
+    """Write and read back one aligned block with O_DIRECT, as the store will."""
+    probe = where / f".zerorun-probe-{os.getpid()}-{threading.get_ident()}"
+    block = mmap.mmap(-1, ALIGN)  # anonymous mappings are page-aligned
+    fd = -1
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        os.pwrite(fd, block, 0)
+        os.preadv(fd, [block], 0)
+    except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise ZerorunError(f"{key}: {where} is read-only ({exc.strerror}); choose a writable directory.") from None
+        if exc.errno == errno.ENOSPC:
+            raise ZerorunError(f"{key}: {where} is full; free space there or choose another disk.") from None
+        if exc.errno == errno.EINVAL:
+            raise ZerorunError(f"{key}: {where} ({fs}) refuses O_DIRECT I/O, which NVMe offload needs; use a "
+                               "directory on a real disk (ext4, xfs on local NVMe), not tmpfs or a network "
+                               "file system.") from None
+        raise ZerorunError(f"{key}: cannot do O_DIRECT I/O in {where} ({fs}): {exc.strerror}.") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        probe.unlink(missing_ok=True)
+        block.close()
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the file system holding `path` (from /proc/self/mounts), or 'unknown'."""
+    target = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].encode().decode("unicode_escape")  # \040 is a space
+                inside = target == point or target.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+# ---- tiles -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tile:
+    """Elements [start, end) of every file, and the aligned bytes that carry them."""
+
+    start: int
+    end: int
+    lo: int  # first byte of the covering blocks
+    hi: int  # end of the covering blocks
+    write_hi: int  # end of this tile's write-back: hi, or hi - ALIGN when the next tile writes the shared block
+    shares_head: bool  # the previous tile has elements in this tile's first block
+
+
+def plan_tiles(spans: Sequence[tuple[int, int]], tile_numel: int, itemsize: int) -> list[Tile]:
+    """Cut increasing, disjoint element spans into tiles of at most `tile_numel`, with their blocks."""
+    cuts: list[tuple[int, int]] = []
+    previous_end = 0
+    for start, end in spans:
+        if start < previous_end or end < start:
+            raise ValueError(f"for_each_tile: spans must be increasing and disjoint; got {list(spans)}")
+        cuts += [(lo, min(end, lo + tile_numel)) for lo in range(start, end, tile_numel)]
+        previous_end = end
+    covers = [(start * itemsize // ALIGN * ALIGN, _round_up(end * itemsize)) for start, end in cuts]
+    tiles = []
+    for k, ((start, end), (lo, hi)) in enumerate(zip(cuts, covers)):
+        next_shares = k + 1 < len(covers) and covers[k + 1][0] < hi
+        tiles.append(Tile(start, end, lo, hi, hi - ALIGN if next_shares else hi, k > 0 and lo < covers[k - 1][1]))
+    return tiles
+
+
+def _round_up(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+# ---- the store ---------------------------------------------------------------------------------
+
+@dataclass
+class IoStats:
+    """Cumulative NVMe traffic: bytes moved (whole blocks), seconds requests were in flight, and the
+    seconds the caller blocked waiting on them."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_s: float = 0.0
+    write_s: float = 0.0
+    wait_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+Batch = list[tuple[object, int]]  # requests submitted together: (handle, bytes)
+
+
+class NvmeStore:
+    """Named flat tensors of one dtype in O_DIRECT files under `root`; see the module docstring."""
+
+    def __init__(self, root: str | Path, tensors: dict[str, int], *, tile_numel: int, aio, pin: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        if tile_numel < 1:
+            raise ValueError(f"NvmeStore: tile_numel must be positive, got {tile_numel}")
+        self.root = Path(root)
+        self.dtype = dtype
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        assert ALIGN % self.itemsize == 0, f"{dtype} elements would straddle {ALIGN}-byte blocks"
+        self.numels = dict(tensors)
+        self.tile_numel = tile_numel
+        self.pin = pin and torch.cuda.is_available()
+        self.stats = IoStats()
+        self._slot_bytes = _round_up(tile_numel * self.itemsize) + ALIGN  # a tile's blocks, wherever it starts
+        self._ring: dict[str, list[torch.Tensor]] = {}  # per name, RING_SLOTS buffers (allocated on first use)
+        self._bounce: torch.Tensor | None = None  # the synchronous helpers' buffer
+        self._fds: dict[str, int] = {}
+        self._paths: list[Path] = []
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._engine: AioEngine = open_engine(aio)
+        self._cleanup = weakref.finalize(self, _remove, self._engine, self._fds, self._paths, self.root)
+        try:
+            for name, numel in self.numels.items():
+                self._fds[name] = self._create(name, numel)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def backend(self) -> str:
+        return self._engine.backend
+
+    def _create(self, name: str, numel: int) -> int:
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"NvmeStore: {name!r} cannot be a file name")
+        path = self.root / f"{name}.bin"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise ZerorunError(f"{path}: cannot open for O_DIRECT I/O ({exc.strerror}); NVMe offload needs a "
+                               "directory on a real disk.") from None
+        self._paths.append(path)
+        size = _round_up(numel * self.itemsize)
+        if size:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:  # a file system without fallocate: a sparse file works too
+                    os.ftruncate(fd, size)
+                    return fd
+                os.close(fd)
+                raise ZerorunError(f"{path}: no space left for {_gib(size)} of offloaded {name}; free space on "
+                                   f"{self.root} or choose a larger disk.") from None
+        return fd
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+    def held_bytes(self) -> int:
+        """Host RAM of the ring buffers and the bounce buffer (allocated on first use)."""
+        buffers = [t for slots in self._ring.values() for t in slots] + ([self._bounce] if self._bounce is not None
+                                                                          else [])
+        return sum(t.numel() for t in buffers)
+
+    def disk_bytes(self) -> int:
+        return sum(_round_up(n * self.itemsize) for n in self.numels.values())
+
+    def close(self) -> None:
+        """Wait for nothing in flight (nothing is, between calls), then remove the files and the directory."""
+        self._cleanup()
+
+    # -- synchronous helpers -----------------------------------------------------------------------
+    def write(self, name: str, src: torch.Tensor, start: int = 0) -> None:
+        """Write `src` (this store's dtype, any device) at element `start` of `name`; returns when on disk."""
+        src = self._checked(name, src, start).reshape(-1)
+        stop, position = start + src.numel(), start
+        if self._direct(src, start):  # the aligned body straight from src's memory
+            body = src.numel() * self.itemsize // ALIGN * ALIGN
+            if body:
+                self._finish([self._submit(name, src.data_ptr(), body, start * self.itemsize, True)], write=True)
+                position += body // self.itemsize
+        bounce = self._bounce_buffer() if position < stop else None
+        while position < stop:
+            lo, end, hi = self._chunk(position, stop)
+            edges = {block for block, partial in ((lo, position * self.itemsize > lo),
+                                                  (hi - ALIGN, end * self.itemsize < hi)) if partial}
+            # read-modify-write: the blocks this write owns only in part keep their other bytes
+            self._finish([self._submit(name, bounce.data_ptr() + block - lo, ALIGN, block, False)
+                          for block in sorted(edges)], write=False)
+            bounce[position * self.itemsize - lo:end * self.itemsize - lo].view(self.dtype).copy_(
+                src[position - start:end - start])
+            self._finish([self._submit(name, bounce.data_ptr(), hi - lo, lo, True)], write=True)
+            position = end
+
+    def read(self, name: str, out: torch.Tensor, start: int = 0) -> None:
+        """Fill `out` (this store's dtype, any device) from element `start` of `name`."""
+        self._checked(name, out, start)
+        if not out.is_contiguous():
+            staged = torch.empty(out.numel(), dtype=self.dtype)
+            self.read(name, staged, start)
+            out.copy_(staged.view(out.shape))
+            return
+        flat = out.view(-1)
+        stop, position = start + flat.numel(), start
+        if self._direct(flat, start):
+            body = flat.numel() * self.itemsize // ALIGN * ALIGN
+            if body:
+                self._finish([self._submit(name, flat.data_ptr(), body, start * self.itemsize, False)], write=False)
+                position += body // self.itemsize
+        bounce = self._bounce_buffer() if position < stop else None
+        while position < stop:
+            lo, end, hi = self._chunk(position, stop)
+            self._finish([self._submit(name, bounce.data_ptr(), hi - lo, lo, False)], write=False)
+            flat[position - start:end - start].copy_(
+                bounce[position * self.itemsize - lo:end * self.itemsize - lo].view(self.dtype))
+            position = end
+
+    def _checked(self, name: str, tensor: torch.Tensor, start: int) -> torch.Tensor:
+        if name not in self.numels:
+            raise KeyError(f"NvmeStore: no file {name!r}; it holds {sorted(self.numels)}")
+        if tensor.dtype != self.dtype:
+            raise ValueError(f"NvmeStore: {name} holds {self.dtype}, got a {tensor.dtype} tensor")
+        if start < 0 or start + tensor.numel() > self.numels[name]:
+            raise IndexError(f"NvmeStore: elements [{start}, {start + tensor.numel()}) are outside {name} "
+                             f"({self.numels[name]} elements)")
+        return tensor
+
+    def _direct(self, tensor: torch.Tensor, start: int) -> bool:
+        """Can O_DIRECT use this tensor's own memory (host, contiguous, aligned like its file offset)?"""
+        return (tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.data_ptr() % ALIGN == 0
+                and start * self.itemsize % ALIGN == 0)
+
+    def _chunk(self, position: int, stop: int) -> tuple[int, int, int]:
+        """The next bounce-sized piece from element `position`: (first byte, end element, end byte)."""
+        lo = position * self.itemsize // ALIGN * ALIGN
+        end = min(stop, (lo + self._slot_bytes) // self.itemsize)
+        return lo, end, _round_up(end * self.itemsize)
+
+    def _bounce_buffer(self) -> torch.Tensor:
+        if self._bounce is None:
+            self._bounce = aligned_empty(self._slot_bytes, torch.uint8, self.pin)
+        return self._bounce
+
+    # -- the pipeline ------------------------------------------------------------------------------
+    def for_each_tile(self, names: list[str], spans: list[tuple[int, int]],
+                      fn: Callable[[int, int, dict[str, torch.Tensor]], None], write_back: list[str]) -> None:
+        """For each tile of `spans` in order: read it from every file in `names`, call
+        `fn(start, end, {name: 1-D view})`, write the `write_back` files back. Reads, `fn` and writes
+        of neighbouring tiles overlap (module docstring); the views are valid only inside `fn`."""
+        unknown = [n for n in [*names, *write_back] if n not in self.numels]
+        if unknown or not set(write_back) <= set(names):
+            raise KeyError(f"NvmeStore.for_each_tile: names {names} and write_back {write_back} must be files of "
+                           f"this store ({sorted(self.numels)}), write_back a subset of names")
+        tiles = plan_tiles(spans, self.tile_numel, self.itemsize)
+        for name in names:
+            if tiles and tiles[-1].end > self.numels[name]:
+                raise IndexError(f"NvmeStore.for_each_tile: span end {tiles[-1].end} is past the end of {name} "
+                                 f"({self.numels[name]} elements)")
+        ring = {name: self._slots(name) for name in names}
+        reads: dict[int, Batch] = {}
+        writes: dict[int, Batch] = {}
+
+        def submit_read(k: int) -> None:
+            tile, slot = tiles[k], k % RING_SLOTS
+            reads[k] = [self._submit(name, ring[name][slot].data_ptr(), tile.hi - tile.lo, tile.lo, False)
+                        for name in names]
+
+        def submit_write(k: int) -> None:
+            tile, slot = tiles[k], k % RING_SLOTS
+            nbytes = tile.write_hi - tile.lo  # 0: the whole tile is in a block the next tile writes
+            writes[k] = [self._submit(name, ring[name][slot].data_ptr(), nbytes, tile.lo, True)
+                         for name in write_back] if nbytes else []
+
+        try:
+            if tiles:
+                submit_read(0)
+            for k, tile in enumerate(tiles):
+                self._finish(reads.pop(k), write=False)
+                if k + 1 < len(tiles):
+                    if k - 2 in writes:  # its slot is the one tile k+1 reads into
+                        self._finish(writes.pop(k - 2), write=True)
+                    submit_read(k + 1)
+                slot = k % RING_SLOTS
+                offset = tile.start * self.itemsize - tile.lo
+                nbytes = (tile.end - tile.start) * self.itemsize
+                fn(tile.start, tile.end, {name: ring[name][slot][offset:offset + nbytes].view(self.dtype)
+                                          for name in names})
+                if tile.shares_head:  # the previous tile's part of our first block is newer in its slot
+                    previous = tiles[k - 1]
+                    for name in write_back:
+                        source = ring[name][(k - 1) % RING_SLOTS][tile.lo - previous.lo:]
+                        ring[name][slot][:offset].copy_(source[:offset])
+                if write_back:
+                    submit_write(k)
+            for k in sorted(writes):
+                self._finish(writes.pop(k), write=True)
+        finally:
+            self._drain([*reads.values(), *writes.values()])  # after an error: nothing may outlive the slots
+
+    def _slots(self, name: str) -> list[torch.Tensor]:
+        if name not in self._ring:
+            self._ring[name] = [aligned_empty(self._slot_bytes, torch.uint8, self.pin) for _ in range(RING_SLOTS)]
+        return self._ring[name]
+
+    # -- requests ----------------------------------------------------------------------------------
+    def _submit(self, name: str, address: int, nbytes: int, offset: int, write: bool) -> tuple[object, int]:
+        return self._engine.submit(self._fds[name], address, nbytes, offset, write), nbytes
+
+    def _finish(self, batch: Batch, write: bool) -> None:
+        """Wait for requests submitted together; count their bytes, their time in flight and our wait."""
+        waited = time.perf_counter()
+        inflight, failure = 0.0, None
+        for handle, _ in batch:
+            try:
+                inflight = max(inflight, self._engine.wait(handle))
+            except AioError as exc:  # wait for the rest anyway: they still use their buffers
+                failure = failure or exc
+        self.stats.wait_s += time.perf_counter() - waited
+        if failure is not None:
+            raise failure
+        nbytes = sum(n for _, n in batch)
+        if write:
+            self.stats.bytes_written += nbytes
+            self.stats.write_s += inflight
+        else:
+            self.stats.bytes_read += nbytes
+            self.stats.read_s += inflight
+
+    def _drain(self, batches: list[Batch]) -> None:
+        for batch in batches:
+            for handle, _ in batch:
+                try:
+                    self._engine.wait(handle)
+                except AioError:
+                    pass  # the error that stopped the pass is the one to report
+
+
+def _remove(engine: AioEngine, fds: dict[str, int], paths: list[Path], root: Path) -> None:
+    """Close and delete a store's files (weakref.finalize: on close(), garbage collection or exit)."""
+    engine.close()
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+    for path in paths:
+        path.unlink(missing_ok=True)
+    try:
+        root.rmdir()  # only if nothing else lives there
+    except OSError:
+        pass
