@@ -14,9 +14,11 @@
 //   (on new work) signal, so new work never waits behind a completion.
 // - a pool of threads doing pread/pwrite, for kernels or containers that refuse io_setup.
 //
-// Errors are per request: EINVAL from O_DIRECT names the misaligned field, a short read (past the
+// Errors are per request: a request on an O_DIRECT fd that is not 4096-aligned fails at once with
+// EINVAL naming the misaligned field (whatever the file system would do with it), a short read (past the
 // end of the file) or short write (disk full) is an error, not a silent partial transfer.
 #include <errno.h>
+#include <fcntl.h>
 #include <linux/aio_abi.h>
 #include <stdio.h>
 #include <string.h>
@@ -89,6 +91,11 @@ std::string describe_failure(const Chunk& c, int64_t result) {
   return text;
 }
 
+bool misaligned_direct(int fd, const char* buf, int64_t nbytes, int64_t offset) {
+  int flags = fcntl(fd, F_GETFL);
+  return flags >= 0 && (flags & O_DIRECT) && ((int64_t(uintptr_t(buf)) | nbytes | offset) % 4096 != 0);
+}
+
 class Engine {
  public:
   Engine(int queue_depth, int64_t block_size) : queue_depth_(queue_depth), block_size_(block_size) {}
@@ -101,6 +108,13 @@ class Engine {
     int64_t id = next_id_++;
     Request& r = requests_[id];
     r.submitted_ns = now_ns();
+    if (misaligned_direct(fd, buf, nbytes, offset)) {  // some kernels would quietly fall back to buffered I/O
+      r.error = EINVAL;
+      r.message = describe_failure(Chunk{id, fd, buf, nbytes, offset, write}, -EINVAL);
+      r.done = true;
+      r.completed_ns = r.submitted_ns;
+      return id;
+    }
     for (int64_t done = 0; done < nbytes; done += block_size_) {
       int64_t n = nbytes - done < block_size_ ? nbytes - done : block_size_;
       pending_.push_back(Chunk{id, fd, buf + done, n, offset + done, write});

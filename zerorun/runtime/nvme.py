@@ -338,7 +338,8 @@ class NvmeStore:
                       fn: Callable[[int, int, dict[str, torch.Tensor]], None], write_back: list[str]) -> None:
         """For each tile of `spans` in order: read it from every file in `names`, call
         `fn(start, end, {name: 1-D view})`, write the `write_back` files back. Reads, `fn` and writes
-        of neighbouring tiles overlap (module docstring); the views are valid only inside `fn`."""
+        of neighbouring tiles overlap (module docstring); the views are valid only inside `fn`. If `fn`
+        raises, the tiles before are on disk and the rest untouched."""
         unknown = [n for n in [*names, *write_back] if n not in self.numels]
         if unknown or not set(write_back) <= set(names):
             raise KeyError(f"NvmeStore.for_each_tile: names {names} and write_back {write_back} must be files of "
@@ -375,8 +376,13 @@ class NvmeStore:
                 slot = k % RING_SLOTS
                 offset = tile.start * self.itemsize - tile.lo
                 nbytes = (tile.end - tile.start) * self.itemsize
-                fn(tile.start, tile.end, {name: ring[name][slot][offset:offset + nbytes].view(self.dtype)
-                                          for name in names})
+                try:
+                    fn(tile.start, tile.end, {name: ring[name][slot][offset:offset + nbytes].view(self.dtype)
+                                              for name in names})
+                except BaseException:
+                    if k > 0 and write_back:
+                        self._flush_deferred(tiles[k - 1], ring, (k - 1) % RING_SLOTS, write_back)
+                    raise
                 if tile.shares_head:  # the previous tile's part of our first block is newer in its slot
                     previous = tiles[k - 1]
                     for name in write_back:
@@ -388,6 +394,19 @@ class NvmeStore:
                 self._finish(writes.pop(k), write=True)
         finally:
             self._drain([*reads.values(), *writes.values()])  # after an error: nothing may outlive the slots
+
+    def _flush_deferred(self, tile: Tile, ring: dict[str, list[torch.Tensor]], slot: int,
+                        write_back: list[str]) -> None:
+        """Write the block `tile` left to the next tile, whose fn failed: every tile before the failing one
+        ends up on disk, the failing one and those after it untouched."""
+        if tile.write_hi == tile.hi:
+            return
+        start = tile.write_hi - tile.lo
+        try:
+            self._finish([self._submit(name, ring[name][slot].data_ptr() + start, tile.hi - tile.write_hi,
+                                       tile.write_hi, True) for name in write_back], write=True)
+        except AioError:
+            pass  # the exception from fn is the one to report
 
     def _slots(self, name: str) -> list[torch.Tensor]:
         if name not in self._ring:

@@ -1,0 +1,39 @@
+"""Fixtures shared by the runtime tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from zerorun.runtime.nvme import MEMORY_FILESYSTEMS, filesystem_type
+
+
+def _direct_io_works(directory: Path) -> bool:
+    probe = directory / f".probe-{uuid.uuid4().hex}"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600))
+    except OSError:
+        return False
+    probe.unlink()
+    return True
+
+
+@pytest.fixture
+def direct_io_dir(tmp_path: Path) -> Path:
+    """An empty directory on a real disk (O_DIRECT works, not tmpfs): tmp_path, else one under /var/tmp."""
+    if filesystem_type(tmp_path) not in MEMORY_FILESYSTEMS and _direct_io_works(tmp_path):
+        yield tmp_path
+        return
+    for base in ("/var/tmp", tempfile.gettempdir(), str(Path(__file__).resolve().parents[2] / "build")):
+        if os.path.isdir(base) and os.access(base, os.W_OK) and filesystem_type(Path(base)) not in MEMORY_FILESYSTEMS \
+                and _direct_io_works(Path(base)):
+            directory = Path(tempfile.mkdtemp(prefix="zerorun-test-", dir=base))
+            yield directory
+            shutil.rmtree(directory, ignore_errors=True)
+            return
+    pytest.skip("no directory on a real disk accepts O_DIRECT here (tmp_path and /var/tmp are tmpfs or refuse it)")
