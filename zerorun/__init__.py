@@ -43,6 +43,7 @@ def initialize(model: Any, optimizer: Any = None, config: Recipe | None = None) 
     from zerorun.runtime.engine import Engine
 
     engine = Engine(model, optimizer, config or recipe())
+    engine.resume()  # checkpoint.resume (auto: the latest in checkpoint.dir); see engine.resumed_from
     try:  # the telemetry probe (when the launcher started one) reads memory and model FLOPs from it
         from zerorun.telemetry import probe
 

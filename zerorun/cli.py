@@ -99,7 +99,8 @@ def env(
         raise typer.Exit(1)
 
 
-bench_app = typer.Typer(help="Side-by-side measurements: step time against DDP/FSDP2, collectives, Adam kernels.",
+bench_app = typer.Typer(help="Side-by-side measurements: step time against DDP/FSDP2, collectives, Adam kernels, "
+                             "NVMe I/O.",
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
@@ -187,6 +188,43 @@ def bench_adam(
     if threads < 1 or repeats < 1:
         raise ZerorunError("--threads and --repeats must be at least 1.")
     Console(width=200).print(adam.render(adam.run(numels, threads, repeats, chosen, bandwidth_numel=bandwidth_numel)))
+
+
+@bench_app.command("io")
+def bench_io(
+    path: Annotated[str, typer.Option(help="A directory on the disk to measure (a real disk, not tmpfs).",
+                                      show_default=False)],
+    size_mb: Annotated[int, typer.Option(help="File size in MiB (rounded up to 8 MiB, dd's block).")] = 1024,
+    block_sizes: Annotated[str, typer.Option(help="Comma-separated request chunk sizes (K/M = KiB/MiB).")] = "1M,8M",
+    queue_depths: Annotated[str, typer.Option(help="Comma-separated chunks in flight.")] = "1,8,32",
+    threads: Annotated[str, typer.Option(help="Comma-separated thread counts (thread-pool backends only).")] = "4",
+    backends: Annotated[str, typer.Option(help="Comma-separated subset of: libaio, threads, python.")] =
+        "libaio,threads",
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds (each case once per round).")] = 3,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
+) -> None:
+    """Read and write GB/s of zerorun's async O_DIRECT I/O next to dd (and fio) on the same disk."""
+    from rich.console import Console
+
+    from zerorun.bench import io
+
+    try:
+        blocks = [io.parse_bytes(s) for s in block_sizes.split(",") if s.strip()]
+        depths = [int(s) for s in queue_depths.split(",") if s.strip()]
+        counts = [int(s) for s in threads.split(",") if s.strip()]
+    except ValueError as exc:
+        raise ZerorunError(f"--block-sizes/--queue-depths/--threads: {exc}") from None
+    chosen = [s.strip() for s in backends.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in io.BACKENDS]
+    if unknown:
+        raise ZerorunError(f"--backends: unknown {', '.join(unknown)}; choose from {', '.join(io.BACKENDS)}.")
+    if size_mb < 1 or rounds < 1 or not blocks or min(depths, default=0) < 1 or min(counts, default=0) < 1:
+        raise ZerorunError("--size-mb, --rounds, --queue-depths and --threads must be at least 1.")
+    bench = io.run(path, size_mb * 2**20, blocks, depths, counts, chosen, rounds,
+                   progress=lambda line: typer.echo(line, err=True))
+    Console(width=200).print(io.render(bench))
+    if json_out is not None:
+        json_out.write_text(json.dumps(io.as_json(bench), indent=2))
 
 
 @app.command()

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -196,6 +197,7 @@ class Engine:
         self.micro_steps += 1
         if boundary:
             self._optimizer_step()
+            self._maybe_checkpoint()
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (steps already do this; for loops that skip a step)."""
@@ -294,6 +296,56 @@ class Engine:
         if self.scheduler is None:
             return contextlib.nullcontext()
         return gathered(self.flat, params, modify, src)
+
+    # -- checkpoints (runtime/checkpoint.py) -------------------------------------------------
+    resumed_from: str | None = None  # the tag `resume()` or `load_checkpoint()` restored
+
+    @property
+    def client_state(self) -> dict:
+        """The script's own state (data position, scheduler, ...): saved with every checkpoint, the
+        recipe's `every_steps` saves included, and set from the checkpoint on resume."""
+        return self.__dict__.setdefault("_client_state", {})
+
+    @client_state.setter
+    def client_state(self, value: dict) -> None:
+        self._client_state = value
+
+    def save_checkpoint(self, dir: str | None = None, tag: str | None = None,
+                        client_state: dict | None = None) -> Path:
+        """Save the whole training state, sharded (every rank calls it); `tag` defaults to `step-<global_step>`."""
+        from zerorun.runtime import checkpoint
+
+        state = self.client_state if client_state is None else client_state
+        return checkpoint.save(self, self._checkpoint_dir(dir), tag or f"step-{self.global_step}", state)
+
+    def load_checkpoint(self, dir: str | None = None, tag: str | None = None) -> dict | None:
+        """Restore from `tag` (default: the latest); returns its client_state, or None when there is no checkpoint."""
+        from zerorun.runtime import checkpoint
+
+        loaded = checkpoint.load(self, self._checkpoint_dir(dir), tag)
+        if loaded is None:
+            return None
+        self.resumed_from, self.client_state = loaded
+        return self.client_state
+
+    def resume(self) -> None:
+        """What `checkpoint.resume` asks for: auto loads the latest checkpoint in `checkpoint.dir` if
+        there is one; a tag loads that one; never does nothing (`zerorun.initialize` calls this)."""
+        cfg = self.recipe.checkpoint
+        if cfg.resume == "never" or (cfg.dir is None and cfg.resume == "auto"):
+            return
+        self.load_checkpoint(tag=None if cfg.resume == "auto" else cfg.resume)
+
+    def _maybe_checkpoint(self) -> None:
+        cfg = self.recipe.checkpoint
+        if cfg.dir is not None and cfg.every_steps and self.global_step % cfg.every_steps == 0:
+            self.save_checkpoint()
+
+    def _checkpoint_dir(self, dir: str | None) -> str:
+        dir = dir or self.recipe.checkpoint.dir
+        if dir is None:
+            raise ZerorunError("no checkpoint directory: pass dir=... or set checkpoint.dir in the recipe.")
+        return dir
 
 
 def _to_device(model: nn.Module, device: torch.device) -> nn.Module:

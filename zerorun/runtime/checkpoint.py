@@ -1,0 +1,397 @@
+"""Sharded checkpoints of an engine: every rank saves its own flat state, rank 0 a manifest.
+
+The files are described in `checkpoint_format.py`. A save writes into `DIR/.tmp-<tag>/`: each rank
+its `rank-<r>.safetensors` (fsynced; its size and CRC32 recorded); then all ranks meet (an
+all-reduce of those sizes: the barrier before the commit); rank 0 writes buffers and frozen
+parameters, then the manifest (temporary name, fsync, rename), fsyncs the directory, renames it
+to `DIR/<tag>` and only then replaces `latest`. A crash anywhere leaves `latest` naming the previous
+complete checkpoint; the next save removes the leftover `.tmp-*` directory.
+
+A load never converts: for every piece of every unit this rank owns *now*, it reads the element
+ranges from whichever saved rank files hold them (the manifest says where), one file at a time
+through safetensors' lazy slices. So any world size and any stage (0-3) resume from any other.
+Before anything is read, every file's size and CRC32 are checked (each CRC by one rank, the
+verdict agreed by all) and the manifest is matched against the model, so damage is an error naming
+the file, never a wrong load.
+
+All reads and writes of this rank's master weights and Adam moments go through `_rank_state` and
+`_restore_rank_state`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import random
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import zerorun
+from zerorun.errors import ZerorunError
+from zerorun.runtime.checkpoint_format import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, VERSION, Checkpoint,
+                                               as_entry, check_tag, clean_crashed_saves, fsync_dir, replace_dir, seal,
+                                               shard_file, write_atomic, write_tensors)
+from zerorun.runtime.offload import HostHome
+
+if TYPE_CHECKING:
+    from zerorun.runtime.engine import Engine
+
+log = logging.getLogger("zerorun")
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+CRASH_ENV = "ZERORUN_CHECKPOINT_CRASH"  # tests only: "<rank>:<point>:<tag>" SIGKILLs that rank there
+
+
+# -- this rank's flat state: the only two functions that touch master and moments ---------------
+def _rank_state(engine: Engine) -> dict[str, torch.Tensor]:
+    """This rank's flat fp32 state, `<kind>.<group>` -> a CPU tensor of `group_numels[group]` elements."""
+    _check_resident(engine)
+    flat, opt = engine.flat, engine.optimizer
+    state = {}
+    for g, numel in enumerate(flat.group_numels):
+        if flat.master is not None:
+            master = flat.master[g]
+        else:  # fp32 stages 0-2: the parameters' own pieces are the master
+            pieces = flat.master_pieces(g)
+            master = torch.cat(pieces) if pieces else torch.zeros(0)
+        state[f"master.{g}"] = master
+        state[f"exp_avg.{g}"] = opt.exp_avg[g]
+        state[f"exp_avg_sq.{g}"] = opt.exp_avg_sq[g]
+    for name, tensor in state.items():
+        assert tensor.numel() == flat.group_numels[int(name.split(".")[1])], f"{name}: {tensor.numel()} elements"
+    return {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
+
+
+def _restore_rank_state(engine: Engine, kind: str, group: int, values: torch.Tensor) -> None:
+    """Overwrite this rank's flat `kind` state of `group` with `values` (CPU fp32); the caller republishes."""
+    _check_resident(engine)
+    flat = engine.flat
+    if kind != "master":
+        getattr(engine.optimizer, kind)[group].copy_(values)
+        return
+    units = [u for u in flat.units if u.group == group]
+    for unit, piece in zip(units, flat.master_pieces(group), strict=True):
+        piece.copy_(flat.state_slice(unit, values))
+    param_shard = getattr(flat, "param_shard", None)  # stage 3 with the optimizer offloaded: gathers read it
+    if param_shard is not None:
+        param_shard[group].copy_(values)
+
+
+def _check_resident(engine: Engine) -> None:
+    nvme = engine.offload is not None and not isinstance(engine.offload.home, HostHome)
+    if nvme or getattr(engine.flat, "param_store", None) is not None:
+        raise ZerorunError("checkpoints of NVMe-resident state (zero.offload_optimizer/offload_param device: nvme) "
+                           "are not supported yet; use device: cpu or none to save or resume.")
+
+
+
+# -- save -----------------------------------------------------------------------------------------
+def save(engine: Engine, directory: str | os.PathLike, tag: str, client_state: dict | None) -> Path:
+    """Write a checkpoint of `engine` as `directory/tag` (every rank calls this) and point `latest` at it."""
+    check_tag(tag)
+    if engine.micro_steps % engine.grad_accum_steps:
+        raise ZerorunError(f"save_checkpoint at micro-step {engine.micro_steps}: call it after the engine.step() "
+                           f"that ends an accumulation window (every {engine.grad_accum_steps} micro-steps), "
+                           "or the gradients accumulated so far would be lost.")
+    root, rank, world = Path(directory), engine.comm.rank, engine.comm.world_size
+    tmp = root / f".tmp-{tag}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        clean_crashed_saves(root)
+        tmp.mkdir()
+    _barrier(engine)
+    shards = engine.flat.shard_world  # stage 0: one copy of the state, rank 0's
+    sealed = torch.zeros(world, 2, dtype=torch.int64, device=engine.device)
+    if rank < shards:
+        sealed[rank] = torch.tensor(write_tensors(tmp / shard_file(rank), _rank_state(engine)))
+    _crash_point("shard", rank, tag)
+    engine.comm.all_reduce(sealed, async_op=False).wait()  # every shard is on disk: rank 0 may commit
+    rng = _gather_json(engine, _rng_state())
+    if rank == 0:
+        files = {shard_file(r): {"bytes": int(n), "crc32": int(c)} for r, (n, c) in enumerate(sealed[:shards].tolist())}
+        for name, entry in files.items():
+            if not (tmp / name).is_file() or (tmp / name).stat().st_size != entry["bytes"]:
+                raise ZerorunError(f"{tmp / name}: written by another rank but not visible here: checkpoint.dir "
+                                   "must be on a file system every node shares.")
+        manifest = _describe(engine, tag, rng)
+        extras = {name: t.detach().to("cpu").contiguous() for name, t in _extras(engine.module).items()}
+        files[EXTRAS] = as_entry(write_tensors(tmp / EXTRAS, extras))
+        manifest.update(_client_entry(client_state, tmp, files), files=files)
+        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        fsync_dir(tmp)
+        _crash_point("manifest", rank, tag)
+        replace_dir(tmp, root / tag)
+        write_atomic(root / LATEST, f"{tag}\n".encode())
+    _barrier(engine)
+    return root / tag
+
+
+def _describe(engine: Engine, tag: str, rng: list[dict]) -> dict[str, Any]:
+    """The manifest, less its files: what the state is and where each parameter's pieces lie."""
+    flat, names = engine.flat, _first_names(engine.module)
+    params = {}
+    for k, unit in enumerate(flat.units):
+        for span, param, shape in zip(unit.layout.spans, unit.params, _shapes(flat, k, unit)):
+            pieces = []
+            for r in range(flat.shard_world):
+                lo, hi = unit.layout.shard_range(r)
+                start, end = max(span.offset, lo), min(span.end, hi)
+                if start < end:
+                    pieces.append([r, unit.state_offset + start - lo, start - span.offset, end - start])
+            params[names[param]] = {"shape": list(shape), "dtype": _dtype_name(param.dtype), "group": unit.group,
+                                    "pieces": pieces}
+    extras = _extras(engine.module)
+    opt = engine.optimizer
+    groups = [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in opt.param_groups]
+    return {
+        "format": FORMAT, "version": VERSION, "zerorun": zerorun.__version__, "saved_at": time.time(),
+        "tag": tag, "global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
+        "world_size": engine.comm.world_size, "stage": engine.stage, "precision": engine.recipe.precision.dtype,
+        "shards": flat.shard_world, "group_numels": list(flat.group_numels),
+        "optimizer": {"decoupled": opt.decoupled, "steps": list(opt.steps), "param_groups": groups},
+        "loss_scaler": engine.scaler.state_dict(),
+        "params": params,
+        "extras": {n: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)} for n, t in extras.items()},
+        "keys": list(engine.module.state_dict(keep_vars=True)),
+        "aliases": _aliases(engine.module),
+        "rng": rng,
+    }
+
+
+def _client_entry(client_state: dict | None, tmp: Path, files: dict) -> dict[str, Any]:
+    """client_state goes into the manifest when it is JSON, else into client_state.pt (tensors and plain types)."""
+    if client_state is None or _jsonable(client_state):
+        return {"client_state": client_state}
+    torch.save(client_state, tmp / CLIENT_STATE)
+    files[CLIENT_STATE] = as_entry(seal(tmp / CLIENT_STATE))
+    return {"client_state_file": CLIENT_STATE}
+
+
+def _crash_point(point: str, rank: int, tag: str) -> None:
+    """Tests kill a worker in the middle of a save here (tests/launch/test_checkpoint_crash.py)."""
+    if os.environ.get(CRASH_ENV) == f"{rank}:{point}:{tag}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+
+# -- load -----------------------------------------------------------------------------------------
+def load(engine: Engine, directory: str | os.PathLike, tag: str | None = None) -> tuple[str, dict] | None:
+    """Restore `engine` from `directory/tag` (default: `latest`): the tag and its client_state, or None
+    when `tag` is None and the directory holds no checkpoint yet."""
+    root = Path(directory)
+    if tag is None and not (root / LATEST).is_file():
+        return None
+    ckpt = Checkpoint.open(root, tag)
+    _verify_files(engine, ckpt)
+    reads = _plan_reads(engine, ckpt)  # raises before anything is touched when the model differs
+    for kind in KINDS:
+        for g, numel in enumerate(engine.flat.group_numels):
+            values = torch.zeros(numel, dtype=torch.float32)  # padding stays zero, as after initialisation
+            for r in sorted(reads[g]):
+                with ckpt.reading(shard_file(r)) as f:
+                    source = ckpt.slice_of(f, r, f"{kind}.{g}")
+                    for src, dst, n in reads[g][r]:
+                        values[dst:dst + n] = source[src:src + n]
+            _restore_rank_state(engine, kind, g, values)
+    _restore_extras(engine, ckpt)
+    _restore_counters(engine, ckpt.manifest)
+    engine.flat.publish()
+    return ckpt.path.name.removeprefix(".old-"), ckpt.client_state() or {}
+
+
+def _plan_reads(engine: Engine, ckpt: Checkpoint) -> list[dict[int, list[tuple[int, int, int]]]]:
+    """Per group, per saved rank: (source offset, destination offset, numel) copies that fill this rank's state."""
+    flat, names, saved = engine.flat, _first_names(engine.module), ckpt.manifest["params"]
+    _match_model(engine, ckpt)
+    reads: list[dict[int, list[tuple[int, int, int]]]] = [defaultdict(list) for _ in flat.group_numels]
+    for unit in flat.units:
+        lo, hi = unit.layout.shard_range(flat.shard_rank)
+        for span, param in zip(unit.layout.spans, unit.params):
+            start, end = max(span.offset, lo), min(span.end, hi)
+            if start >= end:
+                continue
+            a, b = start - span.offset, end - span.offset  # the part of the parameter this rank owns
+            base = unit.state_offset + start - lo - a  # where parameter element 0 would land
+            for r, offset, first, n in saved[names[param]]["pieces"]:
+                s, e = max(a, first), min(b, first + n)
+                if s < e:
+                    reads[unit.group][r].append((offset + s - first, base + s, e - s))
+    return reads
+
+
+def _match_model(engine: Engine, ckpt: Checkpoint) -> None:
+    """The checkpoint must describe this model: same parameter names, shapes and param groups."""
+    flat, names, m = engine.flat, _first_names(engine.module), ckpt.manifest
+    here = {names[p]: {"shape": list(shape), "group": u.group} for k, u in enumerate(flat.units)
+            for p, shape in zip(u.params, _shapes(flat, k, u))}
+    there = {n: {"shape": e["shape"], "group": e["group"]} for n, e in m["params"].items()}
+    extras_here = {n: {"shape": list(t.shape)} for n, t in _extras(engine.module).items()}
+    extras_there = {n: {"shape": e["shape"]} for n, e in m["extras"].items()}
+    problems = _differences("parameter", here, there) + _differences("buffer/frozen parameter", extras_here,
+                                                                     extras_there)
+    if len(engine.optimizer.param_groups) != len(m["optimizer"]["param_groups"]):
+        problems.append(f"{len(engine.optimizer.param_groups)} optimizer param groups here, "
+                        f"{len(m['optimizer']['param_groups'])} in the checkpoint")
+    if problems:
+        raise ZerorunError(f"{ckpt.path / MANIFEST} does not describe this model (a checkpoint of another model?): "
+                           + "; ".join(problems[:6]) + (" ..." if len(problems) > 6 else ""))
+
+
+def _differences(what: str, here: dict[str, dict], there: dict[str, dict]) -> list[str]:
+    out = [f"{what} {n} is missing from the checkpoint" for n in here if n not in there]
+    out += [f"{what} {n} is in the checkpoint, not in the model" for n in there if n not in here]
+    for n in sorted(here.keys() & there.keys()):
+        out += [f"{what} {n}: {key} {here[n][key]} here, {there[n][key]} in the checkpoint"
+                for key in here[n] if here[n][key] != there[n][key]]
+    return out
+
+
+def _verify_files(engine: Engine, ckpt: Checkpoint) -> None:
+    """Every rank checks every file's size; each file's CRC32 is read by one rank; all ranks agree."""
+    names = list(ckpt.manifest["files"])
+    codes = torch.zeros(len(names), dtype=torch.int64, device=engine.device)
+    rank, world = engine.comm.rank, engine.comm.world_size
+    for i, name in enumerate(names):
+        codes[i] = ckpt.file_problem(name, crc=i % world == rank)
+    engine.comm.all_reduce(codes, op=torch.distributed.ReduceOp.MAX, async_op=False).wait()
+    for name, code in zip(names, codes.tolist()):
+        if code:
+            raise ZerorunError(ckpt.problem_message(name, code))
+
+
+def _restore_extras(engine: Engine, ckpt: Checkpoint) -> None:
+    with ckpt.reading(EXTRAS) as f:
+        with torch.no_grad():
+            for name, tensor in _extras(engine.module).items():
+                tensor.copy_(f.get_tensor(name))
+
+
+def _restore_counters(engine: Engine, m: dict[str, Any]) -> None:
+    """Step counts, hyper-parameters, loss scale, RNG states."""
+    engine.global_step, engine.skipped_steps = m["global_step"], m["skipped_steps"]
+    engine.micro_steps = engine.global_step * engine.grad_accum_steps  # saves happen at boundaries
+    opt = engine.optimizer
+    for group, saved in zip(opt.param_groups, m["optimizer"]["param_groups"]):
+        group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+    opt.steps[:] = m["optimizer"]["steps"]
+    if engine.scaler.dynamic and m["precision"] == "fp16":
+        engine.scaler.load_state_dict(m["loss_scaler"])
+    if m["world_size"] == engine.comm.world_size:
+        _set_rng_state(m["rng"][engine.comm.rank])
+    elif engine.comm.rank == 0:
+        log.warning("RNG states not restored: saved on %d ranks, resumed on %d", m["world_size"],
+                    engine.comm.world_size)
+
+
+
+# -- helpers -------------------------------------------------------------------------------------------
+def _first_names(module: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
+    names: dict[torch.nn.Parameter, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(param, name)
+    return names
+
+
+def _shapes(flat: Any, k: int, unit: Any) -> list[torch.Size]:
+    views = getattr(flat, "views", None)  # stage 3: a released parameter is empty; its view keeps the shape
+    return [v.shape for v in views[k]] if views is not None else [p.shape for p in unit.params]
+
+
+def _extras(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers and frozen parameters of the state dict, once per tensor (they are whole on every rank)."""
+    out, seen = {}, set()
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        out[name] = tensor.detach()
+    return out
+
+
+def _aliases(module: torch.nn.Module) -> dict[str, str]:
+    """State dict keys naming a tensor that is saved under another name (tied weights) -> that name."""
+    names = _first_names(module)
+    canonical: dict[int, str] = {}
+    out = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        name = canonical.setdefault(id(tensor), names.get(tensor, key) if tensor.requires_grad else key)
+        if name != key:
+            out[key] = name
+    return out
+
+
+def _barrier(engine: Engine) -> None:
+    engine.comm.all_reduce(torch.zeros(1, device=engine.device), async_op=False).wait()
+
+
+def _gather_json(engine: Engine, value: Any) -> list[Any]:
+    """Every rank's `value`, on every rank (JSON through two all-reduces; no pickling collectives)."""
+    rank, world = engine.comm.rank, engine.comm.world_size
+    data = json.dumps(value).encode()
+    sizes = torch.zeros(world, dtype=torch.int64, device=engine.device)
+    sizes[rank] = len(data)
+    engine.comm.all_reduce(sizes, async_op=False).wait()
+    table = torch.zeros(world, int(sizes.max()), dtype=torch.uint8, device=engine.device)
+    table[rank, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(engine.device)
+    engine.comm.all_reduce(table, async_op=False).wait()
+    rows = table.cpu()
+    return [json.loads(bytes(rows[r, :n].tolist())) for r, n in enumerate(sizes.tolist())]
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": _b64(torch.get_rng_state()), "python": _listify(random.getstate())}
+    if torch.cuda.is_available():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    try:
+        import numpy
+    except ImportError:
+        return state
+    name, keys, pos, has_gauss, cached = numpy.random.get_state()
+    state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(_unb64(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+    if "numpy" in state:
+        try:
+            import numpy
+        except ImportError:
+            return
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        numpy.random.set_state((name, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(bytes(t.tolist())).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.tensor(list(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def _listify(value: Any) -> Any:
+    return [_listify(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,302 @@
+"""The files of a sharded checkpoint: layout, atomic writes, reading with damage checks, consolidation.
+
+    DIR/
+      latest                      the tag of the newest complete checkpoint (replaced last of all)
+      step-100/
+        manifest.json             step, world size, stage, precision, hyper-parameters, loss scaler,
+                                  per-rank RNG states, client_state, and per parameter: shape, dtype,
+                                  param group and, for each saved rank, where its pieces lie
+        rank-00000.safetensors    rank 0's flat fp32 state per param group g:
+        rank-00001.safetensors        master.<g>, exp_avg.<g>, exp_avg_sq.<g>   (stage 0: rank 0 only)
+        model-extras.safetensors  buffers and frozen parameters, whole (written by rank 0)
+        client_state.pt           only when client_state is not JSON (else it is in the manifest)
+
+Tensors are safetensors: a plain header plus raw bytes, sliced lazily, never unpickled. The manifest
+lists every file with its size and CRC32, so a missing, truncated or damaged file is an error that
+names it. Nothing here needs a process group: `zerorun checkpoint info|consolidate` use it as is,
+and `runtime/checkpoint.py` (the engine's save and load) builds on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from zerorun.errors import ZerorunError
+
+FORMAT, VERSION = "zerorun-checkpoint", 1
+MANIFEST, LATEST, EXTRAS, CLIENT_STATE = "manifest.json", "latest", "model-extras.safetensors", "client_state.pt"
+
+
+def shard_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def check_tag(tag: str) -> None:
+    if not tag or tag.startswith(".") or "/" in tag or os.sep in tag or tag == LATEST:
+        raise ZerorunError(f"checkpoint tag {tag!r}: use a plain name (no '/', not starting with '.', not 'latest').")
+
+
+# -- reading (with damage checks) ------------------------------------------------------------------
+class Checkpoint:
+    """A checkpoint directory and its manifest, checked for damage before use."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+        self.path, self.manifest = path, manifest
+
+    @classmethod
+    def open(cls, root: Path, tag: str | None = None) -> Checkpoint:
+        tag = tag or latest_tag(root)
+        if tag is None:
+            raise ZerorunError(f"{root}: no checkpoint here (no `{LATEST}` file); tags: {_tags_text(root)}.")
+        path = _tag_dir(root, tag)
+        if not path.is_dir():
+            raise ZerorunError(f"{path}: no such checkpoint; tags in {root}: {_tags_text(root)}.")
+        file = path / MANIFEST
+        if not file.is_file():
+            raise ZerorunError(f"{file}: missing; {path} is not a complete checkpoint.")
+        try:
+            manifest = json.loads(file.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ZerorunError(f"{file}: not valid JSON ({exc}); the manifest is damaged.") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise ZerorunError(f"{file}: not a zerorun checkpoint manifest.")
+        if manifest.get("version") != VERSION:
+            raise ZerorunError(f"{file}: format version {manifest.get('version')}; this zerorun reads {VERSION}.")
+        return cls(path, manifest)
+
+    def file_problem(self, name: str, crc: bool) -> int:
+        """0 when `name` is as the manifest declares; 1 missing, 2 wrong size, 3 wrong CRC32 (checked if `crc`)."""
+        entry, file = self.manifest["files"][name], self.path / name
+        if not file.is_file():
+            return 1
+        if file.stat().st_size != entry["bytes"]:
+            return 2
+        return 3 if crc and _crc32(file) != entry["crc32"] else 0
+
+    def problem_message(self, name: str, code: int) -> str:
+        file, entry = self.path / name, self.manifest["files"][name]
+        if code == 1:
+            return f"{file}: missing (the manifest lists it); the checkpoint is incomplete."
+        if code == 2:
+            size = file.stat().st_size if file.is_file() else "a different number of"
+            return f"{file}: {size} bytes, the manifest says {entry['bytes']}: truncated or overwritten."
+        return f"{file}: CRC32 differs from the manifest's: the file is damaged."
+
+    def verify(self) -> None:
+        """Check every file (sizes and CRC32s) in this process."""
+        for name in self.manifest["files"]:
+            code = self.file_problem(name, crc=True)
+            if code:
+                raise ZerorunError(self.problem_message(name, code))
+
+    @contextmanager
+    def reading(self, name: str) -> Iterator[Any]:
+        """Open safetensors file `name` lazily; an error reading it is an error naming the file."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(self.path / name, framework="pt") as f:
+                yield f
+        except (SafetensorError, OSError) as exc:
+            raise ZerorunError(f"{self.path / name}: unreadable ({exc}); the file is damaged.") from None
+
+    def slice_of(self, opened: Any, rank: int, name: str) -> Any:
+        """A lazy slice of tensor `name` in saved rank `rank`'s file, checked against the manifest."""
+        expected = self.manifest["group_numels"][int(name.split(".")[1])]
+        if name not in opened.keys() or opened.get_slice(name).get_shape() != [expected]:
+            raise ZerorunError(f"{self.path / shard_file(rank)}: tensor {name} is missing or not {expected} elements "
+                               "as the manifest says.")
+        return opened.get_slice(name)
+
+    def client_state(self) -> dict | None:
+        if "client_state_file" not in self.manifest:
+            return self.manifest.get("client_state")
+        file = self.path / self.manifest["client_state_file"]
+        try:
+            return torch.load(file, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - unpickling errors have many types
+            raise ZerorunError(f"{file}: unreadable ({type(exc).__name__}: {exc}).") from None
+
+
+def latest_tag(root: Path) -> str | None:
+    file = root / LATEST
+    if not file.is_file():
+        return None
+    tag = file.read_text().strip()
+    if not _tag_dir(root, tag).is_dir():
+        raise ZerorunError(f"{file}: points to {tag!r}, which is not in {root}; tags: {_tags_text(root)}.")
+    return tag
+
+
+def _tag_dir(root: Path, tag: str) -> Path:
+    """`root/tag`, or its previous copy when a save of the same tag crashed between its two renames."""
+    path, old = root / tag, root / f".old-{tag}"
+    return old if not path.exists() and old.is_dir() else path
+
+
+def tags(root: Path) -> list[str]:
+    """Complete checkpoints in `root`, oldest first."""
+    found = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / MANIFEST).is_file()] \
+        if root.is_dir() else []
+    return [p.name for p in sorted(found, key=lambda p: (p / MANIFEST).stat().st_mtime)]
+
+
+def _tags_text(root: Path) -> str:
+    return ", ".join(tags(root)) or "none"
+
+
+
+# -- consolidation and info (the CLI) --------------------------------------------------------------
+def consolidate(directory: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The full fp32 state dict (trainable parameters from the master, buffers and frozen parameters),
+    read one saved rank file at a time: it holds the final weights plus one shard's slices."""
+    ckpt = Checkpoint.open(Path(directory), tag)
+    ckpt.verify()
+    m = ckpt.manifest
+    full = {n: torch.zeros(e["shape"], dtype=torch.float32) for n, e in m["params"].items()}
+    by_rank: dict[int, list[tuple[str, int, int, int, int]]] = defaultdict(list)
+    for name, entry in m["params"].items():
+        for r, offset, first, n in entry["pieces"]:
+            by_rank[r].append((name, entry["group"], offset, first, n))
+    for r in sorted(by_rank):
+        with ckpt.reading(shard_file(r)) as f:
+            sources = {g: ckpt.slice_of(f, r, f"master.{g}") for g in range(len(m["group_numels"]))}
+            for name, g, offset, first, n in by_rank[r]:
+                full[name].view(-1)[first:first + n] = sources[g][offset:offset + n]
+    with ckpt.reading(EXTRAS) as f:
+        for name in m["extras"]:
+            value = f.get_tensor(name)
+            full[name] = value.float() if value.is_floating_point() else value
+    for alias, name in m["aliases"].items():
+        full[alias] = full[name]
+    return {key: full[key] for key in m["keys"]}
+
+
+def write_state_dict(state: dict[str, torch.Tensor], out: Path) -> None:
+    """`.safetensors` (tied tensors stored once per name) or `.pt` (torch.save)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        seen: set[int] = set()
+        unique = {}
+        for name, t in state.items():
+            unique[name] = t.clone() if id(t) in seen else t
+            seen.add(id(t))
+        save_file(unique, str(out))
+    elif out.suffix in (".pt", ".pth", ".bin"):
+        torch.save(state, out)
+    else:
+        raise ZerorunError(f"--out {out}: end it in .safetensors or .pt.")
+
+
+def describe(directory: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
+    """What `zerorun checkpoint info` shows: the chosen checkpoint's manifest summary and the tags."""
+    root = Path(directory)
+    ckpt = Checkpoint.open(root, tag)
+    m = ckpt.manifest
+    return {"path": str(ckpt.path), "tag": ckpt.path.name, "latest": latest_tag(root), "tags": tags(root),
+            "global_step": m["global_step"], "world_size": m["world_size"], "stage": m["stage"],
+            "precision": m["precision"], "params": sum(_numel(e["shape"]) for e in m["params"].values()),
+            "files": {n: e["bytes"] for n, e in m["files"].items()},
+            "client_state": "client_state_file" in m or m.get("client_state") is not None}
+
+
+def render(info: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"{info['path']}  (latest: {info['latest']}; tags: {', '.join(info['tags'])})")
+    for column in ("file", "bytes"):
+        table.add_column(column, justify="right" if column == "bytes" else "left")
+    for name, nbytes in info["files"].items():
+        table.add_row(name, f"{nbytes:,}")
+    table.add_row("[bold]total", f"[bold]{sum(info['files'].values()):,}")
+    table.caption = (f"step {info['global_step']}, {info['world_size']} ranks, ZeRO stage {info['stage']}, "
+                     f"{info['precision']}, {info['params']:,} trainable parameters"
+                     f"{', client_state' if info['client_state'] else ''}")
+    return table
+
+
+
+# -- writing (temporary names, fsync, rename) ------------------------------------------------------
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": FORMAT})
+    return seal(path)
+
+
+def seal(path: Path) -> tuple[int, int]:
+    """fsync `path`; its size and CRC32 (read back from the page cache)."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    return path.stat().st_size, _crc32(path)
+
+
+def _crc32(path: Path) -> int:
+    crc, chunk = 0, bytearray(1 << 24)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(chunk):
+            crc = zlib.crc32(memoryview(chunk)[:n], crc)
+    return crc
+
+
+def as_entry(sealed: tuple[int, int]) -> dict[str, int]:
+    return {"bytes": sealed[0], "crc32": sealed[1]}
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Temporary name, fsync, rename, fsync the directory."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`; an existing `final` (the same tag saved again) is moved aside first."""
+    old = final.with_name(f".old-{final.name}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def clean_crashed_saves(root: Path) -> None:
+    """Remove `.tmp-*` directories; put back a `.old-<tag>` whose replacement never arrived."""
+    for stale in root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for old in root.glob(".old-*"):
+        final = root / old.name.removeprefix(".old-")
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, final)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
