@@ -1,4 +1,4 @@
-"""Fixtures shared by the runtime tests."""
+"""Fixtures shared across the test packages."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def direct_io_dir(tmp_path: Path) -> Path:
     if filesystem_type(tmp_path) not in MEMORY_FILESYSTEMS and _direct_io_works(tmp_path):
         yield tmp_path
         return
-    for base in ("/var/tmp", tempfile.gettempdir(), str(Path(__file__).resolve().parents[2] / "build")):
+    for base in ("/var/tmp", tempfile.gettempdir(), str(Path(__file__).resolve().parents[1] / "build")):
         if os.path.isdir(base) and os.access(base, os.W_OK) and filesystem_type(Path(base)) not in MEMORY_FILESYSTEMS \
                 and _direct_io_works(Path(base)):
             directory = Path(tempfile.mkdtemp(prefix="zerorun-test-", dir=base))
