@@ -292,6 +292,37 @@ def estimate(
         typer.echo(line)
 
 
+checkpoint_app = typer.Typer(help="Inspect and consolidate sharded checkpoints.", no_args_is_help=True)
+app.add_typer(checkpoint_app, name="checkpoint")
+
+
+@checkpoint_app.command("info")
+def checkpoint_info(
+    directory: Annotated[Path, typer.Argument(help="A checkpoint directory (checkpoint.dir).", show_default=False)],
+    tag: Annotated[str | None, typer.Option(help="The checkpoint to show (default: the latest).")] = None,
+) -> None:
+    """Step, world size, stage, precision and file sizes of a checkpoint, and the tags beside it."""
+    from rich.console import Console
+
+    from zerorun.runtime import checkpoint_format as checkpoint
+
+    Console(width=200).print(checkpoint.render(checkpoint.describe(directory, tag)))
+
+
+@checkpoint_app.command("consolidate")
+def checkpoint_consolidate(
+    directory: Annotated[Path, typer.Argument(help="A checkpoint directory (checkpoint.dir).", show_default=False)],
+    out: Annotated[Path, typer.Option(help="model.safetensors or model.pt: the full fp32 state dict.")],
+    tag: Annotated[str | None, typer.Option(help="The checkpoint to consolidate (default: the latest).")] = None,
+) -> None:
+    """Write the full fp32 state dict, loadable with the plain model's load_state_dict(strict=True)."""
+    from zerorun.runtime import checkpoint_format as checkpoint
+
+    state = checkpoint.consolidate(directory, tag)
+    checkpoint.write_state_dict(state, out)
+    typer.echo(f"{out}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} elements")
+
+
 def main() -> None:
     app()
 
