@@ -106,7 +106,7 @@ def _kernels() -> dict[str, str]:
     except Exception as exc:  # noqa: BLE001 - a module that fails to import is worth reporting as is
         return {"status": f"not built (importing zerorun.ops failed: {exc})"}
     try:
-        return ops.status()
+        return {**ops.status(), "aio backend": ops.aio_backend()}
     except Exception as exc:  # noqa: BLE001 - a broken build is exactly what the report must show
         return {"status": f"error: {exc}"}
 

@@ -462,6 +462,17 @@ def _aio_backend(lib: ctypes.CDLL) -> str:
         lib.zr_aio_destroy(engine)
 
 
+def aio_backend() -> str:
+    """The I/O backend `zero.aio.backend: auto` gets here. Loads the aio kernel if it is built; builds nothing."""
+    state = _loaded.get("aio")
+    if (state is None or state.lib is None) and _unavailable_reason("aio") is None \
+            and _library(build_dir("aio")) is not None:
+        state = _load("aio")
+    if state is None or state.lib is None:
+        return "python (thread pool: the aio kernel is not loaded)"
+    return _aio_backend(state.lib)
+
+
 def aio_library() -> ctypes.CDLL | None:
     """The aio kernel, or None after warning once (per process) that NVMe I/O runs on Python threads."""
     state = _load("aio")

@@ -113,3 +113,10 @@ def test_without_the_kernel_io_runs_on_python_threads_after_one_warning(
         open_engine(AioSettings(backend="libaio"))
     for engine in engines:
         engine.close()
+
+
+def test_env_reports_the_backend_auto_picks(aio_kernel: None) -> None:
+    from zerorun import envreport
+
+    kernels = envreport.collect()["kernels"]
+    assert kernels["aio"].startswith(("loaded", "built")) and kernels["aio backend"] in ("libaio", "threads")
