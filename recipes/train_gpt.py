@@ -2,6 +2,11 @@
 
     zerorun launch recipes/quickstart.yaml              # 2 CPU workers, ZeRO stage 2
     zerorun launch recipes/quickstart.yaml --set zero.stage=1 --set precision=bf16
+    zerorun launch recipes/quickstart.yaml --set checkpoint.dir=runs/ckpt --set checkpoint.every_steps=20
+
+With `checkpoint.dir` set, a launch resumes from the latest checkpoint there (checkpoint.resume: auto),
+on any number of workers and any ZeRO stage. The batches are a function of (seed, rank, micro-step),
+so `engine.global_step` is the whole data position.
 """
 
 from __future__ import annotations
@@ -30,16 +35,19 @@ def main() -> None:
     cfg = GPTConfig(args.layers, args.d_model, args.heads, args.vocab, args.seq_len)
     torch.manual_seed(recipe.train.seed)
     model = GPT(cfg)
-    engine = zerorun.initialize(model)  # ZeRO stage, precision and AdamW come from the recipe
+    engine = zerorun.initialize(model)  # ZeRO stage, precision and AdamW from the recipe; resumes if it can
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(f"GPT {params / 1e6:.2f}M params, {world} ranks, ZeRO stage {recipe.zero.stage}, "
               f"{recipe.precision.dtype}, micro-batch {recipe.train.micro_batch_size} x "
               f"{recipe.train.grad_accum_steps} accumulation", flush=True)
+        if engine.resumed_from is not None:
+            print(f"resumed from {engine.resumed_from} at step {engine.global_step}", flush=True)
 
-    micro = 0
-    for step in range(recipe.train.steps):
+    first = engine.global_step  # 0, or where the checkpoint left off
+    micro = first * recipe.train.grad_accum_steps
+    for step in range(first, recipe.train.steps):
         start = time.perf_counter()
         for _ in range(recipe.train.grad_accum_steps):
             tokens = synthetic_tokens(cfg, recipe.train.micro_batch_size, recipe.train.seed, rank, micro)
@@ -52,6 +60,9 @@ def main() -> None:
             tokens_per_s = world * recipe.train.grad_accum_steps * recipe.train.micro_batch_size * cfg.seq_len / elapsed
             print(f"step {step:4d}  loss {loss.item():.4f}  grad-norm {engine.grad_norm:.3f}  "
                   f"{elapsed * 1e3:.0f} ms  {tokens_per_s:,.0f} tokens/s", flush=True)
+    every = recipe.checkpoint.every_steps
+    if recipe.checkpoint.dir and engine.global_step > first and (not every or engine.global_step % every):
+        engine.save_checkpoint()  # the last steps, unless step() has just saved them
     if rank == 0:
         mem = engine.memory()
         print(f"done: {engine.global_step} steps, model states {mem.model_states() / 2**20:.1f} MiB on rank 0 "

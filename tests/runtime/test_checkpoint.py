@@ -253,9 +253,13 @@ def test_checkpoint_info_shows_step_world_stage_precision_and_sizes(root, on_two
 
     result = CliRunner().invoke(app, ["checkpoint", "info", str(root / "w2-stage2-bf16")])
     assert result.exit_code == 0, result.output
-    for text in ("step 10", "2 ranks", "ZeRO stage 2", "bf16", "rank-00000.safetensors", "rank-00001.safetensors",
-                 "model-extras.safetensors", "latest: step-10"):
-        assert text in result.output, result.output
+    rows = {" ".join(line.strip("│ ").split()) for line in result.output.splitlines()}
+    for row in ("tag │ step-10 (latest)", "step │ 10", "world size │ 2 ranks", "ZeRO stage │ 2", "precision │ bf16",
+                "client_state │ case, rank0_loss", "tags here │ step-10; latest: step-10"):
+        assert row in rows, result.output
+    for name in ("rank-00000.safetensors", "rank-00001.safetensors", "model-extras.safetensors"):
+        nbytes = (root / "w2-stage2-bf16" / "step-10" / name).stat().st_size
+        assert f"{name} │ {nbytes:,} bytes" in rows, result.output
 
 
 # -- damage ----------------------------------------------------------------------------------------------

@@ -200,31 +200,34 @@ def write_state_dict(state: dict[str, torch.Tensor], out: Path) -> None:
 
 
 def describe(directory: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
-    """What `zerorun checkpoint info` shows: the chosen checkpoint's manifest summary and the tags."""
+    """What `zerorun checkpoint info` shows: the chosen checkpoint's manifest summary and the tags beside it."""
     root = Path(directory)
     ckpt = Checkpoint.open(root, tag)
     m = ckpt.manifest
+    client = sorted(m["client_state"]) if isinstance(m.get("client_state"), dict) else []
     return {"path": str(ckpt.path), "tag": ckpt.path.name, "latest": latest_tag(root), "tags": tags(root),
             "global_step": m["global_step"], "world_size": m["world_size"], "stage": m["stage"],
             "precision": m["precision"], "params": sum(_numel(e["shape"]) for e in m["params"].values()),
             "files": {n: e["bytes"] for n, e in m["files"].items()},
-            "client_state": "client_state_file" in m or m.get("client_state") is not None}
+            "client_state": "in client_state.pt" if "client_state_file" in m else ", ".join(client) or "empty"}
 
 
 def render(info: dict[str, Any]) -> Any:
     from rich.table import Table
 
-    table = Table(title=f"{info['path']}  (latest: {info['latest']}; tags: {', '.join(info['tags'])})")
-    for column in ("file", "bytes"):
-        table.add_column(column, justify="right" if column == "bytes" else "left")
-    for name, nbytes in info["files"].items():
-        table.add_row(name, f"{nbytes:,}")
-    table.add_row("[bold]total", f"[bold]{sum(info['files'].values()):,}")
-    table.caption = (f"step {info['global_step']}, {info['world_size']} ranks, ZeRO stage {info['stage']}, "
-                     f"{info['precision']}, {info['params']:,} trainable parameters"
-                     f"{', client_state' if info['client_state'] else ''}")
+    table = Table(title=info["path"], show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [("tag", f"{info['tag']}{' (latest)' if info['tag'] == info['latest'] else ''}"),
+            ("tags here", f"{', '.join(info['tags'])}; latest: {info['latest']}"),
+            ("step", str(info["global_step"])), ("world size", f"{info['world_size']} ranks"),
+            ("ZeRO stage", str(info["stage"])), ("precision", info["precision"]),
+            ("trainable parameters", f"{info['params']:,}"), ("client_state", info["client_state"])]
+    rows += [(name, f"{nbytes:,} bytes") for name, nbytes in info["files"].items()]
+    rows.append(("total", f"{sum(info['files'].values()):,} bytes"))
+    for row in rows:
+        table.add_row(*row)
     return table
-
 
 
 # -- writing (temporary names, fsync, rename) ------------------------------------------------------
