@@ -254,8 +254,8 @@ def test_checkpoint_info_shows_step_world_stage_precision_and_sizes(root, on_two
     result = CliRunner().invoke(app, ["checkpoint", "info", str(root / "w2-stage2-bf16")])
     assert result.exit_code == 0, result.output
     rows = {" ".join(line.strip("│ ").split()) for line in result.output.splitlines()}
-    for row in ("tag │ step-10 (latest)", "step │ 10", "world size │ 2 ranks", "ZeRO stage │ 2", "precision │ bf16",
-                "client_state │ case, rank0_loss", "tags here │ step-10; latest: step-10"):
+    for row in ("tag │ step-10 (latest)", "step │ 10", "world size │ 2 ranks", "ZeRO stage │ 2",
+                "precision │ bf16", "client_state │ case, rank0_loss", "tags here │ step-10; latest: step-10"):
         assert row in rows, result.output
     for name in ("rank-00000.safetensors", "rank-00001.safetensors", "model-extras.safetensors"):
         nbytes = (root / "w2-stage2-bf16" / "step-10" / name).stat().st_size
@@ -327,3 +327,17 @@ def test_truncated_file_bad_manifest_and_missing_tag_are_errors_naming_the_file(
     result = CliRunner().invoke(app, ["checkpoint", "info", str(truncated)])
     assert result.exit_code == 2 and result.output.startswith("zerorun: error: ")
     assert "Traceback" not in result.output
+
+
+def test_a_same_tag_save_interrupted_between_its_renames_keeps_the_old_copy_and_the_next_save_restores_it(
+        root, on_two, tmp_path):
+    from zerorun.runtime import checkpoint_format as checkpoint
+
+    ckpt = shutil.copytree(root / "w2-stage1", tmp_path / "ckpt")
+    (ckpt / "step-10").rename(ckpt / ".old-step-10")  # replace_dir moved it aside, then the job died
+    (ckpt / ".tmp-step-10").mkdir()  # the new copy that never arrived
+    assert checkpoint.latest_tag(ckpt) == "step-10"
+    assert checkpoint.Checkpoint.open(ckpt).path == ckpt / ".old-step-10"
+    checkpoint.clean_crashed_saves(ckpt)  # what the next save does first
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-10"]
+    assert list(checkpoint.consolidate(ckpt)) == list(make_model().state_dict())

@@ -91,7 +91,6 @@ def _check_resident(engine: Engine) -> None:
                            "are not supported yet; use device: cpu or none to save or resume.")
 
 
-
 # -- save -----------------------------------------------------------------------------------------
 def save(engine: Engine, directory: str | os.PathLike, tag: str, client_state: dict | None) -> Path:
     """Write a checkpoint of `engine` as `directory/tag` (every rank calls this) and point `latest` at it."""
@@ -180,7 +179,6 @@ def _crash_point(point: str, rank: int, tag: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-
 # -- load -----------------------------------------------------------------------------------------
 def load(engine: Engine, directory: str | os.PathLike, tag: str | None = None) -> tuple[str, dict] | None:
     """Restore `engine` from `directory/tag` (default: `latest`): the tag and its client_state, or None
@@ -219,10 +217,15 @@ def _plan_reads(engine: Engine, ckpt: Checkpoint) -> list[dict[int, list[tuple[i
                 continue
             a, b = start - span.offset, end - span.offset  # the part of the parameter this rank owns
             base = unit.state_offset + start - lo - a  # where parameter element 0 would land
+            covered = 0
             for r, offset, first, n in saved[names[param]]["pieces"]:
                 s, e = max(a, first), min(b, first + n)
                 if s < e:
                     reads[unit.group][r].append((offset + s - first, base + s, e - s))
+                    covered += e - s
+            if covered != b - a:
+                raise ZerorunError(f"{ckpt.path / MANIFEST}: the saved pieces of {names[param]} cover {covered} of "
+                                   f"its elements {a}..{b}, not all: the manifest is damaged.")
     return reads
 
 
@@ -288,7 +291,6 @@ def _restore_counters(engine: Engine, m: dict[str, Any]) -> None:
     elif engine.comm.rank == 0:
         log.warning("RNG states not restored: saved on %d ranks, resumed on %d", m["world_size"],
                     engine.comm.world_size)
-
 
 
 # -- helpers -------------------------------------------------------------------------------------------

@@ -34,6 +34,8 @@ from zerorun.errors import ZerorunError
 
 FORMAT, VERSION = "zerorun-checkpoint", 1
 MANIFEST, LATEST, EXTRAS, CLIENT_STATE = "manifest.json", "latest", "model-extras.safetensors", "client_state.pt"
+REQUIRED = ("global_step", "skipped_steps", "world_size", "stage", "precision", "group_numels", "optimizer",
+            "loss_scaler", "params", "extras", "keys", "aliases", "rng", "files")
 
 
 def shard_file(rank: int) -> str:
@@ -71,6 +73,9 @@ class Checkpoint:
             raise ZerorunError(f"{file}: not a zerorun checkpoint manifest.")
         if manifest.get("version") != VERSION:
             raise ZerorunError(f"{file}: format version {manifest.get('version')}; this zerorun reads {VERSION}.")
+        missing = [key for key in REQUIRED if key not in manifest]
+        if missing:
+            raise ZerorunError(f"{file}: no {', '.join(missing)}; the manifest is damaged.")
         return cls(path, manifest)
 
     def file_problem(self, name: str, crc: bool) -> int:
@@ -152,7 +157,6 @@ def tags(root: Path) -> list[str]:
 
 def _tags_text(root: Path) -> str:
     return ", ".join(tags(root)) or "none"
-
 
 
 # -- consolidation and info (the CLI) --------------------------------------------------------------
