@@ -6,14 +6,17 @@ page cache). Ours submits the file as requests over one aligned buffer and waits
 the block size, queue depth, backend and threads of `zero.aio`; the baselines are `dd` with 8 MiB
 blocks (`oflag=direct` / `iflag=direct`) and, where installed, `fio` (libaio, 8 MiB, queue depth 1 and
 32). Disks and their host caches drift from run to run (reads here jump between two levels), so the
-cases run in interleaved rounds, in a rotated order, the page cache is dropped before each read
-where allowed, and each row reports its median; the ratio is to the best baseline's median.
+cases run in interleaved rounds, each round in its own shuffled order (a long run of writes fills
+the host's caches, so a fixed order would favour whoever runs first), the page cache is dropped
+before each read where allowed, and each row reports its median; the ratio is to the best
+baseline's median.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import statistics
@@ -98,7 +101,7 @@ def cases(block_sizes: list[int], queue_depths: list[int], threads: list[int], b
 
 def run(path: str, size: int, block_sizes: list[int], queue_depths: list[int], threads: list[int],
         backends: list[str], rounds: int = 3, progress: Callable[[str], None] = lambda line: None) -> IoBench:
-    """Each case once per round, writes then reads, in a rotated order; GB/s per round."""
+    """Each case once per round, writes then reads, in a shuffled order; GB/s per round."""
     from zerorun.runtime.nvme import aligned_empty, check_nvme_path, filesystem_type
 
     size = -(-size // BASELINE_BLOCK) * BASELINE_BLOCK  # dd moves whole 8 MiB blocks
@@ -122,7 +125,7 @@ def run(path: str, size: int, block_sizes: list[int], queue_depths: list[int], t
     try:
         _dd(target, size, "write", create=True)  # lay the file out once: every case then overwrites in place
         for round_index in range(rounds):
-            order = results[round_index % len(results):] + results[:round_index % len(results)]
+            order = random.Random(round_index).sample(results, len(results))
             for op in OPS:
                 for result in order:
                     if op == "read":
@@ -220,7 +223,7 @@ def render(bench: IoBench) -> Any:
                       threads, *cells[:2], *cells[2:], style="dim" if r.case.baseline else None)
     notes = [f"auto backend here: {bench.default_backend}",
              "page cache dropped before reads" if bench.caches_dropped else "page cache not dropped (not root)"]
-    table.caption = "\n".join([", ".join(notes), *(_verdict(bench, op) for op in OPS)])
+    table.caption = "\n".join([", ".join(notes), *(_verdict(bench, op) for op in OPS), _recipe_default(bench)])
     return table
 
 
@@ -233,6 +236,23 @@ def _verdict(bench: IoBench, op: str) -> str:
     return (f"{op}: best ours {ours.median(op):.2f} GB/s ({ours.case.backend}, {_size(ours.case.block_size)} x "
             f"qd {ours.case.queue_depth}) = {ratio:.2f}x best baseline {baseline.median(op):.2f} GB/s "
             f"({baseline.case.label} qd {baseline.case.queue_depth}): {mark} the {GOAL:.0%} goal")
+
+
+def _recipe_default(bench: IoBench) -> str:
+    """The row a recipe gets without zero.aio settings, against the best baseline (no pick among our rows)."""
+    from zerorun.config import AioConfig
+
+    default = AioConfig()
+    backend = bench.default_backend if default.backend == "auto" else default.backend
+    for r in bench.results:
+        c = r.case
+        if (c.tool, c.backend, c.block_size, c.queue_depth) == ("zerorun", backend, default.block_size,
+                                                                 default.queue_depth) \
+                and (backend == "libaio" or c.threads == default.threads):
+            ratios = [f"{op} {r.median(op) / bench.best(op, True).median(op):.2f}x" for op in OPS
+                      if r.median(op) and bench.best(op, True)]
+            return f"recipe default (zero.aio: {backend}, {_size(c.block_size)}, qd {c.queue_depth}): {', '.join(ratios)}"
+    return "recipe default (zero.aio) not among the cases run"
 
 
 def _size(nbytes: int) -> str:
