@@ -142,8 +142,11 @@ class LaunchConfig:
 
     timeout_s: float = _f(300.0, "Collective timeout: a rank stuck this long in a collective fails the job.", gt=0)
     kill_grace_s: float = _f(3.0, "Seconds between SIGTERM and SIGKILL when tearing the job down.", ge=0)
-    transport: Literal["auto", "ssh"] = _f("auto", "auto: localhost runs as a local process, other hosts over SSH; "
-                                                   "ssh: every host over SSH, this machine included.")
+    transport: Literal["auto", "local", "ssh", "slurm"] = _f(
+        "auto", "How nodes are started; `zerorun launch --launcher` overrides it. auto: as slurm inside a Slurm "
+                "allocation (SLURM_JOB_ID set) when no hostfile is given, else as local. local: localhost as a "
+                "local process, other hostfile hosts over SSH. ssh: every host over SSH, this machine included. "
+                "slurm: one srun step that starts a torchrun on every allocated node.")
 
 
 @dataclass

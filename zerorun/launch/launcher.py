@@ -5,7 +5,9 @@
     exit_code = run(launch_plan)                                              # starts, supervises, tears down
 
 `make_plan` gathers the impure facts (recipe file, hostfile, GPUs, CPU count, a free port, the job
-id, the working directory and its `.zerorun_env`) and hands them to the pure `plan.plan`. `run`
+id, the working directory and its `.zerorun_env`) and hands them to the pure `plan.plan`; inside a
+Slurm allocation (unless a hostfile or `--launcher` says otherwise) the allocation's nodes go to
+`slurm.plan_step` instead, which plans one srun step for them all. `run`
 checks the SSH hosts (`preflight`), picks a transport per node, starts the telemetry
 monitor (collector, live view, stall watch) unless the recipe turned it off, tells the workers its
 address, and lets the supervisor drive the job.
@@ -21,7 +23,7 @@ import secrets
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,7 +31,7 @@ from zerorun import config, hostfile
 from zerorun.config import Recipe
 from zerorun.errors import HostfileError, LaunchError
 from zerorun.hostfile import Node
-from zerorun.launch import preflight
+from zerorun.launch import preflight, slurm
 from zerorun.launch.plan import LaunchPlan, MachineFacts, is_local, plan, render, with_env
 from zerorun.launch.supervisor import Supervisor
 from zerorun.launch.transport import transport_for
@@ -53,21 +55,59 @@ class LaunchOptions:
     master_addr: str | None = None  # overrides the recipe's `master_addr`
     master_port: int | None = None  # overrides the recipe's `master_port`
     overrides: Sequence[str] = field(default_factory=tuple)  # `--set KEY=VALUE`
+    launcher: str | None = None  # local, ssh or slurm: overrides the recipe's `launch.transport`
 
 
 def make_plan(recipe_path: str | os.PathLike, options: LaunchOptions) -> LaunchPlan:
     """Load the recipe, select the nodes and plan the job; starts nothing."""
     flags = [f"master_addr={options.master_addr}"] if options.master_addr else []
     flags += [f"master_port={options.master_port}"] if options.master_port else []
+    flags += [f"launch.transport={options.launcher}"] if options.launcher else []
     recipe = config.load(recipe_path, overrides=[*options.overrides, *flags])
+    if uses_slurm(recipe, options, os.environ):
+        return _slurm_plan(recipe, options)
     gpus = local_gpu_count()
     nodes = select_nodes(recipe, options, gpus)
-    cwd = os.getcwd()
-    facts = MachineFacts(cpu_count=os.cpu_count() or 1, cuda=gpus > 0, python=sys.executable,
-                         inherited_env=dict(os.environ), cwd=cwd, env_file=load_env_file(cwd),
-                         hostname=socket.getfqdn())
+    facts = _machine_facts(os.cpu_count() or 1, cuda=gpus > 0)
     master_port = recipe.master_port or (free_port() if is_local(nodes[0].host) else 29500)
     return plan(recipe, nodes, new_job_id(recipe.name or "job"), master_port, facts)
+
+
+def uses_slurm(recipe: Recipe, options: LaunchOptions, env: Mapping[str, str]) -> bool:
+    """Whether the job runs as an srun step: `launch.transport: slurm` (or `--launcher slurm`), or
+    `auto` inside an allocation when no hostfile names the hosts."""
+    hostfile_given = bool(options.hostfile or recipe.hostfile)
+    if recipe.launch.transport == "auto":
+        return slurm.in_allocation(env) and not hostfile_given
+    if recipe.launch.transport != "slurm":
+        return False
+    origin = "--launcher slurm" if options.launcher else f"{recipe.source or 'the recipe'}: launch.transport: slurm"
+    if not slurm.in_allocation(env):
+        raise LaunchError(f"{origin}: not inside a Slurm allocation (SLURM_JOB_ID is not set); run it inside "
+                          "`salloc` or an sbatch script, or submit the job with `zerorun submit`.")
+    if hostfile_given:
+        raise LaunchError(f"{origin}: the nodes are the Slurm allocation's; drop the hostfile "
+                          "(--hostfile, or `hostfile:` in the recipe), or use --launcher ssh.")
+    return True
+
+
+def _slurm_plan(recipe: Recipe, options: LaunchOptions) -> LaunchPlan:
+    """One srun step on every node of the allocation this launcher runs in."""
+    if options.include or options.exclude or options.num_nodes:
+        raise LaunchError("--include, --exclude and --num-nodes choose hosts of a hostfile; inside a Slurm "
+                          "allocation every allocated node runs (ask salloc/sbatch for fewer nodes).")
+    allocation = slurm.read_allocation(os.environ)
+    nproc = slurm.procs_per_node(allocation, options.num_gpus or recipe.nproc_per_node)
+    facts = _machine_facts(min(allocation.cpus_per_node, default=os.cpu_count() or 1), cuda=False)
+    here = slurm.runs_here(allocation, os.environ)
+    master_port = recipe.master_port or (free_port() if here else slurm.default_port(allocation))
+    return slurm.plan_step(recipe, allocation, nproc, new_job_id(recipe.name or "job"), master_port, facts)
+
+
+def _machine_facts(cpu_count: int, cuda: bool) -> MachineFacts:
+    cwd = os.getcwd()
+    return MachineFacts(cpu_count=cpu_count, cuda=cuda, python=sys.executable, inherited_env=dict(os.environ),
+                        cwd=cwd, env_file=load_env_file(cwd), hostname=socket.getfqdn())
 
 
 def run(launch_plan: LaunchPlan) -> int:

@@ -13,6 +13,9 @@ torchrun starts `python -m zerorun.launch.worker -- script args` (its `-m`/`--mo
 each local rank; `--max-restarts 0` because a failed rank ends the job (restarts are a decision
 for the user, not a silent retry).
 
+Inside a Slurm allocation the whole job is one srun step instead, planned by
+`zerorun.launch.slurm.plan_step` on top of `plan()`.
+
 A node on another host runs the same command over SSH (see `zerorun.launch.ssh`). It does not
 inherit the launcher's environment, so its `env` also carries what a remote shell would lack:
 PATH, LD_LIBRARY_PATH, PYTHONPATH, the active virtualenv or conda prefix, and every NCCL_* and
@@ -70,10 +73,15 @@ class NodeCommand:
     env: Mapping[str, str]  # added on top of the environment the transport inherits
     over_ssh: bool = False  # started through `ssh host` rather than as a local process
     cwd: str = "."
+    step_nodes: tuple[str, ...] = ()  # a Slurm step (argv is srun's): one torchrun on each of these nodes
 
     @property
     def ranks(self) -> range:
         return range(self.first_rank, self.first_rank + self.nproc)
+
+    @property
+    def node_count(self) -> int:
+        return len(self.step_nodes) or 1
 
 
 @dataclass(frozen=True)
@@ -120,11 +128,12 @@ def with_env(launch_plan: LaunchPlan, extra: Mapping[str, str]) -> LaunchPlan:
     return dataclasses.replace(launch_plan, nodes=nodes)
 
 
-def torchrun_argv(python: str, nnodes: int, node_rank: int, nproc: int, master_addr: str, master_port: int,
+def torchrun_argv(python: str, nnodes: int, node_rank: int | str, nproc: int, master_addr: str, master_port: int,
                   script: str, args: Sequence[str]) -> tuple[str, ...]:
     """`python -m torch.distributed.run ... -m zerorun.launch.worker -- script args` for one node.
 
-    Only flags that torchrun has accepted in this spelling since torch 2.x are used.
+    Only flags that torchrun has accepted in this spelling since torch 2.x are used. `node_rank` may
+    be a placeholder that the node fills in (a Slurm step runs one command on every node).
     """
     return (
         python, "-m", "torch.distributed.run",
@@ -169,8 +178,9 @@ def propagated_env(inherited: Mapping[str, str]) -> dict[str, str]:
 
 
 def runs_over_ssh(host: str, transport: str) -> bool:
-    """Whether a node on `host` is started over SSH (`launch.transport: ssh` forces it for every host)."""
-    return transport == "ssh" or not is_local(host)
+    """Whether a node on `host` is started over SSH (`launch.transport: ssh` forces it for every host;
+    under `slurm`, srun reaches every node)."""
+    return transport == "ssh" or (transport != "slurm" and not is_local(host))
 
 
 def _devices(node: Node, inherited: str | None) -> list[str]:
@@ -191,21 +201,31 @@ def _devices(node: Node, inherited: str | None) -> list[str]:
 def render(launch_plan: LaunchPlan) -> str:
     """The `--dry-run` text: per node, its host, ranks, the variables zerorun sets and the command."""
     p = launch_plan
-    nodes = f"{len(p.nodes)} node{'s' if len(p.nodes) != 1 else ''}"
+    count = sum(node.node_count for node in p.nodes)
+    nodes = f"{count} node{'s' if count != 1 else ''}"
     lines = [f"job {p.job_id} ({p.name}): {nodes}, {p.world_size} workers, master {p.master_addr}:{p.master_port}"]
     if p.telemetry.enabled:
         lines.append(f"telemetry: {RUNS_DIR}/{p.name}/telemetry.jsonl; every node's env also gets "
                      f"{ADDRESS_ENV}=<the launcher's collector, host:port chosen at launch>")
     for node in p.nodes:
         lines.append("")
-        how = f"  over ssh, in {node.cwd}" if node.over_ssh else ""
-        lines.append(f"node {node.node_rank}: {node.host}  ranks {_span(node.ranks)}{how}")
+        lines.append(_heading(node))
         lines.append("  env:")
         for key in sorted(node.env):
             lines.append(f"    {key}={_shown_value(key, node.env[key])}")
         lines.append("  command:")
         lines.append(f"    {shlex.join(node.argv)}")
     return "\n".join(lines)
+
+
+def _heading(node: NodeCommand) -> str:
+    if node.step_nodes:
+        expanded = f" ({', '.join(node.step_nodes)})" if node.step_nodes != (node.host,) else ""
+        return (f"srun step on {node.host}{expanded}: {node.nproc // node.node_count} workers "
+                f"per node, ranks {_span(node.ranks)}; each node sets --node-rank from SLURM_NODEID and "
+                f"{NODE_HOST_ENV} from SLURMD_NODENAME")
+    how = f"  over ssh, in {node.cwd}" if node.over_ssh else ""
+    return f"node {node.node_rank}: {node.host}  ranks {_span(node.ranks)}{how}"
 
 
 def _shown_value(key: str, value: str) -> str:

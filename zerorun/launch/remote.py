@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, BinaryIO
 
 from zerorun.errors import LaunchError
@@ -71,18 +72,32 @@ def supervise(stdin_fd: int, heartbeat_timeout_s: float) -> int:
     except OSError as exc:
         return _fail(f"cannot enter the working directory {header['cwd']} on {host}: {exc.strerror or exc}.")
 
+    last_beat = [time.monotonic()]
+    threading.Thread(target=_watch_stdin, args=(stdin_fd, last_beat, stop_reason), daemon=True).start()
+
+    def check_heartbeat() -> None:
+        if time.monotonic() - last_beat[0] > heartbeat_timeout_s:
+            stop_reason.append(f"no heartbeat from the launcher for {heartbeat_timeout_s:g} s")
+
+    return run_node(node, job_id, host, grace_s, stop_reason, check_heartbeat)
+
+
+def run_node(node: NodeCommand, job_id: str, host: str, grace_s: float, stop_reason: list[str],
+             watch: Callable[[], None] = lambda: None) -> int:
+    """Run the node's command under a `LocalTransport`, its output copied to ours, until it exits or
+    `stop_reason` gets an entry (`watch` runs every 0.1 s and may add one); then end every process of
+    the node and return the command's status (128+N when it died of signal N).
+
+    Shared by both ways of reaching a node from afar: this module (ssh) and `zerorun.launch.slurm` (srun).
+    """
     transport = LocalTransport(host, job_id)
     try:
         out, err = transport.start(node)
     except LaunchError as exc:
         return _fail(str(exc))
     relays = [_copy_in_background(out, sys.stdout.buffer), _copy_in_background(err, sys.stderr.buffer)]
-    last_beat = [time.monotonic()]
-    threading.Thread(target=_watch_stdin, args=(stdin_fd, last_beat, stop_reason), daemon=True).start()
-
     while transport.poll() is None and not stop_reason:
-        if time.monotonic() - last_beat[0] > heartbeat_timeout_s:
-            stop_reason.append(f"no heartbeat from the launcher for {heartbeat_timeout_s:g} s")
+        watch()
         time.sleep(0.1)
     if stop_reason:
         _say(f"{stop_reason[0]}; stopping job {job_id} on {host}")

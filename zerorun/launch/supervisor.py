@@ -90,7 +90,7 @@ class Supervisor:
     def run(self) -> int:
         previous = self._install_signal_handlers()
         try:
-            self._say(f"job {self.plan.job_id}: {_plural(len(self.plan.nodes), 'node')}, "
+            self._say(f"job {self.plan.job_id}: {_plural(sum(n.node_count for n in self.plan.nodes), 'node')}, "
                       f"{_plural(self.plan.world_size, 'worker')}, master {self.plan.master_addr}:{self.plan.master_port}")
             for index, (node, transport) in enumerate(zip(self.plan.nodes, self.transports)):
                 out, err = transport.start(node)

@@ -3,7 +3,8 @@
 The supervisor only sees the `Transport` interface: `start` a node's command and get its output
 streams, `poll` for its exit, `stop` it. `LocalTransport` runs the command as a child process;
 `zerorun.launch.ssh.SSHTransport` runs it on another host under a remote supervisor
-(`zerorun.launch.remote`), which uses a `LocalTransport` there.
+(`zerorun.launch.remote`), which uses a `LocalTransport` there; `zerorun.launch.slurm.SlurmTransport`
+runs one srun step that does the same on every node of a Slurm allocation.
 
 Ending a local job leaves nothing behind, whatever the workers do:
 - torchrun starts every worker in a *new session* (its own process group), so signalling
@@ -65,7 +66,11 @@ class Transport(abc.ABC):
 
 
 def transport_for(node: NodeCommand, launch_plan: LaunchPlan) -> Transport:
-    """The transport that reaches `node`'s host: SSH when the plan says so, else a local process."""
+    """The transport that reaches `node`'s host: an srun step, SSH when the plan says so, else a local process."""
+    if node.step_nodes:
+        from zerorun.launch.slurm import SlurmTransport  # it imports this module
+
+        return SlurmTransport(node.host, launch_plan.job_id, launch_plan.kill_grace_s)
     if node.over_ssh:
         from zerorun.launch.ssh import SSHTransport  # it imports this module
 
@@ -190,9 +195,9 @@ def _load_libc() -> ctypes.CDLL | None:
 _LIBC = _load_libc()  # loaded here, not in the forked child, where taking locks is unsafe
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM if the launcher dies (even by SIGKILL), so torchrun
+def _die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """In the child before exec: get `sig` if the launcher dies (even by SIGKILL), so torchrun
     stops its workers instead of running on unsupervised (Linux only; a no-op elsewhere)."""
     prctl = getattr(_LIBC, "prctl", None)
     if prctl is not None:
-        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        prctl(1, int(sig))  # PR_SET_PDEATHSIG
