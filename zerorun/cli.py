@@ -7,6 +7,7 @@ call. A `ZerorunError` from any of them (a bad recipe, hostfile or flag) is prin
 
 from __future__ import annotations
 
+import enum
 import json
 from pathlib import Path
 from typing import Annotated
@@ -53,6 +54,14 @@ def _main(
     """A training launcher and ZeRO runtime for PyTorch."""
 
 
+class Launcher(str, enum.Enum):
+    """`--launcher` choices (the recipe's `launch.transport`, less `auto`, which is the default)."""
+
+    local = "local"
+    ssh = "ssh"
+    slurm = "slurm"
+
+
 @app.command()
 def launch(
     recipe: Annotated[Path, typer.Argument(help="The recipe YAML file.", show_default=False)],
@@ -66,18 +75,59 @@ def launch(
     set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
                                                       help="Override a recipe key, e.g. --set zero.stage=3.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print every node's command and environment; start nothing.")] = False,
+    launcher_: Annotated[Launcher | None, typer.Option(
+        "--launcher", case_sensitive=False,
+        help="How nodes start (the recipe's launch.transport): local processes (and ssh to other hostfile "
+             "hosts), ssh to every host, or one srun step inside a Slurm allocation (the default there).")] = None,
 ) -> None:
     """Run a recipe's training script on every selected node and worker."""
     from zerorun.launch import launcher
 
     options = launcher.LaunchOptions(hostfile=hostfile, include=include, exclude=exclude, num_nodes=num_nodes,
                                      num_gpus=num_gpus, master_addr=master_addr, master_port=master_port,
-                                     overrides=tuple(set_ or ()))
+                                     overrides=tuple(set_ or ()),
+                                     launcher=launcher_.value if launcher_ else None)
     launch_plan = launcher.make_plan(recipe, options)
     if dry_run:
         typer.echo(launcher.render(launch_plan))
         return
     raise typer.Exit(launcher.run(launch_plan))
+
+
+@app.command()
+def submit(
+    recipe: Annotated[Path, typer.Argument(help="The recipe YAML file.", show_default=False)],
+    nodes: Annotated[int, typer.Option(help="Nodes to allocate (one torchrun on each).")] = 1,
+    gpus_per_node: Annotated[int | None, typer.Option(help="GPUs per node (also the workers per node, "
+                                                           "unless the recipe sets nproc_per_node).")] = None,
+    partition: Annotated[str | None, typer.Option(help="Slurm partition.")] = None,
+    time: Annotated[str | None, typer.Option(help="Time limit, in Slurm's syntax (e.g. 4:00:00).")] = None,
+    account: Annotated[str | None, typer.Option(help="Account to charge.")] = None,
+    sbatch_arg: Annotated[list[str] | None, typer.Option(
+        "--sbatch-arg", metavar="ARG", help="One more #SBATCH line, e.g. --sbatch-arg=--mem=0 (repeatable).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
+                                                      help="Override a recipe key, e.g. --set zero.stage=3.")] = None,
+    no_follow: Annotated[bool, typer.Option("--no-follow", help="Print the job id and return at once.")] = False,
+) -> None:
+    """Submit a recipe as a Slurm batch job (script kept in runs/<name>/) and follow it to its end."""
+    from zerorun.launch import submit as batch
+
+    options = batch.SubmitOptions(nodes=nodes, gpus_per_node=gpus_per_node, partition=partition, time=time,
+                                  account=account, sbatch_args=tuple(sbatch_arg or ()), overrides=tuple(set_ or ()))
+    job = batch.submit(recipe, options)
+    typer.echo(f"zerorun: submitted Slurm job {job.job_id}; script {job.script}; output {job.output}", err=True)
+    if no_follow:
+        typer.echo(job.job_id)
+        return
+    raise typer.Exit(batch.follow(job, ask=_confirm))
+
+
+def _confirm(question: str) -> bool:
+    """Ask on the terminal; no answer (stdin closed) means no."""
+    try:
+        return typer.confirm(question, default=False, err=True)
+    except (typer.Abort, EOFError):
+        return False
 
 
 @app.command()
