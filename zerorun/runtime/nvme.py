@@ -258,19 +258,14 @@ class NvmeStore:
         return sum(_round_up(n * self.itemsize) for n in self.numels.values())
 
     def close(self) -> None:
-        """Wait for nothing in flight (nothing is, between calls), then remove the files and the directory."""
+        """Close the files and the I/O engine, delete the files, and `root` if nothing else is in it."""
         self._cleanup()
 
     # -- synchronous helpers -----------------------------------------------------------------------
     def write(self, name: str, src: torch.Tensor, start: int = 0) -> None:
         """Write `src` (this store's dtype, any device) at element `start` of `name`; returns when on disk."""
         src = self._checked(name, src, start).reshape(-1)
-        stop, position = start + src.numel(), start
-        if self._direct(src, start):  # the aligned body straight from src's memory
-            body = src.numel() * self.itemsize // ALIGN * ALIGN
-            if body:
-                self._finish([self._submit(name, src.data_ptr(), body, start * self.itemsize, True)], write=True)
-                position += body // self.itemsize
+        stop, position = start + src.numel(), self._direct_body(name, src, start, write=True)
         bounce = self._bounce_buffer() if position < stop else None
         while position < stop:
             lo, end, hi = self._chunk(position, stop)
@@ -293,12 +288,7 @@ class NvmeStore:
             out.copy_(staged.view(out.shape))
             return
         flat = out.view(-1)
-        stop, position = start + flat.numel(), start
-        if self._direct(flat, start):
-            body = flat.numel() * self.itemsize // ALIGN * ALIGN
-            if body:
-                self._finish([self._submit(name, flat.data_ptr(), body, start * self.itemsize, False)], write=False)
-                position += body // self.itemsize
+        stop, position = start + flat.numel(), self._direct_body(name, flat, start, write=False)
         bounce = self._bounce_buffer() if position < stop else None
         while position < stop:
             lo, end, hi = self._chunk(position, stop)
@@ -317,10 +307,16 @@ class NvmeStore:
                              f"({self.numels[name]} elements)")
         return tensor
 
-    def _direct(self, tensor: torch.Tensor, start: int) -> bool:
-        """Can O_DIRECT use this tensor's own memory (host, contiguous, aligned like its file offset)?"""
-        return (tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.data_ptr() % ALIGN == 0
-                and start * self.itemsize % ALIGN == 0)
+    def _direct_body(self, name: str, tensor: torch.Tensor, start: int, write: bool) -> int:
+        """Move the whole blocks at the front of `tensor` straight from/to its memory when O_DIRECT can
+        use it (host, contiguous, aligned like its file offset); the element where the rest starts."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.data_ptr() % ALIGN \
+                or start * self.itemsize % ALIGN:
+            return start
+        body = tensor.numel() * self.itemsize // ALIGN * ALIGN
+        if body:
+            self._finish([self._submit(name, tensor.data_ptr(), body, start * self.itemsize, write)], write=write)
+        return start + body // self.itemsize
 
     def _chunk(self, position: int, stop: int) -> tuple[int, int, int]:
         """The next bounce-sized piece from element `position`: (first byte, end element, end byte)."""
