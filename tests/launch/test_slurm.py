@@ -78,6 +78,8 @@ def test_allocation_is_read_from_the_slurm_variables():
     assert _allocation(SLURM_NTASKS_PER_NODE="3").tasks_per_node == (3, 3)
     with pytest.raises(LaunchError, match="not inside a Slurm allocation"):
         slurm.read_allocation({})
+    with pytest.raises(LaunchError, match="runs here as task 3 of an srun step of 4 tasks; start it once per job"):
+        _allocation(SLURM_STEP_NUM_TASKS="4", SLURM_PROCID="3")
 
 
 def test_workers_per_node_are_the_recipes_else_the_gpus_else_the_tasks_which_must_be_even():

@@ -92,6 +92,11 @@ def read_allocation(env: Mapping[str, str], hostnames: Callable[[str], list[str]
     if not in_allocation(env):
         raise LaunchError("not inside a Slurm allocation (SLURM_JOB_ID is not set): run inside `salloc` or an "
                           "sbatch script, or submit the job with `zerorun submit`.")
+    step_tasks = env.get("SLURM_STEP_NUM_TASKS", "1")
+    if step_tasks.isdigit() and int(step_tasks) > 1:
+        raise LaunchError(f"zerorun launch runs here as task {env.get('SLURM_PROCID', '?')} of an srun step of "
+                          f"{step_tasks} tasks; start it once per job (in the sbatch script or the salloc shell): "
+                          "it runs srun itself.")
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
     if not nodelist:
         raise LaunchError(f"Slurm job {env['SLURM_JOB_ID']}: SLURM_JOB_NODELIST is not set; cannot tell its nodes.")

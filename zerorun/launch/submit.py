@@ -41,6 +41,7 @@ from zerorun.telemetry import RUNS_DIR
 
 POLL_S = 0.5
 _OUTPUT_SETTLE_S = 2.0  # after the job ended: how long its output file may still grow (shared filesystems lag)
+_OUTPUT_QUIET_S = 0.3  # ... and how long without growth means it is complete
 _SLURM_TIMEOUT_S = 30.0
 _ACTIVE = frozenset({"UNKNOWN", "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING",
                      "SIGNALING", "STAGE_OUT", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "STOPPED"})
@@ -236,13 +237,11 @@ class _Follower:
         self._live: Any = None
 
     def copy_output(self, settle_s: float = 0.0) -> None:
-        """Print the output file's new complete lines; with `settle_s`, until it stops growing for that long."""
+        """Print the output file's new complete lines; with `settle_s` (the job has ended), read on while
+        the file still grows, for at most that long, and print a last unfinished line too."""
         deadline = time.monotonic() + settle_s
-        while True:
-            grew = self._read_output()
-            if not settle_s or (not grew and time.monotonic() >= deadline):
-                break
-            time.sleep(0.2)
+        while self._read_output() and time.monotonic() < deadline:
+            time.sleep(_OUTPUT_QUIET_S)
         if settle_s and self._partial:
             self._print(self._partial.decode("utf-8", "replace"))
             self._partial = b""
