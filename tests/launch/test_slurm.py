@@ -44,7 +44,7 @@ def test_nodelists_expand_ranges_keep_zero_padding_and_plain_names():
     assert slurm.expand_nodelist("gpu[01-03,07],cpu1") == ["gpu01", "gpu02", "gpu03", "gpu07", "cpu1"]
     assert slurm.expand_nodelist("node[8-10]") == ["node8", "node9", "node10"]
     assert slurm.expand_nodelist("a,b-2,localhost") == ["a", "b-2", "localhost"]
-    assert slurm.expand_nodelist("r[1-2]x") == ["r1x", "r2x"]
+    assert slurm.expand_nodelist("r[1-2]-n[1-2]") == ["r1-n1", "r1-n2", "r2-n1", "r2-n2"]
     with pytest.raises(LaunchError, match="cannot read the Slurm nodelist 'gpu\\[01-'"):
         slurm.expand_nodelist("gpu[01-")
 
@@ -183,6 +183,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     assert left == [], f"the private cluster left processes behind: {left}"
 
 
+def test_our_nodelist_reading_agrees_with_scontrol(cluster):
+    for nodelist in ("gpu[01-03,07],cpu1", "node[8-10]", "a,b-2,localhost", "r[1-2]-n[01-02]"):
+        assert cluster.run("scontrol", "show", "hostnames", nodelist).stdout.split() == slurm.expand_nodelist(nodelist)
+
+
 def _salloc(cluster: PrivateSlurm, recipe: Path, *flags: str) -> LaunchedJob:
     """`salloc -N1 -n2 zerorun launch RECIPE FLAGS` from the recipe's directory."""
     argv = ["salloc", "-N1", "-n2", sys.executable, "-m", "zerorun.cli", "launch", str(recipe), *flags]
@@ -263,6 +268,24 @@ def _submit(cluster: PrivateSlurm, recipe: Path) -> subprocess.CompletedProcess[
     return subprocess.run([sys.executable, "-m", "zerorun.cli", "submit", str(recipe), "--nodes", "1"],
                           capture_output=True, text=True, env=cluster.env(subprocess_env()), cwd=recipe.parent,
                           timeout=120)
+
+
+def test_ctrl_c_while_following_asks_and_scancels_the_job(cluster, tmp_path):
+    recipe = write_recipe(tmp_path, "stubborn.py", telemetry={"enabled": False})
+    proc = subprocess.Popen([sys.executable, "-m", "zerorun.cli", "submit", str(recipe)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=cluster.env(subprocess_env()), cwd=tmp_path)
+    job = LaunchedJob(proc)
+    job.wait_for("ready", count=2)
+    proc.send_signal(signal.SIGINT)
+    proc.stdin.write("y\n")  # the answer waits in the pipe for the question
+    proc.stdin.close()
+    assert job.wait() == 143, job.output  # the batch script's launcher got SIGTERM from scancel
+    slurm_id = re.search(r"submitted Slurm job (\d+)", "\n".join(job.stderr)).group(1)
+    assert job.stderr[-1] == f"Cancel Slurm job {slurm_id} (scancel)? [y/N]:", job.output
+    assert cluster.job_state(slurm_id) == "CANCELLED"
+    assert f"zerorun: cancelled job {slurm_id}; following it to its end" in "\n".join(job.stdout)
+    assert _zerorun_job_leftovers("\n".join(job.stdout)) == []
 
 
 def _zerorun_job_leftovers(stdout: str) -> list[psutil.Process]:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import os
 import re
 import signal
@@ -64,7 +65,7 @@ NODE_MODULE = "zerorun.launch.slurm"
 NODE_RANK = "$SLURM_NODEID"  # in the step's command: each node's entry puts its own node index there
 LAUNCHER_GONE = signal.SIGUSR2  # srun's parent-death signal: srun forwards it to the step as it is
 _STEP_LOOKUP_S = 3.0  # how long stop() looks for a step that srun may not have registered yet
-_SCANCEL_TIMEOUT_S = 10.0
+_SLURM_TIMEOUT_S = 10.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,7 +102,7 @@ def read_allocation(env: Mapping[str, str], hostnames: Callable[[str], list[str]
     if not nodelist:
         raise LaunchError(f"Slurm job {env['SLURM_JOB_ID']}: SLURM_JOB_NODELIST is not set; cannot tell its nodes.")
     nodes = tuple((hostnames or scontrol_hostnames)(nodelist))
-    if env.get("SLURM_NTASKS_PER_NODE"):
+    if env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
         tasks = (int(env["SLURM_NTASKS_PER_NODE"]),) * len(nodes)
     else:
         tasks = tuple(expand_counts(env.get("SLURM_TASKS_PER_NODE") or "1", len(nodes), "SLURM_TASKS_PER_NODE"))
@@ -115,34 +116,38 @@ def scontrol_hostnames(nodelist: str) -> list[str]:
     """`scontrol show hostnames NODELIST`; the pure `expand_nodelist` where scontrol cannot run."""
     try:
         result = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                                timeout=_SCANCEL_TIMEOUT_S)
+                                timeout=_SLURM_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired):
         return expand_nodelist(nodelist)
     names = result.stdout.split()
     return names if result.returncode == 0 and names else expand_nodelist(nodelist)
 
 
-_RANGE_GROUP = re.compile(r"([^,\[]*)\[([^\]]*)\]([^,\[]*)")
+_BRACKETS = re.compile(r"\[([^\[\]]*)\]")
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """`gpu[01-03,07],cpu1` -> gpu01 gpu02 gpu03 gpu07 cpu1 (Slurm's hostlist syntax, one bracket per name)."""
+    """`gpu[01-03,07],cpu1` -> gpu01 gpu02 gpu03 gpu07 cpu1; `r[1-2]-n[1-2]` -> r1-n1 r1-n2 r2-n1 r2-n2
+    (Slurm's hostlist syntax: zero padding is kept, several brackets multiply)."""
     names: list[str] = []
     for item in _split_top_level(nodelist):
-        match = _RANGE_GROUP.fullmatch(item)
-        if match is None:
-            if "[" in item or "]" in item:
-                raise LaunchError(f"cannot read the Slurm nodelist {nodelist!r} at {item!r}.")
-            names.append(item)
-            continue
-        head, ranges, tail = match.groups()
-        for part in ranges.split(","):
-            low, _, high = part.partition("-")
-            if not low.isdigit() or (high and not high.isdigit()):
-                raise LaunchError(f"cannot read the Slurm nodelist {nodelist!r} at {part!r}.")
-            width = len(low)  # zero padding is kept: gpu[01-03]
-            names += [f"{head}{number:0{width}d}{tail}" for number in range(int(low), int(high or low) + 1)]
+        pieces = _BRACKETS.split(item)  # text, ranges, text, ranges, ..., text
+        if any(bracket in text for text in pieces[0::2] for bracket in "[]"):
+            raise LaunchError(f"cannot read the Slurm nodelist {nodelist!r} at {item!r}.")
+        choices = [[piece] if index % 2 == 0 else _numbers(piece, nodelist) for index, piece in enumerate(pieces)]
+        names += ["".join(combination) for combination in itertools.product(*choices)]
     return names
+
+
+def _numbers(ranges: str, nodelist: str) -> list[str]:
+    """`01-03,07` -> 01 02 03 07."""
+    numbers = []
+    for part in ranges.split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise LaunchError(f"cannot read the Slurm nodelist {nodelist!r} at {part!r}.")
+        numbers += [f"{number:0{len(low)}d}" for number in range(int(low), int(high or low) + 1)]
+    return numbers
 
 
 def _split_top_level(nodelist: str) -> list[str]:
@@ -297,7 +302,7 @@ class SlurmTransport(Transport):
         while self._slurm_job_id and self.poll() is None:
             try:
                 result = subprocess.run(["squeue", "-h", "-s", "-j", self._slurm_job_id, "-o", "%i %j"],
-                                        capture_output=True, text=True, timeout=_SCANCEL_TIMEOUT_S)
+                                        capture_output=True, text=True, timeout=_SLURM_TIMEOUT_S)
                 for line in result.stdout.splitlines():
                     step, _, name = line.strip().partition(" ")
                     if name == self.job_id:
@@ -312,7 +317,7 @@ class SlurmTransport(Transport):
 
 def _scancel(*args: str) -> None:
     try:
-        subprocess.run(["scancel", *args], capture_output=True, timeout=_SCANCEL_TIMEOUT_S)
+        subprocess.run(["scancel", *args], capture_output=True, timeout=_SLURM_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired):
         pass
 

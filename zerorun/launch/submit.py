@@ -172,7 +172,10 @@ def job_state(job_id: str) -> JobState | None:
         return parse_job(result.stdout)
     if "Invalid job id" not in result.stderr:  # slurmctld busy or unreachable: ask again at the next poll
         return JobState("UNKNOWN", result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "")
-    accounting = _slurm(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"])
+    try:
+        accounting = _slurm(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"])
+    except LaunchError:  # no sacct here
+        return None
     for line in accounting.stdout.splitlines():
         state, _, code = line.strip().partition("|")
         if state:
@@ -207,7 +210,10 @@ def follow(job: SubmittedJob, ask: Callable[[str], bool], out: TextIO | None = N
             if interrupted:
                 interrupted.clear()
                 view.pause()
-                if cancelled or not ask(f"Cancel Slurm job {job.job_id} (scancel)?"):
+                if cancelled:
+                    view.say(f"stopped following job {job.job_id}, which was cancelled")
+                    return 130
+                if not ask(f"Cancel Slurm job {job.job_id} (scancel)?"):
                     view.say(f"stopped following; job {job.job_id} goes on: output in {job.output}, "
                              f"`scancel {job.job_id}` cancels it")
                     return 130
