@@ -12,19 +12,9 @@ import torch.distributed as dist
 
 import zerorun
 
-
-class TinyRegression(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-
 recipe = zerorun.recipe()
 torch.manual_seed(recipe.train.seed)
-model = TinyRegression()
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 engine = zerorun.initialize(model)
 rank = dist.get_rank()
 if engine.resumed_from is not None:
@@ -32,7 +22,7 @@ if engine.resumed_from is not None:
 for step in range(engine.global_step, recipe.train.steps):
     data = torch.Generator().manual_seed(recipe.train.seed * 100_003 + rank * 1009 + step)
     x = torch.randn(4, 8, generator=data)
-    loss = engine(x, x.sum(dim=1, keepdim=True).sin())
+    loss = torch.nn.functional.mse_loss(engine(x), x.sum(dim=1, keepdim=True).sin())
     engine.backward(loss)
     engine.step()  # saves a checkpoint after every `every_steps`-th update
 with engine.gathered():
