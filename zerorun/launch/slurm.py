@@ -252,9 +252,8 @@ class SlurmTransport(Transport):
 
     what = "srun"
 
-    def __init__(self, host: str, job_id: str, kill_grace_s: float) -> None:
+    def __init__(self, host: str, job_id: str) -> None:
         super().__init__(host, job_id)
-        self.kill_grace_s = kill_grace_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._slurm_job_id = ""
 

@@ -70,7 +70,7 @@ def transport_for(node: NodeCommand, launch_plan: LaunchPlan) -> Transport:
     if node.step_nodes:
         from zerorun.launch.slurm import SlurmTransport  # it imports this module
 
-        return SlurmTransport(node.host, launch_plan.job_id, launch_plan.kill_grace_s)
+        return SlurmTransport(node.host, launch_plan.job_id)
     if node.over_ssh:
         from zerorun.launch.ssh import SSHTransport  # it imports this module
 
