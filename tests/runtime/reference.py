@@ -160,7 +160,7 @@ def engine_run(rank: int, steps: int, accum: int, recipe_overrides: list[str], c
     if engine.scheduler is not None:  # stage 3: the parameters as gathered on every rank
         with engine.gathered():
             run.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    elif engine.flat.master is not None:  # compare the fp32 master weights, not their low-precision copy
+    elif engine.flat.master is not None or engine.offload is not None:  # the fp32 master, not its low-precision copy
         run.params = engine_master_params(engine)
     else:
         run.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
@@ -173,8 +173,14 @@ def engine_master_params(engine) -> dict[str, torch.Tensor]:
 
     flat = engine.flat
     full = torch.zeros(flat.flat.numel(), dtype=torch.float32)
+    if flat.master is not None:
+        masters = flat.master
+    else:  # optimizer offload to NVMe: the master lives in the home's files
+        masters = [torch.empty(n) for n in flat.group_numels]
+        for g, master in enumerate(masters):
+            engine.offload.home.read(g, "master", master)
     for unit in flat.units:
-        flat.unit_piece(unit, full).copy_(flat.state_slice(unit, flat.master[unit.group]))
+        flat.unit_piece(unit, full).copy_(flat.state_slice(unit, masters[unit.group]))
     if flat.shard_world > 1:
         dist.all_reduce(full)  # each rank contributes only its pieces; the rest are zeros
     by_param = {}

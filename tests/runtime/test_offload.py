@@ -34,6 +34,11 @@ def _offload_equals_in_memory(rank: int, world: int, cases: list[tuple[list[str]
         run, engine = engine_run(rank, STEPS, ACCUM, base + offload)
         name = f"{' '.join(base + offload)} world={world} rank={rank}"
         assert engine.offload is not None, name
+        if any("device=nvme" in o for o in offload):
+            from zerorun.runtime.offload import NvmeHome
+
+            assert isinstance(engine.offload.home, NvmeHome), name
+            assert engine.offload.stats()["nvme_write"]["bytes"] > 0, name
         if run.losses != plain.losses:
             problems.append(f"{name}: losses differ from the in-memory run: {run.losses[:4]} vs {plain.losses[:4]}")
         for pname, value in plain.params.items():
@@ -63,4 +68,19 @@ CASES = [
 @pytest.mark.parametrize("world", [2, 3])
 def test_cpu_offload_equals_the_same_stage_in_memory_and_ddp(world: int) -> None:
     problems = [p for rank_problems in run_ranks(_offload_equals_in_memory, world, (CASES,)) for p in rank_problems]
+    assert not problems, "\n".join(problems)
+
+
+def _nvme_cases(path: str) -> list[tuple[list[str], list[str]]]:
+    nvme = ["zero.offload_optimizer.device=nvme", f"zero.offload_optimizer.nvme_path={path}", TINY_TILES]
+    param = ["zero.offload_param.device=nvme", f"zero.offload_param.nvme_path={path}"]
+    return [(["zero.stage=2"], nvme),
+            (["zero.stage=2", "precision.dtype=bf16"], nvme),
+            (["zero.stage=3"], nvme + param),
+            (["zero.stage=3", "precision.dtype=bf16"], nvme + param)]
+
+
+def test_nvme_offload_of_optimizer_and_params_equals_the_same_stage_in_memory(direct_io_dir) -> None:
+    cases = _nvme_cases(str(direct_io_dir))
+    problems = [p for rank_problems in run_ranks(_offload_equals_in_memory, 3, (cases,)) for p in rank_problems]
     assert not problems, "\n".join(problems)
