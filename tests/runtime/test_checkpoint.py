@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,11 @@ GLOBAL_BATCH = 6
 # other units), as DDP on another world size would: parity-level tolerances (test_engine_parity.py).
 LOSS_RTOL, PARAM_ATOL = 1e-5, 5e-7
 OFFLOAD = ["zero.offload_optimizer.device=cpu", "zero.offload_optimizer.buffer_mb=0.002"]
+# NVMe offload needs a real disk (O_DIRECT); /var/tmp is one on CI and here (tmp_path is a fixture, too late)
+_NVME_DIR = tempfile.mkdtemp(prefix="zerorun-ckpt-nvme-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None)
+NVME = ["zero.offload_optimizer.device=nvme", f"zero.offload_optimizer.nvme_path={_NVME_DIR}",
+        "zero.offload_optimizer.buffer_mb=0.002"]
+NVME_PARAM = ["zero.offload_param.device=nvme", f"zero.offload_param.nvme_path={_NVME_DIR}"]
 
 # (name, recipe overrides): each is trained 20 steps uninterrupted, and 10 + save + load + 10
 EXACT = {
@@ -36,7 +42,9 @@ EXACT = {
         ("stage1-fp16", ["zero.stage=1", "precision.dtype=fp16", "precision.initial_loss_scale=1024"]),
         ("stage2-offload", ["zero.stage=2", *OFFLOAD]),
         ("stage3-offload-bf16", ["zero.stage=3", "precision.dtype=bf16", *OFFLOAD,
-                                 "zero.offload_param.device=cpu"])],
+                                 "zero.offload_param.device=cpu"]),
+        ("stage2-nvme-bf16", ["zero.stage=2", "precision.dtype=bf16", *NVME, "name=ckpt-s2"]),
+        ("stage3-nvme", ["zero.stage=3", *NVME, *NVME_PARAM, "name=ckpt-s3"])],
     3: [("stage0", ["zero.stage=0"]), ("stage1", ["zero.stage=1"]), ("stage2", ["zero.stage=2"]),
         ("stage3", ["zero.stage=3"]), ("stage3-bf16", ["zero.stage=3", "precision.dtype=bf16"]),
         ("stage1-offload", ["zero.stage=1", *OFFLOAD])],

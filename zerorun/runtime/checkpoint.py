@@ -52,8 +52,15 @@ CRASH_ENV = "ZERORUN_CHECKPOINT_CRASH"  # tests only: "<rank>:<point>:<tag>" SIG
 # -- this rank's flat state: the only two functions that touch master and moments ---------------
 def _rank_state(engine: Engine) -> dict[str, torch.Tensor]:
     """This rank's flat fp32 state, `<kind>.<group>` -> a CPU tensor of `group_numels[group]` elements."""
-    _check_resident(engine)
     flat, opt = engine.flat, engine.optimizer
+    home = _nvme_home(engine)
+    if home is not None:  # read back from the files, one group's state at a time into host memory
+        state = {}
+        for g, numel in enumerate(flat.group_numels):
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                state[f"{kind}.{g}"] = torch.empty(numel, dtype=torch.float32)
+                home.read(g, kind, state[f"{kind}.{g}"])
+        return state
     state = {}
     for g, numel in enumerate(flat.group_numels):
         if flat.master is not None:
@@ -71,8 +78,20 @@ def _rank_state(engine: Engine) -> dict[str, torch.Tensor]:
 
 def _restore_rank_state(engine: Engine, kind: str, group: int, values: torch.Tensor) -> None:
     """Overwrite this rank's flat `kind` state of `group` with `values` (CPU fp32); the caller republishes."""
-    _check_resident(engine)
     flat = engine.flat
+    home = _nvme_home(engine)
+    if kind == "master" and getattr(flat, "param_store", None) is not None:  # stage 3's shard files
+        for lo in range(0, values.numel(), 2**24):
+            flat.write_param_piece(group, lo, values[lo:lo + 2**24].to(flat.policy.param_dtype))
+    if home is not None:
+        home.write(group, kind, values.float().contiguous())
+        if kind == "master" and hasattr(flat, "flat"):  # stages 0-2: the parameters are cast from it here
+            units = [u for u in flat.units if u.group == group]
+            for unit, piece in zip(units, flat.shard_pieces(group), strict=True):
+                piece.copy_(flat.state_slice(unit, values))
+        elif kind == "master" and getattr(flat, "param_shard", None) is not None:
+            flat.param_shard[group].copy_(values)
+        return
     if kind != "master":
         getattr(engine.optimizer, kind)[group].copy_(values)
         return
@@ -84,11 +103,11 @@ def _restore_rank_state(engine: Engine, kind: str, group: int, values: torch.Ten
         param_shard[group].copy_(values)
 
 
-def _check_resident(engine: Engine) -> None:
-    nvme = engine.offload is not None and not isinstance(engine.offload.home, HostHome)
-    if nvme or getattr(engine.flat, "param_store", None) is not None:
-        raise ZerorunError("checkpoints of NVMe-resident state (zero.offload_optimizer/offload_param device: nvme) "
-                           "are not supported yet; use device: cpu or none to save or resume.")
+def _nvme_home(engine: Engine):
+    """The NVMe home of master and moments, or None when they are tensors in memory."""
+    if engine.offload is not None and not isinstance(engine.offload.home, HostHome):
+        return engine.offload.home
+    return None
 
 
 # -- save -----------------------------------------------------------------------------------------
