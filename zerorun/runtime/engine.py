@@ -255,7 +255,7 @@ class Engine:
                 report.add("params", self.flat.param_shard[0].device.type, tensor_bytes(self.flat.param_shard))
             if self.flat.param_store is not None:
                 report.add("params", "nvme", self.policy.param_dtype.itemsize * sum(self.flat.group_numels))
-                report.add("comm", HOST.type, tensor_bytes([self.flat._bounce]))
+                report.add("comm", HOST.type, self.flat.bounce_bytes())
         else:
             report.add("params", place, tensor_bytes([self.flat.flat]) + tensor_bytes(frozen))
         report.add("grads", place, self.reducer.held_bytes())

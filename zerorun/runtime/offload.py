@@ -278,28 +278,21 @@ class OffloadedAdam:
                 piece, lo, hi = tiles[k]
                 grad = self.transfers.fetch(k)
                 out = piece.out[lo:hi] if piece.out is not None else None
+                deliver = None  # what sends the host copy of the update on, once written
                 if out is None and piece.sink is not None:  # stage 3's parameter shard in NVMe files
-                    staged = self.transfers.out_slot(hi - lo, piece.sink_dtype)
-                    lowp = staged if staged.dtype != torch.float32 else None
-                    ops.adamw_step(master, grad, exp_avg, exp_avg_sq, lowp_out=lowp, **hyper)
-                    if lowp is None:
-                        staged.copy_(master)
-                    piece.sink(lo, staged)
-                elif out is None:
-                    ops.adamw_step(master, grad, exp_avg, exp_avg_sq, **hyper)
-                elif out.device.type == "cpu" and self.transfers.device.type != "cpu":
-                    # a host destination (stage 3's offloaded parameter shard): written in the same pass
-                    lowp = out if out.dtype != torch.float32 else None
-                    ops.adamw_step(master, grad, exp_avg, exp_avg_sq, lowp_out=lowp, **hyper)
-                    if lowp is None:
-                        out.copy_(master)
+                    dest = self.transfers.out_slot(hi - lo, piece.sink_dtype)
+                    deliver = lambda: piece.sink(lo, dest)  # noqa: E731
+                elif out is None or (out.device.type == "cpu" and self.transfers.device.type != "cpu"):
+                    dest = out  # nowhere, or a host destination (stage 3's offloaded shard): written in place
                 else:
-                    staged = self.transfers.out_slot(hi - lo, out.dtype)
-                    lowp = staged if out.dtype != torch.float32 else None
-                    ops.adamw_step(master, grad, exp_avg, exp_avg_sq, lowp_out=lowp, **hyper)
-                    if lowp is None:
-                        staged.copy_(master)
-                    self.transfers.send(out, staged)
+                    dest = self.transfers.out_slot(hi - lo, out.dtype)
+                    deliver = lambda: self.transfers.send(out, dest)  # noqa: E731
+                lowp = dest if dest is not None and dest.dtype != torch.float32 else None
+                ops.adamw_step(master, grad, exp_avg, exp_avg_sq, lowp_out=lowp, **hyper)
+                if dest is not None and lowp is None:
+                    dest.copy_(master)
+                if deliver is not None:
+                    deliver()
 
             self.home.visit(g, [(piece.start + lo, piece.start + hi) for piece, lo, hi in tiles], update)
         self.transfers.finish()

@@ -209,6 +209,10 @@ class ShardedParams:
         self.param_store = store
         self._bounce = aligned_empty(max((u.layout.shard_numel for u in self.units), default=0), dtype, pin)
 
+    def bounce_bytes(self) -> int:
+        """Host bytes of the bounce buffer gathers read NVMe-resident pieces through."""
+        return self._bounce.numel() * self._bounce.element_size() if self.param_store is not None else 0
+
     @staticmethod
     def param_file(group: int) -> str:
         return f"params-{group}"
