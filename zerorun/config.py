@@ -136,8 +136,9 @@ class SchedulerConfig:
     type: Literal["none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"] = _f(
         "none", "The schedule (none: the optimizer's lr throughout).")
     warmup_min_lr: float = _f(0.0, "WarmupLR, WarmupDecayLR: lr at the first step.", ge=0)
-    warmup_max_lr: float = _f(0.001, "WarmupLR, WarmupDecayLR: lr at the end of the warmup.", ge=0)
-    warmup_num_steps: int = _f(1000, "Warmup* schedules: steps of warmup (at least 2 are used).", ge=0)
+    warmup_max_lr: float | None = _f(None, "WarmupLR, WarmupDecayLR: lr at the end of the warmup (null: the "
+                                           "optimizer's lr).", ge=0)
+    warmup_num_steps: int = _f(1000, "Warmup* schedules: steps of warmup (at least 2 are used).", ge=1)
     warmup_type: Literal["log", "linear"] = _f("log", "Warmup* schedules: how the warmup rises.")
     total_num_steps: int | None = _f(None, "WarmupDecayLR, WarmupCosineLR: the step at which the decay ends "
                                            "(null: train.steps).", ge=1)
@@ -148,9 +149,9 @@ class SchedulerConfig:
     decay_lr_rate: float = _f(0.0, "OneCycle: lr decay rate after the cycle.", ge=0)
     cycle_first_step_size: int = _f(2000, "OneCycle: steps of the rising half.", ge=1)
     cycle_second_step_size: int | None = _f(None, "OneCycle: steps of the falling half (null: the first's).", ge=1)
-    cycle_first_stair_count: int = _f(0, "OneCycle: kept for DeepSpeed configs; DeepSpeed's formula does not use it.",
-                                      ge=0)
-    cycle_second_stair_count: int | None = _f(None, "OneCycle: as cycle_first_stair_count.", ge=0)
+    cycle_first_stair_count: int = _f(0, "OneCycle: stairs in the rising half (0: a continuous rise).", ge=0)
+    cycle_second_stair_count: int | None = _f(None, "OneCycle: stairs in the falling half (null: the first's).",
+                                              ge=0)
     decay_step_size: int = _f(0, "OneCycle: steps per decay interval after the cycle (0: no decay).", ge=0)
     cycle_momentum: bool = _f(True, "OneCycle: cycle beta1 inversely to the lr.")
     cycle_min_mom: float = _f(0.8, "OneCycle: beta1 at the top of the lr cycle.", ge=0, lt=1)

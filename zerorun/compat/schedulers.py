@@ -4,7 +4,7 @@
     ...
     schedule.step()          # after every applied optimizer step (not after a skipped fp16 step)
 
-As in DeepSpeed (`deepspeed/runtime/lr_schedules.py`), a schedule counts `last_batch_iteration`
+As in DeepSpeed 0.19.8 (`deepspeed/runtime/lr_schedules.py`), a schedule counts `last_batch_iteration`
 from -1; building it sets the lr for iteration -1 (WarmupLR: warmup_min_lr), and each `step()`
 advances the iteration and writes the new lr into every param group. So with the engine stepping it
 after each update, update k (from 0) runs with the lr of iteration k - 1. Warmup schedules use at
@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from zerorun.config import SchedulerConfig
-from zerorun.errors import ConfigError
 
 
 class Schedule:
@@ -74,9 +73,12 @@ def warmup_gamma(iteration: int, warmup_steps: int, warmup_type: str) -> float:
 class WarmupLR(Schedule):
     """warmup_min_lr -> warmup_max_lr over warmup_num_steps, then constant."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
-                 warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
-        self.min_lr, self.max_lr = warmup_min_lr, warmup_max_lr
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: float = 0.0,
+                 warmup_max_lr: float | None = None, warmup_num_steps: int = 1000, warmup_type: str = "log",
+                 last_batch_iteration: int = -1) -> None:
+        self.min_lr = warmup_min_lr
+        # DeepSpeed: no warmup_max_lr means each group's own lr (a single group's here)
+        self.max_lr = optimizer.param_groups[0]["lr"] if warmup_max_lr is None else warmup_max_lr
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.warmup_type = warmup_type
         super().__init__(optimizer, last_batch_iteration)
@@ -96,7 +98,7 @@ class WarmupDecayLR(WarmupLR):
     """WarmupLR, then a linear decay to 0 at total_num_steps."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_lr: float = 0.0,
-                 warmup_max_lr: float = 0.001, warmup_num_steps: int = 1000, warmup_type: str = "log",
+                 warmup_max_lr: float | None = None, warmup_num_steps: int = 1000, warmup_type: str = "log",
                  last_batch_iteration: int = -1) -> None:
         self.total_num_steps = total_num_steps
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
@@ -127,12 +129,13 @@ class WarmupCosineLR(Schedule):
             rise = warmup_gamma(it, self.warmup_num_steps, self.warmup_type)
             return self.warmup_min_ratio + rise * (1.0 - self.warmup_min_ratio)
         done = it - self.warmup_num_steps + 1
-        cosine = (1 + math.cos(math.pi * done / (self.total_num_steps - self.warmup_num_steps))) / 2
+        progress = min(1.0, done / max(1, self.total_num_steps - self.warmup_num_steps))  # stays at the floor after
+        cosine = (1 + math.cos(math.pi * progress)) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
     def lrs(self) -> list[float]:
-        if self.last_batch_iteration < 0:  # DeepSpeed returns a single 0.0 here: the first group gets 0
-            return [0.0]
+        if self.last_batch_iteration < 0:
+            return [0.0] * len(self.org_lrs)
         return [lr * self.ratio() for lr in self.org_lrs]
 
 
@@ -141,11 +144,15 @@ class OneCycle(Schedule):
 
     def __init__(self, optimizer: torch.optim.Optimizer, cycle_min_lr: float, cycle_max_lr: float,
                  decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
+                 cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
                  decay_step_size: int = 0, cycle_momentum: bool = True, cycle_min_mom: float = 0.8,
                  cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0, last_batch_iteration: int = -1) -> None:
         first = float(cycle_first_step_size)
         second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
+        self.first_size, self.second_size = first, second
         self.total_size, self.step_ratio = first + second, first / (first + second)
+        self.first_stairs = cycle_first_stair_count
+        self.second_stairs = cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
         self.decay_step_size = decay_step_size
         self.min_lr, self.max_lr, self.decay_lr_rate = cycle_min_lr, cycle_max_lr, decay_lr_rate
         self.min_mom, self.max_mom, self.decay_mom_rate = cycle_min_mom, cycle_max_mom, decay_mom_rate
@@ -159,9 +166,20 @@ class OneCycle(Schedule):
         self.optimizer, self.last_batch_iteration, self._last_lr = optimizer, last_batch_iteration, [cycle_min_lr] * n
 
     def _scale(self) -> float:
+        """Where in the cycle the next iteration is, 0 (bottom) -> 1 (top) -> 0; in stairs when asked."""
         it = self.last_batch_iteration + 1
         x = 1.0 + it / self.total_size - math.floor(1 + it / self.total_size)
-        return x / self.step_ratio if x <= self.step_ratio else (x - 1) / (self.step_ratio - 1)
+        rising = x <= self.step_ratio
+        scale = x / self.step_ratio if rising else (x - 1) / (self.step_ratio - 1)
+        stairs = self.first_stairs if rising else self.second_stairs
+        if stairs > 0:  # DeepSpeed quantises from the integer offset in the cycle, not from `scale`
+            offset = it % self.total_size
+            if offset <= self.first_size:
+                position = offset * stairs / self.first_size
+            else:
+                position = (self.total_size - offset) * stairs / self.second_size
+            scale = math.floor(position) / stairs
+        return scale
 
     def _decay_interval(self) -> float | None:
         """Decay intervals done after the cycle; None while cycling or when decay is off."""
@@ -220,9 +238,6 @@ def build(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer, default_total:
     warmup = dict(warmup_num_steps=cfg.warmup_num_steps, warmup_type=cfg.warmup_type)
     if cfg.type == "none":
         return None
-    if cfg.type == "WarmupCosineLR" and total <= max(2, cfg.warmup_num_steps):  # DeepSpeed divides by the difference
-        raise ConfigError(f"scheduler.total_num_steps: {total} must exceed the warmup's "
-                          f"{max(2, cfg.warmup_num_steps)} steps for WarmupCosineLR.")
     if cfg.type == "WarmupLR":
         return WarmupLR(optimizer, cfg.warmup_min_lr, cfg.warmup_max_lr, **warmup)
     if cfg.type == "WarmupDecayLR":
@@ -232,8 +247,9 @@ def build(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer, default_total:
                               cfg.warmup_type)
     if cfg.type == "OneCycle":
         return OneCycle(optimizer, cfg.cycle_min_lr, cfg.cycle_max_lr, cfg.decay_lr_rate, cfg.cycle_first_step_size,
-                        cfg.cycle_second_step_size, cfg.decay_step_size, cfg.cycle_momentum, cfg.cycle_min_mom,
-                        cfg.cycle_max_mom, cfg.decay_mom_rate)
+                        cfg.cycle_second_step_size, cfg.cycle_first_stair_count, cfg.cycle_second_stair_count,
+                        cfg.decay_step_size, cfg.cycle_momentum, cfg.cycle_min_mom, cfg.cycle_max_mom,
+                        cfg.decay_mom_rate)
     assert cfg.type == "LRRangeTest", f"schedulers.build: unhandled type {cfg.type}"
     return LRRangeTest(optimizer, cfg.lr_range_test_min_lr, cfg.lr_range_test_step_size,
                        cfg.lr_range_test_step_rate, cfg.lr_range_test_staircase)
