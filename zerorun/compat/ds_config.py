@@ -56,7 +56,7 @@ class Batch:
     @property
     def needs_world(self) -> bool:
         """Whether the world size is needed to know the micro-batch and the accumulation."""
-        return self.train_batch_size is not None or self.micro is None
+        return self.train_batch_size is not None
 
     def resolve(self, world: int) -> tuple[int, int, int]:
         """(micro, accum, train_batch_size) by DeepSpeed's rule: two of them give the third, and all
@@ -165,6 +165,8 @@ def _leaves(node: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     for key, value in node.items():
         dotted = f"{prefix}{key}"
         found = rule_for(dotted)
+        if isinstance(value, Mapping) and not value and found is None:
+            continue  # an empty section ("params": {}) says nothing
         if isinstance(value, Mapping) and value and not (found and found[1].section and found[0] == dotted):
             out.extend(_leaves(value, dotted + "."))
         else:
