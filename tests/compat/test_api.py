@@ -71,9 +71,11 @@ def _initialize_rules(rank: int, world: int, tmp: str) -> list[str]:
     except ZerorunError as exc:
         seen.append(f"no optimizer: {exc}")
     groups = [{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}]
-    engine, optimizer, _, schedule = deepspeed.initialize(args=args, model=model, model_parameters=groups,
-                                                          config=ds)
+    data = torch.utils.data.TensorDataset(torch.arange(10.0))
+    engine, optimizer, loader, schedule = deepspeed.initialize(args=args, model=model, model_parameters=groups,
+                                                               training_data=data, config=ds)
     seen.append(f"groups: {[g['weight_decay'] for g in optimizer.param_groups]} schedule {schedule}")
+    seen.append(f"loader: {[len(b[0]) for b in loader]}")  # micro-batches of 2 from this rank's share
     try:
         engine.backward(engine(torch.ones(2, 4)).sum(), retain_graph=True)
     except ZerorunError as exc:
@@ -95,3 +97,4 @@ def test_initialize_follows_deepspeeds_rules_and_refuses_by_name(tmp_path: Path)
     assert "retain_graph: engine.backward(retain_graph=True) is not supported" in text
     assert "no_sync: DeepSpeedEngine.no_sync is not provided by zerorun's DeepSpeed compatibility" in text
     assert "empty: (None, None)" in text
+    assert "loader: [2, 2, 2, 2, 2]" in text

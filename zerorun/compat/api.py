@@ -68,6 +68,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     recipe, ds = recipe_for(source, launched, info.world_size, info.rank)
     recipes.check_global_batch(recipe, info.world_size)
     user_optimizer = _client_optimizer(optimizer, model_parameters, model, recipe, ds)
+    if optimizer is not None and ds is not None and "optimizer" in ds and info.rank == 0:
+        print("zerorun: warning: initialize(optimizer=...) is used and the DeepSpeed config's `optimizer` section "
+              "is not (as in DeepSpeed).", file=sys.stderr)
     engine = zerorun.initialize(model, user_optimizer, recipe)
     schedule = _lr_scheduler(lr_scheduler, engine.optimizer, recipe)
     facade = DeepSpeedEngine(engine, recipe, schedule)
