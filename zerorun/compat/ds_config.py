@@ -194,7 +194,7 @@ def _apply(t: Translation, key: str, value: Any) -> None:
             t.note(key, Level.ERROR, f"{exc} ({rule.why}).")
         return
     if _harmless(rule, value):
-        t.note(key, Level.INFO, rule.why)
+        t.note(key, Level.INFO, f"{rule.why}.")
         return
     prefix = {Level.INFO: "", Level.WARNING: "ignored: ", Level.ERROR: "not supported: "}[rule.level]
     t.note(key, rule.level, f"{prefix}{rule.why}.")
