@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 import zerorun
 from zerorun.errors import ZerorunError
@@ -62,16 +62,40 @@ class Launcher(str, enum.Enum):
     slurm = "slurm"
 
 
-@app.command()
+class _LaunchCommand(TyperCommand):
+    """`zerorun launch script.py ARGS`: as with DeepSpeed's launcher, everything after the script is its own."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        from zerorun.compat.cmdline import split_script_args
+
+        value_options = {name for param in self.params if not getattr(param, "is_flag", True)
+                         for name in getattr(param, "opts", [])}
+        head, ctx.meta["script_args"] = split_script_args(args, value_options)
+        return super().parse_args(ctx, head)
+
+
+@app.command(cls=_LaunchCommand)
 def launch(
-    recipe: Annotated[Path, typer.Argument(help="The recipe YAML file.", show_default=False)],
-    hostfile: Annotated[str | None, typer.Option(help="DeepSpeed-style hostfile (overrides the recipe's).")] = None,
-    include: Annotated[str | None, typer.Option(help="Hosts/slots to use, e.g. 'worker-0@worker-1:0,2'.")] = None,
-    exclude: Annotated[str | None, typer.Option(help="Hosts/slots to leave out, same syntax as --include.")] = None,
-    num_nodes: Annotated[int | None, typer.Option(help="Use the first N hosts.")] = None,
-    num_gpus: Annotated[int | None, typer.Option(help="Use the first N slots of every host.")] = None,
-    master_addr: Annotated[str | None, typer.Option(help="Rendezvous address (default: the first node).")] = None,
-    master_port: Annotated[int | None, typer.Option(help="Rendezvous port (default: a free port).")] = None,
+    ctx: typer.Context,
+    recipe: Annotated[Path, typer.Argument(help="The recipe YAML file, or a .py script followed by its arguments "
+                                                "(DeepSpeed's command line; its --deepspeed_config is the recipe).",
+                                           show_default=False)],
+    hostfile: Annotated[str | None, typer.Option("--hostfile", "-H",
+                                                 help="DeepSpeed-style hostfile (overrides the recipe's).")] = None,
+    include: Annotated[str | None, typer.Option("--include", "-i",
+                                                help="Hosts/slots to use, e.g. 'worker-0@worker-1:0,2'.")] = None,
+    exclude: Annotated[str | None, typer.Option("--exclude", "-e",
+                                                help="Hosts/slots to leave out, same syntax as --include.")] = None,
+    num_nodes: Annotated[int | None, typer.Option("--num-nodes", "--num_nodes", help="Use the first N hosts.")] = None,
+    num_gpus: Annotated[int | None, typer.Option("--num-gpus", "--num_gpus",
+                                                 help="Use the first N slots of every host.")] = None,
+    master_addr: Annotated[str | None, typer.Option("--master-addr", "--master_addr",
+                                                    help="Rendezvous address (default: the first node).")] = None,
+    master_port: Annotated[int | None, typer.Option("--master-port", "--master_port",
+                                                    help="Rendezvous port (default: a free port).")] = None,
+    no_local_rank: Annotated[bool, typer.Option("--no_local_rank", "--no-local-rank",
+                                                help="A .py launch: do not pass --local_rank=N to the script "
+                                                     "(DeepSpeed's flag).")] = False,
     set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
                                                       help="Override a recipe key, e.g. --set zero.stage=3.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print every node's command and environment; start nothing.")] = False,
@@ -81,13 +105,23 @@ def launch(
              "hosts), ssh to every host, or one srun step inside a Slurm allocation (the default there).")] = None,
 ) -> None:
     """Run a recipe's training script on every selected node and worker."""
+    import dataclasses
+
+    from zerorun.compat import cmdline
     from zerorun.launch import launcher
 
     options = launcher.LaunchOptions(hostfile=hostfile, include=include, exclude=exclude, num_nodes=num_nodes,
                                      num_gpus=num_gpus, master_addr=master_addr, master_port=master_port,
                                      overrides=tuple(set_ or ()),
                                      launcher=launcher_.value if launcher_ else None)
+    if recipe.suffix == ".py":
+        recipe = cmdline.script_recipe(recipe, ctx.meta["script_args"], local_rank_arg=not no_local_rank)
+        typer.echo(f"zerorun: the command line as a recipe: {recipe}", err=True)
     launch_plan = launcher.make_plan(recipe, options)
+    # DeepSpeed's train_batch_size splits by the world size, known only now that the nodes are chosen
+    batch = cmdline.batch_overrides(recipe, options.overrides, launch_plan.world_size)
+    if batch:
+        launch_plan = launcher.make_plan(recipe, dataclasses.replace(options, overrides=(*batch, *options.overrides)))
     if dry_run:
         typer.echo(launcher.render(launch_plan))
         return
@@ -128,6 +162,27 @@ def _confirm(question: str) -> bool:
         return typer.confirm(question, default=False, err=True)
     except (typer.Abort, EOFError):
         return False
+
+
+@app.command()
+def convert(
+    ds_config: Annotated[Path, typer.Argument(help="A DeepSpeed config JSON (ds_config.json).", show_default=False)],
+    out: Annotated[Path | None, typer.Option(help="Write the recipe here (default: print it).")] = None,
+    script: Annotated[str, typer.Option(help="The training script the recipe runs.")] = "train.py",
+    world_size: Annotated[int | None, typer.Option(help="Workers in all: needed to split a train_batch_size "
+                                                        "without both micro-batch and accumulation.")] = None,
+) -> None:
+    """Write the recipe a DeepSpeed config stands for, each key commented with where it came from."""
+    from zerorun.compat import convert as converter
+    from zerorun.compat import ds_config as ds
+
+    text = converter.convert(ds_config, out, script, world_size)
+    ds.report(ds.read(ds_config, world_size), str(ds_config))
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    out.write_text(text)
+    typer.echo(f"zerorun: wrote {out}", err=True)
 
 
 @app.command()

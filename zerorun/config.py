@@ -92,6 +92,12 @@ class PrecisionConfig:
     growth_factor: float = _f(2.0, "fp16: multiplier when the scale grows.", gt=1)
     backoff_factor: float = _f(0.5, "fp16: multiplier after an overflow.", gt=0, lt=1)
     min_loss_scale: float = _f(1.0, "fp16: the scale never goes below this.", gt=0)
+    dynamic_loss_scale: bool = _f(True, "fp16: false keeps initial_loss_scale fixed (an overflowing step is still "
+                                        "skipped on every rank).")
+    hysteresis: int = _f(1, "fp16: overflows in a row tolerated before the scale backs off (DeepSpeed's hysteresis; "
+                            "the count refills when the scale grows).", ge=1)
+    consecutive_hysteresis: bool = _f(False, "fp16: refill the hysteresis count after every step without overflow, "
+                                             "not only when the scale grows.")
 
 
 @dataclass
@@ -113,7 +119,48 @@ class TrainConfig:
     grad_accum_steps: int = _f(1, "Micro-batches per optimizer step.", ge=1)
     clip_grad_norm: float | None = _f(None, "Clip gradients to this global L2 norm (null: no clipping).", gt=0)
     steps: int = _f(100, "Optimizer steps to train.", ge=1)
+    global_batch_size: int | None = _f(None, "Samples per optimizer step over all ranks (DeepSpeed's "
+                                             "train_batch_size): when set, micro_batch_size x grad_accum_steps x "
+                                             "the world size must equal it, or the run is refused.", ge=1)
     seed: int = _f(0, "Seed for model initialisation and synthetic data.", ge=0)
+
+
+@dataclass
+class SchedulerConfig:
+    """A learning-rate schedule with DeepSpeed's formulas, stepped after every applied optimizer step.
+
+    The DeepSpeed-compatible engine (`launch.deepspeed_compat`) steps it; a native script builds it
+    with `zerorun.compat.schedulers.build(recipe.scheduler, engine.optimizer)`.
+    """
+
+    type: Literal["none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"] = _f(
+        "none", "The schedule (none: the optimizer's lr throughout).")
+    warmup_min_lr: float = _f(0.0, "WarmupLR, WarmupDecayLR: lr at the first step.", ge=0)
+    warmup_max_lr: float | None = _f(None, "WarmupLR, WarmupDecayLR: lr at the end of the warmup (null: the "
+                                           "optimizer's lr).", ge=0)
+    warmup_num_steps: int = _f(1000, "Warmup* schedules: steps of warmup (at least 2 are used).", ge=1)
+    warmup_type: Literal["log", "linear"] = _f("log", "Warmup* schedules: how the warmup rises.")
+    total_num_steps: int | None = _f(None, "WarmupDecayLR, WarmupCosineLR: the step at which the decay ends "
+                                           "(null: train.steps).", ge=1)
+    warmup_min_ratio: float = _f(0.0, "WarmupCosineLR: start of the warmup, as a fraction of the optimizer's lr.", ge=0)
+    cos_min_ratio: float = _f(0.0001, "WarmupCosineLR: end of the cosine, as a fraction of the optimizer's lr.", ge=0)
+    cycle_min_lr: float = _f(0.0, "OneCycle: lr at the bottom of the cycle.", ge=0)
+    cycle_max_lr: float = _f(0.001, "OneCycle: lr at the top of the cycle.", ge=0)
+    decay_lr_rate: float = _f(0.0, "OneCycle: lr decay rate after the cycle.", ge=0)
+    cycle_first_step_size: int = _f(2000, "OneCycle: steps of the rising half.", ge=1)
+    cycle_second_step_size: int | None = _f(None, "OneCycle: steps of the falling half (null: the first's).", ge=1)
+    cycle_first_stair_count: int = _f(0, "OneCycle: stairs in the rising half (0: a continuous rise).", ge=0)
+    cycle_second_stair_count: int | None = _f(None, "OneCycle: stairs in the falling half (null: the first's).",
+                                              ge=0)
+    decay_step_size: int = _f(0, "OneCycle: steps per decay interval after the cycle (0: no decay).", ge=0)
+    cycle_momentum: bool = _f(True, "OneCycle: cycle beta1 inversely to the lr.")
+    cycle_min_mom: float = _f(0.8, "OneCycle: beta1 at the top of the lr cycle.", ge=0, lt=1)
+    cycle_max_mom: float = _f(0.9, "OneCycle: beta1 at the bottom of the lr cycle.", ge=0, lt=1)
+    decay_mom_rate: float = _f(0.0, "OneCycle: beta1 decay rate after the cycle.", ge=0)
+    lr_range_test_min_lr: float = _f(0.001, "LRRangeTest: the starting lr.", ge=0)
+    lr_range_test_step_size: int = _f(2000, "LRRangeTest: steps per increase interval.", ge=1)
+    lr_range_test_step_rate: float = _f(1.0, "LRRangeTest: increase per interval.", ge=0)
+    lr_range_test_staircase: bool = _f(False, "LRRangeTest: increase in steps rather than continuously.")
 
 
 @dataclass
@@ -147,6 +194,10 @@ class LaunchConfig:
                 "allocation (SLURM_JOB_ID set) when no hostfile is given, else as local. local: localhost as a "
                 "local process, other hostfile hosts over SSH. ssh: every host over SSH, this machine included. "
                 "slurm: one srun step that starts a torchrun on every allocated node.")
+    deepspeed_compat: bool = _f(False, "`import deepspeed` in the script gets zerorun's DeepSpeed-compatible API "
+                                       "(zerorun.compat.deepspeed); on for a `zerorun launch script.py` command line.")
+    deepspeed_local_rank: bool = _f(True, "With deepspeed_compat: append --local_rank=<local rank> to the script's "
+                                          "arguments, as DeepSpeed's launcher does (its --no_local_rank: false).")
 
 
 @dataclass
@@ -172,11 +223,14 @@ class Recipe:
     master_addr: str | None = _f(None, "Rendezvous address (default: the first node).")
     master_port: int | None = _f(None, "Rendezvous port (default: a free port).", ge=1, le=65535)
     env: dict[str, str] = _f(doc="Extra environment variables for every worker.", factory=dict)
+    deepspeed_config: str | None = _f(None, "A DeepSpeed JSON config read into this recipe (relative to the recipe "
+                                            "file); the recipe's own keys win over it. See 'Coming from DeepSpeed'.")
     launch: LaunchConfig = _f(doc="Process lifecycle.", factory=LaunchConfig)
     ssh: SSHConfig = _f(doc="SSH to the other hosts of a multi-node job.", factory=SSHConfig)
     zero: ZeroConfig = _f(doc="ZeRO partitioning.", factory=ZeroConfig)
     precision: PrecisionConfig = _f(doc="Numeric formats.", factory=PrecisionConfig)
     optimizer: OptimizerConfig = _f(doc="Default optimizer.", factory=OptimizerConfig)
+    scheduler: SchedulerConfig = _f(doc="Learning-rate schedule.", factory=SchedulerConfig)
     train: TrainConfig = _f(doc="Training loop.", factory=TrainConfig)
     checkpoint: CheckpointConfig = _f(doc="Checkpoints.", factory=CheckpointConfig)
     telemetry: TelemetryConfig = _f(doc="Telemetry.", factory=TelemetryConfig)
@@ -196,6 +250,7 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = (), check_sc
         raise ConfigError(f"{path}: cannot read the recipe ({exc.strerror or exc}).") from None
     data, lines = _parse_yaml(text, str(path))
     _apply_overrides(data, lines, overrides)
+    _read_deepspeed_config(data, lines, path.resolve().parent, str(path))
     recipe = from_dict(data, str(path), lines)
     recipe.source = str(path.resolve())
     if recipe.name is None:
@@ -214,6 +269,7 @@ def loads(text: str, source: str = "<recipe>", overrides: typing.Sequence[str] =
     """Validate a recipe given as YAML text (paths stay as written)."""
     data, lines = _parse_yaml(text, source)
     _apply_overrides(data, lines, overrides)
+    _read_deepspeed_config(data, lines, Path.cwd(), source)
     recipe = from_dict(data, source, lines)
     recipe.source = source
     return recipe
@@ -250,6 +306,52 @@ def from_env() -> Recipe | None:
     recipe = from_dict(json.loads(blob), f"${RECIPE_ENV}")
     recipe.source = os.environ.get(RECIPE_ENV + "_SOURCE")
     return recipe
+
+
+def check_global_batch(recipe: Recipe, world_size: int) -> None:
+    """`train.global_batch_size` against the world size the job runs on: a ConfigError when they disagree."""
+    train = recipe.train
+    if train.global_batch_size is None:
+        return
+    actual = train.micro_batch_size * train.grad_accum_steps * world_size
+    if actual != train.global_batch_size:
+        origin = f" (from {recipe.deepspeed_config}: train_batch_size)" if recipe.deepspeed_config else ""
+        raise ConfigError(f"{recipe.source or 'the recipe'}: train.global_batch_size: {train.global_batch_size}"
+                          f"{origin} != micro_batch_size {train.micro_batch_size} x grad_accum_steps "
+                          f"{train.grad_accum_steps} x world size {world_size} = {actual}; change one of them "
+                          "(or the number of workers).")
+
+
+def _read_deepspeed_config(data: Any, lines: dict[str, int | str], base: Path, source: str) -> None:
+    """`deepspeed_config: ds.json`: the DeepSpeed config, translated, under the recipe's own keys
+    (which win, `--set` included); messages about its keys name the JSON file and the DeepSpeed key."""
+    if not isinstance(data, dict) or data.get("deepspeed_config") in (None, ""):
+        return
+    # A leaf module (JSON -> plain recipe data) that imports nothing of config: no import cycle.
+    from zerorun.compat import ds_config
+
+    ds_path = base / str(data["deepspeed_config"])
+    if not ds_path.is_file():
+        raise ConfigError(f"{_where(source, lines, 'deepspeed_config')}: deepspeed_config: {ds_path} does not "
+                          "exist (paths are relative to the recipe file).")
+    translation = ds_config.read(ds_path)
+    ds_config.report(translation, str(ds_path))
+    _merge_under(data, translation.data, "")
+    for key, origin in translation.origins.items():
+        lines.setdefault(key, f"{ds_path}: {origin}")
+    data["deepspeed_config"] = str(ds_path)
+
+
+def _merge_under(data: dict[str, Any], base: dict[str, Any], prefix: str) -> None:
+    """Fill `data` with `base`'s keys where `data` has none (a shorthand scalar is expanded first)."""
+    for key, value in base.items():
+        if key not in data or data[key] is None:
+            data[key] = value
+        elif isinstance(value, dict):
+            if not isinstance(data[key], dict):
+                data[key] = _expand_shorthand(prefix + key, data[key]) or data[key]
+            if isinstance(data[key], dict):
+                _merge_under(data[key], value, f"{prefix}{key}.")
 
 
 # ---------------------------------------------------------------------------------------------

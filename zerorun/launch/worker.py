@@ -61,6 +61,10 @@ def run_script(script: str, args: list[str]) -> int:
     info = init_distributed(recipe.launch.timeout_s if recipe else 300.0)
     faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
     stop_probe = _start_probe(recipe, info)
+    if recipe is not None and recipe.launch.deepspeed_compat:  # `import deepspeed` gets zerorun.compat's API
+        from zerorun.compat import shim
+
+        args = shim.install(recipe, args)
     script = os.path.abspath(script)
     sys.argv = [script, *args]
     # The script's directory comes first, as for `python script.py`; the entries after it stay, so

@@ -46,33 +46,47 @@ class LossScaler:
 
     After `growth_interval` steps without overflow the scale grows by `growth_factor`; an
     overflow multiplies it by `backoff_factor` (never below `min_loss_scale`) and the step is
-    skipped on every rank.
+    skipped on every rank. `hysteresis` > 1 (DeepSpeed's delayed shift) lets that many overflows
+    in a row pass before the scale backs off (the steps are still skipped); the count refills when
+    the scale grows, or after every clean step with `consecutive_hysteresis`.
+    `dynamic_loss_scale: false` keeps `initial_loss_scale` for the whole run.
     """
 
     def __init__(self, cfg: PrecisionConfig) -> None:
-        self.dynamic = cfg.dtype == "fp16"
-        self.scale = cfg.initial_loss_scale if self.dynamic else 1.0
+        self.dynamic = cfg.dtype == "fp16" and cfg.dynamic_loss_scale
+        self.scale = cfg.initial_loss_scale if cfg.dtype == "fp16" else 1.0
         self.growth_interval = cfg.growth_interval
         self.growth_factor = cfg.growth_factor
         self.backoff_factor = cfg.backoff_factor
         self.min_scale = cfg.min_loss_scale
+        self.hysteresis = cfg.hysteresis
+        self.consecutive_hysteresis = cfg.consecutive_hysteresis
         self._good_steps = 0
+        self._hysteresis_left = cfg.hysteresis
 
     def update(self, found_inf: bool) -> None:
         if not self.dynamic:
             return
         if found_inf:
-            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self._good_steps = 0
+            if self._hysteresis_left > 1:
+                self._hysteresis_left -= 1
+                return
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             return
         self._good_steps += 1
+        if self.consecutive_hysteresis:
+            self._hysteresis_left = self.hysteresis
         if self._good_steps == self.growth_interval:
             self.scale *= self.growth_factor
             self._good_steps = 0
+            self._hysteresis_left = self.hysteresis
 
     def state_dict(self) -> dict[str, float]:
-        return {"scale": self.scale, "good_steps": self._good_steps}
+        return {"scale": self.scale, "good_steps": self._good_steps, "hysteresis_left": self._hysteresis_left}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.scale = float(state["scale"])
         self._good_steps = int(state["good_steps"])
+        # checkpoints written before hysteresis existed had none left to spend
+        self._hysteresis_left = int(state.get("hysteresis_left", self.hysteresis))

@@ -1,0 +1,125 @@
+"""DeepSpeed configs translate key by key: mapped, warned about or refused by name, never dropped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zerorun import config
+from zerorun.compat import ds_config
+from zerorun.compat.ds_config import Batch
+from zerorun.compat.ds_keys import RULES, Level
+from zerorun.errors import ConfigError
+
+
+def _notes(t: ds_config.Translation, level: Level) -> dict[str, str]:
+    return {n.key: n.message for n in t.notes if n.level is level}
+
+
+def test_deepspeed_defaults_that_differ_from_zeroruns_are_written_out() -> None:
+    t = ds_config.translate({"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {}},
+                             "fp16": {"enabled": True}})
+    assert t.data["zero"]["stage"] == 0  # DeepSpeed without zero_optimization: no ZeRO
+    assert t.data["optimizer"] == {"type": "adamw", "weight_decay": 0.0, "lr": 1e-3, "betas": [0.9, 0.999],
+                                   "eps": 1e-8}  # "Adam" is AdamW unless adam_w_mode is false
+    assert t.data["precision"] == {"dtype": "fp16", "hysteresis": 2, "initial_loss_scale": 65536.0}
+    assert t.data["train"] == {"micro_batch_size": 4, "grad_accum_steps": 1}
+
+
+def test_adam_w_mode_false_is_l2_adam_and_a_static_loss_scale_is_not_dynamic() -> None:
+    t = ds_config.translate({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True, "loss_scale": 128},
+                             "optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "lr": 0.1}}})
+    assert t.data["optimizer"]["type"] == "adam" and t.data["optimizer"]["lr"] == 0.1
+    assert t.data["precision"]["initial_loss_scale"] == 128.0 and t.data["precision"]["dynamic_loss_scale"] is False
+
+
+@pytest.mark.parametrize("given, world, expected", [
+    ((32, 4, None), 2, (4, 4, 32)),      # micro given: accumulation derived
+    ((32, None, 2), 4, (4, 2, 32)),      # accumulation given: micro derived
+    ((32, None, None), 4, (8, 1, 32)),   # train_batch_size alone: accumulation 1
+    ((None, 4, 3), 2, (4, 3, 24)),       # no train_batch_size: it follows
+    ((24, 4, 3), 2, (4, 3, 24)),         # all three: checked
+])
+def test_batch_follows_deepspeeds_rule(given: tuple, world: int, expected: tuple) -> None:
+    assert Batch(*given).resolve(world) == expected
+
+
+def test_a_batch_that_does_not_split_is_refused_naming_the_rule() -> None:
+    with pytest.raises(ValueError, match=r"train_batch_size 24 != .* 4 x .* 3 x world size 4"):
+        Batch(24, 4, 3).resolve(4)
+    t = ds_config.translate({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, world_size=2)
+    assert "train_batch_size" in _notes(t, Level.ERROR)
+
+
+def test_unsupported_keys_are_refused_or_warned_by_name() -> None:
+    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 3, "sub_group_size": 1e9, "stage3_max_live_parameters": 1e9,
+                                "zero_quantized_weights": True},
+          "pipeline": {"stages": 2}, "tensorboard": {"enabled": True, "output_path": "tb"},
+          "gradient_clippping": 1.0, "my_own_key": 3, "amp": {"enabled": False}}
+    t = ds_config.translate(ds)
+    errors, warnings = _notes(t, Level.ERROR), _notes(t, Level.WARNING)
+    assert set(errors) == {"optimizer.type", "zero_optimization.zero_quantized_weights", "pipeline",
+                           "gradient_clippping"}
+    assert "did you mean gradient_clipping" in errors["gradient_clippping"]
+    assert {"zero_optimization.sub_group_size", "zero_optimization.stage3_max_live_parameters", "tensorboard",
+            "my_own_key"} <= set(warnings)
+    assert "amp" not in errors  # disabled: harmless
+    with pytest.raises(ConfigError) as err:
+        ds_config.check(t, "ds.json")
+    assert "ds.json: pipeline: not supported" in str(err.value) and "4 DeepSpeed key(s)" in str(err.value)
+
+
+def test_every_key_of_the_input_gets_exactly_one_outcome() -> None:
+    ds = json.loads((Path(__file__).parent / "configs" / "zero3_nvme.json").read_text())
+    t = ds_config.translate(ds, world_size=8)
+    leaves = {k for k, _ in ds_config._leaves(ds)}
+    handled = {k for k in leaves if RULES.get(k) and RULES[k].handled}
+    accounted = set(t.origins.values()) | {n.key for n in t.notes} | handled
+    assert leaves <= accounted, leaves - accounted
+
+
+def test_auto_leaves_zeroruns_default_with_a_warning() -> None:
+    t = ds_config.translate({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                             "gradient_clipping": "auto", "bf16": {"enabled": "auto"}})
+    warnings = _notes(t, Level.WARNING)
+    assert {"gradient_clipping", "bf16.enabled", "train_batch_size"} <= set(warnings)
+    assert "clip_grad_norm" not in t.data.get("train", {}) and t.data["precision"]["dtype"] == "fp32"
+    assert not t.errors
+
+
+def test_a_recipe_reads_a_deepspeed_config_and_its_own_keys_win(tmp_path: Path) -> None:
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                                                  "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}))
+    (tmp_path / "r.yaml").write_text("script: t.py\ndeepspeed_config: ds.json\nzero:\n  bucket_mb: 2\n"
+                                     "precision: fp32\n")
+    recipe = config.load(tmp_path / "r.yaml", ["train.grad_accum_steps=3"], check_script=False)
+    assert recipe.deepspeed_config == str(tmp_path / "ds.json")
+    assert (recipe.zero.stage, recipe.zero.bucket_mb, recipe.precision.dtype) == (1, 2.0, "fp32")
+    assert (recipe.train.micro_batch_size, recipe.train.grad_accum_steps) == (4, 3)
+
+
+def test_a_bad_value_in_the_deepspeed_config_names_the_json_file_and_key(tmp_path: Path) -> None:
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 4,
+                                                  "zero_optimization": {"stage": 2,
+                                                                        "offload_param": {"device": "cpu"}}}))
+    (tmp_path / "r.yaml").write_text("script: t.py\ndeepspeed_config: ds.json\n")
+    with pytest.raises(ConfigError) as err:
+        config.load(tmp_path / "r.yaml", check_script=False)
+    assert f"{tmp_path / 'ds.json'}: zero_optimization.offload_param.device" in str(err.value)
+    (tmp_path / "ds.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"ds.json:1: not valid JSON"):
+        config.load(tmp_path / "r.yaml", check_script=False)
+    (tmp_path / "r.yaml").write_text("script: t.py\ndeepspeed_config: missing.json\n")
+    with pytest.raises(ConfigError, match=r"r.yaml:2: deepspeed_config: .*missing.json does not exist"):
+        config.load(tmp_path / "r.yaml", check_script=False)
+
+
+def test_global_batch_size_is_checked_against_the_world_size() -> None:
+    recipe = config.loads("script: t.py\ntrain: {micro_batch_size: 2, grad_accum_steps: 3, global_batch_size: 12}\n")
+    config.check_global_batch(recipe, 2)
+    with pytest.raises(ConfigError, match=r"global_batch_size: 12 != micro_batch_size 2 x grad_accum_steps 3 x "
+                                          r"world size 3 = 18"):
+        config.check_global_batch(recipe, 3)

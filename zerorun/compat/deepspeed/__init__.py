@@ -1,0 +1,38 @@
+"""zerorun's DeepSpeed-compatible API: what `import deepspeed` gives a script when the recipe sets
+`launch.deepspeed_compat: true` (and `zerorun launch script.py` does); importable as
+`zerorun.compat.deepspeed` without the switch.
+
+    import deepspeed
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    engine, optimizer, _, scheduler = deepspeed.initialize(args=parser.parse_args(), model=model,
+                                                           model_parameters=model.parameters())
+
+Anything of DeepSpeed's that is not here fails where the script touches it, with a message naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerorun import __version__ as _zerorun_version
+from zerorun.compat.deepspeed import comm, zero
+from zerorun.compat.api import add_config_arguments, init_distributed, initialize
+from zerorun.compat.engine import DeepSpeedEngine
+
+__version__ = f"0.0.0+zerorun.{_zerorun_version}"  # PEP 440, and never mistaken for a DeepSpeed release
+
+__all__ = ["DeepSpeedEngine", "add_config_arguments", "comm", "init_distributed", "initialize", "zero"]
+
+_INSTEAD = {
+    "init_inference": "zerorun trains; for inference use engine.module (or engine.state_dict()) directly",
+    "checkpointing": "torch.utils.checkpoint (zerorun supports it at every stage)",
+    "ops": "zerorun picks its own fused and CPU Adam kernels (recipe optimizer.*)",
+    "accelerator": "torch.cuda / torch.device directly",
+    "pipe": "zerorun has no pipeline parallelism",
+    "moe": "zerorun has no expert parallelism",
+}
+
+
+def __getattr__(name: str) -> Any:
+    hint = _INSTEAD.get(name, "see the README's 'Coming from DeepSpeed' for what the compatibility covers")
+    raise AttributeError(f"deepspeed.{name} is not provided by zerorun's DeepSpeed compatibility: {hint}.")

@@ -1,0 +1,204 @@
+"""`DeepSpeedEngine`: DeepSpeed's engine API over zerorun's Engine, using only the Engine's public API.
+
+    engine, optimizer, _, scheduler = deepspeed.initialize(args=args, model=model, ...)
+    loss = engine(batch)
+    engine.backward(loss)
+    engine.step()                       # an update at accumulation boundaries, then the lr schedule
+    engine.save_checkpoint(dir, client_state={"epoch": 3})
+    path, client_state = engine.load_checkpoint(dir)
+
+What DeepSpeed does at a step, kept here: the lr schedule steps only after an applied update (not
+after an fp16 overflow skipped it), `global_steps` counts skipped updates too, and the schedule's
+state travels in the checkpoint. Checkpoint tags default to DeepSpeed's `global_step<N>`.
+A method or attribute DeepSpeed has and this facade does not fails with an AttributeError that
+names it and says what to use instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from zerorun.config import Recipe
+from zerorun.errors import ZerorunError
+
+COMPAT_STATE = "_deepspeed_compat"  # the facade's own entry in the checkpoint's client_state
+
+# DeepSpeed engine members a script may reach for, with what zerorun offers instead.
+INSTEAD = {
+    "no_sync": "zerorun reduces gradients only at accumulation boundaries already; drop the context manager",
+    "set_gradient_accumulation_boundary": "the boundary follows train.grad_accum_steps",
+    "save_16bit_model": "engine.module.state_dict() (stages 0-2), engine.state_dict(), or `zerorun checkpoint "
+                        "consolidate`",
+    "save_fp16_model": "engine.state_dict(), or `zerorun checkpoint consolidate`",
+    "train_batch": "a pipeline engine method; zerorun has no pipeline parallelism",
+    "eval_batch": "a pipeline engine method; zerorun has no pipeline parallelism",
+}
+
+
+class DeepSpeedEngine:
+    """The engine `deepspeed.initialize` returns, backed by a zerorun Engine."""
+
+    def __init__(self, engine: Any, recipe: Recipe, lr_scheduler: Any = None) -> None:
+        self.engine = engine  # the zerorun Engine, for zerorun's own API (memory(), gathered(), ...)
+        self.recipe = recipe
+        self.module = engine.module
+        self.optimizer = engine.optimizer
+        self.lr_scheduler = lr_scheduler
+        self.global_samples = 0
+        self._step_applied = False
+        info = engine.info
+        self.local_rank, self.global_rank, self.world_size = info.local_rank, info.rank, info.world_size
+        self.dp_world_size = info.world_size
+        self.device = engine.device
+
+    # -- training loop ------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def backward(self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
+        """Backpropagate loss / gradient_accumulation_steps (zerorun always scales so) and reduce."""
+        if retain_graph:
+            raise ZerorunError("engine.backward(retain_graph=True) is not supported by zerorun: its gradient "
+                               "hooks reduce once per backward.")
+        if not scale_wrt_gas:
+            raise ZerorunError("engine.backward(scale_wrt_gas=False) is not supported by zerorun: it always "
+                               "divides the loss by train.grad_accum_steps; divide your loss up instead.")
+        self.engine.backward(loss)
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """A micro-step; at a boundary, the update and then (if it was applied) the lr schedule."""
+        boundary = self.engine.is_boundary
+        skipped = self.engine.skipped_steps
+        self.engine.step()
+        if not boundary:
+            return
+        self._step_applied = self.engine.skipped_steps == skipped
+        self.global_samples += self.train_batch_size()
+        if self._step_applied and self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.engine.is_boundary
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def train(self, mode: bool = True) -> DeepSpeedEngine:
+        self.engine.train(mode)
+        return self
+
+    def eval(self) -> DeepSpeedEngine:
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True) -> Any:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        return self.engine.state_dict()
+
+    # -- what DeepSpeed's engine reports ------------------------------------------------------
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_step
+
+    @property
+    def micro_steps(self) -> int:
+        return self.engine.micro_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_mom(self) -> list[Any]:
+        return [group["betas"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.engine.grad_norm
+
+    def get_loss_scale(self) -> float:
+        return self.engine.loss_scale
+
+    def train_batch_size(self) -> int:
+        return self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() * self.world_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.recipe.train.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.recipe.train.grad_accum_steps
+
+    def gradient_clipping(self) -> float:
+        return self.recipe.train.clip_grad_norm or 0.0
+
+    def zero_optimization_stage(self) -> int:
+        return self.recipe.zero.stage
+
+    def zero_optimization(self) -> bool:
+        return self.recipe.zero.stage > 0
+
+    def fp16_enabled(self) -> bool:
+        return self.recipe.precision.dtype == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.recipe.precision.dtype == "bf16"
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save the whole training state sharded, with the lr schedule and `client_state`."""
+        if not save_latest:
+            raise ZerorunError("save_checkpoint(save_latest=False) is not supported: zerorun always points "
+                               "`latest` at the newest complete checkpoint.")
+        if exclude_frozen_parameters:
+            raise ZerorunError("save_checkpoint(exclude_frozen_parameters=True) is not supported: zerorun "
+                               "saves frozen parameters with the model.")
+        state = dict(client_state or {})
+        assert COMPAT_STATE not in state, f"client_state may not use the key {COMPAT_STATE!r} (zerorun's own)"
+        own: dict[str, Any] = {"global_samples": self.global_samples}
+        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
+            own["lr_scheduler"] = self.lr_scheduler.state_dict()
+        state[COMPAT_STATE] = own
+        self.engine.save_checkpoint(str(save_dir), tag or f"global_step{self.global_steps}", state)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, dict | None]:
+        """Restore everything; returns (checkpoint path, client_state), or (None, None) when there is none."""
+        partial = {"load_module_strict=False": not load_module_strict,
+                   "load_optimizer_states=False": not load_optimizer_states,
+                   "load_module_only=True": load_module_only, "custom_load_fn": custom_load_fn is not None}
+        refused = [name for name, given in partial.items() if given]
+        if refused:
+            raise ZerorunError(f"load_checkpoint({', '.join(refused)}) is not supported: zerorun restores the whole "
+                               "training state; for weights alone, `zerorun checkpoint consolidate` and "
+                               "load_state_dict.")
+        state = self.engine.load_checkpoint(str(load_dir), tag)
+        if state is None:
+            return None, None
+        state = dict(state)
+        own = state.pop(COMPAT_STATE, {})
+        self.global_samples = own.get("global_samples", self.global_steps * self.train_batch_size())
+        if load_lr_scheduler_states and self.lr_scheduler is not None and "lr_scheduler" in own:
+            self.lr_scheduler.load_state_dict(own["lr_scheduler"])
+        return str(Path(load_dir) / str(self.engine.resumed_from)), state
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        hint = INSTEAD.get(name, "zerorun's Engine is engine.engine (memory(), gathered(), state_dict(), ...)")
+        raise AttributeError(f"DeepSpeedEngine.{name} is not provided by zerorun's DeepSpeed compatibility: {hint}.")
