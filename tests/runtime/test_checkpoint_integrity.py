@@ -145,7 +145,7 @@ RESEALED = {  # consistent checksum, impossible content
     "stage-9": (_set("stage", 9), True, "stage is 9"),
     "file-outside": (lambda m: m["files"].update({"../escape.safetensors": {"bytes": 0, "crc32": 0}}), True,
                      "../escape.safetensors"),
-    "rng-garbage": (_set("rng/1/torch", "AAAA"), True, "rng[1] is a state the generators refuse"),
+    "rng-garbage": (_set("rng/1/torch", "AAAA"), True, "rng[1] is not an RNG state the generators accept"),
     "group-out-of-range": (lambda m: next(iter(m["params"].values())).update(group=2), True, "group is 2"),
     "v1-format": (_v1, False, "format version 1"),
 }

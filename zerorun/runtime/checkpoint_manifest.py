@@ -103,7 +103,7 @@ def _validate_optimizer(file: Path, value: Any, groups: int, step: int) -> None:
         key = f"optimizer.param_groups[{g}]"
         group = _dict(file, key, group)
         if "params" in group:
-            _fail(file, f"{key}.params", group["params"], "no parameter list (the manifest's params say where they are)")
+            _fail(file, f"{key}.params", group["params"], "no parameter list (params say where they are)")
         for name in HYPER_PARAMETERS:
             if name not in group:
                 raise ZerorunError(f"{file}: {key} has no {name}, so a resume could not restore it (zerorun saves "
@@ -170,7 +170,7 @@ def _validate_names(file: Path, m: dict[str, Any]) -> None:
         _fail(file, "keys", keys[:5], "distinct state dict keys")
     unknown = [k for k in keys if k not in saved and k not in aliases]
     if unknown:
-        _fail(file, "keys", unknown[:3], "state dict keys that the checkpoint holds (a parameter, a buffer or an alias)")
+        _fail(file, "keys", unknown[:3], "state dict keys the checkpoint holds (a parameter, a buffer or an alias)")
 
 
 def _validate_files(file: Path, m: dict[str, Any], shards: int) -> None:
@@ -182,8 +182,8 @@ def _validate_files(file: Path, m: dict[str, Any], shards: int) -> None:
         expected.add(CLIENT_STATE)
     if set(files) != expected:
         odd = sorted(set(files) ^ expected)
-        _fail(file, "files", odd[:4], f"exactly {', '.join(sorted(expected)) if len(expected) < 5 else 'the shard files'}"
-              f" ({shards} rank file(s), {EXTRAS}{', ' + CLIENT_STATE if CLIENT_STATE in expected else ''})")
+        kinds = f"{shards} rank file(s), {EXTRAS}" + (f", {CLIENT_STATE}" if CLIENT_STATE in expected else "")
+        _fail(file, "files", odd[:4], f"exactly this checkpoint's files ({kinds}); these differ")
     for name, entry in files.items():
         entry = _dict(file, f"files[{name!r}]", entry)
         _int(file, f"files[{name!r}].bytes", entry.get("bytes"))
@@ -202,8 +202,9 @@ def _validate_rng(file: Path, key: str, value: Any) -> None:
         if "numpy" in state:
             _numpy_state(state["numpy"])
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        _fail(file, key, f"a state the generators refuse ({type(exc).__name__}: {str(exc)[:80]})",
-              "the RNG states save wrote")
+        reason = str(exc).split(". ")[0][:100]
+        raise ZerorunError(f"{file}: {key} is not an RNG state the generators accept ({type(exc).__name__}: "
+                           f"{reason}); the manifest is damaged.") from None
 
 
 def _numpy_state(value: Any) -> None:
@@ -224,7 +225,8 @@ def _bytes(text: Any) -> torch.Tensor:
 # -- typed values -----------------------------------------------------------------------------------
 def _fail(file: Path, key: str, value: Any, expected: str) -> NoReturn:
     shown = value if isinstance(value, str) and " " in value else json.dumps(value, default=str)
-    raise ZerorunError(f"{file}: {key} is {shown[:120]}, expected {expected}; the manifest is damaged.")
+    shown = shown if len(shown) <= 120 else shown[:117] + "..."
+    raise ZerorunError(f"{file}: {key} is {shown}, expected {expected}; the manifest is damaged.")
 
 
 def _int(file: Path, key: str, value: Any, lo: int = 0, hi: int | None = None) -> int:
