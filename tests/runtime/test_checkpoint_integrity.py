@@ -223,7 +223,7 @@ def _resume_all(rank: int, world: int, copies: dict[str, str], good: str) -> dic
 
 @pytest.fixture(scope="module")
 def resumed(saved: Path, damaged: dict[str, Path]) -> list[dict[str, Any]]:
-    return run_ranks(_resume_all, 2, ({n: str(p) for n, p in damaged.items()}, str(saved)), timeout=300)
+    return run_ranks(_resume_all, 2, ({n: str(p) for n, p in damaged.items()}, str(saved)), timeout=600)
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
