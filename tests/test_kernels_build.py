@@ -3,9 +3,12 @@ and failures that say why once and fall back to torch with the right numbers."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -208,3 +211,80 @@ def test_a_damaged_cache_entry_says_how_to_rebuild(fresh_cache: Path, monkeypatc
     with pytest.warns(ops.KernelWarning, match=re.escape(f"delete {ops.build_dir('cpu_adam')} to rebuild")):
         ours, expected = _one_step()
     assert torch.equal(ours, expected)
+
+
+# -- the CUDA toolkit behind a wrapper script, and what a failed link says ------------------------------
+# A stand-in for a CUDA toolkit's nvcc: its version banner, and the environment lines a verbose dry run
+# prints (on stderr, as nvcc does), `#$ TOP=` among them.
+FAKE_NVCC = """#!/bin/sh
+here=$(cd "$(dirname "$0")" && pwd)
+case "$1" in
+  --version) echo "Cuda compilation tools, release 12.4, V12.4.131"; exit 0 ;;
+  -v) echo "#\\$ _HERE_=$here" >&2; echo "#\\$ TOP=$here/.." >&2
+      echo "#\\$ LIBRARIES=  \\"-L$here/../lib64\\"" >&2; exit 0 ;;
+esac
+exit 1
+"""
+
+
+@pytest.fixture
+def wrapped_nvcc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A toolkit in cuda-12.4/ (bin/nvcc, lib64/libcudart.so) whose nvcc is reached through a wrapper
+    script in wrappers/bin, first on PATH; no CUDA_HOME. Returns the toolkit's root."""
+    root = tmp_path / "cuda-12.4"
+    (root / "bin").mkdir(parents=True)
+    (root / "lib64").mkdir()
+    (root / "lib64" / "libcudart.so").write_bytes(b"")
+    (root / "bin" / "nvcc").write_text(FAKE_NVCC)
+    wrapper = tmp_path / "wrappers" / "bin" / "nvcc"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text(f'#!/bin/sh\nexec "{root}/bin/nvcc" "$@"\n')
+    for script in (root / "bin" / "nvcc", wrapper):
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    return root
+
+
+def test_cuda_home_is_where_nvcc_says_it_lives_not_the_folder_above_a_wrapper_script(wrapped_nvcc: Path,
+                                                                                     monkeypatch) -> None:
+    from zerorun import toolchain
+
+    torch_guess = os.path.dirname(os.path.dirname(shutil.which("nvcc")))  # torch.utils.cpp_extension's guess #2
+    assert torch_guess == str(wrapped_nvcc.parent / "wrappers")
+    assert toolchain.cuda_home() == str(wrapped_nvcc.resolve())
+    monkeypatch.setenv("CUDA_HOME", "/opt/chosen-cuda")  # an explicit choice wins
+    assert toolchain.cuda_home() == "/opt/chosen-cuda"
+
+
+def test_torch_builds_and_links_with_the_toolkit_nvcc_names(wrapped_nvcc: Path) -> None:
+    from torch.utils import cpp_extension
+
+    from zerorun import toolchain
+
+    before = cpp_extension.CUDA_HOME
+    with toolchain.torch_cuda_home(toolchain.cuda_home()):
+        root = wrapped_nvcc.resolve()
+        assert cpp_extension._join_cuda_home("bin", "nvcc") == str(root / "bin" / "nvcc")
+        wanted = dict(extra_ldflags=[], with_cuda=True, with_sycl=False, verbose=False, is_standalone=False)
+        accepted = inspect.signature(cpp_extension._prepare_ldflags).parameters  # private; varies by torch version
+        ldflags = cpp_extension._prepare_ldflags(**{k: v for k, v in wanted.items() if k in accepted})
+        assert f"-L{root / 'lib64'}" in ldflags and "-lcudart" in ldflags, ldflags
+    assert cpp_extension.CUDA_HOME == before
+
+
+def test_a_failed_link_shows_the_linker_message_its_command_and_the_fix(fresh_cache: Path, tmp_path: Path) -> None:
+    # cpu_adam linked the way torch links a CUDA extension under a wrong CUDA_HOME: a real ld failure
+    wrong = tmp_path / "usr-local" / "lib64"
+    spec = dataclasses.replace(ops.SPECS["cpu_adam"], ldflags=(*ops.SPECS["cpu_adam"].ldflags, f"-L{wrong}",
+                                                               "-lcudart"))
+    directory = tmp_path / "build"
+    directory.mkdir()
+    with pytest.raises(ops.BuildError) as failure:
+        ops._compile(spec, directory)
+    message = str(failure.value)
+    assert message.startswith("build failed: ") and "cannot find -lcudart" in message, message
+    assert "collect2: error: ld returned 1 exit status" in message, message
+    assert "link command: " in message and f"-L{wrong} -lcudart" in message, message
+    assert "set CUDA_HOME to the CUDA toolkit's root" in message, message

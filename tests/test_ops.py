@@ -153,3 +153,23 @@ def test_misuse_is_a_value_error_naming_the_tensor(bad: str) -> None:
         tensors["grads"] = torch.zeros(16)[::2]
     with pytest.raises(ValueError, match="adamw_step: (params|exp_avg|lowp_out|grads)"):
         ops.adamw_step(*tensors.values(), step=1, lowp_out=lowp_out, **HYPER)
+
+
+def test_avx2_kernel_equals_torch_cpu_fused_adamw_bit_for_bit(cpu_kernel: None) -> None:
+    """What the README claims: adam.h follows torch's CPU fused AdamW operation for operation. A length
+    of whole vectors (torch's scalar tail, which rounds differently, never runs), 10 steps, in place."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or ops.use_cpu_isa(1) != "avx2":
+        pytest.skip("needs AVX2+FMA for both torch's kernel and ours")
+    try:
+        numel = 1 << 16
+        ours = torch.randn(numel)
+        theirs = ours.clone()
+        states = [torch.zeros(numel) for _ in range(4)]
+        for step in range(1, 11):
+            grad = torch.randn(numel) * 1e-2
+            ops.adamw_step(ours, grad.clone(), states[0], states[1], step=step, grad_divisor=4.0, **HYPER)
+            ops._torch_adamw_step(theirs, grad.clone(), states[2], states[3], step, HYPER["lr"], HYPER["beta1"],
+                                  HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"], 1, 4.0, None)
+        assert torch.equal(ours, theirs) and torch.equal(states[0], states[2]) and torch.equal(states[1], states[3])
+    finally:
+        ops.use_cpu_isa(-1)

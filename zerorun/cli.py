@@ -397,7 +397,7 @@ def estimate(
         typer.echo(line)
 
 
-checkpoint_app = typer.Typer(help="Inspect and consolidate sharded checkpoints.", no_args_is_help=True)
+checkpoint_app = typer.Typer(help="Inspect, consolidate and upgrade sharded checkpoints.", no_args_is_help=True)
 app.add_typer(checkpoint_app, name="checkpoint")
 
 
@@ -405,13 +405,29 @@ app.add_typer(checkpoint_app, name="checkpoint")
 def checkpoint_info(
     directory: Annotated[Path, typer.Argument(help="A checkpoint directory (checkpoint.dir).", show_default=False)],
     tag: Annotated[str | None, typer.Option(help="The checkpoint to show (default: the latest).")] = None,
+    verify: Annotated[bool, typer.Option("--verify", help="Also read every file and check its CRC32.")] = False,
 ) -> None:
-    """Step, world size, stage, precision and file sizes of a checkpoint, and the tags beside it."""
+    """Step, world size, stage, precision, learning rates and file sizes of a checkpoint, and the tags
+    beside it, after checking its manifest and files (an edited or damaged one is an error)."""
     from rich.console import Console
 
     from zerorun.runtime import checkpoint_format as checkpoint
 
-    Console(width=200).print(checkpoint.render(checkpoint.describe(directory, tag)))
+    Console(width=200).print(checkpoint.render(checkpoint.describe(directory, tag, verify)))
+
+
+@checkpoint_app.command("upgrade")
+def checkpoint_upgrade(
+    directory: Annotated[Path, typer.Argument(help="A checkpoint directory (checkpoint.dir).", show_default=False)],
+    tag: Annotated[str | None, typer.Option(help="The checkpoint to upgrade (default: the latest).")] = None,
+) -> None:
+    """Add the manifest checksum to a checkpoint of format 1 (zerorun before it had one), after checking
+    its structure and every file's CRC32. Check the step and learning rates it shows are the ones you saved."""
+    from rich.console import Console
+
+    from zerorun.runtime import checkpoint_format as checkpoint
+
+    Console(width=200).print(checkpoint.render(checkpoint.upgrade(directory, tag)))
 
 
 @checkpoint_app.command("consolidate")

@@ -20,7 +20,9 @@ last) and load it. A build that fails writes its reason to `<dir>/FAILED`: for a
 reuse it instead of each failing again; after that a new process (at once: `zerorun env --build`)
 tries again. The kernel releases a flock when its holder dies, so a killed build blocks nobody.
 
-`ZERORUN_KERNELS=off` skips our kernels (torch's fused Adam, no warning).
+`ZERORUN_KERNELS=off` skips our kernels (torch's fused Adam, no warning). The checks before a build,
+where the CUDA toolkit is (asked of nvcc, not guessed from PATH) and the summary of a failed build
+are in `zerorun/toolchain.py`.
 """
 
 from __future__ import annotations
@@ -31,10 +33,6 @@ import hashlib
 import logging
 import os
 import platform
-import re
-import shlex
-import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -46,6 +44,10 @@ from typing import Iterator, Sequence
 
 import torch
 
+from zerorun.toolchain import BuildError, cuda_home, cxx, first_error, preflight, torch_cuda_home
+
+_cuda_home = cuda_home  # the name shared/gpu/gpu_check.sh reads
+
 KINDS = ("cpu_adam", "fused_adam", "aio")
 LOCK_TIMEOUT_S = 900.0  # a CUDA build on a busy node can take minutes; a hung one should not hang a job forever
 FAILURE_REUSE_S = 60.0  # a failure this recent is another rank's of the same job: reuse it, do not rebuild
@@ -54,10 +56,6 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 class KernelWarning(UserWarning):
     """A zerorun kernel is unavailable and a fallback (torch's Adam, Python I/O threads) runs instead."""
-
-
-class BuildError(Exception):
-    """A kernel could not be built; the message is the reason, in one line."""
 
 
 @dataclass(frozen=True)
@@ -104,21 +102,11 @@ def build_dir(kind: str) -> Path:
     digest = hashlib.sha256()
     for name in (*spec.headers, spec.source):
         digest.update(name.encode() + b"\0" + (sources_dir() / name).read_bytes())
-    key = [spec, _cxx(), platform.machine(), sys.version_info[:2], torch.__version__]
+    key = [spec, cxx(), platform.machine(), sys.version_info[:2], torch.__version__]
     if spec.cuda:
-        key += [os.environ.get("TORCH_CUDA_ARCH_LIST"), _cuda_home(), _cuda_capabilities()]
+        key += [os.environ.get("TORCH_CUDA_ARCH_LIST"), cuda_home(), _cuda_capabilities()]
     digest.update(repr(key).encode())
     return cache_root() / f"{torch.__version__}-{kind}-{digest.hexdigest()[:16]}"
-
-
-def _cxx() -> str:
-    return os.environ.get("CXX", "c++")
-
-
-def _cuda_home() -> str | None:
-    from torch.utils import cpp_extension
-
-    return cpp_extension.CUDA_HOME or os.environ.get("CUDA_HOME")
 
 
 def _cuda_capabilities() -> list[tuple[int, int]]:
@@ -156,38 +144,6 @@ def _unavailable_reason(kind: str) -> str | None:
     return None
 
 
-def _preflight(spec: KernelSpec) -> None:
-    """Fail fast, with the fix, on what would otherwise be a long cascade of build errors."""
-    from torch.utils import cpp_extension
-
-    cxx = _cxx()
-    if shutil.which(shlex.split(cxx)[0] if cxx.strip() else "c++") is None:
-        raise BuildError(f"no C++ compiler: `{cxx}` not found (install g++, or set CXX to one)")
-    try:
-        subprocess.run([*shlex.split(cxx), "--version"], capture_output=True, check=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise BuildError(f"the C++ compiler `{cxx}` does not run ({exc})") from None
-    if not cpp_extension.is_ninja_available():
-        raise BuildError("ninja not found; torch.utils.cpp_extension needs it (pip install ninja)")
-    if not spec.cuda:
-        return
-    if torch.version.cuda is None:
-        raise BuildError(f"torch {torch.__version__} is a CPU-only build")
-    cuda_home = _cuda_home()
-    nvcc = Path(cuda_home or "/nonexistent") / "bin" / "nvcc"
-    if not nvcc.is_file():
-        raise BuildError(f"nvcc not found (CUDA_HOME={cuda_home}); install the CUDA {torch.version.cuda} toolkit "
-                         "or set CUDA_HOME to it")
-    try:
-        banner = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BuildError(f"{nvcc} does not run: {exc}") from None
-    found = re.search(r"release (\d+)\.(\d+)", banner)
-    if found and found.group(1) != torch.version.cuda.split(".")[0]:
-        raise BuildError(f"CUDA version mismatch: {nvcc} is CUDA {found.group(1)}.{found.group(2)} but torch was "
-                         f"built with CUDA {torch.version.cuda}; set CUDA_HOME to a {torch.version.cuda} toolkit")
-
-
 @contextmanager
 def _file_lock(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     """An exclusive flock on `path`: held by one process of the node, released if it dies."""
@@ -222,14 +178,14 @@ def _compile(spec: KernelSpec, directory: Path) -> Path:
     """Run torch.utils.cpp_extension quietly; the library's path, or BuildError with the first error line."""
     from torch.utils import cpp_extension
 
-    _preflight(spec)
+    preflight(spec.cuda)
     (directory / "lock").unlink(missing_ok=True)  # torch's own baton, left behind by a killed build; we hold ours
     name = f"zerorun_{spec.kind}"
     torch_log = logging.getLogger("torch.utils.cpp_extension")
     level = torch_log.level
     torch_log.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch_cuda_home(cuda_home() if spec.cuda else None):
             warnings.simplefilter("ignore")
             cpp_extension.load(name=name, sources=[str(sources_dir() / spec.source)], extra_cflags=list(spec.cflags),
                                extra_cuda_cflags=list(spec.cuda_cflags), extra_ldflags=list(spec.ldflags),
@@ -238,7 +194,7 @@ def _compile(spec: KernelSpec, directory: Path) -> Path:
     except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/OSError/...; all mean "did not build"
         log = directory / "build.log"
         log.write_text(f"{type(exc).__name__}: {exc}\n")
-        raise BuildError(f"{_first_error(str(exc))} (full log: {log})") from None
+        raise BuildError(f"{first_error(str(exc))} (full log: {log})") from None
     finally:
         torch_log.setLevel(level)
     # torch renames to name_v1, ... when one process builds a name twice with different arguments
@@ -251,15 +207,6 @@ def _write_atomically(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
     temporary.write_text(text)
     os.replace(temporary, path)
-
-
-def _first_error(output: str) -> str:
-    """The compiler's first error lines (`file:line: error: ...`), else the last line of the output."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    errors = [line for line in lines if re.search(r"\berror\b", line, re.I)
-              and not line.startswith(("Error building extension", "ninja: build stopped"))]
-    chosen = errors[:2] or lines[-1:] or ["unknown error"]
-    return "build failed: " + " | ".join(line[:300] for line in chosen)
 
 
 def _build_or_wait(kind: str, retry_failed: bool) -> tuple[Path, bool]:

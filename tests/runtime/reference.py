@@ -79,22 +79,30 @@ def tied_gpt(seed: int = 0, checkpoint: str = "none") -> nn.Module:
                          checkpoint=checkpoint))
 
 
+# Deliberate errors a precision comparison must catch (tests of the tests, test_engine_precision.py)
+MISTAKES = ("no-world-division", "no-unscale", "skip-step-5")
+
+
 def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, seed: int = 0,
                   dtype: torch.dtype = torch.float32, loss_scale: float = 1.0, model_fn=make_model,
-                  eval_every: int = 0) -> Run:
+                  eval_every: int = 0, mistake: str | None = None) -> Run:
     """DDP + torch AdamW.
 
     fp32: real DDP. A low-precision `dtype` follows zerorun's policy, which DDP cannot express
     (DDP reduces bf16 gradients in bf16): compute in `dtype`, gradients accumulated and
-    all-reduced in fp32 (explicitly), fp32 master weights stepped by torch AdamW; fp16 scales
-    the loss by the static `loss_scale`.
+    all-reduced in fp32 (explicitly), fp32 master weights stepped by torch's fused AdamW (the
+    arithmetic zerorun's kernel implements: torch's default for-loop AdamW rounds differently in
+    the last fp32 bit, and a compute copy rounded to bf16/fp16 turns such a bit into a whole
+    low-precision ulp, see test_engine_precision.py); fp16 scales the loss by the static
+    `loss_scale`. `mistake` (one of MISTAKES) makes the reference deliberately wrong.
     """
     import torch.distributed as dist
 
+    assert mistake is None or mistake in MISTAKES, f"unknown mistake {mistake!r}"
     master = model_fn(seed)
     compute = copy.deepcopy(master).to(dtype)  # the replicas that run forward/backward
     model = DDP(compute) if dtype == torch.float32 else compute
-    opt = torch.optim.AdamW(master.parameters(), **OPT)
+    opt = torch.optim.AdamW(master.parameters(), **OPT, fused=True if dtype != torch.float32 else None)
     run = Run()
     trainable = [(m, c) for m, c in zip(master.parameters(), compute.parameters()) if m.requires_grad]
     micro = 0
@@ -110,12 +118,15 @@ def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, 
             run.losses.append(loss.item())
             micro += 1
         if dtype != torch.float32:
+            divisor = (1 if mistake == "no-world-division" else dist.get_world_size()) * \
+                (1 if mistake == "no-unscale" else loss_scale)
             for m, _c in trainable:
                 dist.all_reduce(m.grad)
-                m.grad /= dist.get_world_size() * loss_scale
+                m.grad /= divisor
         # without clipping, an infinite max_norm only measures the norm
         run.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(master.parameters(), clip or float("inf"))))
-        opt.step()
+        if not (mistake == "skip-step-5" and len(run.grad_norms) == 5):
+            opt.step()
         with torch.no_grad():
             for m, c in trainable:
                 c.copy_(m)

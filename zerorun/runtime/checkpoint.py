@@ -37,7 +37,7 @@ import zerorun
 from zerorun.errors import ZerorunError
 from zerorun.runtime.checkpoint_format import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, VERSION, Checkpoint,
                                                as_entry, check_tag, clean_crashed_saves, fsync_dir, replace_dir, seal,
-                                               shard_file, write_atomic, write_tensors)
+                                               shard_file, write_atomic, write_manifest, write_tensors)
 from zerorun.runtime.offload import HostHome
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ def save(engine: Engine, directory: str | os.PathLike, tag: str, client_state: d
         extras = {name: t.detach().to("cpu").contiguous() for name, t in _extras(engine.module).items()}
         files[EXTRAS] = as_entry(write_tensors(tmp / EXTRAS, extras))
         manifest.update(_client_entry(client_state, tmp, files), files=files)
-        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        write_manifest(tmp / MANIFEST, manifest)  # with its checksum: an edit or damage is refused on load
         fsync_dir(tmp)
         _crash_point("manifest", rank, tag)
         replace_dir(tmp, root / tag)

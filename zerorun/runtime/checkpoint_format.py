@@ -12,9 +12,12 @@
         client_state.pt           only when client_state is not JSON (else it is in the manifest)
 
 Tensors are safetensors: a plain header plus raw bytes, sliced lazily, never unpickled. The manifest
-lists every file with its size and CRC32, so a missing, truncated or damaged file is an error that
-names it. Nothing here needs a process group: `zerorun checkpoint info|consolidate` use it as is,
-and `runtime/checkpoint.py` (the engine's save and load) builds on it.
+lists every file with its size and CRC32, and carries a checksum of itself; `Checkpoint.open`
+refuses a manifest whose checksum or structure is wrong (`checkpoint_manifest.py`), and a file
+whose size, CRC32 or tensor names, dtypes and shapes are not what the manifest says is an error
+that names it. `latest` must hold one plain tag. Nothing here needs a process group:
+`zerorun checkpoint info|consolidate|upgrade` use it as is, and `runtime/checkpoint.py` (the
+engine's save and load) builds on it.
 """
 
 from __future__ import annotations
@@ -31,19 +34,23 @@ from typing import Any, Iterator
 import torch
 
 from zerorun.errors import ZerorunError
+from zerorun.runtime.checkpoint_manifest import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, STATE_KINDS,
+                                                 UNSEALED_VERSION, VERSION, check_integrity, sealed, shard_file,
+                                                 validate)
 
-FORMAT, VERSION = "zerorun-checkpoint", 1
-MANIFEST, LATEST, EXTRAS, CLIENT_STATE = "manifest.json", "latest", "model-extras.safetensors", "client_state.pt"
-REQUIRED = ("global_step", "skipped_steps", "world_size", "stage", "precision", "group_numels", "optimizer",
-            "loss_scaler", "params", "extras", "keys", "aliases", "rng", "files")
+# safetensors' names of the dtypes a checkpoint holds (others are not compared)
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
+                       "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+MISSING, WRONG_SIZE, WRONG_CRC, WRONG_TENSORS = 1, 2, 3, 4  # file_problem's verdicts (0: as the manifest says)
 
 
-def shard_file(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
+def _is_plain_tag(tag: str) -> bool:
+    return bool(tag) and not tag.startswith(".") and "/" not in tag and os.sep not in tag and tag != LATEST \
+        and tag.isprintable()
 
 
 def check_tag(tag: str) -> None:
-    if not tag or tag.startswith(".") or "/" in tag or os.sep in tag or tag == LATEST:
+    if not _is_plain_tag(tag):
         raise ZerorunError(f"checkpoint tag {tag!r}: use a plain name (no '/', not starting with '.', not 'latest').")
 
 
@@ -55,7 +62,9 @@ class Checkpoint:
         self.path, self.manifest = path, manifest
 
     @classmethod
-    def open(cls, root: Path, tag: str | None = None) -> Checkpoint:
+    def open(cls, root: Path, tag: str | None = None, unsealed: bool = False) -> Checkpoint:
+        """The checkpoint `tag` (default: `latest`) with its manifest's checksum and structure checked;
+        `unsealed` also accepts format 1, which has no checksum (only `upgrade` wants that)."""
         tag = tag or latest_tag(root)
         if tag is None:
             raise ZerorunError(f"{root}: no checkpoint here (no `{LATEST}` file); tags: {_tags_text(root)}.")
@@ -71,37 +80,75 @@ class Checkpoint:
             raise ZerorunError(f"{file}: not valid JSON ({exc}); the manifest is damaged.") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise ZerorunError(f"{file}: not a zerorun checkpoint manifest.")
-        if manifest.get("version") != VERSION:
-            raise ZerorunError(f"{file}: format version {manifest.get('version')}; this zerorun reads {VERSION}.")
-        missing = [key for key in REQUIRED if key not in manifest]
-        if missing:
-            raise ZerorunError(f"{file}: no {', '.join(missing)}; the manifest is damaged.")
+        version = manifest.get("version")
+        if version == UNSEALED_VERSION and not unsealed:
+            raise ZerorunError(
+                f"{file}: format version {version} (zerorun {manifest.get('zerorun', '?')}), whose manifest has no "
+                "checksum, so an edited or damaged value in it (step, learning rate, file offsets) cannot be told "
+                f"from a saved one. If you trust this checkpoint, `zerorun checkpoint upgrade {root} --tag {tag}` "
+                "checks its structure and every file's CRC32, then adds the checksum.")
+        if version not in (VERSION, UNSEALED_VERSION):
+            raise ZerorunError(f"{file}: format version {version}; this zerorun reads {VERSION} "
+                               f"(and upgrades {UNSEALED_VERSION}).")
+        if version == VERSION:
+            check_integrity(file, manifest)
+        validate(file, manifest)
         return cls(path, manifest)
 
-    def file_problem(self, name: str, crc: bool) -> int:
-        """0 when `name` is as the manifest declares; 1 missing, 2 wrong size, 3 wrong CRC32 (checked if `crc`)."""
+    def file_problem(self, name: str, crc: bool, tensors: bool | None = None) -> int:
+        """0 when `name` is as the manifest declares, else MISSING, WRONG_SIZE, WRONG_CRC (checked if `crc`)
+        or WRONG_TENSORS (names, dtypes and shapes; checked if `tensors`, by default with the CRC32).
+        Never raises: the ranks of a load agree on the verdicts before any of them reports one."""
         entry, file = self.manifest["files"][name], self.path / name
         if not file.is_file():
-            return 1
+            return MISSING
         if file.stat().st_size != entry["bytes"]:
-            return 2
-        return 3 if crc and _crc32(file) != entry["crc32"] else 0
+            return WRONG_SIZE
+        if crc and _crc32(file) != entry["crc32"]:
+            return WRONG_CRC
+        return WRONG_TENSORS if (crc if tensors is None else tensors) and self._tensor_problem(name) else 0
 
     def problem_message(self, name: str, code: int) -> str:
         file, entry = self.path / name, self.manifest["files"][name]
-        if code == 1:
+        if code == MISSING:
             return f"{file}: missing (the manifest lists it); the checkpoint is incomplete."
-        if code == 2:
+        if code == WRONG_SIZE:
             size = file.stat().st_size if file.is_file() else "a different number of"
             return f"{file}: {size} bytes, the manifest says {entry['bytes']}: truncated or overwritten."
-        return f"{file}: CRC32 differs from the manifest's: the file is damaged."
+        if code == WRONG_CRC:
+            return f"{file}: CRC32 differs from the manifest's: the file is damaged."
+        return f"{file}: {self._tensor_problem(name)}: the file does not hold what the manifest says."
 
-    def verify(self) -> None:
-        """Check every file (sizes and CRC32s) in this process."""
+    def verify(self, crc: bool = True) -> None:
+        """Check every file in this process: sizes, tensor headers and (with `crc`) CRC32s."""
         for name in self.manifest["files"]:
-            code = self.file_problem(name, crc=True)
+            code = self.file_problem(name, crc=crc, tensors=True)
             if code:
                 raise ZerorunError(self.problem_message(name, code))
+
+    def _tensor_problem(self, name: str) -> str | None:
+        """What differs between the tensors in file `name` and the manifest (None: nothing)."""
+        m = self.manifest
+        if name == CLIENT_STATE:
+            return None  # torch.load(weights_only=True) reads it; its bytes are checked by size and CRC32
+        if name == EXTRAS:
+            expected = {n: (_SAFETENSORS_DTYPES.get(e["dtype"]), e["shape"]) for n, e in m["extras"].items()}
+        else:
+            expected = {f"{kind}.{g}": ("F32", [n]) for kind in STATE_KINDS for g, n in enumerate(m["group_numels"])}
+        try:
+            with self.reading(name) as f:
+                found = {key: (f.get_slice(key).get_dtype(), f.get_slice(key).get_shape()) for key in f.keys()}
+        except ZerorunError as exc:
+            return str(exc).split(": ", 1)[-1]
+        for key in sorted(expected.keys() | found.keys()):
+            if key not in found:
+                return f"no tensor {key}"
+            if key not in expected:
+                return f"a tensor {key} that the manifest does not list"
+            (dtype, shape), (got_dtype, got_shape) = expected[key], found[key]
+            if got_shape != shape or dtype not in (None, got_dtype):
+                return f"tensor {key} is {got_dtype} {got_shape}, the manifest says {dtype or '?'} {shape}"
+        return None
 
     @contextmanager
     def reading(self, name: str) -> Iterator[Any]:
@@ -136,7 +183,14 @@ def latest_tag(root: Path) -> str | None:
     file = root / LATEST
     if not file.is_file():
         return None
-    tag = file.read_text().strip()
+    try:
+        tag = file.read_text().strip()
+    except UnicodeDecodeError:
+        tag = None
+    if tag is None or not _is_plain_tag(tag):
+        shown = "bytes that are not text" if tag is None else repr(tag[:60]) if tag else "nothing"
+        raise ZerorunError(f"{file}: holds {shown}, not the tag of a checkpoint here: the file is damaged. Write the "
+                           f"tag to resume from into it (tags: {_tags_text(root)}), or remove it to start afresh.")
     if not _tag_dir(root, tag).is_dir():
         raise ZerorunError(f"{file}: points to {tag!r}, which is not in {root}; tags: {_tags_text(root)}.")
     return tag
@@ -203,17 +257,39 @@ def write_state_dict(state: dict[str, torch.Tensor], out: Path) -> None:
         raise ZerorunError(f"--out {out}: end it in .safetensors or .pt.")
 
 
-def describe(directory: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
-    """What `zerorun checkpoint info` shows: the chosen checkpoint's manifest summary and the tags beside it."""
+def describe(directory: str | os.PathLike, tag: str | None = None, verify: bool = False) -> dict[str, Any]:
+    """What `zerorun checkpoint info` shows: the chosen checkpoint's manifest summary and the tags beside it,
+    after checking the manifest and every file's size and tensors (with `verify`, also every CRC32)."""
     root = Path(directory)
     ckpt = Checkpoint.open(root, tag)
+    ckpt.verify(crc=verify)
+    return _summary(root, ckpt, "manifest checksum, sizes, tensors" + (" and CRC32s" if verify else
+                                                                      " (--verify also reads every CRC32)"))
+
+
+def _summary(root: Path, ckpt: Checkpoint, checked: str) -> dict[str, Any]:
     m = ckpt.manifest
     client = sorted(m["client_state"]) if isinstance(m.get("client_state"), dict) else []
     return {"path": str(ckpt.path), "tag": ckpt.path.name, "latest": latest_tag(root), "tags": tags(root),
             "global_step": m["global_step"], "world_size": m["world_size"], "stage": m["stage"],
             "precision": m["precision"], "params": sum(_numel(e["shape"]) for e in m["params"].values()),
-            "files": {n: e["bytes"] for n, e in m["files"].items()},
+            "lr": [g["lr"] for g in m["optimizer"]["param_groups"]], "loss_scale": m["loss_scaler"]["scale"],
+            "files": {n: e["bytes"] for n, e in m["files"].items()}, "checked": checked,
             "client_state": "in client_state.pt" if "client_state_file" in m else ", ".join(client) or "empty"}
+
+
+def upgrade(directory: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
+    """Seal a format-1 checkpoint (no manifest checksum) as the current format, after checking its
+    structure and every file's size, tensors and CRC32; what `describe` shows of it."""
+    root = Path(directory)
+    ckpt = Checkpoint.open(root, tag, unsealed=True)
+    file = ckpt.path / MANIFEST
+    if ckpt.manifest["version"] == VERSION:
+        raise ZerorunError(f"{file}: already format {VERSION}, with a checksum; nothing to upgrade.")
+    ckpt.verify()
+    write_manifest(file, {**ckpt.manifest, "version": VERSION, "upgraded_from": UNSEALED_VERSION})
+    return _summary(root, Checkpoint.open(root, tag), f"upgraded from format {UNSEALED_VERSION}: structure, sizes, "
+                                                      "tensors and CRC32s checked, checksum added")
 
 
 def render(info: dict[str, Any]) -> Any:
@@ -226,7 +302,10 @@ def render(info: dict[str, Any]) -> Any:
             ("tags here", f"{', '.join(info['tags'])}; latest: {info['latest']}"),
             ("step", str(info["global_step"])), ("world size", f"{info['world_size']} ranks"),
             ("ZeRO stage", str(info["stage"])), ("precision", info["precision"]),
-            ("trainable parameters", f"{info['params']:,}"), ("client_state", info["client_state"])]
+            ("trainable parameters", f"{info['params']:,}"),
+            ("learning rate", ", ".join(f"{lr:g}" for lr in info["lr"]) + " (per param group)" * (len(info["lr"]) > 1)),
+            *([("loss scale", f"{info['loss_scale']:g}")] if info["precision"] == "fp16" else []),
+            ("client_state", info["client_state"]), ("checked", info["checked"])]
     rows += [(name, f"{nbytes:,} bytes") for name, nbytes in info["files"].items()]
     rows.append(("total", f"{sum(info['files'].values()):,} bytes"))
     for row in rows:
@@ -240,6 +319,11 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, in
 
     save_file(tensors, str(path), metadata={"format": FORMAT})
     return seal(path)
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """The manifest with its checksum (`checkpoint_manifest.sealed`), written atomically."""
+    write_atomic(path, json.dumps(sealed(manifest), indent=1).encode())
 
 
 def seal(path: Path) -> tuple[int, int]:
