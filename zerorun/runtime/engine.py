@@ -79,7 +79,7 @@ class Engine:
             self.reducer = GradReducer(self.flat, self.stage, zero.overlap_comm)
         self._cast_frozen()
         state_device = {"none": self.device, "cpu": HOST, "nvme": None}[zero.offload_optimizer.device]
-        self.optimizer = ShardedAdamW(groups, decoupled, self.flat.group_numels, state_device)
+        self.optimizer = ShardedAdamW(groups, decoupled, self.flat.group_numels, state_device, handed_over=optimizer)
         self.offload: OffloadedAdam | None = None
         if offloaded:
             self.offload = self._build_offload()
@@ -223,6 +223,7 @@ class Engine:
                 self.optimizer.step_pieces(self._masters, grads, self._moments, sum_divisor / coef, self._lowp)
                 self.flat.publish(cast_done=self._lowp is not None)
         self.scaler.update(found_inf)
+        self.optimizer.count_step()  # skipped or not, scheduler.step() after engine.step() is the right order
         self.reducer.zero()
         self.global_step += 1
         offload = self.offload.stats() if self.offload is not None else {}

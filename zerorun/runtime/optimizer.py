@@ -51,13 +51,26 @@ def param_groups_from(optimizer: torch.optim.Optimizer | None, model: nn.Module,
 
 
 class ShardedAdamW(torch.optim.Optimizer):
-    """Adam(W) whose state covers this rank's flat pieces only."""
+    """Adam(W) whose state covers this rank's flat pieces only.
+
+    Given the user's optimizer (`handed_over`), it shares that optimizer's `param_groups` list, the
+    very same dicts: a scheduler built on either object, before or after `zerorun.initialize`, and
+    code that sets `group["lr"]`, drive the engine's update. The user's optimizer itself can no
+    longer step or hold state (`refuse_direct_use`).
+    """
 
     def __init__(self, groups: list[dict[str, Any]], decoupled: bool, group_numels: Sequence[int],
-                 device: torch.device | None) -> None:
+                 device: torch.device | None, handed_over: torch.optim.Optimizer | None = None) -> None:
         """`device`: where the moments live; None when an offload home other than memory holds them (NVMe)."""
         defaults = {k: groups[0][k] for k in HYPER} if groups else {"lr": 1e-3}
         super().__init__(groups, defaults)
+        self._groups_fixed = True  # the flat layout is built from these groups, once
+        if handed_over is not None:
+            assert len(handed_over.param_groups) == len(groups), "one engine group per param group of the optimizer"
+            self.param_groups = handed_over.param_groups
+            self.defaults = handed_over.defaults
+            refuse_direct_use(handed_over)
+        self.handed_over = handed_over
         self.decoupled = decoupled
         numels = group_numels if device is not None else []
         self.exp_avg = [torch.zeros(n, dtype=torch.float32, device=device) for n in numels]
@@ -82,8 +95,66 @@ class ShardedAdamW(torch.optim.Optimizer):
                                weight_decay=float(group["weight_decay"]), decoupled=self.decoupled,
                                grad_divisor=grad_divisor, lowp_out=lowp_out[g][i] if lowp_out else None)
 
+    def count_step(self) -> None:
+        """Tell torch's LR schedulers, on this optimizer or the handed-over one, that a step happened.
+
+        A scheduler wraps `optimizer.step` to set `optimizer._opt_called` and warns ("lr_scheduler.step()
+        before optimizer.step()") when that flag is unset at its first step (torch/optim/lr_scheduler.py,
+        the same contract from torch 2.2 through 2.13). The engine's update is the optimizer's step, so
+        it sets the flag itself rather than calling a `step` that must not run.
+        """
+        self._opt_called = True
+        if self.handed_over is not None:
+            self.handed_over._opt_called = True  # type: ignore[attr-defined]
+
     def step(self, closure: Any = None) -> None:  # noqa: D102 - the engine drives the update
-        raise ZerorunError("call engine.step(), which reduces gradients first; the optimizer cannot step alone.")
+        raise ZerorunError(_STEP)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
+        raise ZerorunError(_ZERO_GRAD)
+
+    def state_dict(self) -> dict[str, Any]:  # noqa: D102
+        raise ZerorunError(_STATE_DICT)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102
+        raise ZerorunError(_STATE_DICT)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:  # noqa: D102
+        if getattr(self, "_groups_fixed", False):
+            raise ZerorunError("zerorun lays parameters out once, at zerorun.initialize: add every param group to "
+                               "the optimizer before handing it over.")
+        super().add_param_group(param_group)
 
     def held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
+
+
+_STEP = ("this optimizer is driven by the zerorun engine: call engine.step(), which reduces gradients across "
+         "ranks and updates the shard this rank owns (at accumulation boundaries). Its param groups stay live: "
+         "an LR scheduler on it, or group['lr'] = ..., still sets what engine.step() uses.")
+_ZERO_GRAD = ("this optimizer is driven by the zerorun engine: engine.step() already clears gradients after every "
+              "update; call engine.zero_grad() to drop gradients accumulated since the last update.")
+_STATE_DICT = ("this optimizer's state is sharded across ranks by the zerorun engine: save and restore it with "
+               "engine.save_checkpoint(dir) and engine.load_checkpoint(dir) (moments, step counts and param "
+               "groups included).")
+
+
+def refuse_direct_use(optimizer: torch.optim.Optimizer) -> None:
+    """Make the user's handed-over optimizer refuse what would silently do nothing or the wrong thing.
+
+    `step` refuses through a step pre-hook, which runs inside torch's own `step` wrapper: a scheduler
+    built on the optimizer before or after this keeps its wrapper (replacing `step` would make it warn
+    that step was overridden). The other methods are shadowed on the instance.
+    """
+    def refuse(message: str) -> Any:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            raise ZerorunError(message)
+        return method
+
+    def refuse_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        raise ZerorunError(_STEP)
+
+    optimizer.register_step_pre_hook(refuse_step)
+    optimizer.zero_grad = refuse(_ZERO_GRAD)  # type: ignore[method-assign]
+    optimizer.state_dict = refuse(_STATE_DICT)  # type: ignore[method-assign]
+    optimizer.load_state_dict = refuse(_STATE_DICT)  # type: ignore[method-assign]
