@@ -73,8 +73,13 @@ class ZeroConfig:
     bucket_mb: float = _f(25.0, "Size of a gradient reduce(-scatter) bucket, MiB.", gt=0)
     allgather_bucket_mb: float = _f(25.0, "Size of a parameter all-gather bucket, MiB.", gt=0)
     prefetch_units: int = _f(1, "Stage 3: units gathered ahead of the one computing.", ge=0)
-    param_persistence_threshold: int = _f(100_000, "Stage 3: parameters with fewer elements stay gathered.", ge=0)
-    wrap: list[str] = _f(doc="Stage 3: module class names that become their own unit (e.g. Block).", factory=list)
+    param_persistence_threshold: int = _f(
+        0, "Stage 3: parameters with fewer elements stay gathered (0: every parameter is sharded). A unit gathers "
+           "all its parameters in one collective, so small ones cost no extra latency; DeepSpeed's 1e5 would keep "
+           "every parameter of a small model whole.", ge=0)
+    wrap: list[str] = _f(doc="Stage 3: module class names that become their own unit (e.g. Block); an unknown name "
+                             "is an error. []: the model's layers (the children of its ModuleLists/Sequentials) and "
+                             "any other child of at least a bucket.", factory=list)
     offload_optimizer: OffloadConfig = _f(doc="Offload of fp32 master weights and Adam moments.", factory=OffloadConfig)
     offload_param: OffloadConfig = _f(doc="Offload of parameters (stage 3 only).", factory=OffloadConfig)
     aio: AioConfig = _f(doc="NVMe I/O settings for offload.", factory=AioConfig)

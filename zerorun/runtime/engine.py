@@ -36,7 +36,7 @@ from zerorun.runtime.offload import HOST, HostHome, NvmeHome, OffloadedAdam, Pie
 from zerorun.runtime.optimizer import ShardedAdamW, param_groups_from
 from zerorun.runtime.precision import LossScaler, PrecisionPolicy
 from zerorun.runtime.stage12 import GradReducer
-from zerorun.runtime.stage3 import ParamScheduler, ShardedParams, full_state_dict, gathered
+from zerorun.runtime.stage3 import ParamScheduler, ShardedParams, full_state_dict, gathered, warn_if_nothing_sharded
 
 log = logging.getLogger("zerorun")
 
@@ -68,6 +68,7 @@ class Engine:
         if self.stage == 3:
             self.flat = ShardedParams(model, group_params, zero.wrap, zero.param_persistence_threshold,
                                       bucket_numel, self.policy, self.comm, self.device, init_log, master_device)
+            warn_if_nothing_sharded(self.flat, zero.wrap, zero.param_persistence_threshold)
             self.scheduler = ParamScheduler(self.flat, zero.prefetch_units)
             # stage 3 reduces gradients like stage 2, per unit, as soon as backward completes one
             self.reducer = GradReducer(self.flat, 2, zero.overlap_comm, ordered=False,
@@ -251,6 +252,7 @@ class Engine:
         frozen = [p for p in self.module.parameters() if not p.requires_grad]
         report = MemoryReport()
         if self.scheduler is not None:  # stage 3: whatever units are gathered now (persistent ones at rest)
+            report.units = self.flat.unit_count()
             report.add("params", place, self.flat.gathered_bytes() + tensor_bytes(frozen))
             if self.flat.param_shard is not None:
                 report.add("params", self.flat.param_shard[0].device.type, tensor_bytes(self.flat.param_shard))

@@ -21,6 +21,8 @@ Gradients take the stage 2 path: fp32 staging per unit, reduce-scatter into the 
 
 from __future__ import annotations
 
+import difflib
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from zerorun.errors import ZerorunError, ZerorunWarning
 from zerorun.runtime.collectives import Collectives, Handle
 from zerorun.runtime.flat import ALIGN_BYTES, Unit
 from zerorun.runtime.memory import retain_freed_host_memory
@@ -306,6 +309,10 @@ class ShardedParams:
         for mu in live:
             self.wait(mu)
 
+    def unit_count(self) -> int:
+        """Module units that are gathered and released around their use (not the root or persistent set)."""
+        return sum(1 for mu in self.module_units if mu.kind == "wrap" and mu.units)
+
     def gathered_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.full)
 
@@ -313,9 +320,15 @@ class ShardedParams:
         return sum(u.layout.numel for u in self.units)
 
 
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
 def wrapped_modules(model: nn.Module, wrap: list[str], auto_numel: int) -> list[tuple[str, nn.Module]]:
-    """Modules that become units: by class name, or (no names given) large children, descending into containers."""
+    """Modules that become units: those of the classes in `wrap`; with no names, the model's layers
+    (each child of a ModuleList, Sequential or ModuleDict, the model itself included) and any other
+    child with at least `auto_numel` parameters. Outermost matches only: a unit never nests in another."""
     if wrap:
+        check_wrap_names(model, wrap)
         found, inside = [], set()
         for name, mod in model.named_modules():
             if type(mod).__name__ in wrap and mod is not model and not any(name.startswith(p + ".") for p in inside):
@@ -323,18 +336,49 @@ def wrapped_modules(model: nn.Module, wrap: list[str], auto_numel: int) -> list[
                 inside.add(name)
         return found
 
-    def visit(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    def visit(prefix: str, module: nn.Module, layers: bool) -> list[tuple[str, nn.Module]]:
         out = []
         for name, child in module.named_children():
             size = sum(p.numel() for p in child.parameters())
-            full_name = f"{prefix}{name}"
-            if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
-                out += visit(full_name + ".", child)
-            elif size >= auto_numel:
-                out.append((full_name, child))
+            if isinstance(child, CONTAINERS):
+                out += visit(f"{prefix}{name}.", child, layers=True)
+            elif size and (layers or size >= auto_numel):
+                out.append((f"{prefix}{name}", child))
         return out
 
-    return visit("", model)
+    return visit("", model, layers=isinstance(model, CONTAINERS))
+
+
+def check_wrap_names(model: nn.Module, wrap: list[str]) -> None:
+    """Every `zero.wrap` name must be the class of a module inside `model` (a typo would shard nothing)."""
+    classes = sorted({type(mod).__name__ for mod in model.modules() if mod is not model})
+    unknown = [name for name in wrap if name not in classes]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, classes, n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    itself = " (the model itself is always the root unit)" if type(model).__name__ in unknown else ""
+    raise ZerorunError(f"zero.wrap: no module of class {', '.join(hints)} in {type(model).__name__}{itself}; "
+                       f"its module classes are {', '.join(classes)}. List the classes of its repeated layers "
+                       "(e.g. [Block]), or [] to pick its layers automatically.")
+
+
+def warn_if_nothing_sharded(store: ShardedParams, wrap: list[str], threshold: int) -> None:
+    """Stage 3 with no unit gathers everything for the whole forward and backward: say so, once, on rank 0."""
+    if store.unit_count() or store.shard_rank != 0:
+        return
+    count = lambda mu: sum(store.units[k].layout.numel for k in mu.units)  # noqa: E731
+    root = next(mu for mu in store.module_units if mu.kind == "root")
+    total, in_root, persistent = sum(u.layout.numel for u in store.units), count(root), count(store.persistent)
+    warnings.warn(
+        f"zerorun stage 3 made no units: of {total:,} trainable parameters, {in_root:,} are in the root unit "
+        f"(gathered for all of forward and backward) and {persistent:,} are persistent (fewer than "
+        f"zero.param_persistence_threshold={threshold:,} elements each), so every rank holds all of them through "
+        f"forward and backward and stage 3 saves no memory over stage 2. Set zero.wrap to the class of the "
+        f"model's repeated layers (it is {wrap or '[]'} now) or lower zero.param_persistence_threshold.",
+        ZerorunWarning, stacklevel=4)  # points at the script's zerorun.initialize(...)
 
 
 class ParamScheduler:
