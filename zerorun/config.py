@@ -70,8 +70,10 @@ class ZeroConfig:
 
     stage: int = _f(2, "0: plain data parallel; 1: shard optimizer states; 2: also gradients; 3: also parameters.", ge=0, le=3)
     overlap_comm: bool = _f(True, "Reduce gradient buckets asynchronously while backward continues.")
-    bucket_mb: float = _f(25.0, "Size of a gradient reduce(-scatter) bucket, MiB.", gt=0)
-    allgather_bucket_mb: float = _f(25.0, "Size of a parameter all-gather bucket, MiB.", gt=0)
+    bucket_mb: float = _f(25.0, "Stages 0-2: size of a gradient reduce(-scatter) bucket, MiB; each bucket is also "
+                                "all-gathered as a whole after the step.", gt=0)
+    allgather_bucket_mb: float = _f(25.0, "Stage 3: the largest flat buffer a unit's parameters are all-gathered in "
+                                          "(its gradients are reduce-scattered in the same pieces), MiB.", gt=0)
     prefetch_units: int = _f(1, "Stage 3: units gathered ahead of the one computing.", ge=0)
     param_persistence_threshold: int = _f(
         0, "Stage 3: parameters with fewer elements stay gathered (0: every parameter is sharded). A unit gathers "

@@ -306,8 +306,8 @@ def build_on_meta(spec: str) -> nn.Module:
 
 
 def shape_of(model: nn.Module, wrap: list[str], persistence_threshold: int, bucket_mb: float) -> ModelShape:
-    """Count a model's parameters the way stage 3 plans its units (`runtime/stage3.py`)."""
-    from zerorun.runtime.stage3 import wrapped_modules
+    """Count a model's parameters the way stage 3 plans its units (`runtime/module_units.py`)."""
+    from zerorun.runtime.module_units import wrapped_modules
 
     trainable = {p for p in model.parameters() if p.requires_grad}
     persistent = {p for p in trainable if p.numel() < persistence_threshold}
