@@ -1,5 +1,5 @@
 """Stage 3's plan and unit state machine: who goes where, strict transitions that refuse wrong orders,
-and the forgiving helpers that accept every legitimate state."""
+and the forgiving helpers that accept every legitimate state; both stores implement `ParamStore`."""
 
 from __future__ import annotations
 
@@ -46,8 +46,15 @@ def _transitions(rank: int, world: int) -> dict:
     original = weight.detach().clone()
     recipe = config.loads("script: t.py", "t.yaml", ["zero.stage=3"])
     store = ShardedParams(model, plan, Placement.from_recipe(recipe, info.device, rank), PrecisionPolicy(), Collectives())
+    from zerorun.runtime.flat_params import FlatParams
+    from zerorun.runtime.homes import Home
+    from zerorun.runtime.store import ParamStore
+
+    flat = FlatParams([list(tied_gpt(1).parameters())], Placement.from_recipe(recipe, info.device, rank),
+                      PrecisionPolicy(), Collectives(), world, 100)
     block = plan.module_units[0]
-    out = {"released_is_empty": weight.numel() == 0 and block.state is UnitState.RELEASED,
+    out = {"protocols": all(isinstance(s, ParamStore) and isinstance(s.home, Home) for s in (store, flat)),
+           "released_is_empty": weight.numel() == 0 and block.state is UnitState.RELEASED,
            "persistent_gathered": plan.persistent.state is UnitState.GATHERED}
     refused = []
     for wrong in (store.finish_gather, store.release):

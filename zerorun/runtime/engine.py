@@ -70,8 +70,10 @@ class Engine:
         self.module = _to_device(model, self.device)
         groups, decoupled = param_groups_from(optimizer, model, recipe.optimizer)
         self._sync_buffers()
-        self.scheduler: ParamScheduler | None = None  # stage 3 only: when units are gathered and released
-        self.store: ParamStore = self._build_store(model, [g["params"] for g in groups], init_log)
+        self.store: ParamStore
+        self.reducer: GradReducer
+        self.scheduler: ParamScheduler | None  # stage 3 only: when units are gathered and released
+        self.store, self.reducer, self.scheduler = self._build_stage(model, [g["params"] for g in groups], init_log)
         self._cast_frozen()
         self.optimizer = ShardedAdamW(groups, decoupled, handed_over=optimizer)
         self.update = AdamStep(self.optimizer, self.store.home, self.placement.transfers(),
@@ -90,25 +92,26 @@ class Engine:
         self._window = StepWindow()
 
     # -- setup helpers ----------------------------------------------------------------------
-    def _build_store(self, model: nn.Module, groups: list[list[nn.Parameter]], init_log: Any) -> ParamStore:
-        """The stage's parameter store and the gradient reducer (and, at stage 3, the scheduler) around it."""
-        zero, dtype = self.recipe.zero, self.policy.param_dtype
+    def _build_stage(self, model: nn.Module, groups: list[list[nn.Parameter]],
+                     init_log: Any) -> tuple[ParamStore, GradReducer, ParamScheduler | None]:
+        """The stage's parameter store, the gradient reducer around it and, at stage 3, the scheduler."""
+        zero, dtype, reduce_dtype = self.recipe.zero, self.policy.param_dtype, self.policy.reduce_dtype
         if self.stage < 3:
             shard_world = 1 if self.stage == 0 else self.comm.world_size
             store = FlatParams(groups, self.placement, self.policy, self.comm, shard_world, _numel(zero.bucket_mb))
-            self.reducer = GradReducer(store, self.comm, self.policy.reduce_dtype, self.device,
-                                       Reduction.for_stage(self.stage), LaunchOrder.LAYOUT, zero.overlap_comm, self.phase)
-            return store
+            reducer = GradReducer(store, self.comm, reduce_dtype, self.device, Reduction.for_stage(self.stage),
+                                  LaunchOrder.LAYOUT, zero.overlap_comm, self.phase)
+            return store, reducer, None
         plan = plan_stage3(model, groups, zero.wrap, zero.param_persistence_threshold, _numel(zero.bucket_mb),
                            _numel(zero.allgather_bucket_mb), self.comm.world_size, dtype)
         if self.comm.rank == 0:
             warn_if_nothing_sharded(plan, zero.wrap, zero.param_persistence_threshold)
-        store = ShardedParams(model, plan, self.placement, self.policy, self.comm, init_log)
-        self.scheduler = ParamScheduler(store, zero.prefetch_units, self.phase)
+        sharded = ShardedParams(model, plan, self.placement, self.policy, self.comm, init_log)
+        scheduler = ParamScheduler(sharded, zero.prefetch_units, self.phase)
         # each unit's gradients are reduce-scattered as soon as backward completes it; then it is released
-        self.reducer = GradReducer(store, self.comm, self.policy.reduce_dtype, self.device, Reduction.SCATTER_SHARD,
-                                   LaunchOrder.READY, zero.overlap_comm, self.phase, on_launch=self.scheduler.unit_reduced)
-        return store
+        reducer = GradReducer(sharded, self.comm, reduce_dtype, self.device, Reduction.SCATTER_SHARD,
+                              LaunchOrder.READY, zero.overlap_comm, self.phase, on_launch=scheduler.unit_reduced)
+        return sharded, reducer, scheduler
 
     def _sync_buffers(self) -> None:
         """Every rank starts from rank 0's buffers (parameters are synced by the store)."""

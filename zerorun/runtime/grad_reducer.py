@@ -8,7 +8,7 @@ continues (`overlap_comm`).
 | stage | `Reduction`     | what a rank keeps                  | when it communicates      | collective per unit       |
 |-------|-----------------|------------------------------------|---------------------------|---------------------------|
 | 0     | `ALL_REDUCE`    | full gradients                     | last micro-step of a step | all-reduce                |
-| 1     | `SCATTER_FULL`  | full gradients (uses its own piece) | last micro-step of a step | reduce-scatter, in place  |
+| 1     | `SCATTER_FULL`  | full gradients (steps its piece)   | last micro-step of a step | reduce-scatter, in place  |
 | 2, 3  | `SCATTER_SHARD` | only its gradient shard            | every micro-step          | reduce-scatter into shard |
 
 `SCATTER_SHARD` copies each unit's gradients into a pooled staging buffer that lives only until the
@@ -86,10 +86,11 @@ class GradReducer:
         self.units, self.group_numels, self.rank = store.units, store.group_numels, store.shard_rank
         self.comm, self.reduction, self.order, self.overlap = comm, reduction, order, overlap
         self.phase, self.on_launch = phase, on_launch
-        shard = reduction is Reduction.SCATTER_SHARD
-        total = sum(u.padded_numel for u in self.units)
-        self.full_grads = None if shard else torch.zeros(total, dtype=dtype, device=device)
-        self.grad_shards = [torch.zeros(n, dtype=dtype, device=device) for n in self.group_numels] if shard else []
+        self.staged = reduction is Reduction.SCATTER_SHARD  # per-unit staging; only this rank's shard is kept
+        total = 0 if self.staged else sum(u.padded_numel for u in self.units)
+        self.full_grads = torch.zeros(total, dtype=dtype, device=device)  # stages 0/1: laid out like the parameters
+        shards = self.group_numels if self.staged else []
+        self.grad_shards = [torch.zeros(n, dtype=dtype, device=device) for n in shards]
         self.pool = BufferPool(dtype, device)
         self._place = {param: (k, i) for k, unit in enumerate(self.units) for i, param in enumerate(unit.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._place]
@@ -121,7 +122,7 @@ class GradReducer:
                 "(a parameter used in two re-entrant checkpoint regions?); set zero.overlap_comm: false.")
         span = self.units[k].layout.spans[index]
         region = self._grad_region(k)[span.offset:span.end]
-        if self.full_grads is None and index not in self._seen[k]:
+        if self.staged and index not in self._seen[k]:
             region.copy_(grad.view(-1))  # a fresh staging buffer: the first gradient overwrites
         else:
             region.add_(grad.view(-1))
@@ -140,7 +141,7 @@ class GradReducer:
     def _grad_region(self, k: int) -> torch.Tensor:
         """Where unit k's gradients accumulate during this backward."""
         unit = self.units[k]
-        if self.full_grads is not None:
+        if not self.staged:
             return self._full_region(unit)
         if k not in self._staging:
             staging = self.pool.get(unit.padded_numel)
@@ -154,7 +155,7 @@ class GradReducer:
 
     def _launch(self, k: int) -> None:
         unit, region = self.units[k], self._grad_region(k)
-        if self.full_grads is None:
+        if self.staged:
             for index, span in enumerate(unit.layout.spans):
                 if index not in self._seen[k]:  # no gradient this backward (an unused parameter)
                     region[span.offset:span.end].zero_()
@@ -196,7 +197,7 @@ class GradReducer:
     def grad_pieces(self, group: int) -> list[torch.Tensor]:
         """This rank's reduced (summed) gradients for `group`, one per unit in state order."""
         units = units_of(self.units, group)
-        if self.full_grads is None:
+        if self.staged:
             return [u.state_slice(self.grad_shards[group]) for u in units]
         return [u.piece(self._full_region(u), self.rank) for u in units]
 
@@ -211,7 +212,7 @@ class GradReducer:
         return sum(b.numel() * b.element_size() for b in self._buffers())
 
     def _buffers(self) -> list[torch.Tensor]:
-        return [self.full_grads] if self.full_grads is not None else self.grad_shards
+        return self.grad_shards if self.staged else [self.full_grads]
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -30,6 +30,7 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 Visit = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # fn(k, master, exp_avg, exp_avg_sq)
 
 
+@runtime_checkable
 class Home(Protocol):
     """This rank's master weights and moments, per param group, wherever they live."""
 

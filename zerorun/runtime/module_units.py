@@ -2,11 +2,11 @@
 
 The model is cut into *module units*, each gathered and released as a whole:
 
-| `UnitKind`   | parameters                                                    | gathered                          |
-|--------------|---------------------------------------------------------------|-----------------------------------|
-| `WRAPPED`    | those of one module whose class is in `zero.wrap` (or, with an empty list, one of the model's layers) | around its forward and its backward |
-| `ROOT`       | everything else, and parameters shared between units (a tied embedding) | for all of forward and backward |
-| `PERSISTENT` | parameters under `zero.param_persistence_threshold` elements  | always                            |
+| `UnitKind`   | parameters                                                         | gathered                       |
+|--------------|--------------------------------------------------------------------|--------------------------------|
+| `WRAPPED`    | one module of a `zero.wrap` class (with an empty list: a layer)    | around its forward, backward   |
+| `ROOT`       | the rest, and parameters shared between units (a tied embedding)   | for all of forward and backward |
+| `PERSISTENT` | parameters under `zero.param_persistence_threshold` elements       | always                         |
 
 Each module unit holds one or more `Unit`s (units.py) per param group, of at most
 `zero.allgather_bucket_mb`: each is one all-gather and one reduce-scatter. A module unit's
@@ -184,4 +184,4 @@ def warn_if_nothing_sharded(plan: Stage3Plan, wrap: list[str], threshold: int) -
         f"zero.param_persistence_threshold={threshold:,} elements each), so every rank holds all of them through "
         f"forward and backward and stage 3 saves no memory over stage 2. Set zero.wrap to the class of the "
         f"model's repeated layers (it is {wrap or '[]'} now) or lower zero.param_persistence_threshold.",
-        ZerorunWarning, stacklevel=4)  # points at the script's zerorun.initialize(...)
+        ZerorunWarning, stacklevel=5)  # the script's zerorun.initialize(...): via Engine.__init__, _build_stage

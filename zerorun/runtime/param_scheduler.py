@@ -1,13 +1,13 @@
 """When stage 3 gathers and releases: module hooks around forward and backward, with prefetch.
 
-| moment                                   | what happens                                                      |
-|------------------------------------------|-------------------------------------------------------------------|
-| the root's forward starts                | the root unit is gathered (kept through backward when grad is on) |
-| a wrapped module's forward starts        | its unit is gathered; the next `prefetch_units` in the recorded execution order start gathering |
-| it ends (not during backward)            | released; during backward a forward is activation-checkpoint recomputation, so it stays |
-| gradients reach its outputs              | gathered again; the previous units in that order start gathering  |
-| the reducer launched its gradients       | released                                                          |
-| backward ends                            | everything but the persistent unit released                       |
+| moment                               | what happens                                                          |
+|--------------------------------------|-----------------------------------------------------------------------|
+| the root's forward starts            | the root unit is gathered (kept through backward when grad is on)     |
+| a wrapped module's forward starts    | its unit is gathered; the next `prefetch_units` in the recorded order start gathering |
+| it ends                              | released (not during backward: a forward then is checkpoint recomputation) |
+| gradients reach its outputs          | gathered again; the previous units in that order start gathering     |
+| the reducer launched its gradients   | released                                                              |
+| backward ends                        | everything but the persistent unit released                           |
 
 The execution order is recorded on the first pass and re-recorded when it changes (that unit is then
 gathered on demand). Whether backward is running is the engine's `phase`, read here and by the
@@ -37,7 +37,8 @@ class ParamScheduler:
         self._hooks: list[RemovableHandle] = []
         self.root = store.plan.root
         for mu in store.plan.gathered_units():
-            self._hook(mu.module, lambda mu=mu: self._before_forward(mu), lambda out, mu=mu: self._after_forward(mu, out))
+            self._hook(mu.module, lambda mu=mu: self._before_forward(mu),
+                       lambda out, mu=mu: self._after_forward(mu, out))
             owned = {p for k in mu.units for p in store.units[k].params}
             for sub in mu.module.modules():  # submodules called on their own, outside their unit's forward
                 if sub is not mu.module and any(p in owned for p in sub._parameters.values()):

@@ -1,11 +1,11 @@
 """Stage 3's parameter shard: where every gather reads this rank's piece of a unit from.
 
-| placement                                   | shard                                          | the step's update goes |
-|---------------------------------------------|------------------------------------------------|------------------------|
-| optimizer in device memory                  | `MasterShard`: the fp32 master itself (cast on read) | nowhere else (`InMaster`) |
-| optimizer offloaded, `offload_param: none`  | `TensorShard` on the device, compute dtype     | into it (H2D)          |
-| `offload_param: cpu`                        | `TensorShard` in host memory                   | into it                |
-| `offload_param: nvme`                       | `FileShard`: one file per param group          | written through        |
+| placement                                  | shard                                        | the step's update  |
+|--------------------------------------------|----------------------------------------------|--------------------|
+| optimizer in device memory                 | `MasterShard`: the fp32 master (cast on read) | is the master      |
+| optimizer offloaded, `offload_param: none` | `TensorShard` on the device, compute dtype   | copied into it     |
+| `offload_param: cpu`                       | `TensorShard` in host memory                 | written into it    |
+| `offload_param: nvme`                      | `FileShard`: one file per param group        | written through    |
 
 With the optimizer offloaded the master lives on the host or NVMe and only the optimizer touches
 it; the kernel writes the compute-dtype copy of each update in the same pass, so gathers read a
@@ -83,7 +83,8 @@ class TensorShard:
 class FileShard:
     """One file per group under `<nvme_path>/<run>/rank-<r>/params/`, read through an aligned bounce buffer."""
 
-    def __init__(self, placement: Placement, group_numels: Sequence[int], dtype: torch.dtype, largest_piece: int) -> None:
+    def __init__(self, placement: Placement, group_numels: Sequence[int], dtype: torch.dtype,
+                 largest_piece: int) -> None:
         from zerorun.runtime.nvme import NvmeStore, aligned_empty, check_nvme_path
         from zerorun.runtime.placement import nvme_dir
 

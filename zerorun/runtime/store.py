@@ -17,7 +17,7 @@ reads and writes the home and tells the store when the master changed (`master_c
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -79,6 +79,7 @@ class ParamFile:
         self.write(lo, staged)
 
 
+@runtime_checkable
 class ParamStore(Protocol):
     """Where the trainable parameters live between steps, and how every rank gets the updated values."""
 
@@ -103,6 +104,9 @@ class ParamStore(Protocol):
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The model's state dict (stage 3: consolidated in fp32 on rank 0, {} elsewhere)."""
+
+    def unit_count(self) -> int:
+        """Stage 3's module units that are gathered and released around their use (0: never released)."""
 
     def account(self, report: MemoryReport) -> None:
         """Add the bytes of parameters (and their own buffers) this store holds to `report`."""
