@@ -35,11 +35,12 @@ def main() -> None:
     cfg = GPTConfig(args.layers, args.d_model, args.heads, args.vocab, args.seq_len)
     torch.manual_seed(recipe.train.seed)
     model = GPT(cfg)
+    params = sum(p.numel() for p in model.parameters())  # before stage 3 shards them
     engine = zerorun.initialize(model)  # ZeRO stage, precision and AdamW from the recipe; resumes if it can
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
-        params = sum(p.numel() for p in model.parameters())
-        print(f"GPT {params / 1e6:.2f}M params, {world} ranks, ZeRO stage {recipe.zero.stage}, "
+        units = f" ({engine.memory().units} units)" if recipe.zero.stage == 3 else ""
+        print(f"GPT {params / 1e6:.2f}M params, {world} ranks, ZeRO stage {recipe.zero.stage}{units}, "
               f"{recipe.precision.dtype}, micro-batch {recipe.train.micro_batch_size} x "
               f"{recipe.train.grad_accum_steps} accumulation", flush=True)
         if engine.resumed_from is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from zerorun.version import __version__  # noqa: F401 - the package's version, as zerorun.__version__
 
 if TYPE_CHECKING:
     from zerorun.config import Recipe

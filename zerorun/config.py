@@ -70,11 +70,18 @@ class ZeroConfig:
 
     stage: int = _f(2, "0: plain data parallel; 1: shard optimizer states; 2: also gradients; 3: also parameters.", ge=0, le=3)
     overlap_comm: bool = _f(True, "Reduce gradient buckets asynchronously while backward continues.")
-    bucket_mb: float = _f(25.0, "Size of a gradient reduce(-scatter) bucket, MiB.", gt=0)
-    allgather_bucket_mb: float = _f(25.0, "Size of a parameter all-gather bucket, MiB.", gt=0)
+    bucket_mb: float = _f(25.0, "Stages 0-2: size of a gradient reduce(-scatter) bucket, MiB; each bucket is also "
+                                "all-gathered as a whole after the step.", gt=0)
+    allgather_bucket_mb: float = _f(25.0, "Stage 3: the largest flat buffer a unit's parameters are all-gathered in "
+                                          "(its gradients are reduce-scattered in the same pieces), MiB.", gt=0)
     prefetch_units: int = _f(1, "Stage 3: units gathered ahead of the one computing.", ge=0)
-    param_persistence_threshold: int = _f(100_000, "Stage 3: parameters with fewer elements stay gathered.", ge=0)
-    wrap: list[str] = _f(doc="Stage 3: module class names that become their own unit (e.g. Block).", factory=list)
+    param_persistence_threshold: int = _f(
+        0, "Stage 3: parameters with fewer elements stay gathered (0: every parameter is sharded). A unit gathers "
+           "all its parameters in one collective, so small ones cost no extra latency; DeepSpeed's 1e5 would keep "
+           "every parameter of a small model whole.", ge=0)
+    wrap: list[str] = _f(doc="Stage 3: module class names that become their own unit (e.g. Block); an unknown name "
+                             "is an error. []: the model's layers (the children of its ModuleLists/Sequentials) and "
+                             "any other child of at least a bucket.", factory=list)
     offload_optimizer: OffloadConfig = _f(doc="Offload of fp32 master weights and Adam moments.", factory=OffloadConfig)
     offload_param: OffloadConfig = _f(doc="Offload of parameters (stage 3 only).", factory=OffloadConfig)
     aio: AioConfig = _f(doc="NVMe I/O settings for offload.", factory=AioConfig)
@@ -328,7 +335,7 @@ def _read_deepspeed_config(data: Any, lines: dict[str, int | str], base: Path, s
     if not isinstance(data, dict) or data.get("deepspeed_config") in (None, ""):
         return
     # A leaf module (JSON -> plain recipe data) that imports nothing of config: no import cycle.
-    from zerorun.compat import ds_config
+    from zerorun import ds_config
 
     ds_path = base / str(data["deepspeed_config"])
     if not ds_path.is_file():

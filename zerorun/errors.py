@@ -22,3 +22,7 @@ class HostfileError(ZerorunError):
 
 class LaunchError(ZerorunError):
     """The job could not be started (missing torchrun, port in use, ...)."""
+
+
+class ZerorunWarning(UserWarning):
+    """A configuration that works but is probably not what the user meant (the message says what to set)."""

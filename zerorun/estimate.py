@@ -177,8 +177,8 @@ def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload
                   offload_param: str = "none") -> dict[str, dict[str, float]]:
     """Model-state bytes per rank by place ("gpu", "cpu", "nvme") and kind, as `Engine.memory()` holds them.
 
-    Optimizer offload (`runtime/offload.py`) moves the fp32 master and the moments (12 Psi/N) to the
-    host or to NVMe; in fp32 the master then becomes a copy (the GPU keeps its parameters). The
+    Optimizer offload (`runtime/placement.py`, `runtime/homes.py`) moves the fp32 master and the
+    moments (12 Psi/N) to the host or to NVMe; in fp32 the master then becomes a copy (the GPU keeps its parameters). The
     reduced fp32 gradient shard stays on the GPU and is streamed to the CPU tile by tile at the step
     (DeepSpeed moves it to the CPU after every micro-batch instead: 4 Psi/N less GPU memory, one
     PCIe transfer per micro-batch more). Stage 3 then gathers from a p-byte parameter shard, kept
@@ -306,8 +306,8 @@ def build_on_meta(spec: str) -> nn.Module:
 
 
 def shape_of(model: nn.Module, wrap: list[str], persistence_threshold: int, bucket_mb: float) -> ModelShape:
-    """Count a model's parameters the way stage 3 plans its units (`runtime/stage3.py`)."""
-    from zerorun.runtime.stage3 import wrapped_modules
+    """Count a model's parameters the way stage 3 plans its units (`runtime/module_units.py`)."""
+    from zerorun.runtime.module_units import wrapped_modules
 
     trainable = {p for p in model.parameters() if p.requires_grad}
     persistent = {p for p in trainable if p.numel() < persistence_threshold}

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from zerorun import config
-from zerorun.compat import ds_config
-from zerorun.compat.ds_config import Batch
-from zerorun.compat.ds_keys import RULES, Level
+from zerorun import ds_config
+from zerorun.ds_config import Batch
+from zerorun.ds_keys import RULES, Level
 from zerorun.errors import ConfigError
 
 

@@ -1,11 +1,11 @@
-"""The README's DeepSpeed key table is the key table in zerorun/compat/ds_keys.py."""
+"""The README's DeepSpeed key table is the key table in zerorun/ds_keys.py."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from zerorun.compat import ds_keys
+from zerorun import ds_keys
 
 README = (Path(__file__).parents[2] / "README.md").read_text()
 
@@ -15,4 +15,4 @@ def test_readme_deepspeed_key_table_equals_the_rules() -> None:
     assert section, "README lost its deepspeed-keys markers"
     assert section.group(1).strip() == ds_keys.reference_markdown().strip(), (
         "README's DeepSpeed key table is stale: regenerate it with "
-        "python -c 'from zerorun.compat import ds_keys; print(ds_keys.reference_markdown())'")
+        "python -c 'from zerorun import ds_keys; print(ds_keys.reference_markdown())'")

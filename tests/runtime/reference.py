@@ -145,7 +145,9 @@ def engine_run(rank: int, steps: int, accum: int, recipe_overrides: list[str], c
     import zerorun
     from zerorun import config
 
-    overrides = [f"train.grad_accum_steps={accum}", "zero.bucket_mb=0.0005", *recipe_overrides]
+    # tiny buckets: many units per module and per bucket, so every path between units is taken
+    overrides = [f"train.grad_accum_steps={accum}", "zero.bucket_mb=0.0005", "zero.allgather_bucket_mb=0.0005",
+                 *recipe_overrides]
     if clip is not None:
         overrides.append(f"train.clip_grad_norm={clip}")
     recipe = config.loads("script: train.py\n", "test.yaml", overrides)
@@ -171,31 +173,24 @@ def engine_run(rank: int, steps: int, accum: int, recipe_overrides: list[str], c
     if engine.scheduler is not None:  # stage 3: the parameters as gathered on every rank
         with engine.gathered():
             run.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    elif engine.flat.master is not None or engine.offload is not None:  # the fp32 master, not its low-precision copy
+    else:  # the fp32 master, not its low-precision copy (in fp32 without offload, the parameters themselves)
         run.params = engine_master_params(engine)
-    else:
-        run.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     return run, engine
 
 
 def engine_master_params(engine) -> dict[str, torch.Tensor]:
-    """The fp32 master weights as full parameters: this rank's pieces all-gathered."""
+    """The fp32 master weights of stages 0-2 as full parameters: this rank's pieces all-gathered."""
     import torch.distributed as dist
 
-    flat = engine.flat
-    full = torch.zeros(flat.flat.numel(), dtype=torch.float32)
-    if flat.master is not None:
-        masters = flat.master
-    else:  # optimizer offload to NVMe: the master lives in the home's files
-        masters = [torch.empty(n) for n in flat.group_numels]
-        for g, master in enumerate(masters):
-            engine.offload.home.read(g, "master", master)
-    for unit in flat.units:
-        flat.unit_piece(unit, full).copy_(flat.state_slice(unit, masters[unit.group]))
-    if flat.shard_world > 1:
+    store = engine.store
+    full = torch.zeros(sum(unit.padded_numel for unit in store.units), dtype=torch.float32)
+    for unit in store.units:
+        region = full[unit.flat_offset:unit.flat_offset + unit.padded_numel]
+        store.home.read(unit.group, "master", unit.piece(region, store.shard_rank), start=unit.state_offset)
+    if store.shard_world > 1:
         dist.all_reduce(full)  # each rank contributes only its pieces; the rest are zeros
     by_param = {}
-    for unit in flat.units:
+    for unit in store.units:
         for span, param in zip(unit.layout.spans, unit.params):
             start = unit.flat_offset + span.offset
             by_param[param] = full[start:start + span.numel].view(param.shape)

@@ -89,7 +89,7 @@ def _state(engine) -> dict[str, torch.Tensor]:
 
     if engine.scheduler is not None:
         return engine.state_dict()
-    masters = engine_master_params(engine) if engine.flat.master is not None else {}
+    masters = engine_master_params(engine)
     first = {}
     for name, param in engine.module.named_parameters(remove_duplicate=False):
         first.setdefault(id(param), name)

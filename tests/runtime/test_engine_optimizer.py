@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -61,6 +64,117 @@ def test_param_groups_and_lr_scheduler_match_ddp(stage: int, opt_cls: type) -> N
         assert torch.allclose(torch.tensor(our_losses), torch.tensor(ddp_losses), rtol=1e-5, atol=0), (
             our_losses, ddp_losses)
         assert len(set(our_losses)) > 1
+
+
+WARMUP, TOTAL, ACCUM = 3, 8, 2
+
+
+def _warmup_cosine(step: int) -> float:
+    if step < WARMUP:
+        return (step + 1) / WARMUP
+    return 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / (TOTAL - WARMUP)))
+
+
+def _loop(forward, backward, step, opt, sched, rank: int) -> dict[str, list]:
+    """TOTAL optimizer steps of ACCUM micro-steps; `sched` None sets each group's lr by hand."""
+    losses, lrs = [], []
+    bases = [g["lr"] for g in opt.param_groups]
+
+    def set_by_hand(i: int) -> None:
+        for group, base in zip(opt.param_groups, bases):
+            group["lr"] = base * _warmup_cosine(i)
+    if sched is None:
+        set_by_hand(0)
+    for i in range(TOTAL):
+        for a in range(ACCUM):
+            loss = forward(batch(0, rank, i * ACCUM + a))
+            backward(loss / ACCUM)
+            step()
+            losses.append(loss.item())
+        sched.step() if sched is not None else set_by_hand(i + 1)
+        lrs.append([g["lr"] for g in opt.param_groups])
+    return {"losses": losses, "lrs": lrs}
+
+
+def _scheduled(rank: int, world: int, cases: list[tuple[str, str, int]]) -> dict:
+    """DDP + AdamW with a warm-up + cosine LambdaLR, then the same loop through zerorun per case:
+    (when the scheduler is built, which optimizer it is built on, stage); warnings recorded."""
+    import zerorun
+    from zerorun import config
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    model = make_model(0)
+    opt = torch.optim.AdamW(_groups(model))
+    ddp = DDP(model)
+
+    def ddp_step() -> None:
+        if (len(ddp_micro) + 1) % ACCUM == 0:
+            opt.step()
+            opt.zero_grad()
+        ddp_micro.append(1)
+    ddp_micro: list[int] = []
+    out = {"ddp": _loop(ddp, lambda loss: loss.backward(), ddp_step, opt,
+                        torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine), rank)}
+    for when, target, stage in cases:
+        model = make_model(0)
+        opt = torch.optim.AdamW(_groups(model))
+        recipe = config.loads("script: t.py", "t.yaml", [f"zero.stage={stage}", "zero.bucket_mb=0.0005",
+                                                          f"train.grad_accum_steps={ACCUM}"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine) if when == "before" else None
+            engine = zerorun.initialize(model, opt, recipe)
+            if when == "after":
+                sched = torch.optim.lr_scheduler.LambdaLR(opt if target == "user" else engine.optimizer,
+                                                          _warmup_cosine)
+            run = _loop(engine, engine.backward, engine.step, opt, sched, rank)
+        run["shared"] = engine.optimizer.param_groups is opt.param_groups
+        run["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+        out[f"{when}/{target}/stage{stage}"] = run
+    return out
+
+
+SCHEDULED = [("before", "user", 2), ("after", "user", 3), ("after", "engine", 1), ("by hand", "user", 2)]
+
+
+def test_a_scheduler_on_the_users_optimizer_drives_the_engine_like_ddp_without_warnings() -> None:
+    for rank, out in enumerate(run_ranks(_scheduled, 2, (SCHEDULED,))):
+        ddp = out.pop("ddp")
+        assert len({lr for step in ddp["lrs"] for lr in step}) > 4  # warm-up and decay, two groups apart
+        for case, run in out.items():
+            assert run["shared"], case
+            assert run["warnings"] == [], (case, run["warnings"])
+            assert run["lrs"] == ddp["lrs"], (case, run["lrs"], ddp["lrs"])  # the same arithmetic
+            assert torch.allclose(torch.tensor(run["losses"]), torch.tensor(ddp["losses"]), rtol=1e-5, atol=0), (
+                case, rank, run["losses"], ddp["losses"])
+
+
+def _handed_over_misuse(rank: int, world: int) -> list[str]:
+    import zerorun
+    from zerorun import config
+    from zerorun.errors import ZerorunError
+
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters())
+    engine = zerorun.initialize(model, opt, config.loads("script: t.py", "t.yaml"))
+    messages = []
+    for call in (opt.step, opt.zero_grad, opt.state_dict, lambda: opt.load_state_dict({}),
+                 engine.optimizer.state_dict, engine.optimizer.zero_grad):
+        try:
+            call()
+            messages.append("no error")
+        except ZerorunError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_the_handed_over_optimizer_refuses_to_step_or_save_and_says_what_to_call() -> None:
+    step, zero_grad, save, load, engine_save, engine_zero = run_ranks(_handed_over_misuse, 1)[0]
+    assert "call engine.step()" in step
+    assert "engine.zero_grad()" in zero_grad and "engine.zero_grad()" in engine_zero
+    for message in (save, load, engine_save):
+        assert "engine.save_checkpoint(dir)" in message and "engine.load_checkpoint(dir)" in message
 
 
 def _errors(rank: int, world: int) -> list[str]:

@@ -67,7 +67,7 @@ def _overlap(rank: int, world: int, overlap: bool) -> tuple[int, int]:
                                                       f"zero.overlap_comm={str(overlap).lower()}"])
     engine = zerorun.initialize(make_model(0), None, recipe)
     engine.backward(engine(batch(0, rank, 0)))
-    return engine.reducer.overlapped_launches, len(engine.flat.units)
+    return engine.reducer.overlapped_launches, len(engine.store.units)
 
 
 def test_stage2_reduces_buckets_while_backward_runs_only_with_overlap_comm() -> None:

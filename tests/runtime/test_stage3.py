@@ -83,9 +83,9 @@ def _memory(rank: int, world: int) -> dict:
     for i in range(3):
         engine.backward(engine(synthetic_tokens(cfg, 2, 0, rank, i)))
         engine.step()
-    store = engine.flat
-    unit_bytes = {mu.kind: [sum(store.full[k].numel() * 4 for k in mu.units)] for mu in store.module_units}
-    blocks = [sum(store.full[k].numel() * 4 for k in mu.units) for mu in store.module_units if mu.kind == "wrap"]
+    store = engine.store
+    unit_bytes = {mu.kind.value: [sum(store.full[k].numel() * 4 for k in mu.units)] for mu in store.module_units}
+    blocks = [sum(store.full[k].numel() * 4 for k in mu.units) for mu in store.plan.gathered_units()]
     return {"model_states": engine.memory().model_states(), "params": params, "persistent": persistent,
             "peak": store.peak_gathered_bytes, "root": unit_bytes["root"][0], "persistent_bytes": unit_bytes["persistent"][0],
             "largest_block": max(blocks), "all_blocks": sum(blocks)}

@@ -21,7 +21,8 @@ import torch
 
 import zerorun
 from zerorun import config as recipes
-from zerorun.compat import ds_config, schedulers
+from zerorun import ds_config
+from zerorun.compat import schedulers
 from zerorun.compat.engine import DeepSpeedEngine
 from zerorun.config import Recipe
 from zerorun.errors import ConfigError, ZerorunError

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from zerorun import config
-from zerorun.compat import ds_config
+from zerorun import ds_config
 from zerorun.errors import ConfigError
 
 RECIPE_NAME = "launch-recipe.yaml"

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from zerorun import config
-from zerorun.compat import ds_config
-from zerorun.compat.ds_keys import Level
+from zerorun import ds_config
+from zerorun.ds_keys import Level
 
 SECTION_ORDER = ("train", "zero", "precision", "optimizer", "scheduler")
 

@@ -15,7 +15,8 @@ verdict agreed by all) and the manifest is matched against the model, so damage 
 the file, never a wrong load.
 
 All reads and writes of this rank's master weights and Adam moments go through `_rank_state` and
-`_restore_rank_state`.
+`_restore_rank_state`, and through the store's `home` only: where the state lives (device, host,
+NVMe) is the home's business, not a question this module asks.
 """
 
 from __future__ import annotations
@@ -29,85 +30,58 @@ import signal
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-import zerorun
+from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
 from zerorun.runtime.checkpoint_format import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, VERSION, Checkpoint,
                                                as_entry, check_tag, clean_crashed_saves, fsync_dir, replace_dir, seal,
                                                shard_file, write_atomic, write_manifest, write_tensors)
-from zerorun.runtime.offload import HostHome
-
-if TYPE_CHECKING:
-    from zerorun.runtime.engine import Engine
+from zerorun.runtime.collectives import Collectives
+from zerorun.runtime.homes import KINDS
+from zerorun.runtime.optimizer import ShardedAdamW
+from zerorun.runtime.partition import range_copies
+from zerorun.runtime.precision import LossScaler
+from zerorun.runtime.store import ParamStore
+from zerorun.version import __version__
 
 log = logging.getLogger("zerorun")
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
 CRASH_ENV = "ZERORUN_CHECKPOINT_CRASH"  # tests only: "<rank>:<point>:<tag>" SIGKILLs that rank there
+
+
+class Engine(Protocol):
+    """What a checkpoint saves and restores of the engine (runtime/engine.py implements it)."""
+
+    recipe: Recipe
+    module: nn.Module
+    store: ParamStore
+    optimizer: ShardedAdamW
+    scaler: LossScaler
+    comm: Collectives
+    device: torch.device
+    stage: int
+    global_step: int
+    skipped_steps: int
+    micro_steps: int
+    grad_accum_steps: int
 
 
 # -- this rank's flat state: the only two functions that touch master and moments ---------------
 def _rank_state(engine: Engine) -> dict[str, torch.Tensor]:
     """This rank's flat fp32 state, `<kind>.<group>` -> a CPU tensor of `group_numels[group]` elements."""
-    flat, opt = engine.flat, engine.optimizer
-    home = _nvme_home(engine)
-    if home is not None:  # read back from the files, one group's state at a time into host memory
-        state = {}
-        for g, numel in enumerate(flat.group_numels):
-            for kind in ("master", "exp_avg", "exp_avg_sq"):
-                state[f"{kind}.{g}"] = torch.empty(numel, dtype=torch.float32)
-                home.read(g, kind, state[f"{kind}.{g}"])
-        return state
-    state = {}
-    for g, numel in enumerate(flat.group_numels):
-        if flat.master is not None:
-            master = flat.master[g]
-        else:  # fp32 stages 0-2: the parameters' own pieces are the master
-            pieces = flat.master_pieces(g)
-            master = torch.cat(pieces) if pieces else torch.zeros(0)
-        state[f"master.{g}"] = master
-        state[f"exp_avg.{g}"] = opt.exp_avg[g]
-        state[f"exp_avg_sq.{g}"] = opt.exp_avg_sq[g]
-    for name, tensor in state.items():
-        assert tensor.numel() == flat.group_numels[int(name.split(".")[1])], f"{name}: {tensor.numel()} elements"
-    return {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
+    home = engine.store.home
+    return {f"{kind}.{g}": home.state(g, kind) for g in range(len(engine.store.group_numels)) for kind in KINDS}
 
 
 def _restore_rank_state(engine: Engine, kind: str, group: int, values: torch.Tensor) -> None:
     """Overwrite this rank's flat `kind` state of `group` with `values` (CPU fp32); the caller republishes."""
-    flat = engine.flat
-    home = _nvme_home(engine)
-    if kind == "master" and getattr(flat, "param_store", None) is not None:  # stage 3's shard files
-        for lo in range(0, values.numel(), 2**24):
-            flat.write_param_piece(group, lo, values[lo:lo + 2**24].to(flat.policy.param_dtype))
-    if home is not None:
-        home.write(group, kind, values.float().contiguous())
-        if kind == "master" and hasattr(flat, "flat"):  # stages 0-2: the parameters are cast from it here
-            units = [u for u in flat.units if u.group == group]
-            for unit, piece in zip(units, flat.shard_pieces(group), strict=True):
-                piece.copy_(flat.state_slice(unit, values))
-        elif kind == "master" and getattr(flat, "param_shard", None) is not None:
-            flat.param_shard[group].copy_(values)
-        return
-    if kind != "master":
-        getattr(engine.optimizer, kind)[group].copy_(values)
-        return
-    units = [u for u in flat.units if u.group == group]
-    for unit, piece in zip(units, flat.master_pieces(group), strict=True):
-        piece.copy_(flat.state_slice(unit, values))
-    param_shard = getattr(flat, "param_shard", None)  # stage 3 with the optimizer offloaded: gathers read it
-    if param_shard is not None:
-        param_shard[group].copy_(values)
-
-
-def _nvme_home(engine: Engine):
-    """The NVMe home of master and moments, or None when they are tensors in memory."""
-    if engine.offload is not None and not isinstance(engine.offload.home, HostHome):
-        return engine.offload.home
-    return None
+    engine.store.home.write(group, kind, values)
+    if kind == "master":
+        engine.store.master_changed(group, values)
 
 
 # -- save -----------------------------------------------------------------------------------------
@@ -125,7 +99,7 @@ def save(engine: Engine, directory: str | os.PathLike, tag: str, client_state: d
         clean_crashed_saves(root)
         tmp.mkdir()
     _barrier(engine)
-    shards = engine.flat.shard_world  # stage 0: one copy of the state, rank 0's
+    shards = engine.store.shard_world  # stage 0: one copy of the state, rank 0's
     sealed = torch.zeros(world, 2, dtype=torch.int64, device=engine.device)
     if rank < shards:
         sealed[rank] = torch.tensor(write_tensors(tmp / shard_file(rank), _rank_state(engine)))
@@ -153,26 +127,25 @@ def save(engine: Engine, directory: str | os.PathLike, tag: str, client_state: d
 
 def _describe(engine: Engine, tag: str, rng: list[dict]) -> dict[str, Any]:
     """The manifest, less its files: what the state is and where each parameter's pieces lie."""
-    flat, names = engine.flat, _first_names(engine.module)
+    store, names = engine.store, _first_names(engine.module)
     params = {}
-    for k, unit in enumerate(flat.units):
-        for span, param, shape in zip(unit.layout.spans, unit.params, _shapes(flat, k, unit)):
-            pieces = []
-            for r in range(flat.shard_world):
-                lo, hi = unit.layout.shard_range(r)
-                start, end = max(span.offset, lo), min(span.end, hi)
-                if start < end:
-                    pieces.append([r, unit.state_offset + start - lo, start - span.offset, end - start])
+    for unit in store.units:
+        for index, (param, shape) in enumerate(zip(unit.params, unit.shapes)):
+            pieces = []  # [saved rank, offset in its state, first element of the parameter, numel]
+            for r in range(store.shard_world):
+                piece = unit.layout.piece_of(index, r)
+                if piece is not None:
+                    pieces.append([r, unit.state_offset + piece.shard_start, piece.param_start, piece.numel])
             params[names[param]] = {"shape": list(shape), "dtype": _dtype_name(param.dtype), "group": unit.group,
                                     "pieces": pieces}
     extras = _extras(engine.module)
     opt = engine.optimizer
     groups = [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in opt.param_groups]
     return {
-        "format": FORMAT, "version": VERSION, "zerorun": zerorun.__version__, "saved_at": time.time(),
+        "format": FORMAT, "version": VERSION, "zerorun": __version__, "saved_at": time.time(),
         "tag": tag, "global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
         "world_size": engine.comm.world_size, "stage": engine.stage, "precision": engine.recipe.precision.dtype,
-        "shards": flat.shard_world, "group_numels": list(flat.group_numels),
+        "shards": store.shard_world, "group_numels": list(store.group_numels),
         "optimizer": {"decoupled": opt.decoupled, "steps": list(opt.steps), "param_groups": groups},
         "loss_scaler": engine.scaler.state_dict(),
         "params": params,
@@ -209,50 +182,44 @@ def load(engine: Engine, directory: str | os.PathLike, tag: str | None = None) -
     _verify_files(engine, ckpt)
     reads = _plan_reads(engine, ckpt)  # raises before anything is touched when the model differs
     for kind in KINDS:
-        for g, numel in enumerate(engine.flat.group_numels):
+        for g, numel in enumerate(engine.store.group_numels):
             values = torch.zeros(numel, dtype=torch.float32)  # padding stays zero, as after initialisation
             for r in sorted(reads[g]):
                 with ckpt.reading(shard_file(r)) as f:
                     source = ckpt.slice_of(f, r, f"{kind}.{g}")
-                    for src, dst, n in reads[g][r]:
-                        values[dst:dst + n] = source[src:src + n]
+                    for copy in reads[g][r]:
+                        values[copy.dst:copy.dst + copy.numel] = source[copy.src:copy.src + copy.numel]
             _restore_rank_state(engine, kind, g, values)
     _restore_extras(engine, ckpt)
     _restore_counters(engine, ckpt.manifest)
-    engine.flat.publish()
+    engine.store.publish().wait()
     return ckpt.path.name.removeprefix(".old-"), ckpt.client_state() or {}
 
 
-def _plan_reads(engine: Engine, ckpt: Checkpoint) -> list[dict[int, list[tuple[int, int, int]]]]:
-    """Per group, per saved rank: (source offset, destination offset, numel) copies that fill this rank's state."""
-    flat, names, saved = engine.flat, _first_names(engine.module), ckpt.manifest["params"]
+def _plan_reads(engine: Engine, ckpt: Checkpoint) -> list[dict[int, list]]:
+    """Per group, per saved rank: the `Copy`s (partition.py) that fill this rank's state."""
+    store, names, saved = engine.store, _first_names(engine.module), ckpt.manifest["params"]
     _match_model(engine, ckpt)
-    reads: list[dict[int, list[tuple[int, int, int]]]] = [defaultdict(list) for _ in flat.group_numels]
-    for unit in flat.units:
-        lo, hi = unit.layout.shard_range(flat.shard_rank)
-        for span, param in zip(unit.layout.spans, unit.params):
-            start, end = max(span.offset, lo), min(span.end, hi)
-            if start >= end:
-                continue
-            a, b = start - span.offset, end - span.offset  # the part of the parameter this rank owns
-            base = unit.state_offset + start - lo - a  # where parameter element 0 would land
-            covered = 0
-            for r, offset, first, n in saved[names[param]]["pieces"]:
-                s, e = max(a, first), min(b, first + n)
-                if s < e:
-                    reads[unit.group][r].append((offset + s - first, base + s, e - s))
-                    covered += e - s
-            if covered != b - a:
-                raise ZerorunError(f"{ckpt.path / MANIFEST}: the saved pieces of {names[param]} cover {covered} of "
-                                   f"its elements {a}..{b}, not all: the manifest is damaged.")
+    reads: list[dict[int, list]] = [defaultdict(list) for _ in store.group_numels]
+    for unit in store.units:
+        for piece in unit.layout.shard_pieces(store.shard_rank):  # the parts of parameters this rank owns
+            name = names[unit.params[piece.index]]
+            want = (piece.param_start, piece.param_start + piece.numel)
+            copies = range_copies(want, unit.state_offset + piece.shard_start, saved[name]["pieces"])
+            covered = sum(c.numel for c in copies)
+            if covered != piece.numel:
+                raise ZerorunError(f"{ckpt.path / MANIFEST}: the saved pieces of {name} cover {covered} of its "
+                                   f"elements {want[0]}..{want[1]}, not all: the manifest is damaged.")
+            for copy in copies:
+                reads[unit.group][copy.source].append(copy)
     return reads
 
 
 def _match_model(engine: Engine, ckpt: Checkpoint) -> None:
     """The checkpoint must describe this model: same parameter names, shapes and param groups."""
-    flat, names, m = engine.flat, _first_names(engine.module), ckpt.manifest
-    here = {names[p]: {"shape": list(shape), "group": u.group} for k, u in enumerate(flat.units)
-            for p, shape in zip(u.params, _shapes(flat, k, u))}
+    names, m = _first_names(engine.module), ckpt.manifest
+    here = {names[p]: {"shape": list(shape), "group": u.group} for u in engine.store.units
+            for p, shape in zip(u.params, u.shapes)}
     there = {n: {"shape": e["shape"], "group": e["group"]} for n, e in m["params"].items()}
     extras_here = {n: {"shape": list(t.shape)} for n, t in _extras(engine.module).items()}
     extras_there = {n: {"shape": e["shape"]} for n, e in m["extras"].items()}
@@ -318,11 +285,6 @@ def _first_names(module: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(param, name)
     return names
-
-
-def _shapes(flat: Any, k: int, unit: Any) -> list[torch.Size]:
-    views = getattr(flat, "views", None)  # stage 3: a released parameter is empty; its view keeps the shape
-    return [v.shape for v in views[k]] if views is not None else [p.shape for p in unit.params]
 
 
 def _extras(module: torch.nn.Module) -> dict[str, torch.Tensor]:

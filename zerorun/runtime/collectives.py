@@ -66,6 +66,28 @@ class Handle:
         self.done = True
 
 
+class Pending:
+    """Work started now and finished by `wait()`: its collectives, then what must follow them, once.
+
+    Stores return one from `publish()`: today the engine waits at once; overlapping the parameter
+    all-gather with the next forward means waiting later, just before the first module that reads it.
+    """
+
+    def __init__(self, handles: list[Handle] | None = None, then: Callable[[], object] | None = None) -> None:
+        self._handles = handles or []
+        self._then = then
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        for handle in self._handles:
+            handle.wait()
+        if self._then is not None:
+            self._then()
+        self.done = True
+
+
 class Collectives:
     """Collectives over one process group (the data-parallel group)."""
 

@@ -9,6 +9,7 @@ a listener on another thread converts it when it sends.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -52,3 +53,40 @@ def emit(stats: StepStats) -> None:
         except Exception:  # noqa: BLE001 - telemetry must never break training
             log.exception("zerorun: step listener %r failed and was removed", listener)
             _listeners.remove(listener)
+
+
+class StepWindow:
+    """Accumulates what the micro-steps of one optimizer step did, for `events.StepStats`."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.started = time.perf_counter()
+        self.losses: list[torch.Tensor] = []
+        self.samples = 0
+        self.tokens = 0
+
+    def count_inputs(self, args: tuple, kwargs: dict, tokens_per_sample: int | None) -> None:
+        """Samples = the first tensor's batch dimension; tokens = its numel when it holds token ids."""
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.ndim > 0), None)
+        if first is None:
+            return
+        samples = first.shape[0]
+        self.samples += samples
+        if tokens_per_sample is not None:
+            self.tokens += samples * tokens_per_sample
+        elif not first.is_floating_point() and first.ndim >= 2:
+            self.tokens += first.numel()
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self.losses.append(loss.detach())
+
+    def close(self, step: int, norm: float, scale: float, skipped: bool, skipped_total: int,
+              comm: dict[str, dict[str, float]], offload: dict[str, dict[str, float]]) -> StepStats:
+        now = time.perf_counter()
+        loss = torch.stack(self.losses).float().mean() if self.losses else None
+        stats = StepStats(step, loss, norm, scale, skipped, skipped_total, now - self.started,
+                                 self.samples, self.tokens, comm, offload)
+        self._reset()
+        return stats

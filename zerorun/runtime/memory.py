@@ -42,6 +42,7 @@ class MemoryReport:
     """Bytes per (kind, place)."""
 
     entries: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    units: int = 0  # stage 3: module units gathered and released around their use (0 in stages 0-2)
 
     def add(self, kind: str, place: str, nbytes: int) -> None:
         assert kind in KINDS, f"unknown memory kind {kind}"

@@ -1,21 +1,18 @@
 """Adam(W) over flat fp32 shards, with the user's param groups and hyper-parameters.
 
 `ShardedAdamW` is a `torch.optim.Optimizer`, so `param_groups` behaves as users expect and a
-stock `torch.optim.lr_scheduler` can drive it, but its state is flat: per param group, one
-contiguous fp32 tensor each for `exp_avg` and `exp_avg_sq` covering only this rank's pieces. zerorun's kernel (`zerorun.ops`, torch's fused
-Adam(W) where it is not built) updates each piece and, in the same pass, divides the gradients by
-`grad_divisor` (world size x loss scale / clip coefficient) and writes the low-precision copy of
-the updated weights when the caller gives one.
+stock `torch.optim.lr_scheduler` can drive it. It holds the hyper-parameters and step counts; the
+state itself (fp32 master, `exp_avg`, `exp_avg_sq`: per param group, this rank's pieces only) lives
+in the home the placement chose (homes.py), and `AdamStep` (adam_step.py) runs the update.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from zerorun import ops
 from zerorun.config import OptimizerConfig
 from zerorun.errors import ZerorunError
 
@@ -51,39 +48,95 @@ def param_groups_from(optimizer: torch.optim.Optimizer | None, model: nn.Module,
 
 
 class ShardedAdamW(torch.optim.Optimizer):
-    """Adam(W) whose state covers this rank's flat pieces only."""
+    """Adam(W) whose state covers this rank's flat pieces only.
 
-    def __init__(self, groups: list[dict[str, Any]], decoupled: bool, group_numels: Sequence[int],
-                 device: torch.device | None) -> None:
-        """`device`: where the moments live; None when an offload home other than memory holds them (NVMe)."""
+    Given the user's optimizer (`handed_over`), it shares that optimizer's `param_groups` list, the
+    very same dicts: a scheduler built on either object, before or after `zerorun.initialize`, and
+    code that sets `group["lr"]`, drive the engine's update. The user's optimizer itself can no
+    longer step or hold state (`refuse_direct_use`).
+    """
+
+    def __init__(self, groups: list[dict[str, Any]], decoupled: bool,
+                 handed_over: torch.optim.Optimizer | None = None) -> None:
         defaults = {k: groups[0][k] for k in HYPER} if groups else {"lr": 1e-3}
         super().__init__(groups, defaults)
+        self._groups_fixed = True  # the flat layout is built from these groups, once
+        if handed_over is not None:
+            assert len(handed_over.param_groups) == len(groups), "one engine group per param group of the optimizer"
+            self.param_groups = handed_over.param_groups
+            self.defaults = handed_over.defaults
+            refuse_direct_use(handed_over)
+        self.handed_over = handed_over
         self.decoupled = decoupled
-        numels = group_numels if device is not None else []
-        self.exp_avg = [torch.zeros(n, dtype=torch.float32, device=device) for n in numels]
-        self.exp_avg_sq = [torch.zeros(n, dtype=torch.float32, device=device) for n in numels]
-        self.steps = [0 for _ in group_numels]  # a Python int: no device sync to read it
+        self.steps = [0 for _ in groups]  # a Python int: no device sync to read it
 
-    @torch.no_grad()
-    def step_pieces(self, masters: list[list[torch.Tensor]], grads: list[list[torch.Tensor]],
-                    moment_pieces: list[list[tuple[torch.Tensor, torch.Tensor]]], grad_divisor: float,
-                    lowp_out: list[list[torch.Tensor]] | None = None) -> None:
-        """One update of every group: `masters[g][i] -= f(grads[g][i] / grad_divisor, moments)`,
-        also written cast into `lowp_out[g][i]` when given."""
-        for g, group in enumerate(self.param_groups):
-            if not masters[g]:
-                continue
-            self.steps[g] += 1
-            beta1, beta2 = group["betas"]
-            for i, (master, grad) in enumerate(zip(masters[g], grads[g])):
-                exp_avg, exp_avg_sq = moment_pieces[g][i]
-                ops.adamw_step(master, grad, exp_avg, exp_avg_sq, step=self.steps[g], lr=float(group["lr"]),
-                               beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                               weight_decay=float(group["weight_decay"]), decoupled=self.decoupled,
-                               grad_divisor=grad_divisor, lowp_out=lowp_out[g][i] if lowp_out else None)
+    def group_step(self, group: int, grad_divisor: float) -> dict[str, Any]:
+        """Count one update of `group` and return the kernel's arguments for it (`ops.adamw_step`)."""
+        self.steps[group] += 1
+        hyper = self.param_groups[group]
+        beta1, beta2 = hyper["betas"]
+        return dict(step=self.steps[group], lr=float(hyper["lr"]), beta1=float(beta1), beta2=float(beta2),
+                    eps=float(hyper["eps"]), weight_decay=float(hyper["weight_decay"]), decoupled=self.decoupled,
+                    grad_divisor=grad_divisor)
+
+    def count_step(self) -> None:
+        """Tell torch's LR schedulers, on this optimizer or the handed-over one, that a step happened.
+
+        A scheduler wraps `optimizer.step` to set `optimizer._opt_called` and warns ("lr_scheduler.step()
+        before optimizer.step()") when that flag is unset at its first step (torch/optim/lr_scheduler.py,
+        the same contract from torch 2.2 through 2.13). The engine's update is the optimizer's step, so
+        it sets the flag itself rather than calling a `step` that must not run.
+        """
+        self._opt_called = True
+        if self.handed_over is not None:
+            self.handed_over._opt_called = True  # type: ignore[attr-defined]
 
     def step(self, closure: Any = None) -> None:  # noqa: D102 - the engine drives the update
-        raise ZerorunError("call engine.step(), which reduces gradients first; the optimizer cannot step alone.")
+        raise ZerorunError(_STEP)
 
-    def held_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
+        raise ZerorunError(_ZERO_GRAD)
+
+    def state_dict(self) -> dict[str, Any]:  # noqa: D102
+        raise ZerorunError(_STATE_DICT)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102
+        raise ZerorunError(_STATE_DICT)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:  # noqa: D102
+        if getattr(self, "_groups_fixed", False):
+            raise ZerorunError("zerorun lays parameters out once, at zerorun.initialize: add every param group to "
+                               "the optimizer before handing it over.")
+        super().add_param_group(param_group)
+
+
+
+_STEP = ("this optimizer is driven by the zerorun engine: call engine.step(), which reduces gradients across "
+         "ranks and updates the shard this rank owns (at accumulation boundaries). Its param groups stay live: "
+         "an LR scheduler on it, or group['lr'] = ..., still sets what engine.step() uses.")
+_ZERO_GRAD = ("this optimizer is driven by the zerorun engine: engine.step() already clears gradients after every "
+              "update; call engine.zero_grad() to drop gradients accumulated since the last update.")
+_STATE_DICT = ("this optimizer's state is sharded across ranks by the zerorun engine: save and restore it with "
+               "engine.save_checkpoint(dir) and engine.load_checkpoint(dir) (moments, step counts and param "
+               "groups included).")
+
+
+def refuse_direct_use(optimizer: torch.optim.Optimizer) -> None:
+    """Make the user's handed-over optimizer refuse what would silently do nothing or the wrong thing.
+
+    `step` refuses through a step pre-hook, which runs inside torch's own `step` wrapper: a scheduler
+    built on the optimizer before or after this keeps its wrapper (replacing `step` would make it warn
+    that step was overridden). The other methods are shadowed on the instance.
+    """
+    def refuse(message: str) -> Any:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            raise ZerorunError(message)
+        return method
+
+    def refuse_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        raise ZerorunError(_STEP)
+
+    optimizer.register_step_pre_hook(refuse_step)
+    optimizer.zero_grad = refuse(_ZERO_GRAD)  # type: ignore[method-assign]
+    optimizer.state_dict = refuse(_STATE_DICT)  # type: ignore[method-assign]
+    optimizer.load_state_dict = refuse(_STATE_DICT)  # type: ignore[method-assign]

@@ -64,24 +64,50 @@ class FlatLayout:
         assert 0 <= rank < self.world_size, f"rank {rank} outside world of {self.world_size}"
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
+    def piece_of(self, index: int, rank: int) -> ShardPiece | None:
+        """The part of parameter `index` that `rank` owns, or None."""
+        span = self.spans[index]
+        lo, hi = self.shard_range(rank)
+        both = intersect((span.offset, span.end), (lo, hi))
+        if both is None:
+            return None
+        return ShardPiece(index, both[0] - span.offset, both[0] - lo, both[1] - both[0])
+
     def shard_pieces(self, rank: int) -> list[ShardPiece]:
         """The parts of parameters that `rank` owns, in flat order (padding excluded)."""
-        lo, hi = self.shard_range(rank)
-        pieces = []
-        for span in self.spans:
-            start, end = max(span.offset, lo), min(span.end, hi)
-            if start < end:
-                pieces.append(ShardPiece(span.index, start - span.offset, start - lo, end - start))
-        return pieces
+        pieces = (self.piece_of(index, rank) for index in range(len(self.spans)))
+        return [piece for piece in pieces if piece is not None]
 
-    def owners(self, index: int) -> list[int]:
-        """Ranks whose shard holds part of parameter `index`."""
-        span = self.spans[index]
-        if span.numel == 0:
-            return []
-        first = span.offset // self.shard_numel
-        last = (span.end - 1) // self.shard_numel
-        return list(range(first, last + 1))
+
+def intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    """The common part of two half-open ranges [lo, hi), or None when they do not overlap."""
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Move `numel` elements from offset `src` of holder `source` to offset `dst`."""
+
+    source: int
+    src: int
+    dst: int
+    numel: int
+
+
+def range_copies(want: tuple[int, int], dst: int, held: Sequence[tuple[int, int, int, int]]) -> list[Copy]:
+    """The copies that fill elements `want` = [lo, hi) of one parameter, landing from `dst` on.
+
+    `held` lists pieces (source, offset, first, numel): `source` holds the parameter's elements
+    [first, first + numel) from `offset` of its flat state (a checkpoint's saved ranks). When the
+    pieces tile the parameter, the copies cover `want` exactly once (checkpoint loads check it).
+    """
+    copies = []
+    for source, offset, first, numel in held:
+        both = intersect(want, (first, first + numel))
+        if both is not None:
+            copies.append(Copy(source, offset + both[0] - first, dst + both[0] - want[0], both[1] - both[0]))
+    return copies
 
 
 def round_up(value: int, multiple: int) -> int:

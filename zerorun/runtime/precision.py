@@ -35,11 +35,6 @@ class PrecisionPolicy:
     def from_config(cls, cfg: PrecisionConfig) -> PrecisionPolicy:
         return cls(param_dtype=DTYPES[cfg.dtype])
 
-    @property
-    def separate_master(self) -> bool:
-        """True when fp32 master weights are a copy, not the parameters themselves."""
-        return self.param_dtype != self.master_dtype
-
 
 class LossScaler:
     """Dynamic loss scaling for fp16 (a fixed scale of 1 otherwise), as torch's GradScaler does.

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerorun.compat.ds_keys import RULES, Level, Rule, rule_for
+from zerorun.ds_keys import RULES, Level, Rule, rule_for
 from zerorun.errors import ConfigError
 
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")

@@ -1,0 +1,133 @@
+"""The gradient reducer, without a process group: which unit it launches when, what it reduces, and
+that it never holds more than a bounded number of reductions in flight.
+
+A fake `Collectives` plays rank 0 of 2 whose peer contributed the same gradients (so a reduced
+piece is twice this rank's), and counts unfinished reductions. Gradients arrive in a chosen order:
+one `backward()` per parameter, each firing that parameter's post-accumulate-grad hook.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from zerorun.errors import ZerorunError
+from zerorun.runtime.grad_reducer import MAX_INFLIGHT, GradReducer, LaunchOrder, Reduction
+from zerorun.runtime.phase import Phase, TrainingPhase
+from zerorun.runtime.units import cut_units, group_numels
+
+SIZE = 3  # elements per parameter
+
+
+class _Handle:
+    def __init__(self, comm: _FakeComm, then) -> None:
+        self.comm, self.then, self.done = comm, then, False
+        comm.outstanding += 1
+
+    def wait(self) -> None:
+        if not self.done:
+            self.then()
+            self.done = True
+            self.comm.outstanding -= 1
+
+
+class _FakeComm:
+    rank, world_size = 0, 2
+
+    def __init__(self) -> None:
+        self.outstanding = 0
+        self.kinds: list[str] = []
+
+    def all_reduce(self, tensor: torch.Tensor) -> _Handle:
+        self.kinds.append("all_reduce")
+        return _Handle(self, lambda: tensor.mul_(2))
+
+    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> _Handle:
+        self.kinds.append("reduce_scatter")
+        piece = 2 * full[:out.numel()]  # rank 0's piece, summed with an identical peer
+
+        def finish() -> None:
+            out.add_(piece) if accumulate else out.copy_(piece)
+        return _Handle(self, finish)
+
+
+def _setup(reduction: Reduction, order: LaunchOrder, overlap: bool = True, params: int = 4):
+    torch.manual_seed(0)
+    weights = [nn.Parameter(torch.randn(SIZE)) for _ in range(params)]
+    units = cut_units(0, weights, bucket_numel=1, world=2, dtype=torch.float32, flat_offset=0)  # one unit each
+    store = SimpleNamespace(units=units, group_numels=group_numels(units, 1), shard_rank=0)
+    comm, phase, launched, inflight = _FakeComm(), TrainingPhase(), [], []
+
+    def on_launch(k: int) -> None:
+        launched.append(k)
+        inflight.append(comm.outstanding)
+    reducer = GradReducer(store, comm, torch.float32, torch.device("cpu"), reduction, order, overlap, phase, on_launch)
+    return SimpleNamespace(weights=weights, reducer=reducer, comm=comm, phase=phase, launched=launched,
+                           inflight=inflight)
+
+
+def _backward(t, arrival: list[int], reduce: bool = True, scale: float = 1.0) -> list[int]:
+    """Gradients `scale * (k + 1)` for the parameters in `arrival` order; returns the launches seen during backward."""
+    with t.phase.running(Phase.BACKWARD):
+        t.reducer.begin_backward(reduce=reduce)
+        for k in arrival:
+            (t.weights[k] * scale * (k + 1)).sum().backward()
+        during = list(t.launched)
+        t.reducer.end_backward()
+    return during
+
+
+def _shard_values(t, k: int) -> list[float]:
+    return t.reducer.grad_pieces(0)[k][:SIZE].tolist()
+
+
+def test_stages_0_to_2_launch_in_layout_order_whatever_order_hooks_fire() -> None:
+    t = _setup(Reduction.SCATTER_SHARD, LaunchOrder.LAYOUT)
+    assert _backward(t, [2, 0, 3, 1]) == [0, 1, 2, 3]
+    assert t.reducer.overlapped_launches == 4  # every unit went out while backward ran
+    assert [_shard_values(t, k) for k in range(4)] == [[2.0 * (k + 1)] * SIZE for k in range(4)]
+
+
+def test_stage3_launches_each_unit_as_soon_as_it_is_complete() -> None:
+    t = _setup(Reduction.SCATTER_SHARD, LaunchOrder.READY)
+    assert _backward(t, [2, 0, 3, 1]) == [2, 0, 3, 1]
+
+
+def test_an_unused_parameter_is_reduced_with_zeros_after_backward() -> None:
+    t = _setup(Reduction.SCATTER_SHARD, LaunchOrder.LAYOUT)
+    _backward(t, [0, 1, 2])
+    _backward(t, [0, 1, 2])  # its pooled staging buffer held the others' gradients: still zeros
+    assert t.launched[-1] == 3 and _shard_values(t, 3) == [0.0] * SIZE
+    assert _shard_values(t, 0) == [4.0] * SIZE  # two micro-steps accumulated into the shard
+
+
+def test_without_overlap_every_unit_is_reduced_after_backward() -> None:
+    t = _setup(Reduction.SCATTER_SHARD, LaunchOrder.LAYOUT, overlap=False)
+    assert _backward(t, [3, 2, 1, 0]) == [] and t.launched == [0, 1, 2, 3]
+    assert t.reducer.overlapped_launches == 0
+
+
+@pytest.mark.parametrize("reduction, kind", [(Reduction.ALL_REDUCE, "all_reduce"),
+                                             (Reduction.SCATTER_FULL, "reduce_scatter")])
+def test_stages_0_and_1_accumulate_locally_and_reduce_once_at_the_boundary(reduction: Reduction, kind: str) -> None:
+    t = _setup(reduction, LaunchOrder.LAYOUT)
+    _backward(t, [3, 2, 1, 0], reduce=False)
+    assert t.launched == [] and t.comm.kinds == []
+    _backward(t, [3, 2, 1, 0], reduce=True, scale=0.5)
+    assert t.launched == [0, 1, 2, 3] and set(t.comm.kinds) == {kind}
+    assert [_shard_values(t, k) for k in range(4)] == [[3.0 * (k + 1)] * SIZE for k in range(4)]  # 2 x 1.5
+
+
+def test_reductions_in_flight_stay_bounded() -> None:
+    t = _setup(Reduction.SCATTER_SHARD, LaunchOrder.READY, params=7)
+    _backward(t, list(range(7)))
+    assert max(t.inflight) <= MAX_INFLIGHT and t.comm.outstanding == 0
+
+
+def test_a_gradient_outside_engine_backward_is_refused() -> None:
+    t = _setup(Reduction.SCATTER_SHARD, LaunchOrder.LAYOUT)
+    with pytest.raises(ZerorunError, match=r"call engine.backward\(loss\), not loss.backward\(\)"):
+        t.weights[0].sum().backward()

@@ -1,0 +1,116 @@
+"""Stages 0-2's parameter store: whole parameters on every rank, as views into one flat buffer.
+
+Trainable parameters are grouped by optimizer param group, ordered as backward produces their
+gradients (reverse registration order, as DDP does) and cut into units of about `bucket_mb`,
+back to back in one flat buffer:
+
+    flat buffer (all units, compute dtype)   | unit 0            | unit 1        | ...
+    a unit                                   | r0 | r1 | r2 |      (equal pieces, padded)
+    this rank's optimizer state, per group   | u0.r1 | u1.r1 | ...  (one contiguous fp32 tensor)
+
+Making a unit the sharding granule (rather than the whole model) means every gradient bucket is
+reduce-scattered, and every updated unit all-gathered, with one collective over equal pieces, the
+same mechanism stage 3 uses per module. Module parameters are views into the flat buffer, so tied
+parameters stay tied and nothing is copied per parameter. Stage 0 is the same picture with a world
+of one: every rank owns everything.
+
+The master weights live in the home the placement chose. In fp32 with the optimizer in device
+memory, the master *is* this rank's own pieces of the flat buffer (the home is built around
+them); otherwise the step writes each update's compute-dtype copy into those pieces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from zerorun.runtime.collectives import Collectives, Pending
+from zerorun.runtime.memory import MemoryReport
+from zerorun.runtime.placement import Place, Placement
+from zerorun.runtime.precision import PrecisionPolicy
+from zerorun.runtime.store import InMaster, ParamTensor, UpdateTarget, units_of
+from zerorun.runtime.units import Unit, cut_units, group_numels
+
+
+class FlatParams:
+    """The stages 0-2 `ParamStore`: the flat parameter buffer; the master in the placement's home."""
+
+    def __init__(self, groups: list[list[nn.Parameter]], placement: Placement, policy: PrecisionPolicy,
+                 comm: Collectives, shard_world: int, bucket_numel: int) -> None:
+        self.comm, self.device = comm, placement.device
+        self.shard_world = shard_world  # 1 for stage 0: no sharding
+        self.shard_rank = comm.rank if shard_world > 1 else 0
+        self.units: list[Unit] = []
+        for g, params in enumerate(groups):  # gradients arrive roughly in reverse registration order
+            flat_offset = self.units[-1].flat_offset + self.units[-1].padded_numel if self.units else 0
+            self.units += cut_units(g, list(reversed(params)), bucket_numel, shard_world, policy.param_dtype,
+                                    flat_offset=flat_offset)
+        self.group_numels = group_numels(self.units, len(groups))
+        staging = self._rank0_values()
+        self.params_are_master = placement.optimizer is Place.DEVICE and policy.param_dtype == torch.float32
+        self.buffer = staging.to(policy.param_dtype)  # fp32: the staging buffer itself
+        for unit in self.units:
+            for span, param in zip(unit.layout.spans, unit.params):
+                start = unit.flat_offset + span.offset
+                param.data = self.buffer[start:start + span.numel].view(param.shape)
+        if self.params_are_master:
+            own = [[(u.state_offset, self.own_piece(u)) for u in units_of(self.units, g)] for g in range(len(groups))]
+            self.home = placement.optimizer_home(self.group_numels, master=own)
+        else:
+            self.home = placement.optimizer_home(self.group_numels)
+            for unit in self.units:
+                self.home.write(unit.group, "master", self.own_piece(unit, staging), start=unit.state_offset)
+
+    def _rank0_values(self) -> torch.Tensor:
+        """The parameters' values, fp32, laid out flat, equal to rank 0's on every rank."""
+        staging = torch.zeros(sum(u.padded_numel for u in self.units), dtype=torch.float32, device=self.device)
+        for unit in self.units:
+            for span, param in zip(unit.layout.spans, unit.params):
+                staging[unit.flat_offset + span.offset:unit.flat_offset + span.end].copy_(param.detach().view(-1))
+        handles = [self.comm.broadcast(self.unit_full(unit, staging), src=0) for unit in self.units]
+        Pending(handles).wait()
+        return staging
+
+    def unit_full(self, unit: Unit, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """The unit's whole region of `buffer` (default: the flat parameter buffer)."""
+        buffer = self.buffer if buffer is None else buffer
+        return buffer[unit.flat_offset:unit.flat_offset + unit.padded_numel]
+
+    def own_piece(self, unit: Unit, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's piece of the unit inside a full-size `buffer` (default: the parameters)."""
+        return unit.piece(self.unit_full(unit, buffer), self.shard_rank)
+
+    # -- the ParamStore interface -------------------------------------------------------------------
+    def update_targets(self, group: int) -> list[UpdateTarget]:
+        if self.params_are_master:  # the kernel updated the parameters themselves
+            return [InMaster() for _ in units_of(self.units, group)]
+        return [ParamTensor(self.own_piece(u)) for u in units_of(self.units, group)]
+
+    def publish(self) -> Pending:
+        """Every rank's parameters from the updated pieces: one all-gather per unit."""
+        if self.shard_world == 1:
+            return Pending()
+        return Pending([self.comm.all_gather(self.unit_full(unit)) for unit in self.units])
+
+    def master_changed(self, group: int, values: torch.Tensor) -> None:
+        if self.params_are_master:
+            return  # the home wrote them
+        for unit in units_of(self.units, group):
+            self.own_piece(unit).copy_(unit.state_slice(values))
+
+    def gathered(self, params: Iterable[nn.Parameter] | None = None, modify: bool = False,
+                 src: int = 0) -> AbstractContextManager:
+        return contextlib.nullcontext()  # every rank holds whole parameters
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return module.state_dict()
+
+    def unit_count(self) -> int:
+        return 0  # no stage 3 units: parameters are never released
+
+    def account(self, report: MemoryReport) -> None:
+        report.add("params", self.device.type, self.buffer.numel() * self.buffer.element_size())

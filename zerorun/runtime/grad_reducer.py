@@ -1,0 +1,219 @@
+"""Gradient reduction for every stage: collect, accumulate, reduce across ranks, unit by unit.
+
+A post-accumulate-grad hook on every trainable parameter moves the fresh gradient out of
+`param.grad` into an fp32 buffer laid out like the parameters' units, then frees it. When all
+parameters of a unit have reported, the unit's gradients are reduced asynchronously while backward
+continues (`overlap_comm`).
+
+| stage | `Reduction`     | what a rank keeps                  | when it communicates      | collective per unit       |
+|-------|-----------------|------------------------------------|---------------------------|---------------------------|
+| 0     | `ALL_REDUCE`    | full gradients                     | last micro-step of a step | all-reduce                |
+| 1     | `SCATTER_FULL`  | full gradients (steps its piece)   | last micro-step of a step | reduce-scatter, in place  |
+| 2, 3  | `SCATTER_SHARD` | only its gradient shard            | every micro-step          | reduce-scatter into shard |
+
+`SCATTER_SHARD` copies each unit's gradients into a pooled staging buffer that lives only until the
+unit's reduce-scatter finishes, so no full-size gradient buffer exists.
+
+Launch order (`LaunchOrder`): stages 0-2 launch strictly in layout order (a ready unit waits for
+the ones before it), so every rank issues the same collectives in the same order even if hooks fire
+in another order; stage 3 launches each unit as soon as it is complete (backward's own order, the
+same on every rank for the same graph) and tells the scheduler, which frees its parameters. Units
+whose parameters got no gradient (an unused branch) are reduced at the end of backward, with zeros.
+Gradients are *summed* across ranks; the optimizer divides by the world size in its own pass.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from enum import Enum
+from typing import Callable
+
+import torch
+from torch import nn
+
+from zerorun.errors import ZerorunError
+from zerorun.runtime.collectives import Collectives, Handle
+from zerorun.runtime.phase import Phase, TrainingPhase
+from zerorun.runtime.store import ParamStore, units_of
+from zerorun.runtime.units import Unit
+
+MAX_INFLIGHT = 2  # unit reductions in flight at once; beyond that the oldest is finished first
+
+
+class Reduction(Enum):
+    """How a unit's gradients are combined across ranks (see the module docstring)."""
+
+    ALL_REDUCE = 0
+    SCATTER_FULL = 1
+    SCATTER_SHARD = 2
+
+    @classmethod
+    def for_stage(cls, stage: int) -> Reduction:
+        return {0: cls.ALL_REDUCE, 1: cls.SCATTER_FULL}.get(stage, cls.SCATTER_SHARD)
+
+
+class LaunchOrder(Enum):
+    LAYOUT = "layout"  # strictly in unit order: the same collective sequence on every rank
+    READY = "ready"  # each unit as soon as all its gradients arrived (stage 3)
+
+
+class BufferPool:
+    """Reusable buffers by size, so reducing into a shard does not allocate on every micro-step."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self.allocated_bytes = 0
+
+    def get(self, numel: int) -> torch.Tensor:
+        """A buffer of `numel` elements with undefined contents (the caller writes or zeroes every element)."""
+        if self._free[numel]:
+            return self._free[numel].pop()
+        self.allocated_bytes += numel * torch.empty((), dtype=self.dtype).element_size()
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    def put(self, buffer: torch.Tensor) -> None:
+        self._free[buffer.numel()].append(buffer)
+
+
+class GradReducer:
+    """Receives gradients from backward hooks and leaves this rank's reduced pieces ready to step."""
+
+    def __init__(self, store: ParamStore, comm: Collectives, dtype: torch.dtype, device: torch.device,
+                 reduction: Reduction, order: LaunchOrder, overlap: bool, phase: TrainingPhase,
+                 on_launch: Callable[[int], None] | None = None) -> None:
+        """`on_launch(k)` is told when unit k's gradients have gone out; `dtype` is the reduce dtype."""
+        self.units, self.group_numels, self.rank = store.units, store.group_numels, store.shard_rank
+        self.comm, self.reduction, self.order, self.overlap = comm, reduction, order, overlap
+        self.phase, self.on_launch = phase, on_launch
+        self.staged = reduction is Reduction.SCATTER_SHARD  # per-unit staging; only this rank's shard is kept
+        total = 0 if self.staged else sum(u.padded_numel for u in self.units)
+        self.full_grads = torch.zeros(total, dtype=dtype, device=device)  # stages 0/1: laid out like the parameters
+        shards = self.group_numels if self.staged else []
+        self.grad_shards = [torch.zeros(n, dtype=dtype, device=device) for n in shards]
+        self.pool = BufferPool(dtype, device)
+        self._place = {param: (k, i) for k, unit in enumerate(self.units) for i, param in enumerate(unit.params)}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._place]
+        self._reset_backward_state(reduce=False)
+        self.overlapped_launches = 0  # units whose reduction started while backward was still running
+
+    # -- backward ---------------------------------------------------------------------------
+    def begin_backward(self, reduce: bool) -> None:
+        """Called by the engine before `loss.backward()`; `reduce` is False on accumulation-only micro-steps."""
+        self._reset_backward_state(reduce or self.reduction is Reduction.SCATTER_SHARD)
+
+    def _reset_backward_state(self, reduce: bool) -> None:
+        self._reduce = reduce
+        self._seen: list[set[int]] = [set() for _ in self.units]
+        self._staging: dict[int, torch.Tensor] = {}
+        self._inflight: deque[tuple[int, Handle]] = deque()
+        self._next_launch = 0
+        self._launched: set[int] = set()
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if self.phase.now is not Phase.BACKWARD:
+            raise ZerorunError("a gradient arrived outside engine.backward(loss): call engine.backward(loss), "
+                               "not loss.backward(), so zerorun can reduce gradients across ranks.")
+        k, index = self._place[param]
+        grad, param.grad = param.grad, None
+        if k in self._launched:
+            raise ZerorunError(
+                f"parameter {tuple(param.shape)} received a second gradient after its bucket was reduced "
+                "(a parameter used in two re-entrant checkpoint regions?); set zero.overlap_comm: false.")
+        span = self.units[k].layout.spans[index]
+        region = self._grad_region(k)[span.offset:span.end]
+        if self.staged and index not in self._seen[k]:
+            region.copy_(grad.view(-1))  # a fresh staging buffer: the first gradient overwrites
+        else:
+            region.add_(grad.view(-1))
+        self._seen[k].add(index)
+        if self.overlap and self._reduce:
+            launched = len(self._launched)
+            if self.order is LaunchOrder.LAYOUT:
+                self._launch_ready()
+            elif self._complete(k):
+                self._launch(k)
+            self.overlapped_launches += len(self._launched) - launched
+
+    def _complete(self, k: int) -> bool:
+        return len(self._seen[k]) == len(self.units[k].params)
+
+    def _grad_region(self, k: int) -> torch.Tensor:
+        """Where unit k's gradients accumulate during this backward."""
+        unit = self.units[k]
+        if not self.staged:
+            return self._full_region(unit)
+        if k not in self._staging:
+            staging = self.pool.get(unit.padded_numel)
+            staging[unit.layout.numel:].zero_()  # padding; parameter regions are written by their first gradient
+            self._staging[k] = staging
+        return self._staging[k]
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.units) and self._complete(self._next_launch):
+            self._launch(self._next_launch)
+
+    def _launch(self, k: int) -> None:
+        unit, region = self.units[k], self._grad_region(k)
+        if self.staged:
+            for index, span in enumerate(unit.layout.spans):
+                if index not in self._seen[k]:  # no gradient this backward (an unused parameter)
+                    region[span.offset:span.end].zero_()
+        self._inflight.append((k, self._collective(unit, region)))
+        while len(self._inflight) > MAX_INFLIGHT:  # bound staging memory: finish the oldest, recycle it
+            self._finish(*self._inflight.popleft())
+        self._launched.add(k)
+        while self._next_launch in self._launched:
+            self._next_launch += 1
+        if self.on_launch is not None:
+            self.on_launch(k)
+
+    def _collective(self, unit: Unit, region: torch.Tensor) -> Handle:
+        if self.reduction is Reduction.ALL_REDUCE:
+            return self.comm.all_reduce(region)
+        if self.reduction is Reduction.SCATTER_FULL:
+            return self.comm.reduce_scatter(region, unit.piece(region, self.rank))
+        return self.comm.reduce_scatter(region, unit.state_slice(self.grad_shards[unit.group]), accumulate=True)
+
+    def end_backward(self) -> None:
+        """After `loss.backward()`: reduce what is left, wait for every unit, recycle staging."""
+        if self._reduce:
+            for k in range(len(self.units)):
+                if k not in self._launched:
+                    self._launch(k)
+        while self._inflight:
+            self._finish(*self._inflight.popleft())
+        for buffer in self._staging.values():  # units that were not reduced (accumulation-only micro-steps)
+            self.pool.put(buffer)
+        self._reset_backward_state(reduce=False)
+
+    def _finish(self, k: int, handle: Handle) -> None:
+        handle.wait()
+        staging = self._staging.pop(k, None)
+        if staging is not None:
+            self.pool.put(staging)
+
+    # -- optimizer side ---------------------------------------------------------------------
+    def grad_pieces(self, group: int) -> list[torch.Tensor]:
+        """This rank's reduced (summed) gradients for `group`, one per unit in state order."""
+        units = units_of(self.units, group)
+        if self.staged:
+            return [u.state_slice(self.grad_shards[group]) for u in units]
+        return [u.piece(self._full_region(u), self.rank) for u in units]
+
+    def _full_region(self, unit: Unit) -> torch.Tensor:
+        return self.full_grads[unit.flat_offset:unit.flat_offset + unit.padded_numel]
+
+    def zero(self) -> None:
+        for buffer in self._buffers():
+            buffer.zero_()
+
+    def held_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers())
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return self.grad_shards if self.staged else [self.full_grads]
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()

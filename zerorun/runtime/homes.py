@@ -1,0 +1,182 @@
+"""Homes: where this rank's optimizer state (fp32 master weights, Adam moments) lives.
+
+Every piece of state is addressed the same way whatever its home: per param group, an element
+range of this rank's flat state (the units' pieces back to back, `units.py`). The placement
+(`placement.py`) builds one home from the recipe, once:
+
+| home         | master + moments                                   | built for                              |
+|--------------|----------------------------------------------------|----------------------------------------|
+| `MemoryHome` | tensors on the device, or on the host              | no offload; `offload_optimizer: cpu`   |
+| `NvmeHome`   | files under `<nvme_path>/<run>/rank-<r>/`, streamed | `offload_optimizer: nvme`              |
+
+For fp32 stages 0-2 without offload the master *is* the parameters' own pieces: the memory home
+is built around those views instead of a copy (`MemoryHome(master=...)`), so no byte is stored
+twice. The optimizer step visits tiles of the state (`visit`); checkpoints and stage 3's
+`gathered(modify=True)` read and write ranges (`read`, `write`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+from typing import Callable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from zerorun.runtime.memory import MemoryReport
+from zerorun.runtime.partition import intersect
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+Visit = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # fn(k, master, exp_avg, exp_avg_sq)
+
+
+@runtime_checkable
+class Home(Protocol):
+    """This rank's master weights and moments, per param group, wherever they live."""
+
+    def visit(self, group: int, spans: Sequence[tuple[int, int]], fn: Visit) -> None:
+        """Call `fn(k, master, exp_avg, exp_avg_sq)` with the k-th span's state, in order; changes persist."""
+
+    def read(self, group: int, kind: str, out: torch.Tensor, start: int = 0) -> None:
+        """Copy `kind` (master, exp_avg or exp_avg_sq) of `group` from element `start` into `out`."""
+
+    def write(self, group: int, kind: str, values: torch.Tensor, start: int = 0) -> None:
+        """Overwrite `kind` of `group` from element `start` with `values`."""
+
+    def state(self, group: int, kind: str) -> torch.Tensor:
+        """All of `kind` for `group` as one contiguous host tensor (the home's own when it already is one)."""
+
+    def account(self, report: MemoryReport) -> None:
+        """Add the bytes this home holds (master, optimizer, its buffers) to `report`."""
+
+    def io_stats(self) -> dict[str, dict[str, float]]:
+        """Cumulative I/O of the home itself (NVMe reads and writes; nothing for memory)."""
+
+    def close(self) -> None: ...
+
+
+class MemoryHome:
+    """Master and moments as fp32 tensors at `place` (the device, or the host for `offload_optimizer: cpu`)."""
+
+    def __init__(self, group_numels: Sequence[int], place: torch.device,
+                 master: list[list[tuple[int, torch.Tensor]]] | None = None) -> None:
+        """`master`: per group, (state offset, tensor) segments that already hold the master (the fp32
+        parameters' own pieces); by default a zeroed tensor per group, filled by the store's `write`."""
+        self.place = place
+        self.master_is_params = master is not None
+        self._state = {
+            "master": master or [[(0, torch.zeros(n, dtype=torch.float32, device=place))] for n in group_numels],
+            "exp_avg": [[(0, torch.zeros(n, dtype=torch.float32, device=place))] for n in group_numels],
+            "exp_avg_sq": [[(0, torch.zeros(n, dtype=torch.float32, device=place))] for n in group_numels],
+        }
+        self._starts = {kind: [[offset for offset, _ in segments] for segments in groups]
+                        for kind, groups in self._state.items()}
+
+    def _view(self, group: int, kind: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of `kind`, which must lie inside one segment (the step's tiles do)."""
+        i = bisect.bisect_right(self._starts[kind][group], lo) - 1
+        offset, tensor = self._state[kind][group][i]
+        assert hi - offset <= tensor.numel(), f"{kind} span {lo}..{hi} crosses a segment boundary"
+        return tensor[lo - offset:hi - offset]
+
+    def visit(self, group: int, spans: Sequence[tuple[int, int]], fn: Visit) -> None:
+        for k, (lo, hi) in enumerate(spans):
+            fn(k, *(self._view(group, kind, lo, hi) for kind in KINDS))
+
+    def _copies(self, group: int, kind: str, start: int, numel: int):
+        """(segment view, offset inside the caller's tensor) for each segment overlapping [start, start+numel)."""
+        for offset, tensor in self._state[kind][group]:
+            both = intersect((offset, offset + tensor.numel()), (start, start + numel))
+            if both is not None:
+                yield tensor[both[0] - offset:both[1] - offset], both[0] - start
+
+    def read(self, group: int, kind: str, out: torch.Tensor, start: int = 0) -> None:
+        flat = out.view(-1)
+        for view, at in self._copies(group, kind, start, flat.numel()):
+            flat[at:at + view.numel()].copy_(view)
+
+    def write(self, group: int, kind: str, values: torch.Tensor, start: int = 0) -> None:
+        flat = values.reshape(-1)
+        for view, at in self._copies(group, kind, start, flat.numel()):
+            view.copy_(flat[at:at + view.numel()])
+
+    def state(self, group: int, kind: str) -> torch.Tensor:
+        segments = self._state[kind][group]
+        if len(segments) == 1 and segments[0][1].device.type == "cpu":
+            return segments[0][1].detach()
+        out = torch.empty(sum(t.numel() for _, t in segments), dtype=torch.float32)
+        self.read(group, kind, out)
+        return out
+
+    def account(self, report: MemoryReport) -> None:
+        def nbytes(kind: str) -> int:
+            return sum(t.numel() * t.element_size() for segments in self._state[kind] for _, t in segments)
+
+        if not self.master_is_params:  # else the store counts them as parameters
+            report.add("master", self.place.type, nbytes("master"))
+        report.add("optimizer", self.place.type, nbytes("exp_avg") + nbytes("exp_avg_sq"))
+
+    def io_stats(self) -> dict[str, dict[str, float]]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class NvmeHome:
+    """Master and moments in files, streamed through the NVMe store's ring of aligned buffers."""
+
+    def __init__(self, root: Path, group_numels: Sequence[int], tile_numel: int, aio, pin: bool) -> None:
+        from zerorun.runtime.nvme import NvmeStore  # the aio kernel builds on first use only
+
+        self.group_numels = list(group_numels)
+        self.stores = [NvmeStore(root / f"group-{g}", {name: n for name in KINDS}, tile_numel=tile_numel,
+                                 aio=aio, pin=pin) for g, n in enumerate(self.group_numels)]
+        zeros = torch.zeros(min(max(self.group_numels, default=0), 2**22), dtype=torch.float32)
+        for g, numel in enumerate(self.group_numels):  # moments start at zero; the store writes the master
+            for lo in range(0, numel, max(1, zeros.numel())):
+                hi = min(numel, lo + zeros.numel())
+                for name in ("exp_avg", "exp_avg_sq"):
+                    self.stores[g].write(name, zeros[:hi - lo], start=lo)
+
+    def read(self, group: int, kind: str, out: torch.Tensor, start: int = 0) -> None:
+        self.stores[group].read(kind, out, start=start)
+
+    def write(self, group: int, kind: str, values: torch.Tensor, start: int = 0) -> None:
+        self.stores[group].write(kind, values.detach().to("cpu", torch.float32).contiguous(), start=start)
+
+    def state(self, group: int, kind: str) -> torch.Tensor:
+        out = torch.empty(self.group_numels[group], dtype=torch.float32)
+        self.read(group, kind, out)
+        return out
+
+    def visit(self, group: int, spans: Sequence[tuple[int, int]], fn: Visit) -> None:
+        index = {lo: k for k, (lo, _) in enumerate(spans)}
+
+        def update(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
+            fn(index[lo], views["master"], views["exp_avg"], views["exp_avg_sq"])
+
+        self.stores[group].for_each_tile(list(KINDS), list(spans), update, write_back=list(KINDS))
+
+    def io_stats(self) -> dict[str, dict[str, float]]:
+        """Bytes and seconds of NVMe reads and writes, and the seconds the step waited on them."""
+        total = {"nvme_read": {"bytes": 0, "seconds": 0.0}, "nvme_write": {"bytes": 0, "seconds": 0.0},
+                 "wait": {"bytes": 0, "seconds": 0.0}}
+        for store in self.stores:
+            s = store.stats
+            total["nvme_read"]["bytes"] += s.bytes_read
+            total["nvme_read"]["seconds"] += s.read_s
+            total["nvme_write"]["bytes"] += s.bytes_written
+            total["nvme_write"]["seconds"] += s.write_s
+            total["wait"]["seconds"] += s.wait_s
+        return total
+
+    def account(self, report: MemoryReport) -> None:
+        nbytes = sum(n * 4 for n in self.group_numels)
+        report.add("master", "nvme", nbytes)
+        report.add("optimizer", "nvme", 2 * nbytes)
+        report.add("comm", "cpu", sum(store.held_bytes() for store in self.stores))
+
+    def close(self) -> None:
+        for store in self.stores:
+            store.close()

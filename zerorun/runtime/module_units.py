@@ -1,0 +1,187 @@
+"""Stage 3's plan: which modules become units, and the explicit state of each.
+
+The model is cut into *module units*, each gathered and released as a whole:
+
+| `UnitKind`   | parameters                                                         | gathered                       |
+|--------------|--------------------------------------------------------------------|--------------------------------|
+| `WRAPPED`    | one module of a `zero.wrap` class (with an empty list: a layer)    | around its forward, backward   |
+| `ROOT`       | the rest, and parameters shared between units (a tied embedding)   | for all of forward and backward |
+| `PERSISTENT` | parameters under `zero.param_persistence_threshold` elements       | always                         |
+
+Each module unit holds one or more `Unit`s (units.py) per param group, of at most
+`zero.allgather_bucket_mb`: each is one all-gather and one reduce-scatter. A module unit's
+`UnitState` moves only along
+
+    RELEASED --start_gather--> GATHERING --finish_gather--> GATHERED --release--> RELEASED
+
+and every transition asserts where it starts (`ModuleUnit.expect`, like FSDP2's
+`_assert_in_states`): a hook firing in an order nobody planned is a loud bug, not a silent repair.
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from torch import nn
+
+from zerorun.errors import ZerorunError, ZerorunWarning
+from zerorun.runtime.collectives import Pending
+from zerorun.runtime.units import Unit, cut_units, group_numels
+
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+class UnitKind(Enum):
+    WRAPPED = "wrapped"
+    ROOT = "root"
+    PERSISTENT = "persistent"
+
+
+class UnitState(Enum):
+    RELEASED = "released"  # storage freed; parameters are empty tensors
+    GATHERING = "gathering"  # this rank's pieces in place, all-gather in flight
+    GATHERED = "gathered"  # full parameters, safe to compute with
+
+
+@dataclass(eq=False)  # compared by identity: two units of equal contents are still two units
+class ModuleUnit:
+    """Parameters gathered and released together."""
+
+    name: str
+    module: nn.Module
+    kind: UnitKind
+    units: list[int] = field(default_factory=list)  # indices into the store's units
+    state: UnitState = UnitState.RELEASED
+    pending: Pending | None = None  # the all-gather of a GATHERING unit
+
+    def expect(self, *states: UnitState) -> None:
+        assert self.state in states, (f"stage 3 unit {self.name}: expected {' or '.join(s.value for s in states)}, "
+                                      f"but it is {self.state.value}")
+
+
+@dataclass
+class Stage3Plan:
+    """The module units and their flat units, before any memory is allocated."""
+
+    module_units: list[ModuleUnit]  # wrapped ones in model order, then the root, then the persistent one
+    units: list[Unit]  # in optimizer-state order (reverse module order: backward's)
+    owner: list[ModuleUnit]  # per unit, its module unit
+    group_numels: list[int]
+
+    @property
+    def root(self) -> ModuleUnit:
+        return self.module_units[-2]
+
+    @property
+    def persistent(self) -> ModuleUnit:
+        return self.module_units[-1]
+
+    def gathered_units(self) -> list[ModuleUnit]:
+        """Module units that are gathered and released around their use."""
+        return [mu for mu in self.module_units if mu.kind is UnitKind.WRAPPED and mu.units]
+
+
+def plan_stage3(model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[str], threshold: int,
+                auto_numel: int, chunk_numel: int, world: int, dtype: torch.dtype) -> Stage3Plan:
+    """Module units for `model` (see the module docstring) and their units of at most `chunk_numel`."""
+    ordered = [ModuleUnit(name, mod, UnitKind.WRAPPED) for name, mod in wrapped_modules(model, wrap, auto_numel)]
+    root = ModuleUnit("<root>", model, UnitKind.ROOT)
+    persistent = ModuleUnit("<persistent>", model, UnitKind.PERSISTENT)
+    home = _param_units(model, groups, ordered, root, persistent, threshold)
+    units: list[Unit] = []
+    owner: list[ModuleUnit] = []
+    offsets = [0] * len(groups)
+    for mu in reversed([*ordered, root, persistent]):  # bounded buffers stay reusable by the host allocator
+        for g, params in enumerate(groups):
+            for unit in cut_units(g, [p for p in params if home.get(p) is mu], chunk_numel, world, dtype, offsets[g]):
+                mu.units.append(len(units))
+                units.append(unit)
+                owner.append(mu)
+                offsets[g] += unit.shard_numel
+    return Stage3Plan([*ordered, root, persistent], units, owner, group_numels(units, len(groups)))
+
+
+def _param_units(model: nn.Module, groups: list[list[nn.Parameter]], wrapped: list[ModuleUnit], root: ModuleUnit,
+                 persistent: ModuleUnit, threshold: int) -> dict[nn.Parameter, ModuleUnit]:
+    """The module unit of every trainable parameter (frozen ones stay whole, outside every unit)."""
+    unit_of_module: dict[nn.Module, ModuleUnit] = {}
+    for mu in wrapped:
+        for sub in mu.module.modules():
+            unit_of_module.setdefault(sub, mu)
+    users: dict[nn.Parameter, set[int]] = {}
+    for mod in model.modules():
+        for param in mod._parameters.values():
+            if param is not None:
+                users.setdefault(param, set()).add(id(unit_of_module.get(mod, root)))
+    by_id = {id(mu): mu for mu in [*wrapped, root]}
+    trainable = {p for g in groups for p in g}
+    out: dict[nn.Parameter, ModuleUnit] = {}
+    for param, owners in users.items():
+        if param not in trainable:
+            continue
+        if param.numel() < threshold:
+            out[param] = persistent
+        else:  # shared between units: gathered for the whole pass
+            out[param] = by_id[next(iter(owners))] if len(owners) == 1 else root
+    return out
+
+
+def wrapped_modules(model: nn.Module, wrap: list[str], auto_numel: int) -> list[tuple[str, nn.Module]]:
+    """Modules that become units: those of the classes in `wrap`; with no names, the model's layers
+    (each child of a ModuleList, Sequential or ModuleDict, the model itself included) and any other
+    child with at least `auto_numel` parameters. Outermost matches only: a unit never nests in another."""
+    if wrap:
+        check_wrap_names(model, wrap)
+        found, inside = [], set()
+        for name, mod in model.named_modules():
+            if type(mod).__name__ in wrap and mod is not model and not any(name.startswith(p + ".") for p in inside):
+                found.append((name, mod))
+                inside.add(name)
+        return found
+
+    def visit(prefix: str, module: nn.Module, layers: bool) -> list[tuple[str, nn.Module]]:
+        out = []
+        for name, child in module.named_children():
+            size = sum(p.numel() for p in child.parameters())
+            if isinstance(child, CONTAINERS):
+                out += visit(f"{prefix}{name}.", child, layers=True)
+            elif size and (layers or size >= auto_numel):
+                out.append((f"{prefix}{name}", child))
+        return out
+
+    return visit("", model, layers=isinstance(model, CONTAINERS))
+
+
+def check_wrap_names(model: nn.Module, wrap: list[str]) -> None:
+    """Every `zero.wrap` name must be the class of a module inside `model` (a typo would shard nothing)."""
+    classes = sorted({type(mod).__name__ for mod in model.modules() if mod is not model})
+    unknown = [name for name in wrap if name not in classes]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, classes, n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    itself = " (the model itself is always the root unit)" if type(model).__name__ in unknown else ""
+    raise ZerorunError(f"zero.wrap: no module of class {', '.join(hints)} in {type(model).__name__}{itself}; "
+                       f"its module classes are {', '.join(classes)}. List the classes of its repeated layers "
+                       "(e.g. [Block]), or [] to pick its layers automatically.")
+
+
+def warn_if_nothing_sharded(plan: Stage3Plan, wrap: list[str], threshold: int) -> None:
+    """Stage 3 with no unit gathers everything for the whole forward and backward: say so (call on one rank)."""
+    if plan.gathered_units():
+        return
+    count = lambda mu: sum(plan.units[k].layout.numel for k in mu.units)  # noqa: E731
+    total, in_root, persistent = sum(u.layout.numel for u in plan.units), count(plan.root), count(plan.persistent)
+    warnings.warn(
+        f"zerorun stage 3 made no units: of {total:,} trainable parameters, {in_root:,} are in the root unit "
+        f"(gathered for all of forward and backward) and {persistent:,} are persistent (fewer than "
+        f"zero.param_persistence_threshold={threshold:,} elements each), so every rank holds all of them through "
+        f"forward and backward and stage 3 saves no memory over stage 2. Set zero.wrap to the class of the "
+        f"model's repeated layers (it is {wrap or '[]'} now) or lower zero.param_persistence_threshold.",
+        ZerorunWarning, stacklevel=5)  # the script's zerorun.initialize(...): via Engine.__init__, _build_stage

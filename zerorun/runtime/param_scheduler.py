@@ -1,0 +1,137 @@
+"""When stage 3 gathers and releases: module hooks around forward and backward, with prefetch.
+
+| moment                               | what happens                                                          |
+|--------------------------------------|-----------------------------------------------------------------------|
+| the root's forward starts            | the root unit is gathered (kept through backward when grad is on)     |
+| a wrapped module's forward starts    | its unit is gathered; the next `prefetch_units` in the recorded order start gathering |
+| it ends                              | released (not during backward: a forward then is checkpoint recomputation) |
+| gradients reach its outputs          | gathered again; the previous units in that order start gathering     |
+| the reducer launched its gradients   | released                                                              |
+| backward ends                        | everything but the persistent unit released                           |
+
+The execution order is recorded on the first pass and re-recorded when it changes (that unit is then
+gathered on demand). Whether backward is running is the engine's `phase`, read here and by the
+gradient reducer alike. The store's forgiving helpers are used where a unit may legitimately be in
+more than one state (a prefetched unit, a unit called twice); the strict ones elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from zerorun.runtime.module_units import ModuleUnit, UnitKind
+from zerorun.runtime.phase import Phase, TrainingPhase
+from zerorun.runtime.sharded_params import ShardedParams
+
+
+class ParamScheduler:
+    """Module hooks that gather, prefetch and release units around forward and backward."""
+
+    def __init__(self, store: ShardedParams, prefetch: int, phase: TrainingPhase) -> None:
+        self.store, self.prefetch, self.phase = store, prefetch, phase
+        self.order: list[ModuleUnit] | None = None  # forward execution order, recorded on the first pass
+        self._observed: list[ModuleUnit] = []
+        self._backward_seen: set[int] = set()
+        self._reduced: set[int] = set()
+        self._hooks: list[RemovableHandle] = []
+        self.root = store.plan.root
+        for mu in store.plan.gathered_units():
+            self._hook(mu.module, lambda mu=mu: self._before_forward(mu),
+                       lambda out, mu=mu: self._after_forward(mu, out))
+            owned = {p for k in mu.units for p in store.units[k].params}
+            for sub in mu.module.modules():  # submodules called on their own, outside their unit's forward
+                if sub is not mu.module and any(p in owned for p in sub._parameters.values()):
+                    self._hook(sub, lambda mu=mu: store.ensure_gathered(mu), lambda out, mu=mu: self._guard(mu, out))
+        self._hook(self.root.module, self._root_before, self._root_after)
+
+    def _hook(self, module: torch.nn.Module, before, after) -> None:
+        self._hooks.append(module.register_forward_pre_hook(lambda m, args: before()))
+        self._hooks.append(module.register_forward_hook(lambda m, args, out: after(out)))
+
+    @property
+    def _in_backward(self) -> bool:
+        return self.phase.now is Phase.BACKWARD
+
+    # -- forward --------------------------------------------------------------------------------
+    def _root_before(self) -> None:
+        if not self._in_backward:
+            self._observed = []
+        self.store.ensure_gathered(self.root)
+
+    def _root_after(self, out: object) -> None:
+        if self._in_backward:
+            return
+        if self._observed and self._observed != self.order:
+            self.order = list(self._observed)  # first pass, or the execution order changed: re-record
+        self._guard(self.root, out)
+        keep_root = torch.is_grad_enabled()  # backward will need the root (and shared) parameters
+        for mu in self.store.module_units:
+            if mu.kind is UnitKind.WRAPPED or (mu.kind is UnitKind.ROOT and not keep_root):
+                self.store.release_if_held(mu)  # prefetched ones too
+
+    def _before_forward(self, mu: ModuleUnit) -> None:
+        if not self._in_backward:
+            self._observed.append(mu)
+        self.store.ensure_gathered(mu)  # a second call of the same unit, or one not prefetched
+        if not self._in_backward and self.order is not None:
+            position = len(self._observed) - 1
+            if position < len(self.order) and self.order[position] is mu:
+                for nxt in self.order[position + 1:position + 1 + self.prefetch]:
+                    self.store.prefetch(nxt)
+
+    def _after_forward(self, mu: ModuleUnit, out: object) -> None:
+        self._guard(mu, out)
+        if not self._in_backward:  # during backward this is checkpoint recomputation: backward needs them
+            self.store.release(mu)
+
+    # -- backward -------------------------------------------------------------------------------
+    def _guard(self, mu: ModuleUnit, out: object) -> None:
+        """Gather `mu` again when gradients reach its outputs, before its backward runs."""
+        if not torch.is_grad_enabled():
+            return
+        for tensor in _tensors(out):
+            if tensor.requires_grad:
+                tensor.register_hook(lambda grad, mu=mu: self._before_backward(mu))
+
+    def _before_backward(self, mu: ModuleUnit) -> None:
+        if mu.units and all(k in self._reduced for k in mu.units):
+            return  # its gradients are already on their way: a late hook (e.g. on a persistent submodule's output)
+        self.store.ensure_gathered(mu)
+        if id(mu) in self._backward_seen or self.order is None or mu not in self.order:
+            return
+        self._backward_seen.add(id(mu))
+        position = len(self.order) - 1 - self.order[::-1].index(mu)
+        for nxt in reversed(self.order[max(0, position - self.prefetch):position]):
+            if id(nxt) not in self._backward_seen:
+                self.store.prefetch(nxt)
+
+    def begin_backward(self) -> None:
+        self._backward_seen = set()
+
+    def unit_reduced(self, k: int) -> None:
+        """The reducer launched unit k's gradients: free its module unit once all its units have gone."""
+        mu = self.store.plan.owner[k]
+        if mu.kind is UnitKind.WRAPPED and all(j in self._reduced for j in mu.units if j != k):
+            self.store.release_if_held(mu)  # released already when unused in this pass (its zeros are reduced)
+        self._reduced.add(k)
+
+    def end_backward(self) -> None:
+        self._reduced.clear()
+        for mu in self.store.module_units:
+            if mu.kind is not UnitKind.PERSISTENT:
+                self.store.release_if_held(mu)
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _tensors(obj: object) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []

@@ -1,0 +1,103 @@
+"""Placement: where each kind of model state lives, decided once from the recipe and passed in.
+
+    placement = Placement.from_recipe(recipe, device, rank)
+    home = placement.optimizer_home(group_numels)      # master + moments: device, host or NVMe
+    transfers = placement.transfers()                   # how gradients and updates reach that home
+
+| `zero.offload_optimizer` | optimizer state (`Home`)             | the step's transfers | stage 3 gathers read  |
+|--------------------------|--------------------------------------|----------------------|-----------------------|
+| none                     | device memory (`MemoryHome`)         | `Direct`             | the master            |
+| cpu                      | host memory (`MemoryHome`)           | `StagingRing`        | a compute-dtype shard |
+| nvme                     | files (`NvmeHome`)                   | `StagingRing`        | a compute-dtype shard |
+
+The stage 3 shard lives where `zero.offload_param` says (device, host, or NVMe files; see
+`param_shards.py`). Nothing downstream asks which case it is in: each store and the step are
+built with the home, transfers and shard that fit, and never rewired.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from zerorun.config import AioConfig, OffloadConfig, Recipe
+from zerorun.runtime.homes import Home, MemoryHome, NvmeHome
+from zerorun.runtime.transfers import Direct, StagingRing, Transfers
+
+HOST = torch.device("cpu")
+
+
+class Place(Enum):
+    """A place state can live."""
+
+    DEVICE = "device"  # the compute device (the host itself on a CPU-only machine)
+    HOST = "cpu"  # host memory, beside a device
+    NVME = "nvme"  # files on a local disk
+
+    @classmethod
+    def of(cls, offload: OffloadConfig) -> Place:
+        return {"none": cls.DEVICE, "cpu": cls.HOST, "nvme": cls.NVME}[offload.device]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the optimizer state and (stage 3) the parameter shard live, and how the step streams them."""
+
+    device: torch.device
+    optimizer: Place  # master weights and moments
+    params: Place  # stage 3's parameter shard (stages 0-2 keep whole parameters on the device)
+    tile_numel: int  # fp32 elements per streamed tile (`offload_optimizer.buffer_mb`)
+    pin: bool  # pin the optimizer's staging buffers (CUDA only)
+    param_pin: bool
+    aio: AioConfig
+    optimizer_nvme: str | None  # `zero.offload_optimizer.nvme_path` (set when `optimizer` is NVME)
+    params_nvme: str | None  # `zero.offload_param.nvme_path` (set when `params` is NVME)
+    run: str | None  # files go to `<nvme_path>/<run>/rank-<rank>/`
+    rank: int
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, device: torch.device, rank: int) -> Placement:
+        opt, param = recipe.zero.offload_optimizer, recipe.zero.offload_param
+        return cls(device, Place.of(opt), Place.of(param), max(1024, int(opt.buffer_mb * 2**20) // 4),
+                   opt.pin_memory, param.pin_memory, recipe.zero.aio, opt.nvme_path, param.nvme_path,
+                   recipe.name, rank)
+
+    @property
+    def step_tile_numel(self) -> int:
+        """Elements per tile of the optimizer step: whole pieces when the state is in device memory."""
+        return sys.maxsize if self.optimizer is Place.DEVICE else self.tile_numel
+
+    def optimizer_home(self, group_numels: Sequence[int],
+                       master: list[list[tuple[int, torch.Tensor]]] | None = None) -> Home:
+        """The home of this rank's master and moments; `master`: segments that already hold the master
+        (fp32 parameters' own pieces, device memory only)."""
+        assert master is None or self.optimizer is Place.DEVICE, "only device memory can alias the parameters"
+        if self.optimizer is Place.DEVICE:
+            return MemoryHome(group_numels, self.device, master)
+        if self.optimizer is Place.HOST:
+            return MemoryHome(group_numels, HOST)
+        from zerorun.runtime.nvme import check_nvme_path  # builds the aio kernel: only when used
+
+        check_nvme_path(self.optimizer_nvme, "zero.offload_optimizer.nvme_path", 12 * sum(group_numels))
+        root = nvme_dir(self.optimizer_nvme, self.run, self.rank)
+        return NvmeHome(root, group_numels, self.tile_numel, self.aio, self.pin)
+
+    def transfers(self) -> Transfers:
+        if self.optimizer is Place.DEVICE:
+            return Direct()
+        return StagingRing(self.device, self.tile_numel, self.pin)
+
+    def place_device(self, place: Place) -> torch.device:
+        """The torch device of an in-memory place."""
+        assert place is not Place.NVME, "NVMe is not a torch device"
+        return self.device if place is Place.DEVICE else HOST
+
+
+def nvme_dir(nvme_path: str, run: str | None, rank: int) -> Path:
+    """`<nvme_path>/<run>/rank-<r>/`: one directory per rank, so ranks sharing a disk never collide."""
+    return Path(nvme_path) / (run or "zerorun") / f"rank-{rank}"

@@ -1,0 +1,224 @@
+"""Stage 3's parameter store: parameters live as this rank's shard and are gathered around their use.
+
+Each unit has a gathered buffer whose storage is resized to zero when released and back when
+gathered, so the module's parameters (views into it) and tensors autograd saved during forward
+stay valid across release and re-gather. A gather fills this rank's piece from the parameter shard
+(`param_shards.py`: the master itself, a compute-dtype tensor, or NVMe files) and all-gathers the
+rest. The transitions of a module unit (module_units.py) are strict; `ensure_gathered`, `prefetch`
+and `release_if_held` are the forgiving forms the scheduler uses where more than one state is
+legitimate. When to call them is the scheduler's business (param_scheduler.py).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, contextmanager
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from zerorun.runtime.collectives import Collectives, Pending
+from zerorun.runtime.memory import MemoryReport, retain_freed_host_memory
+from zerorun.runtime.module_units import ModuleUnit, Stage3Plan, UnitKind, UnitState
+from zerorun.runtime.param_shards import build_param_shard
+from zerorun.runtime.placement import Placement
+from zerorun.runtime.precision import PrecisionPolicy
+from zerorun.runtime.sharded_init import InitLog, materialize
+from zerorun.runtime.store import UpdateTarget, units_of
+from zerorun.runtime.units import Unit
+
+
+class ShardedParams:
+    """The stage 3 `ParamStore`: a parameter shard per rank, unit buffers gathered on demand."""
+
+    def __init__(self, model: nn.Module, plan: Stage3Plan, placement: Placement, policy: PrecisionPolicy,
+                 comm: Collectives, init_log: InitLog | None = None) -> None:
+        self.policy, self.comm, self.device = policy, comm, placement.device
+        if self.device.type == "cpu":
+            retain_freed_host_memory()
+        self.shard_world, self.shard_rank = comm.world_size, comm.rank
+        self.plan, self.units, self.group_numels = plan, plan.units, plan.group_numels
+        self.module_units, self.persistent = plan.module_units, plan.persistent
+        self.home = placement.optimizer_home(self.group_numels)
+        self.shard = build_param_shard(placement, self.home, self.units, self.group_numels, policy.param_dtype)
+        self.full = [torch.empty(u.padded_numel, dtype=policy.param_dtype, device=self.device) for u in self.units]
+        self.views = [[self.full[k][span.offset:span.end].view(shape) for span, shape in zip(u.layout.spans, u.shapes)]
+                      for k, u in enumerate(self.units)]
+        self.peak_gathered_bytes = 0
+        if init_log is not None:
+            self._shard_from_replay(init_log)
+        else:
+            self._shard_from(model)
+        for k in range(len(self.units)):
+            self._free(k)
+        self.start_gather(self.persistent)
+        self.finish_gather(self.persistent)
+
+    # -- the first values -------------------------------------------------------------------------
+    def _set_piece(self, group: int, start: int, values: torch.Tensor) -> None:
+        """Elements from `start` of this rank's fp32 master (and of the shard gathers read) for `group`."""
+        self.home.write(group, "master", values, start=start)
+        self.shard.write(group, start, values)
+
+    def _shard_from(self, model: nn.Module) -> None:
+        """Keep this rank's pieces of rank 0's parameter values, one unit at a time."""
+        for unit in self.units:
+            full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device)
+            for span, param in zip(unit.layout.spans, unit.params):
+                full[span.offset:span.end].copy_(param.detach().reshape(-1))
+            self.comm.broadcast(full, src=0).wait()
+            self._set_piece(unit.group, unit.state_offset, unit.piece(full, self.shard_rank))
+
+    def _shard_from_replay(self, log: InitLog) -> None:
+        """Replay a `sharded_init` log, keeping only this rank's pieces (every rank computes the same values)."""
+        place = {param: (unit, i) for unit in self.units for i, param in enumerate(unit.params)}
+
+        def keep(param: nn.Parameter, value: torch.Tensor) -> None:
+            if param not in place:  # frozen: stays whole
+                materialize(param, value)
+                return
+            unit, index = place[param]
+            piece = unit.layout.piece_of(index, self.shard_rank)
+            if piece is not None:
+                values = value.reshape(-1)[piece.param_start:piece.param_start + piece.numel].float()
+                self._set_piece(unit.group, unit.state_offset + piece.shard_start, values)
+
+        log.replay(keep, self.device)
+        for unit in self.units:
+            for param in unit.params:
+                if param.is_meta:  # becomes a real (empty until gathered) parameter
+                    materialize(param, torch.empty(0, dtype=self.policy.param_dtype, device=self.device))
+
+    # -- the state machine: strict transitions ------------------------------------------------
+    def start_gather(self, mu: ModuleUnit) -> None:
+        """RELEASED -> GATHERING: this rank's pieces into place, the all-gathers launched."""
+        mu.expect(UnitState.RELEASED)
+        handles = []
+        for k in mu.units:
+            unit, full = self.units[k], self.full[k]
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            self.shard.fill(unit, unit.piece(full, self.shard_rank))
+            handles.append(self.comm.all_gather(full))
+            for param, view in zip(unit.params, self.views[k]):
+                param.data = view
+        mu.pending, mu.state = Pending(handles), UnitState.GATHERING
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+
+    def finish_gather(self, mu: ModuleUnit) -> None:
+        """GATHERING -> GATHERED: wait for the all-gathers."""
+        mu.expect(UnitState.GATHERING)
+        mu.pending.wait()
+        mu.pending, mu.state = None, UnitState.GATHERED
+
+    def release(self, mu: ModuleUnit) -> None:
+        """GATHERED -> RELEASED: free the buffers (never while a collective writes into them)."""
+        mu.expect(UnitState.GATHERED)
+        for k in mu.units:
+            self._free(k)
+        mu.state = UnitState.RELEASED
+
+    def _free(self, k: int) -> None:
+        self.full[k].untyped_storage().resize_(0)
+        # a stray read of a released parameter is then an empty tensor, not freed memory; tensors
+        # autograd saved keep the resizable storage and see the data again once re-gathered
+        for param in self.units[k].params:
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    # -- forgiving forms, for callers where several states are legitimate ---------------------------
+    def ensure_gathered(self, mu: ModuleUnit) -> None:
+        """Whatever its state, return with `mu` GATHERED."""
+        if mu.state is UnitState.RELEASED:
+            self.start_gather(mu)
+        if mu.state is UnitState.GATHERING:
+            self.finish_gather(mu)
+
+    def prefetch(self, mu: ModuleUnit) -> None:
+        """Start gathering `mu` if it is released (a prefetch of a unit already there is a no-op)."""
+        if mu.state is UnitState.RELEASED:
+            self.start_gather(mu)
+
+    def release_if_held(self, mu: ModuleUnit) -> None:
+        """Whatever its state, return with `mu` RELEASED (an in-flight gather is finished first)."""
+        if mu.state is UnitState.GATHERING:
+            self.finish_gather(mu)
+        if mu.state is UnitState.GATHERED:
+            self.release(mu)
+
+    # -- the ParamStore interface -------------------------------------------------------------------
+    def update_targets(self, group: int) -> list[UpdateTarget]:
+        return [self.shard.target(u) for u in units_of(self.units, group)]
+
+    def publish(self) -> Pending:
+        """After a step: refresh the units gathered right now (the persistent one; the rest gather later)."""
+        live = [mu for mu in self.module_units if mu.state is not UnitState.RELEASED]
+        for mu in live:
+            self.release_if_held(mu)
+            self.start_gather(mu)
+        return Pending(then=lambda: [self.ensure_gathered(mu) for mu in live])
+
+    def master_changed(self, group: int, values: torch.Tensor) -> None:
+        self.shard.write(group, 0, values)
+
+    def set_piece(self, unit: Unit, values: torch.Tensor) -> None:
+        """Overwrite this rank's piece of `unit` (master and shard) with `values`."""
+        self._set_piece(unit.group, unit.state_offset, values.float())
+
+    def gathered(self, params: Iterable[nn.Parameter] | None = None, modify: bool = False,
+                 src: int = 0) -> AbstractContextManager:
+        return _gathered(self, params, modify, src)
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return _full_state_dict(module, self)
+
+    def unit_count(self) -> int:
+        return len(self.plan.gathered_units())
+
+    def gathered_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.full)
+
+    def account(self, report: MemoryReport) -> None:
+        report.add("params", self.device.type, self.gathered_bytes())
+        self.shard.account(report)
+        report.units = self.unit_count()
+
+
+@contextmanager
+def _gathered(store: ShardedParams, params: Iterable[nn.Parameter] | None, modify: bool, src: int) -> Iterator[None]:
+    """Full parameters inside the block; with `modify`, rank `src`'s values are written back to every shard."""
+    wanted = set(params) if params is not None else None
+    chosen = [mu for mu in store.module_units
+              if wanted is None or any(p in wanted for k in mu.units for p in store.units[k].params)]
+    released = [mu for mu in chosen if mu.state is UnitState.RELEASED]
+    for mu in chosen:
+        store.prefetch(mu)
+    for mu in chosen:
+        store.ensure_gathered(mu)
+    try:
+        yield
+    finally:
+        for mu in chosen:
+            for k in mu.units if modify else []:
+                store.comm.broadcast(store.full[k], src=src).wait()
+                store.set_piece(store.units[k], store.units[k].piece(store.full[k], store.shard_rank))
+        for mu in released:
+            store.release(mu)
+
+
+def _full_state_dict(module: nn.Module, store: ShardedParams) -> dict[str, torch.Tensor]:
+    """The consolidated fp32 state dict on rank 0 ({} elsewhere), gathering one unit's master at a time."""
+    names: dict[nn.Parameter, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(param, []).append(name)
+    values: dict[str, torch.Tensor] = {}
+    for unit in store.units:
+        full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=store.device)
+        store.home.read(unit.group, "master", unit.piece(full, store.shard_rank), start=unit.state_offset)
+        store.comm.all_gather(full).wait()
+        if store.shard_rank == 0:
+            for span, param, shape in zip(unit.layout.spans, unit.params, unit.shapes):
+                for name in names[param]:
+                    values[name] = full[span.offset:span.end].view(shape).cpu().clone()
+    if store.shard_rank != 0:
+        return {}
+    return {key: values[key] if key in values else value.detach().cpu().clone()
+            for key, value in module.state_dict(keep_vars=True).items()}

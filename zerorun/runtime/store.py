@@ -1,0 +1,117 @@
+"""The parameter store: the one interface the engine, the optimizer step and checkpoints use.
+
+Two stores implement `ParamStore`:
+
+| store           | stages | parameters between steps                      | after a step (`publish`)               |
+|-----------------|--------|-----------------------------------------------|----------------------------------------|
+| `FlatParams`    | 0-2    | whole, views into one flat buffer             | all-gather each unit's updated pieces  |
+| `ShardedParams` | 3      | this rank's shard; units gathered around use  | refresh the units gathered right now   |
+
+Both lay parameters out in `Unit`s (units.py) and keep this rank's optimizer state in a `Home`
+(homes.py) that the placement chose. An optimizer step reads the reduced gradients from the
+reducer, updates the home's state tile by tile, and writes each unit's updated compute-dtype
+values to its `UpdateTarget`; `publish` then makes every rank's parameters current. A checkpoint
+reads and writes the home and tells the store when the master changed (`master_changed`).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Callable, Iterable, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from zerorun.runtime.collectives import Pending
+from zerorun.runtime.homes import Home
+from zerorun.runtime.memory import MemoryReport
+from zerorun.runtime.transfers import Transfers
+from zerorun.runtime.units import Unit
+
+
+class UpdateTarget(Protocol):
+    """Where the optimizer step sends one unit's updated piece (compute dtype)."""
+
+    def staging(self, transfers: Transfers, lo: int, hi: int) -> torch.Tensor | None:
+        """Where the kernel writes elements [lo, hi) of the piece; None: nothing to write (see `InMaster`)."""
+
+    def deliver(self, transfers: Transfers, lo: int, hi: int, staged: torch.Tensor) -> None:
+        """Hand the written elements on to the parameters (a copy to the device, a file write, or nothing)."""
+
+
+class InMaster:
+    """The parameters are read from the fp32 master itself: fp32 stages 0-2 (the master is the
+    parameters' own pieces) and stage 3 without offload (gathers cast from the master)."""
+
+    def staging(self, transfers: Transfers, lo: int, hi: int) -> None:
+        return None
+
+    def deliver(self, transfers: Transfers, lo: int, hi: int, staged: torch.Tensor) -> None:
+        raise AssertionError("nothing is staged for parameters that are the master")
+
+
+class ParamTensor:
+    """The piece lives in a tensor (the flat buffer's own piece, or stage 3's compute-dtype shard)."""
+
+    def __init__(self, piece: torch.Tensor) -> None:
+        self.piece = piece
+
+    def staging(self, transfers: Transfers, lo: int, hi: int) -> torch.Tensor:
+        dest = self.piece[lo:hi]
+        return dest if transfers.reaches(dest) else transfers.out_slot(hi - lo, dest.dtype)
+
+    def deliver(self, transfers: Transfers, lo: int, hi: int, staged: torch.Tensor) -> None:
+        dest = self.piece[lo:hi]
+        if not transfers.reaches(dest):
+            transfers.send(dest, staged)
+
+
+class ParamFile:
+    """The piece lives in a file (stage 3's shard under `offload_param: nvme`): updates are written through."""
+
+    def __init__(self, write: Callable[[int, torch.Tensor], None], dtype: torch.dtype) -> None:
+        self.write, self.dtype = write, dtype  # write(offset inside the piece, values)
+
+    def staging(self, transfers: Transfers, lo: int, hi: int) -> torch.Tensor:
+        return transfers.out_slot(hi - lo, self.dtype)
+
+    def deliver(self, transfers: Transfers, lo: int, hi: int, staged: torch.Tensor) -> None:
+        self.write(lo, staged)
+
+
+@runtime_checkable
+class ParamStore(Protocol):
+    """Where the trainable parameters live between steps, and how every rank gets the updated values."""
+
+    units: list[Unit]  # in optimizer-state order per group (each unit's `state_offset`)
+    group_numels: list[int]  # elements of this rank's state per param group
+    shard_world: int  # ranks the state is sharded over (1 at stage 0)
+    shard_rank: int
+    home: Home  # this rank's master weights and moments
+
+    def update_targets(self, group: int) -> list[UpdateTarget]:
+        """Where each of `group`'s units (in state order) gets its updated piece."""
+
+    def publish(self) -> Pending:
+        """After an update: every rank's parameters from the updated shards (`wait()` before reading them)."""
+
+    def master_changed(self, group: int, values: torch.Tensor) -> None:
+        """The home's master of `group` was overwritten with `values` (a checkpoint load): parameters follow
+        at the next `publish`."""
+
+    def gathered(self, params: Iterable[nn.Parameter] | None, modify: bool, src: int) -> AbstractContextManager:
+        """Full parameters inside the block; with `modify`, rank `src`'s values are written back."""
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's state dict (stage 3: consolidated in fp32 on rank 0, {} elsewhere)."""
+
+    def unit_count(self) -> int:
+        """Stage 3's module units that are gathered and released around their use (0: never released)."""
+
+    def account(self, report: MemoryReport) -> None:
+        """Add the bytes of parameters (and their own buffers) this store holds to `report`."""
+
+
+def units_of(units: list[Unit], group: int) -> list[Unit]:
+    """`group`'s units in state order."""
+    return [u for u in units if u.group == group]

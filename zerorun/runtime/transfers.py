@@ -1,0 +1,190 @@
+"""How gradients reach the optimizer state and updates reach the parameters, when they live apart.
+
+The optimizer step (`adam_step.py`) walks this rank's pieces in tiles and, per tile, fetches the
+gradient, runs the Adam kernel where the state lives, and hands the updated compute-dtype values
+on. What "fetch" and "hand on" cost depends only on where the state's `Home` is:
+
+| state in        | transfers       | a tile's gradient                | an update bound for the parameters       |
+|-----------------|-----------------|----------------------------------|------------------------------------------|
+| device memory   | `Direct`        | the gradient itself (a view)     | written in place by the kernel           |
+| host or NVMe    | `StagingRing`   | copied D2H into a staging slot   | written into a slot, copied H2D          |
+
+`StagingRing` runs its copies on a side CUDA stream through pinned slots: the gradient of tile k+1
+and the update of tile k-1 move while the CPU updates tile k. A slot is reused only after the copy
+that last used it has finished. On a CPU-only machine the "device" is the host: the same ring runs
+with plain copies, so the tests exercise it exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class TransferStats:
+    """Bytes and seconds per direction of offload traffic, and the time the step waited on it (cumulative)."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: {"d2h": 0, "h2d": 0})
+    seconds: dict[str, float] = field(default_factory=lambda: {"d2h": 0.0, "h2d": 0.0})
+    wait_s: float = 0.0
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        out = {d: {"bytes": self.bytes[d], "seconds": self.seconds[d]} for d in self.bytes}
+        out["wait"] = {"bytes": 0, "seconds": self.wait_s}
+        return out
+
+
+class Transfers(Protocol):
+    """Moves one step's gradient tiles to the kernel and its updates back (see the module docstring)."""
+
+    def begin(self, grad_tiles: list[torch.Tensor]) -> None: ...
+
+    def fetch(self, k: int) -> torch.Tensor: ...
+
+    def reaches(self, dest: torch.Tensor) -> bool: ...
+
+    def out_slot(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def send(self, dest: torch.Tensor, staged: torch.Tensor) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def held_bytes(self) -> int: ...
+
+    def stats(self) -> dict[str, dict[str, float]]: ...
+
+
+class Direct:
+    """The state lives in device memory with the gradients and parameters: nothing moves."""
+
+    def __init__(self) -> None:
+        self._tiles: list[torch.Tensor] = []
+
+    def begin(self, grad_tiles: list[torch.Tensor]) -> None:
+        self._tiles = grad_tiles
+
+    def fetch(self, k: int) -> torch.Tensor:
+        return self._tiles[k]
+
+    def reaches(self, dest: torch.Tensor) -> bool:
+        return True
+
+    def out_slot(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        raise AssertionError("device-resident optimizer state has no staging slots (NVMe parameters need an "
+                             "offloaded optimizer; config validation refuses the rest)")
+
+    def send(self, dest: torch.Tensor, staged: torch.Tensor) -> None:
+        raise AssertionError("device-resident optimizer state writes its updates in place")
+
+    def finish(self) -> None:
+        self._tiles = []
+
+    def held_bytes(self) -> int:
+        return 0
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {}
+
+
+class StagingRing:
+    """Device<->host copies through a ring of staging slots; asynchronous on CUDA, plain copies on CPU.
+
+    `fetch(k)` returns tile k's gradient on the host, having started tile k+1's copy first;
+    `send(dest, staged)` copies an updated host tile (the last `out_slot`) to the device and returns at once.
+    """
+
+    SLOTS = 2
+
+    def __init__(self, device: torch.device, tile_numel: int, pin: bool) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        pin = pin and self.cuda and torch.cuda.is_available()
+        self._grad = [torch.empty(tile_numel, dtype=torch.float32, pin_memory=pin) for _ in range(self.SLOTS)]
+        self._out = [torch.empty(tile_numel * 4, dtype=torch.uint8, pin_memory=pin) for _ in range(self.SLOTS)]
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+        self._grad_ready: list = [None] * self.SLOTS
+        self._out_free: list = [None] * self.SLOTS
+        self._stats = TransferStats()
+        self._tiles: list[torch.Tensor] = []
+        self._launched = -1
+        self._sent = 0
+
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._grad + self._out)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return self._stats.as_dict()
+
+    # -- gradients, device -> host -----------------------------------------------------------
+    def begin(self, grad_tiles: list[torch.Tensor]) -> None:
+        """Start a pass over `grad_tiles` (device views); the first copy starts now."""
+        self._tiles, self._launched = grad_tiles, -1
+        if self.cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # gradients are complete
+        self._launch(0)
+
+    def _launch(self, k: int) -> None:
+        if k >= len(self._tiles) or k <= self._launched:
+            return
+        src, slot = self._tiles[k], k % self.SLOTS
+        self._grad_ready[slot] = self._copy(self._grad[slot][:src.numel()], src, "d2h")
+        self._launched = k
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> torch.cuda.Event | None:
+        """Copy on the side stream (an event marks its end), or at once on CPU."""
+        started = time.perf_counter()
+        event = None
+        if self.cuda:
+            with torch.cuda.stream(self._stream):
+                dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        else:
+            dst.copy_(src)
+        self._stats.seconds[direction] += time.perf_counter() - started
+        self._stats.bytes[direction] += src.numel() * src.element_size()
+        return event
+
+    def _wait(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            started = time.perf_counter()
+            event.synchronize()
+            self._stats.wait_s += time.perf_counter() - started
+
+    def fetch(self, k: int) -> torch.Tensor:
+        """Tile k's gradient in host staging (valid until `fetch(k + SLOTS)`)."""
+        self._launch(k)
+        self._launch(k + 1)  # in flight while the caller updates tile k
+        slot = k % self.SLOTS
+        self._wait(self._grad_ready[slot])
+        self._grad_ready[slot] = None
+        return self._grad[slot][:self._tiles[k].numel()]
+
+    # -- updated parameters, host -> device ----------------------------------------------------
+    def reaches(self, dest: torch.Tensor) -> bool:
+        """True when the CPU kernel writes `dest` itself: host memory beside a CUDA device (on a CPU-only
+        machine the "device" parameters are host memory too, but go through the ring like device ones)."""
+        return dest.device.type == "cpu" and self.cuda
+
+    def out_slot(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host staging tile for the next `send` (waits until its previous copy has left)."""
+        slot = self._sent % self.SLOTS
+        self._wait(self._out_free[slot])
+        self._out_free[slot] = None
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self._out[slot][:nbytes].view(dtype)
+
+    def send(self, dest: torch.Tensor, staged: torch.Tensor) -> None:
+        """Copy `staged` (the last `out_slot`) into `dest`; asynchronous on CUDA."""
+        self._out_free[self._sent % self.SLOTS] = self._copy(dest, staged, "h2d")
+        self._sent += 1
+
+    def finish(self) -> None:
+        """The device's compute stream waits for every copy (the parameter all-gather follows)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self._tiles = []
