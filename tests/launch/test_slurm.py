@@ -29,9 +29,8 @@ from zerorun import config
 from zerorun.cli import app
 from zerorun.errors import LaunchError
 from zerorun.launch import slurm, submit
-from zerorun.launch.launcher import LaunchOptions, uses_slurm
+from zerorun.launch.launcher import LaunchOptions, transport_for, uses_slurm
 from zerorun.launch.plan import MachineFacts, render
-from zerorun.launch.transport import transport_for
 
 TEARDOWN_LIMIT_S = 15.0
 TELEMETRY_SCRIPT = SCRIPTS.parent.parent / "telemetry" / "scripts" / "tiny_train.py"
@@ -94,15 +93,16 @@ def test_workers_per_node_are_the_recipes_else_the_gpus_else_the_tasks_which_mus
 
 def test_the_step_is_one_srun_whose_torchrun_takes_its_node_rank_from_slurm():
     recipe = config.from_dict({"script": "/jobs/train.py", "args": ["--lr", "1"], "env": {"A": "1"}})
-    facts = MachineFacts(cpu_count=16, cuda=True, python="/venv/bin/python", inherited_env={}, cwd="/jobs")
+    facts = MachineFacts(cpu_count=16, python="/venv/bin/python", inherited_env={}, cwd="/jobs")
     launch_plan = slurm.plan_step(recipe, _allocation(), 4, "job-1", 29500, facts)
     (step,) = launch_plan.nodes
     assert (launch_plan.world_size, launch_plan.master_addr, step.step_nodes) == (8, "gpu01", ("gpu01", "gpu02"))
     argv = list(step.argv)
     assert argv[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
                         "--job-name=job-1"]
-    assert argv[6:12] == ["/venv/bin/python", "-m", "zerorun.launch.slurm", "--kill-grace-s", "3", "--"]
-    torchrun = argv[12:]
+    assert argv[6:16] == ["/venv/bin/python", "-m", "zerorun.launch.slurm", "--kill-grace-s", "3", "--run-name",
+                          "job", "--ranks-per-node", "4", "--"]
+    torchrun = argv[16:]
     for flag, value in [("--nnodes", "2"), ("--node-rank", "$SLURM_NODEID"), ("--nproc-per-node", "4"),
                         ("--master-addr", "gpu01"), ("--master-port", "29500")]:
         assert torchrun[torchrun.index(flag) + 1] == value

@@ -4,11 +4,11 @@
     print(render(launch_plan))                                                # --dry-run
     exit_code = run(launch_plan)                                              # starts, supervises, tears down
 
-`make_plan` gathers the impure facts (recipe file, hostfile, GPUs, CPU count, a free port, the job
+`make_plan` gathers the impure facts (recipe file, hostfile, GPU count, CPU count, a free port, the job
 id, the working directory and its `.zerorun_env`) and hands them to the pure `plan.plan`; inside a
 Slurm allocation (unless a hostfile or `--launcher` says otherwise) the allocation's nodes go to
 `slurm.plan_step` instead, which plans one srun step for them all. `run`
-checks the SSH hosts (`preflight`), picks a transport per node, starts the telemetry
+checks every node (`preflight`: SSH hosts, NVMe paths), picks a transport per node, starts the telemetry
 monitor (collector, live view, stall watch) unless the recipe turned it off, tells the workers its
 address, and lets the supervisor drive the job.
 """
@@ -16,7 +16,6 @@ address, and lets the supervisor drive the job.
 from __future__ import annotations
 
 import errno
-import glob
 import importlib.util
 import os
 import secrets
@@ -32,13 +31,15 @@ from zerorun.config import Recipe
 from zerorun.errors import HostfileError, LaunchError
 from zerorun.hostfile import Node
 from zerorun.launch import preflight, slurm
-from zerorun.launch.plan import LaunchPlan, MachineFacts, is_local, plan, render, with_env
+from zerorun.launch.devices import gpu_count
+from zerorun.launch.plan import LaunchPlan, MachineFacts, NodeCommand, is_local, plan, render, with_env
+from zerorun.launch.ssh import SSHTransport
 from zerorun.launch.supervisor import Supervisor
-from zerorun.launch.transport import transport_for
+from zerorun.launch.transport import LocalTransport, Transport
 from zerorun.telemetry import ADDRESS_ENV
 
 if TYPE_CHECKING:
-    from zerorun.telemetry.monitor import Monitor
+    from zerorun.launch.monitor import Monitor
 
 __all__ = ["LaunchOptions", "make_plan", "render", "run"]
 
@@ -66,9 +67,8 @@ def make_plan(recipe_path: str | os.PathLike, options: LaunchOptions) -> LaunchP
     recipe = config.load(recipe_path, overrides=[*options.overrides, *flags])
     if uses_slurm(recipe, options, os.environ):
         return _slurm_plan(recipe, options)
-    gpus = local_gpu_count()
-    nodes = select_nodes(recipe, options, gpus)
-    facts = _machine_facts(os.cpu_count() or 1, cuda=gpus > 0)
+    nodes = select_nodes(recipe, options, gpu_count())
+    facts = _machine_facts(os.cpu_count() or 1)
     master_port = recipe.master_port or (free_port() if is_local(nodes[0].host) else 29500)
     return plan(recipe, nodes, new_job_id(recipe.name or "job"), master_port, facts)
 
@@ -98,15 +98,15 @@ def _slurm_plan(recipe: Recipe, options: LaunchOptions) -> LaunchPlan:
                           "allocation every allocated node runs (ask salloc/sbatch for fewer nodes).")
     allocation = slurm.read_allocation(os.environ)
     nproc = slurm.procs_per_node(allocation, options.num_gpus or recipe.nproc_per_node)
-    facts = _machine_facts(min(allocation.cpus_per_node, default=os.cpu_count() or 1), cuda=False)
+    facts = _machine_facts(min(allocation.cpus_per_node, default=os.cpu_count() or 1))
     here = slurm.runs_here(allocation, os.environ)
     master_port = recipe.master_port or (free_port() if here else slurm.default_port(allocation))
     return slurm.plan_step(recipe, allocation, nproc, new_job_id(recipe.name or "job"), master_port, facts)
 
 
-def _machine_facts(cpu_count: int, cuda: bool) -> MachineFacts:
+def _machine_facts(cpu_count: int) -> MachineFacts:
     cwd = os.getcwd()
-    return MachineFacts(cpu_count=cpu_count, cuda=cuda, python=sys.executable, inherited_env=dict(os.environ),
+    return MachineFacts(cpu_count=cpu_count, python=sys.executable, inherited_env=dict(os.environ),
                         cwd=cwd, env_file=load_env_file(cwd), hostname=socket.getfqdn())
 
 
@@ -114,7 +114,7 @@ def run(launch_plan: LaunchPlan) -> int:
     """Run the planned job to its end; return the launcher's exit code."""
     if importlib.util.find_spec("torch") is None:
         raise LaunchError(f"torch is not installed for {sys.executable}; zerorun runs workers with torchrun.")
-    preflight.check_hosts(launch_plan)
+    preflight.check(launch_plan)
     transports = [transport_for(node, launch_plan) for node in launch_plan.nodes]
     if is_local(launch_plan.nodes[0].host):
         _check_port_free(launch_plan.master_addr, launch_plan.master_port)
@@ -123,7 +123,8 @@ def run(launch_plan: LaunchPlan) -> int:
         launch_plan = with_env(launch_plan, {ADDRESS_ENV: monitor.address})
     exit_code = 1
     try:
-        exit_code = Supervisor(launch_plan, transports, output=monitor).run()
+        witness = monitor.culprit if monitor is not None else None
+        exit_code = Supervisor(launch_plan, transports, output=monitor, witness=witness).run()
     finally:
         if monitor is not None:
             monitor.finish(exit_code)
@@ -134,7 +135,7 @@ def _start_monitor(launch_plan: LaunchPlan) -> Monitor | None:
     """The telemetry monitor, listening; None when the recipe turned telemetry off or it cannot start."""
     if not launch_plan.telemetry.enabled:
         return None
-    from zerorun.telemetry.monitor import Monitor
+    from zerorun.launch.monitor import Monitor
 
     monitor = Monitor(launch_plan)
     try:
@@ -143,6 +144,15 @@ def _start_monitor(launch_plan: LaunchPlan) -> Monitor | None:
         print(f"zerorun: telemetry off: cannot start the collector ({monitor.path}): {exc}", file=sys.stderr)
         return None
     return monitor
+
+
+def transport_for(node: NodeCommand, launch_plan: LaunchPlan) -> Transport:
+    """The transport that reaches `node`'s host: an srun step, SSH when the plan says so, else a local process."""
+    if node.step_nodes:
+        return slurm.SlurmTransport(node.host, launch_plan.job_id)
+    if node.over_ssh:
+        return SSHTransport(node.host, launch_plan.job_id, launch_plan.ssh, launch_plan.kill_grace_s)
+    return LocalTransport(node.host, launch_plan.job_id, node.argv[0], launch_plan.kill_grace_s)
 
 
 def select_nodes(recipe: Recipe, options: LaunchOptions, gpus: int) -> list[Node]:
@@ -200,17 +210,6 @@ def parse_env_file(text: str, source: str) -> dict[str, str]:
             value = value[1:-1]
         env[key] = value
     return env
-
-
-def local_gpu_count() -> int:
-    """CUDA devices here; 0 without importing torch where no GPU driver is present (saves ~2 s)."""
-    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd")) and not glob.glob("/dev/nvidia[0-9]*"):
-        return 0
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def new_job_id(name: str) -> str:

@@ -129,8 +129,9 @@ class Engine:
 
                 dtype = self.policy.param_dtype
                 numels = self.flat.group_numels
-                check_nvme_path(param.nvme_path, "zero.offload_param.nvme_path", dtype.itemsize * sum(numels))
-                store = NvmeStore(nvme_dir(param.nvme_path, self.recipe.name, self.info.rank) / "params",
+                root = nvme_dir(param.nvme_path, self.recipe.name, self.info.rank) / "params"
+                check_nvme_path(param.nvme_path, "zero.offload_param.nvme_path", dtype.itemsize * sum(numels), root)
+                store = NvmeStore(root,
                                   {self.flat.param_file(g): n for g, n in enumerate(numels)},
                                   tile_numel=tile_numel, aio=zero.aio, pin=param.pin_memory, dtype=dtype)
                 self.flat.use_param_store(store, param.pin_memory)
@@ -141,8 +142,8 @@ class Engine:
         else:
             from zerorun.runtime.nvme import check_nvme_path  # builds the aio kernel: only when used
 
-            check_nvme_path(off.nvme_path, "zero.offload_optimizer.nvme_path", 12 * sum(self.flat.group_numels))
             root = nvme_dir(off.nvme_path, self.recipe.name, self.info.rank)
+            check_nvme_path(off.nvme_path, "zero.offload_optimizer.nvme_path", 12 * sum(self.flat.group_numels), root)
             home = NvmeHome(root, self.flat.group_numels, tile_numel, zero.aio, off.pin_memory)
             for g, master in enumerate(self.flat.master):
                 home.place(g, master)

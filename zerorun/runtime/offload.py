@@ -31,6 +31,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from zerorun import ops
+from zerorun.offload_files import rank_dir as nvme_dir  # noqa: F401 - the layout lives there, launcher and runtime share it
 
 HOST = torch.device("cpu")
 
@@ -240,11 +241,6 @@ class Transfers:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self._tiles = []
-
-
-def nvme_dir(nvme_path: str, run: str | None, rank: int) -> Path:
-    """`<nvme_path>/<run>/rank-<r>/`: one directory per rank, so ranks sharing a disk never collide."""
-    return Path(nvme_path) / (run or "zerorun") / f"rank-{rank}"
 
 
 def cut(pieces: Sequence[Piece], tile_numel: int) -> list[tuple[Piece, int, int]]:

@@ -194,7 +194,7 @@ class Probe:
                 log.debug("zerorun telemetry: probe round failed", exc_info=True)
         try:  # the script ended: everything left, a last sample and goodbye
             self._take_steps(wait=True)
-            self._enqueue(self._sample())
+            self._enqueue(self._sample(final=True))
             self._enqueue({"type": "bye", "rank": self.rank, "t": time.time()})
             self._send()
         except Exception:  # noqa: BLE001
@@ -246,7 +246,8 @@ class Probe:
             "offload": stats.offload,
         }
 
-    def _sample(self) -> dict[str, Any]:
+    def _sample(self, final: bool = False) -> dict[str, Any]:
+        """Memory, I/O and where the training thread is (not after the script: the bootstrap's frame says nothing)."""
         record: dict[str, Any] = {"type": "sample", "rank": self.rank, "t": time.time()}
         with self._process.oneshot():
             record["rss"] = self._process.memory_info().rss
@@ -254,7 +255,7 @@ class Probe:
             record["io"] = _io_bytes(self._process)
         record["cuda"] = _cuda_memory(self.device)
         record["memory"] = _engine_memory(self.engine())
-        record["where"] = where(self._main_thread)
+        record["where"] = None if final else where(self._main_thread)
         record["dropped"] = self._dropped
         return record
 

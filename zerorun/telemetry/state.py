@@ -101,7 +101,7 @@ class RankState:
         self.rss_peak = max(self.rss_peak, self.rss or 0)
         self.cpu_percent = r.get("cpu_percent")
         self.memory = r.get("memory") or self.memory
-        self.where = r.get("where")
+        self.where = r.get("where") or self.where  # the last sample, after the script ended, has none
         cuda = r.get("cuda")
         self.cuda = cuda is not None
         if cuda is not None:
@@ -137,11 +137,26 @@ class RankState:
     def comm_bytes(self) -> int:
         return int(sum(float(k.get("bytes", 0)) for k in self.comm.values()))
 
+    @property
+    def waiting(self) -> bool:
+        """Whether the training thread was last seen inside a collective (waiting for other ranks)."""
+        return bool(self.where and self.where.get("in_collective"))
+
     def describe_where(self) -> str:
         if not self.where:
             return "no sample yet"
         w = self.where
         return f"in {w.get('function')} ({os.path.basename(str(w.get('file')))}:{w.get('line')})"
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """The rank that held the others up when one of them failed waiting, and what the telemetry showed."""
+
+    rank: int
+    host: str
+    why: str  # "stopped making progress at step 2, in sleep_here (train.py:39)"
+    evidence: tuple[str, ...]  # one line per rank: step, where, waiting or silent
 
 
 @dataclass
@@ -216,6 +231,42 @@ class RunState:
         return [self.ranks[r] for r in sorted(self.ranks)]
 
     # -- stalls ----------------------------------------------------------------------------------
+
+    def culprit(self, failed_rank: int) -> Culprit | None:
+        """When `failed_rank` failed while waiting in a collective: the rank it waited for.
+
+        That is a rank whose telemetry stopped well before the failed rank's (a stopped or frozen
+        process), else one behind it in steps, else, at equal steps, one that was not inside a
+        collective (a hang in the script). None when the failed rank was not waiting, or no rank stands out.
+        """
+        failed = self.ranks.get(failed_rank)
+        if failed is None or not failed.waiting or failed.last_sample_at is None:
+            return None
+        others = [r for r in self.sorted_ranks() if r.rank != failed_rank]
+        silent_after = max(5.0, 5 * float(self.job.get("interval_s") or 1.0))
+
+        def silence(r: RankState) -> float:
+            return failed.last_sample_at - r.last_sample_at if r.last_sample_at is not None else 0.0
+
+        frozen = [r for r in others if not r.finished and silence(r) > silent_after]
+        behind = [r for r in others if r.step < failed.step] or \
+                 [r for r in others if not r.finished and r.where and not r.waiting]
+        if frozen:
+            r = frozen[0]
+            why = f"stopped answering (no telemetry for {silence(r):.0f} s: stopped or frozen) at step {r.step}, " \
+                  f"last seen {r.describe_where()}"
+        elif behind:
+            r = behind[0]
+            why = f"stopped making progress at step {r.step}, {r.describe_where()}"
+        else:
+            return None
+        evidence = []
+        for rank in [failed, *others]:
+            state = "waiting in a collective" if rank.waiting else "not in a collective"
+            quiet = f", no telemetry for its last {silence(rank):.0f} s" if rank in frozen else ""
+            evidence.append(f"rank {rank.rank} on {rank.host}: step {rank.step}, {rank.describe_where()}, {state}{quiet}")
+        return Culprit(r.rank, r.host, why, tuple(evidence))
+
 
     def behind(self) -> tuple[list[RankState], list[RankState]]:
         """(ranks holding the others up, ranks waiting for them).

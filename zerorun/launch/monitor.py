@@ -1,4 +1,4 @@
-"""The launcher's side of telemetry, plugged into the supervisor as its `Output`.
+"""The launcher's side of telemetry, plugged into the supervisor as its `Output` and its witness.
 
     monitor = Monitor(launch_plan)
     launch_plan = with_env(launch_plan, {ADDRESS_ENV: monitor.start()})   # collector listening
@@ -40,7 +40,7 @@ from zerorun.launch.plan import LaunchPlan, is_local
 from zerorun.launch.supervisor import Output
 from zerorun.telemetry import RUNS_DIR, console
 from zerorun.telemetry.collector import Collector
-from zerorun.telemetry.state import RankState
+from zerorun.telemetry.state import Culprit, RankState
 
 PLAIN_EVERY_S = 30.0
 LIVE_REFRESH_S = 0.25
@@ -125,6 +125,11 @@ class Monitor(Output):
         if ranks:
             self._say(f"telemetry: {self.path} ({self.collector.records} records); "
                       f"`zerorun report {self.path.parent}` shows this summary again")
+
+    def culprit(self, failed_rank: int) -> Culprit | None:
+        """The supervisor's witness: the rank `failed_rank` was waiting for when it failed, if any."""
+        with self.collector.lock:
+            return self.state.culprit(failed_rank)
 
     # -- each tick ---------------------------------------------------------------------------------
 
