@@ -1,7 +1,7 @@
 """NVMe offload files: where a job keeps them, how a directory is checked, how they are found and removed.
 
-    <nvme_path>/<run name>/rank-<r>/master.bin, exp_avg.bin, exp_avg_sq.bin   (offload_optimizer: nvme)
-    <nvme_path>/<run name>/rank-<r>/params/<group>.bin                         (offload_param: nvme)
+    <nvme_path>/<run name>/rank-<r>/...*.bin       one rank's files: the optimizer's state, and under
+                                                   params/ stage 3's parameter shard (offload_param: nvme)
 
 Both sides use this module (it needs only the standard library, so the launcher does not pay
 for importing torch):
@@ -31,7 +31,7 @@ from zerorun.errors import ZerorunError
 
 ALIGN = 4096  # O_DIRECT block and buffer alignment
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
-SUBDIRS = ("", "params")  # under a rank directory: the optimizer's files, stage 3's parameter files
+PARAMS = "params"  # the parameter store's subdirectory of a rank directory
 
 
 def rank_dir(nvme_path: str | os.PathLike, run: str | None, rank: int) -> Path:
@@ -45,15 +45,16 @@ class FoundFile:
     size: int
 
 
-def offload_files(directory: Path) -> list[FoundFile]:
-    """zerorun's offload files (`*.bin` and `params/*.bin`) directly in a rank directory."""
+def offload_files(directory: Path, skip: str | None = None) -> list[FoundFile]:
+    """zerorun's offload files (`*.bin`) anywhere under `directory`, but not under its `skip` subdirectory."""
     found = []
-    for sub in SUBDIRS:
-        for path in sorted((directory / sub).glob("*.bin")) if (directory / sub).is_dir() else []:
-            try:
-                found.append(FoundFile(path, path.stat().st_size))
-            except OSError:
-                continue
+    for path in sorted(directory.rglob("*.bin")) if directory.is_dir() else []:
+        if skip is not None and path.relative_to(directory).parts[0] == skip:
+            continue
+        try:
+            found.append(FoundFile(path, path.stat().st_size))
+        except OSError:
+            continue
     return found
 
 
@@ -67,7 +68,8 @@ def describe(files: Sequence[FoundFile], limit: int = 4) -> str:
     """`DIR (N files, X GiB), ...`, grouped by rank directory, at most `limit` of them."""
     groups: dict[Path, list[FoundFile]] = {}
     for f in files:
-        groups.setdefault(f.path.parent if f.path.parent.name != "params" else f.path.parent.parent, []).append(f)
+        rank = next((p for p in f.path.parents if p.name.startswith("rank-")), f.path.parent)
+        groups.setdefault(rank, []).append(f)
     shown = [f"{d} ({len(fs)} file{'s' if len(fs) != 1 else ''}, {gib(sum(x.size for x in fs))})"
              for d, fs in list(groups.items())[:limit]]
     more = f" and {len(groups) - limit} more" if len(groups) > limit else ""
@@ -83,11 +85,10 @@ def remove_rank_dirs(directories: Iterable[str | os.PathLike]) -> list[FoundFile
             try:
                 f.path.unlink()
                 removed.append(f)
-            except FileNotFoundError:
-                continue
             except OSError:
                 continue
-        for empty in (directory / "params", directory, directory.parent):
+        subdirs = sorted((p for p in directory.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
+        for empty in [*subdirs, directory, directory.parent]:
             try:
                 empty.rmdir()  # only if nothing else lives there
             except OSError:
@@ -128,17 +129,20 @@ def check_nvme_path(path: str | os.PathLike | None, key: str, need_bytes: int, s
         raise ZerorunError(problem)
     assert path is not None
     stores = node_store_dirs(store) if store is not None else []
+
+    def reusable() -> int:  # the files the store truncates: this node's, of this kind (parameters or not)
+        return sum(f.size for d in stores for f in offload_files(d, skip=None if d.name == PARAMS else PARAMS))
+
     for _ in range(3):  # a sibling rank preallocating meanwhile moves bytes from free space into its files
-        reusable = sum(f.size for d in stores for f in offload_files(d) if f.path.parent == d)
-        free = shutil.disk_usage(path).free
-        if reusable == sum(f.size for d in stores for f in offload_files(d) if f.path.parent == d):
+        before, free = reusable(), shutil.disk_usage(path).free
+        if before == reusable():
             break
     need = need_bytes * max(1, len(stores))
-    if free + reusable >= need:
+    if free + before >= need:
         return
     who = f"the {len(stores)} ranks of this node need {gib(need)} ({gib(need_bytes)} each)" if len(stores) > 1 \
         else f"this rank's offload files need {gib(need)}"
-    stale = stale_files(path, keep=[d if d.name != "params" else d.parent for d in stores])
+    stale = stale_files(path, keep=[d if d.name != PARAMS else d.parent for d in stores])
     found = f"; stale zerorun offload files there: {describe(stale)} (remove them if no job uses them)" if stale else ""
     raise ZerorunError(f"{key}: {path} has {gib(free)} free, but {who}{found}; free space there or choose a larger "
                        "disk.")

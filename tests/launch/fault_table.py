@@ -62,7 +62,11 @@ def _run(case: str, work: Path, start: Callable[[Path], LaunchedJob], fault: Cal
     try:
         fault(job)
         fault_at = time.monotonic()
-        code = job.wait(timeout=180)
+        try:
+            code = job.wait(timeout=180)
+        except AssertionError:
+            job.cleanup()
+            return Row(case, None, None, "never noticed: still running 180 s after the fault", "(killed by the table)")
         seconds = time.monotonic() - fault_at
         deadline = time.monotonic() + settle_s
         while job.leftovers() and time.monotonic() < deadline:
@@ -185,7 +189,7 @@ def _ssh_cases(work_root: Path, fresh: Callable[[str], Path]) -> dict[str, Calla
         return {}
     server: list[PrivateSSHD] = []
 
-    def start(script: str, args: list[str] = ()) -> Callable[[Path], LaunchedJob]:
+    def start(script: str, args: list[str] = (), **keys: object) -> Callable[[Path], LaunchedJob]:
         def run(work: Path) -> LaunchedJob:
             if not server:
                 server.append(PrivateSSHD.start(Path(tempfile.mkdtemp(prefix="zr-fault-sshd-"))))
@@ -193,7 +197,7 @@ def _ssh_cases(work_root: Path, fresh: Callable[[str], Path]) -> dict[str, Calla
             hosts = work / "hosts"
             hosts.write_text("".join(f"{host} slots=1\n" for host in sshd.hosts))
             recipe = write_recipe(work, script, args, ssh=sshd.recipe_section(),
-                                  launch={"kill_grace_s": 1.0, "transport": "ssh"})
+                                  launch={"kill_grace_s": 1.0, "transport": "ssh"}, **keys)
             return LaunchedJob.start(recipe, "--hostfile", str(hosts), cwd=work)
         return run
 
@@ -221,6 +225,10 @@ def _ssh_cases(work_root: Path, fresh: Callable[[str], Path]) -> dict[str, Calla
         "ssh: half-open link (client SIGSTOP)": lambda: _run(
             "ssh: half-open link (client SIGSTOP)", fresh("ssh-stop"), start("stubborn.py"),
             ready_then(lambda job: client_of(job, "127.0.0.2").send_signal(signal.SIGSTOP))),
+        "ssh: half-open link while training": lambda: _run(
+            "ssh: half-open link while training", fresh("ssh-stop-train"),
+            start(TINY, ["--step-delay", "0.05"], train={"steps": 100_000}),
+            lambda job: (_wait_steps(job), client_of(job, "127.0.0.2").send_signal(signal.SIGSTOP))),
         "ssh: Ctrl-C": lambda: _run("ssh: Ctrl-C", fresh("ssh-int"), start("stubborn.py"),
                                     ready_then(lambda job: job.send(signal.SIGINT))),
     }

@@ -312,7 +312,9 @@ class Supervisor:
     def _report(self, outcome: Outcome) -> None:
         if outcome.ending is Ending.RANK_FAILED:
             assert outcome.rank is not None and outcome.host is not None
-            self._failure_block(outcome.cause, self._tails[(outcome.host, outcome.rank)], f"rank {outcome.rank}")
+            tail = self._tails[(outcome.host, outcome.rank)]
+            if not (tail and tail[-1].split(b"] ", 1)[-1].startswith(ERROR_PREFIX)):  # the one line says it all
+                self._failure_block(outcome.cause, tail, f"rank {outcome.rank}")
             failure = outcome.failure
             if failure is not None and failure.rank != outcome.rank:
                 for line in outcome.evidence:
