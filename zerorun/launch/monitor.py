@@ -68,6 +68,7 @@ class Monitor(Output):
         self._plain = (0, -1, 0.0)  # (step, tenth, time) of the last plain summary line
         self._stalled_at: float | None = None
         self.address: str | None = None  # host:port the workers report to, once started
+        self._warned: set[str] = set()  # files and sinks already warned about
 
     def start(self) -> str:
         """Start the collector (and the live region); return the address workers report to."""
@@ -104,6 +105,7 @@ class Monitor(Output):
             self.collector.record({"type": "end", "exit_code": exit_code, "t": time.time()})
         finally:
             self.collector.close()
+        self._warn_io()
         try:
             self._summarize()
         except Exception as exc:  # noqa: BLE001 - the job's exit code matters more than its summary
@@ -122,9 +124,22 @@ class Monitor(Output):
         elif table is not None:
             for line in _plain_text(table, self._width or 160).splitlines():
                 super().write(2, line.rstrip().encode())
-        if ranks:
+        if ranks and self.collector.write_error is None:
             self._say(f"telemetry: {self.path} ({self.collector.records} records); "
                       f"`zerorun report {self.path.parent}` shows this summary again")
+
+    def _warn_io(self) -> None:
+        """One warning per file or sink that could not be written (the job goes on, its exit code is the workers')."""
+        collector = self.collector
+        problems = [(str(self.path), collector.write_error, f"it stops after about {collector.written} records")] \
+            if collector.write_error else []
+        problems += [(name, exc, "nothing more goes there") for name, exc in collector.sink_errors]
+        for what, exc, consequence in problems:
+            if what not in self._warned:
+                self._warned.add(what)
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
+                self._say(f"warning: telemetry: cannot write {what} ({reason}); {consequence}; the live view and "
+                          "summary go on, and the job's exit code is the workers'")
 
     def culprit(self, failed_rank: int) -> Culprit | None:
         """The supervisor's witness: the rank `failed_rank` was waiting for when it failed, if any."""
@@ -134,6 +149,7 @@ class Monitor(Output):
     # -- each tick ---------------------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
+        self._warn_io()
         with self.collector.lock:
             stall = self._stall_check(now)
             view = None

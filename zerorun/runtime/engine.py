@@ -245,6 +245,12 @@ class Engine:
     def loss_scale(self) -> float:
         return self.scaler.scale
 
+    def num_parameters(self) -> int:
+        """Parameters of the whole model, each once, however sharded or offloaded (stage 3 and
+        `sharded_init` included): the trainable ones the engine steps, plus frozen ones."""
+        trainable = sum(unit.layout.numel for unit in self.flat.units)
+        return trainable + sum(p.numel() for p in self.module.parameters() if not p.requires_grad)
+
     def memory(self) -> MemoryReport:
         """Bytes this rank holds, per kind of state and place."""
         place = self.device.type

@@ -47,7 +47,7 @@ from typing import Any
 import psutil
 
 from zerorun.config import TelemetryConfig
-from zerorun.telemetry.flops import ModelFlops, count_params, peak_tflops
+from zerorun.telemetry.flops import ModelFlops, peak_tflops
 
 log = logging.getLogger("zerorun")
 
@@ -165,7 +165,7 @@ class Probe:
         self.device = device
         device_name = _device_name(device)
         peak = self.peak_override or peak_tflops(device_name, dtype)
-        params = count_params(engine.module)
+        params = engine.num_parameters()  # the whole model's, not what stage 3 has gathered right now
         self._flops = ModelFlops(params, **{k: v for k, v in _flops_override.items() if v is not None})
         self._engine_record = {"type": "engine", "rank": self.rank, "params": params,
                                "stage": getattr(engine, "stage", None), "dtype": dtype,
@@ -336,6 +336,8 @@ def _engine_memory(engine: Any) -> dict[str, dict[str, int]] | None:
             return engine.memory().as_dict()
         except RuntimeError:
             continue
+        except Exception:  # noqa: BLE001 - mid-step state the accounting does not expect: this sample has no memory,
+            return None  # the sample itself still goes (a lost sample left ranks without a memory peak)
     return None
 
 

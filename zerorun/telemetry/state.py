@@ -52,13 +52,14 @@ class RankState:
     io_bytes: int = 0  # since the first sample
     where: dict[str, Any] | None = None
     last_sample_at: float | None = None
-    busy_s: float = 0.0  # the time of every step, the first included
+    first_step: int | None = None  # the step number of the first step this job reported (after a resume: > 1)
     # totals over steps after the first
     steps_seen: int = 0
     timed_s: float = 0.0
     timed_samples: int = 0
     timed_tokens: int = 0
     timed_flops: float = 0.0
+    _comm_first: tuple[float, float] = (0.0, 0.0)  # (waited, in flight) seconds at the first step
     _io_first: int | None = None
     _io_last: tuple[float, int] | None = None
 
@@ -80,7 +81,9 @@ class RankState:
         step = int(r.get("step", 0))
         if step <= self.step and self.steps_seen:
             return  # a repeat after a reconnect
-        self.busy_s += r.get("step_time_s") or 0.0
+        if self.first_step is None:
+            self.first_step = step
+            self._comm_first = _comm_totals(r.get("comm") or {})
         if self.steps_seen and r.get("step_time_s"):
             self.timed_s += r["step_time_s"]
             self.timed_samples += r.get("samples") or 0
@@ -130,12 +133,22 @@ class RankState:
         return amount / self.timed_s if self.timed_s > 0 else None
 
     @property
-    def comm_seconds(self) -> float:
-        return sum(float(k.get("seconds", 0.0)) for k in self.comm.values())
+    def comm_waited_s(self) -> float | None:
+        """Seconds the training thread blocked in collectives over the timed steps (what compute did not
+        hide); None from workers that do not count it."""
+        if not self.comm or any("waited" not in kind for kind in self.comm.values()):
+            return None
+        return _comm_totals(self.comm)[0] - self._comm_first[0]
 
     @property
-    def comm_bytes(self) -> int:
-        return int(sum(float(k.get("bytes", 0)) for k in self.comm.values()))
+    def comm_in_flight_s(self) -> float:
+        """Seconds collectives were in flight over the timed steps, launch to wait(): overlapping
+        collectives each count, so this can exceed the step time when overlap works."""
+        return _comm_totals(self.comm)[1] - self._comm_first[1]
+
+    @property
+    def offload_waited_s(self) -> float:
+        return float(self.offload.get("wait", {}).get("seconds", 0.0))
 
     @property
     def waiting(self) -> bool:
@@ -147,6 +160,22 @@ class RankState:
             return "no sample yet"
         w = self.where
         return f"in {w.get('function')} ({os.path.basename(str(w.get('file')))}:{w.get('line')})"
+
+
+def _comm_totals(comm: dict[str, dict[str, float]]) -> tuple[float, float]:
+    """(waited, in flight) seconds summed over the collective kinds of cumulative counters."""
+    return (sum(float(k.get("waited", 0.0)) for k in comm.values()),
+            sum(float(k.get("seconds", 0.0)) for k in comm.values()))
+
+
+MODEL_STATE_KINDS = ("params", "grads", "master", "optimizer")  # as runtime.memory (a test keeps them equal)
+
+
+def model_state_bytes(memory: dict[str, dict[str, int]] | None) -> int | None:
+    """params + grads + master + optimizer, every place: what the ZeRO formulas describe."""
+    if memory is None:
+        return None
+    return sum(b for kind in MODEL_STATE_KINDS for b in memory.get(kind, {}).values())
 
 
 @dataclass(frozen=True)
@@ -210,6 +239,11 @@ class RunState:
     def step(self) -> int:
         """Steps every reporting rank has finished."""
         return min((r.step for r in self.ranks.values()), default=0)
+
+    @property
+    def first_step(self) -> int | None:
+        """The first step this job ran (1, or the one after the checkpoint it resumed from)."""
+        return min((r.first_step for r in self.ranks.values() if r.first_step is not None), default=None)
 
     def eta_s(self, now: float) -> float | None:
         """Steps left times the slowest rank's mean step time, less the time since the last step.
