@@ -282,13 +282,17 @@ def report(
     run: Annotated[Path, typer.Argument(help="A run directory (runs/<name>) or its telemetry.jsonl.",
                                         show_default=False)],
     job: Annotated[str | None, typer.Option(help="The job id to show (default: the file's last job).")] = None,
+    plots: Annotated[bool, typer.Option(help="Write PNG plots (loss, throughput, memory, time split, offload) "
+                                             "to runs/<name>/plots/<job id>/.")] = True,
 ) -> None:
-    """Show a job's telemetry summary again, from runs/<name>/telemetry.jsonl."""
+    """Show a job's telemetry summary again, and plot it, from runs/<name>/telemetry.jsonl."""
     from rich.console import Console
 
     from zerorun.telemetry import report as telemetry_report
 
     Console(width=200).print(telemetry_report.render(telemetry_report.load(run, job)))
+    if plots:
+        typer.echo(telemetry_report.plot(run, job))
 
 
 @app.command()

@@ -134,6 +134,10 @@ class TelemetryConfig:
     stall_s: float = _f(300.0, "Report a stall (and every rank's stack) when no step finishes for this long.", gt=0)
     peak_tflops: float | None = _f(None, "Peak dense TFLOP/s of one device, for MFU (null: looked up from the "
                                          "GPU's name; MFU is n/a on CPU).", gt=0)
+    tensorboard: bool = _f(False, "Also write TensorBoard event files to runs/<name>/tensorboard/<job id>/, from the "
+                                  "telemetry stream, in the launcher (needs `pip install 'zerorun[tensorboard]'`).")
+    csv: bool = _f(False, "Also write runs/<name>/csv/<job id>/steps.csv and samples.csv, from the telemetry "
+                          "stream, in the launcher.")
 
 
 @dataclass

@@ -40,6 +40,7 @@ from zerorun.launch.plan import LaunchPlan, is_local
 from zerorun.launch.supervisor import Output
 from zerorun.telemetry import RUNS_DIR, console
 from zerorun.telemetry.collector import Collector
+from zerorun.telemetry.sinks import open_sinks
 from zerorun.telemetry.state import Culprit, RankState
 
 PLAIN_EVERY_S = 30.0
@@ -72,6 +73,8 @@ class Monitor(Output):
 
     def start(self) -> str:
         """Start the collector (and the live region); return the address workers report to."""
+        sinks, errors = open_sinks(self.telemetry, self.path.parent, self.plan.job_id, self.plan.world_size)
+        self.collector.sinks, self.collector.sink_errors = sinks, errors
         self.address = address = self.collector.start()
         self.collector.record({"type": "job", "job_id": self.plan.job_id, "name": self.plan.name,
                                "world_size": self.plan.world_size, "steps": self.plan.steps,
@@ -125,8 +128,9 @@ class Monitor(Output):
             for line in _plain_text(table, self._width or 160).splitlines():
                 super().write(2, line.rstrip().encode())
         if ranks and self.collector.write_error is None:
-            self._say(f"telemetry: {self.path} ({self.collector.records} records); "
-                      f"`zerorun report {self.path.parent}` shows this summary again")
+            more = "".join(f", {sink.name} {sink.directory}" for sink in self.collector.sinks)
+            self._say(f"telemetry: {self.path} ({self.collector.records} records){more}; "
+                      f"`zerorun report {self.path.parent}` shows this summary again, with plots")
 
     def _warn_io(self) -> None:
         """One warning per file or sink that could not be written (the job goes on, its exit code is the workers')."""

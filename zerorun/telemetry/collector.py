@@ -204,6 +204,7 @@ class Sink(Protocol):
     """Another place records go, written from the collector's thread (`zerorun.telemetry.sinks`)."""
 
     name: str
+    directory: Path
 
     def add(self, record: dict[str, Any]) -> None: ...
 

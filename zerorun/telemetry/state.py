@@ -111,7 +111,7 @@ class RankState:
             self.device_now = cuda.get("allocated")
             self.device_peak = max(self.device_peak, cuda.get("peak") or 0)
         elif self.memory is not None:
-            self.device_now = sum(b for kind in self.memory.values() for place, b in kind.items() if place != "nvme")
+            self.device_now = held_bytes(self.memory)
             self.device_peak = max(self.device_peak, self.device_now)
         if self.memory is not None:
             self.nvme_bytes = sum(places.get("nvme", 0) for places in self.memory.values())
@@ -169,6 +169,11 @@ def _comm_totals(comm: dict[str, dict[str, float]]) -> tuple[float, float]:
 
 
 MODEL_STATE_KINDS = ("params", "grads", "master", "optimizer")  # as runtime.memory (a test keeps them equal)
+
+
+def held_bytes(memory: dict[str, dict[str, int]]) -> int:
+    """What the engine holds in memory (every kind and place but NVMe): a CPU rank's "device" bytes."""
+    return sum(b for kind in memory.values() for place, b in kind.items() if place != "nvme")
 
 
 def model_state_bytes(memory: dict[str, dict[str, int]] | None) -> int | None:
