@@ -227,37 +227,27 @@ def _beat(done: threading.Event) -> None:
 _STDERR = threading.Lock()
 
 
+_STDOUT = threading.Lock()
+
+
 def _write_stderr(data: bytes) -> bool:
     """One whole record or line on stderr (heartbeats, notes and torchrun's lines never interleave)."""
-    with _STDERR:
-        try:
-            sys.stderr.buffer.write(data)
-            sys.stderr.buffer.flush()
-            return True
-        except (OSError, ValueError):
-            return False
+    return streams.write_whole(sys.stderr.buffer, data, _STDERR)
 
 
 def _copy_in_background(source: IO[bytes], sink: BinaryIO) -> threading.Thread:
+    lock = _STDERR if sink is sys.stderr.buffer else _STDOUT
+
     def copy() -> None:
         writable = True
         with source:
             for line in source:
                 if writable:  # once the connection is gone keep reading, so torchrun never blocks
-                    writable = _write_stderr(line) if sink is sys.stderr.buffer else _write(sink, line)
+                    writable = streams.write_whole(sink, line, lock)
 
     thread = threading.Thread(target=copy, daemon=True)
     thread.start()
     return thread
-
-
-def _write(sink: BinaryIO, line: bytes) -> bool:
-    try:
-        sink.write(line)
-        sink.flush()
-        return True
-    except (OSError, ValueError):
-        return False
 
 
 def _note(message: str) -> None:

@@ -32,8 +32,10 @@ import re
 import selectors
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from typing import BinaryIO
 
 EXIT_RECORD = b"\x1ezerorun-exit "  # starts with ASCII record separator: no user output looks like it
 BEAT_RECORD = b"\x1ezerorun-beat"  # the node supervisor is alive (every second, on its stderr)
@@ -172,6 +174,18 @@ def _write(fd: int, data: bytes) -> None:
             continue
         except OSError:
             return  # nobody is reading any more (launcher gone): drop the output, keep relaying the exit
+
+
+def write_whole(stream: BinaryIO, data: bytes, lock: threading.Lock) -> bool:
+    """Write and flush `data` to a pipe under `lock` (lines of several threads never interleave);
+    False once the other end is gone."""
+    with lock:
+        try:
+            stream.write(data)
+            stream.flush()
+            return True
+        except (OSError, ValueError):
+            return False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV
 from zerorun.launch.node import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, MODULE, NodeJob
 from zerorun.launch.plan import NodeCommand
 from zerorun.launch.processes import KILL_WAIT_S, die_with_parent, kill_job_processes
+from zerorun.launch.streams import write_whole
 
 SILENT_S = 5.0  # while stopping: a node not heard from this long has lost its link (it beats every second)
 _EXIT_WAIT_S = 5.0  # after the node's grace period: for its SIGKILL round and the exit to travel back
@@ -163,14 +164,8 @@ class SupervisedTransport(Transport):
                 return
 
     def _send(self, data: bytes) -> bool:
-        with self._stdin_lock:
-            assert self._proc is not None and self._proc.stdin is not None
-            try:
-                self._proc.stdin.write(data)
-                self._proc.stdin.flush()
-                return True
-            except (OSError, ValueError):
-                return False
+        assert self._proc is not None and self._proc.stdin is not None
+        return write_whole(self._proc.stdin, data, self._stdin_lock)
 
     def _close_stdin(self) -> None:
         with self._stdin_lock:
