@@ -240,7 +240,8 @@ def test_dry_run_inside_an_allocation_prints_the_srun_command_and_its_environmen
     text = "\n".join(job.stdout)
     assert "srun step on localhost: 2 workers per node, ranks 0-1" in text
     assert re.search(r"^    srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --kill-on-bad-exit=1 .*"
-                     r"-m zerorun.launch.slurm --kill-grace-s 1 -- .*--node-rank '\$SLURM_NODEID'", text, re.M)
+                     r"-m zerorun.launch.slurm --kill-grace-s 1 --run-name recipe --ranks-per-node 2 -- "
+                     r".*--node-rank '\$SLURM_NODEID'", text, re.M)
     assert "    ZERORUN_JOB_ID=" in text and "rank 0 of 2" not in text
 
 
@@ -331,3 +332,13 @@ def test_submit_of_a_failing_rank_ends_the_job_with_its_exit_code_and_error(clus
     assert "[localhost:1] rank 1 line 24" in block
     assert re.search(r"zerorun: Slurm job (\d+) FAILED; exit code 3$", followed.rstrip())
     assert _zerorun_job_leftovers(followed) == []
+
+
+def test_a_node_entry_checks_its_nvme_paths_before_torchrun_starts(tmp_path, capsys):
+    shape = slurm.StepShape("run", 2, {"zero.offload_optimizer.nvme_path": str(tmp_path / "absent")})
+    env = {"ZERORUN_JOB_ID": "job-1", "SLURM_NODEID": "1", "SLURMD_NODENAME": "gpu02"}
+    marker = tmp_path / "started"
+    code = slurm.run_on_node([sys.executable, "-c", f"open({str(marker)!r}, 'w')"], 1.0, env, shape)
+    assert code == 2 and not marker.exists()
+    assert f"host gpu02: zero.offload_optimizer.nvme_path: {tmp_path / 'absent'} does not exist" in \
+        capsys.readouterr().err

@@ -139,7 +139,12 @@ def test_preflight_reports_version_differences_and_a_missing_script(sshd, tmp_pa
                          cwd=str(tmp_path))
     launch_plan = plan(recipe, [Node("127.0.0.2", (0,))], "job-pre", 29500, facts)
     expected = {**preflight.local_facts(), "torch": "1.0.0"}
-    check = preflight.check_host(launch_plan, launch_plan.nodes[0], recipe.script, expected)
-    assert check.problem == f"torch {check.torch} here, 1.0.0 on the launcher; no script {recipe.script}"
+    missing = tmp_path / "no-nvme"
+    check = preflight.check_host(launch_plan, launch_plan.nodes[0], recipe.script, expected,
+                                 {"zero.offload_optimizer.nvme_path": str(missing)})
+    assert check.problem == (f"torch {check.torch} here, 1.0.0 on the launcher; no script {recipe.script}; "
+                             f"zero.offload_optimizer.nvme_path: {missing} does not exist; create it on a local "
+                             f"NVMe disk (mkdir -p {missing}) or point zero.offload_optimizer.nvme_path at an "
+                             "existing directory.")
     assert (check.python, check.zerorun, check.script) == (expected["python"], expected["zerorun"], False)
     assert "127.0.0.2" in preflight.render([check], expected, recipe.script)
