@@ -11,9 +11,10 @@
   everything within `kill_grace_s` and exits with the failing rank's own status.
 - **Blame the cause, not the victim.** A rank that fails because a peer stopped answering (a
   collective timeout, a closed connection) is a victim. Before it names the failed rank, the
-  supervisor waits `_NODE_SETTLE_S` on multi-node jobs for a lost link to show, and asks the
-  `witness` (the telemetry monitor) whether another rank was holding everyone up; the report and
-  the final line name the root cause (rank and host, or the node's link) with that evidence.
+  supervisor checks that no other node has gone silent (`_LINK_SILENT_S`: they beat every second)
+  and asks the `witness` (the telemetry monitor) whether another rank was holding everyone up; the
+  report and the final line name the root cause (rank and host, or the node's link) with that
+  evidence.
 - **A lost node ends the job.** A node whose transport exits non-zero while others still run, or
   that has sent no heartbeat for `HEARTBEAT_TIMEOUT_S` (a half-open link), stops every node; the
   report says "lost contact with HOST" or "ssh to HOST closed", and never blames a rank elsewhere.
@@ -53,7 +54,7 @@ from zerorun.telemetry.state import Culprit
 TAIL_LINES = 20  # lines of a failed rank shown in the failure report
 ERROR_PREFIX = b"zerorun: error: "  # a ZerorunError a worker printed (see `worker`): shown once per job
 _SETTLE_S = 2.0  # after every node exited: how long to wait for their pipes to close
-_NODE_SETTLE_S = 1.0  # after a failure on a multi-node job: how long a lost link (or exit records) may take
+_NODE_SETTLE_S = 1.0  # after a node exited with an error: how long its ranks' exit records may take
 _LINK_SILENT_S = 3.0  # at a rank's failure: a node silent this long (it beats every second) lost its link
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -147,7 +148,7 @@ class Supervisor:
     def _watch(self) -> Outcome:
         """Handle output until the first of: a signal, a failure, a lost node, every node having exited."""
         exited_at: float | None = None
-        first_seen: dict[int, float] = {}  # node index (or -1: the first rank failure) -> when it was noticed
+        first_seen: dict[int, float] = {}  # node index -> when its exit was noticed
         while True:
             if self._signals:
                 sig = self._signals[0]
@@ -159,11 +160,8 @@ class Supervisor:
             lost = self._lost_node(HEARTBEAT_TIMEOUT_S)
             if lost is not None:
                 return lost
-            settled = len(self.transports) == 1 or now - first_seen.get(-1, now) > _NODE_SETTLE_S
             if self._first_failure is not None:
-                first_seen.setdefault(-1, now)
-                if settled:
-                    return self._outcome_of_failure()
+                return self._outcome_of_failure()
             for index, transport in enumerate(self.transports):
                 code = transport.poll()
                 if code and now - first_seen.setdefault(index, now) > _NODE_SETTLE_S:
