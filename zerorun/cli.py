@@ -79,6 +79,9 @@ def launch(
         "--launcher", case_sensitive=False,
         help="How nodes start (the recipe's launch.transport): local processes (and ssh to other hostfile "
              "hosts), ssh to every host, or one srun step inside a Slurm allocation (the default there).")] = None,
+    max_restarts: Annotated[int | None, typer.Option(
+        min=0, help="Restart after a failure up to N times, from the latest checkpoint (the recipe's "
+                    "launch.max_restarts).")] = None,
 ) -> None:
     """Run a recipe's training script on every selected node and worker."""
     from zerorun.launch import launcher
@@ -86,7 +89,7 @@ def launch(
     options = launcher.LaunchOptions(hostfile=hostfile, include=include, exclude=exclude, num_nodes=num_nodes,
                                      num_gpus=num_gpus, master_addr=master_addr, master_port=master_port,
                                      overrides=tuple(set_ or ()),
-                                     launcher=launcher_.value if launcher_ else None)
+                                     launcher=launcher_.value if launcher_ else None, max_restarts=max_restarts)
     launch_plan = launcher.make_plan(recipe, options)
     if dry_run:
         typer.echo(launcher.render(launch_plan))

@@ -151,6 +151,14 @@ class LaunchConfig:
                 "allocation (SLURM_JOB_ID set) when no hostfile is given, else as local. local: localhost as a "
                 "local process, other hostfile hosts over SSH. ssh: every host over SSH, this machine included. "
                 "slurm: one srun step that starts a torchrun on every allocated node.")
+    max_restarts: int = _f(0, "After a failure, start the job again up to this many times, each from the latest "
+                              "complete checkpoint (checkpoint.dir; from scratch with the same seed when there is "
+                              "none). 0: a failure ends the job. `zerorun launch --max-restarts` overrides it.", ge=0)
+    on_node_failure: Literal["retry", "shrink"] = _f(
+        "retry", "When a node's link is lost (or it fails a restart's preflight). retry: restart on the same "
+                 "nodes. shrink: restart without it, keeping the global batch by raising "
+                 "train.grad_accum_steps (the job stops when the new world size does not divide it).")
+    min_nodes: int = _f(1, "shrink: the fewest nodes a restart may run on.", ge=1)
 
 
 @dataclass

@@ -28,6 +28,8 @@ class FakeEngine:
         self.recipe = config.from_dict({"script": "train.py"}, "<test>")
         self.device = torch.device("cpu")
         self.stage = 2
+        self.global_step = 0
+        self.resumed_from = None
 
     def num_parameters(self) -> int:
         return 110

@@ -127,6 +127,8 @@ class Monitor(Output):
         elif table is not None:
             for line in _plain_text(table, self._width or 160).splitlines():
                 super().write(2, line.rstrip().encode())
+        for restart in self.state.restarts:
+            self._say(restart.describe())
         if ranks and self.collector.write_error is None:
             more = "".join(f", {sink.name} {sink.directory}" for sink in self.collector.sinks)
             self._say(f"telemetry: {self.path} ({self.collector.records} records){more}; "
@@ -144,6 +146,22 @@ class Monitor(Output):
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
                 self._say(f"warning: telemetry: cannot write {what} ({reason}); {consequence}; the live view and "
                           "summary go on, and the job's exit code is the workers'")
+
+    def last_step(self, host: str | None, rank: int | None) -> int | None:
+        """The last step a culprit finished (a rank's, else the lowest of its host's ranks), if telemetry knows."""
+        with self.collector.lock:
+            ranks = [r for r in self.state.ranks.values() if (r.rank == rank if rank is not None else r.host == host)]
+            return min((r.step for r in ranks), default=None)
+
+    def restarted(self, plan: LaunchPlan, attempt: int, cause: str, decision: str, failed_at: float,
+                  torn_down_at: float) -> None:
+        """A new attempt starts: say so in the stream (the state starts its ranks over) and watch it afresh."""
+        self.plan = plan
+        self.collector.record({"type": "restart", "attempt": attempt, "job_id": plan.job_id,
+                               "world_size": plan.world_size, "cause": cause, "decision": decision,
+                               "failed_at": failed_at, "torn_down_at": torn_down_at, "t": time.time()})
+        self._stalled_at = None
+        self._plain = (0, -1, 0.0)
 
     def culprit(self, failed_rank: int) -> Culprit | None:
         """The supervisor's witness: the rank `failed_rank` was waiting for when it failed, if any."""

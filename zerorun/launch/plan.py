@@ -34,6 +34,7 @@ import dataclasses
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from zerorun import config, offload_files
 from zerorun.config import Recipe, SSHConfig, TelemetryConfig
@@ -91,6 +92,16 @@ class NodeCommand:
 
 
 @dataclass(frozen=True)
+class PlanInputs:
+    """What a plan was made from, so that a restart can plan again (fewer nodes, another batch shape)."""
+
+    recipe: Recipe
+    nodes: tuple[Node, ...]
+    facts: MachineFacts
+    allocation: Any = None  # a Slurm step's: zerorun.launch.slurm.Allocation (typed there, to keep plan pure)
+
+
+@dataclass(frozen=True)
 class LaunchPlan:
     """Everything a launch will do, before anything has started."""
 
@@ -105,6 +116,7 @@ class LaunchPlan:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     ssh: SSHConfig = field(default_factory=SSHConfig)
     nvme_paths: Mapping[str, str] = field(default_factory=dict)  # recipe key -> NVMe offload directory
+    inputs: PlanInputs | None = field(default=None, compare=False, repr=False)
 
 
 def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, facts: MachineFacts) -> LaunchPlan:
@@ -128,7 +140,7 @@ def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, f
     return LaunchPlan(job_id=job_id, name=recipe.name or "job", master_addr=master_addr, master_port=master_port,
                       world_size=first_rank, kill_grace_s=recipe.launch.kill_grace_s, nodes=tuple(commands),
                       steps=recipe.train.steps, telemetry=recipe.telemetry, ssh=recipe.ssh,
-                      nvme_paths=nvme_paths(recipe))
+                      nvme_paths=nvme_paths(recipe), inputs=PlanInputs(recipe, tuple(nodes), facts))
 
 
 def with_env(launch_plan: LaunchPlan, extra: Mapping[str, str]) -> LaunchPlan:

@@ -78,6 +78,15 @@ def check(launch_plan: LaunchPlan) -> None:
     check_hosts(launch_plan)
 
 
+def failed_hosts(launch_plan: LaunchPlan) -> dict[str, str]:
+    """Host -> problem, for every node of the plan that is not ready (a restart drops them under shrink)."""
+    try:
+        check_local_nvme(launch_plan)
+    except LaunchError as exc:
+        return {node.host: str(exc) for node in launch_plan.nodes if not node.over_ssh}
+    return {check.host: check.problem for check in _host_checks(launch_plan) if check.problem}
+
+
 def check_local_nvme(launch_plan: LaunchPlan) -> None:
     """The NVMe offload paths of the nodes on this machine."""
     local = [node for node in launch_plan.nodes if not node.over_ssh and not node.step_nodes]
@@ -91,18 +100,28 @@ def check_local_nvme(launch_plan: LaunchPlan) -> None:
 
 def check_hosts(launch_plan: LaunchPlan) -> None:
     """Raise a LaunchError with the table if any SSH node of the plan is not ready to run."""
-    remote = [node for node in launch_plan.nodes if node.over_ssh]
-    if not remote:
-        return
-    script = remote[0].argv[remote[0].argv.index("--") + 1]  # torchrun ... -m worker -- SCRIPT ARGS
-    expected = local_facts()
-    with ThreadPoolExecutor(len(remote)) as pool:
-        checks = list(pool.map(lambda node: check_host(launch_plan, node, script, expected, launch_plan.nvme_paths),
-                               remote))
+    checks = _host_checks(launch_plan)
     failed = [check for check in checks if check.problem]
     if failed:
+        script, expected = _script(launch_plan), local_facts()
         raise LaunchError(f"preflight failed on {len(failed)} of {len(checks)} host(s); nothing was started.\n"
                           f"{render(checks, expected, script)}")
+
+
+def _host_checks(launch_plan: LaunchPlan) -> list[HostCheck]:
+    """Every SSH node of the plan, probed at once."""
+    remote = [node for node in launch_plan.nodes if node.over_ssh]
+    if not remote:
+        return []
+    script, expected = _script(launch_plan), local_facts()
+    with ThreadPoolExecutor(len(remote)) as pool:
+        return list(pool.map(lambda node: check_host(launch_plan, node, script, expected, launch_plan.nvme_paths),
+                             remote))
+
+
+def _script(launch_plan: LaunchPlan) -> str:
+    argv = launch_plan.nodes[0].argv
+    return argv[argv.index("--") + 1]  # torchrun ... -m worker -- SCRIPT ARGS
 
 
 def check_host(launch_plan: LaunchPlan, node: NodeCommand, script: str, expected: dict[str, str],

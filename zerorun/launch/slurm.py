@@ -209,29 +209,33 @@ def procs_per_node(allocation: Allocation, requested: int | None) -> int:
 # The plan (pure)
 
 
-def srun_argv(allocation: Allocation, job_id: str) -> tuple[str, ...]:
-    """srun for one task per node on every allocated node; a failing task ends the step."""
-    count = len(allocation.nodes)
-    return ("srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+def srun_argv(allocation: Allocation, job_id: str, nodes: Sequence[str] | None = None) -> tuple[str, ...]:
+    """srun for one task per node on every allocated node (or on `nodes` of them, after a restart
+    dropped the others); a failing task ends the step."""
+    count = len(nodes if nodes is not None else allocation.nodes)
+    subset = (f"--nodelist={','.join(nodes)}",) if nodes is not None else ()
+    return ("srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", *subset, "--kill-on-bad-exit=1",
             f"--job-name={job_id}")
 
 
 def plan_step(recipe: Recipe, allocation: Allocation, nproc: int, job_id: str, master_port: int,
-              facts: MachineFacts) -> LaunchPlan:
-    """The plan of a job as one srun step: `plan.plan` for the allocated nodes, its node 0 command made
-    generic (node rank from SLURM_NODEID) and wrapped in srun and the node entry."""
-    nodes = [Node(host, tuple(range(nproc))) for host in allocation.nodes]
+              facts: MachineFacts, hosts: Sequence[str] | None = None) -> LaunchPlan:
+    """The plan of a job as one srun step: `plan.plan` for the allocated nodes (or `hosts` of them), its
+    node 0 command made generic (node rank from SLURM_NODEID) and wrapped in srun and the node entry."""
+    nodes = [Node(host, tuple(range(nproc))) for host in (hosts if hosts is not None else allocation.nodes)]
     per_node = plan(recipe, nodes, job_id, master_port, facts)
     torchrun = torchrun_argv(facts.python, len(nodes), NODE_RANK, nproc, per_node.master_addr, master_port,
                              recipe.script, recipe.args)
     nvme = [arg for key, path in per_node.nvme_paths.items() for arg in ("--nvme", f"{key}={path}")]
-    argv = (*srun_argv(allocation, job_id), facts.python, "-m", NODE_MODULE,
+    argv = (*srun_argv(allocation, job_id, hosts), facts.python, "-m", NODE_MODULE,
             "--kill-grace-s", f"{recipe.launch.kill_grace_s:g}", "--run-name", per_node.name,
             "--ranks-per-node", str(nproc), *nvme, "--", *torchrun)
     env = {key: value for key, value in per_node.nodes[0].env.items() if key != NODE_HOST_ENV}
-    step = NodeCommand(allocation.nodelist, 0, 0, per_node.world_size, argv, env, cwd=facts.cwd,
-                       step_nodes=allocation.nodes)
-    return dataclasses.replace(per_node, nodes=(step,))
+    step_nodes = tuple(node.host for node in nodes)
+    step = NodeCommand(allocation.nodelist if hosts is None else ",".join(hosts), 0, 0, per_node.world_size, argv,
+                       env, cwd=facts.cwd, step_nodes=step_nodes)
+    inputs = dataclasses.replace(per_node.inputs, allocation=allocation)
+    return dataclasses.replace(per_node, nodes=(step,), inputs=inputs)
 
 
 def default_port(allocation: Allocation) -> int:

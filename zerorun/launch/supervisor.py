@@ -32,6 +32,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import queue
 import signal
@@ -82,6 +83,7 @@ class Outcome:
     failure: RankExit | None = None  # the first rank that failed
     node: int | None = None  # the culprit node's index in the plan
     signal: int | None = None  # the signal that stopped the launcher
+    detected_at: float = 0.0  # wall clock when the supervisor decided the job had ended
 
 
 class Output:
@@ -133,7 +135,7 @@ class Supervisor:
                 out, err = transport.start(node)
                 self._read_in_background(index, 1, out)
                 self._read_in_background(index, 2, err)
-            outcome = self._watch()
+            outcome = dataclasses.replace(self._watch(), detected_at=time.time())
         finally:
             self._stopping = True
             self._stop_all()

@@ -52,6 +52,8 @@ def progress(state: RunState, now: float) -> RenderableType:
     quiet = now - state.last_step_at if state.last_step_at is not None else None
     if quiet is not None and quiet >= 10 and step < total:
         timing += f"  [no step for {quiet:.0f} s]"
+    if state.restarts:
+        timing += f"  [restart {len(state.restarts)}]"
     grid.add_row(Text(f"step {step}/{total}", style="bold"), bar, Text(timing))
     return grid
 
@@ -114,6 +116,8 @@ def summary_table(state: RunState) -> Table:
         title += f", exit code {state.exit_code}"
     if state.stalls:
         title += f", {len(state.stalls)} stall report{'s' if len(state.stalls) != 1 else ''}"
+    if state.restarts:
+        title += f", {len(state.restarts)} restart{'s' if len(state.restarts) != 1 else ''} (below)"
     table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, show_edge=False,
                   padding=(0, 0), caption_justify="left",
                   caption="means over the steps after each rank's first; all: sums (max for skipped, comm). "

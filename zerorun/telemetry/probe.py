@@ -170,7 +170,9 @@ class Probe:
         self._engine_record = {"type": "engine", "rank": self.rank, "params": params,
                                "stage": getattr(engine, "stage", None), "dtype": dtype,
                                "device_name": device_name, "peak_tflops": peak,
-                               "flops_per_token": self._flops.per_token, "flops_per_sample": self._flops.per_sample}
+                               "flops_per_token": self._flops.per_token, "flops_per_sample": self._flops.per_sample,
+                               "global_step": engine.global_step,  # after its auto-resume
+                               "resumed_from": engine.resumed_from}
         self._enqueue(dict(self._engine_record, t=time.time()))
 
     def stop(self, timeout: float = 2.0) -> None:

@@ -72,6 +72,7 @@ def render(state: RunState) -> RenderableType:
     for stall in state.stalls:
         behind = ", ".join(f"rank {r}" for r in stall.get("behind", [])) or "no rank in particular"
         parts.append(Text(f"stall after {stall.get('quiet_s', 0):.0f} s without a step; behind: {behind}"))
+    parts += [Text(restart.describe()) for restart in state.restarts]
     return Group(*parts)
 
 

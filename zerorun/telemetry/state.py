@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from zerorun.telemetry.restarts import Restart
+
 
 @dataclass
 class RankState:
@@ -205,9 +207,13 @@ class RunState:
     engine_at: float | None = None  # when the first engine was built (stall detection starts then)
     last_step_at: float | None = None  # when any rank last finished a step
     stalls: list[dict[str, Any]] = field(default_factory=list)
+    restarts: list[Restart] = field(default_factory=list)
 
     def ingest(self, record: dict[str, Any], now: float) -> None:
         kind = record.get("type")
+        if kind == "restart":
+            self._restart(record)
+            return
         if kind == "job":
             self.job = dict(record)
             self.started_at = float(record.get("t", now))
@@ -229,6 +235,16 @@ class RunState:
             self.engine_at = now
         if kind == "step" and state.step > before:
             self.last_step_at = now
+        if self.restarts:
+            stepped = len(self.ranks) >= self.world_size and all(r.steps_seen for r in self.ranks.values())
+            self.restarts[-1].saw(record, now, stepped)
+
+    def _restart(self, record: dict[str, Any]) -> None:
+        """A new attempt: the ranks start over (possibly fewer of them); the failure is kept with its gap."""
+        self.restarts.append(Restart.from_record(record, self.step))
+        self.job["world_size"] = record.get("world_size", self.job.get("world_size"))
+        self.ranks = {}
+        self.engine_at = self.last_step_at = None
 
     # -- progress --------------------------------------------------------------------------------
 
