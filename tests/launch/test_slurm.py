@@ -342,3 +342,19 @@ def test_a_node_entry_checks_its_nvme_paths_before_torchrun_starts(tmp_path, cap
     assert code == 2 and not marker.exists()
     assert f"host gpu02: zero.offload_optimizer.nvme_path: {tmp_path / 'absent'} does not exist" in \
         capsys.readouterr().err
+
+
+def test_a_killed_rank_restarts_as_a_new_step_in_the_same_allocation(cluster, tmp_path):
+    recipe = write_recipe(tmp_path, "train_restartable.py",
+                          ["--fail-rank", "1", "--fail-at", "3", "--once", str(tmp_path / "once")],
+                          train={"steps": 6, "micro_batch_size": 4}, nproc_per_node=2,
+                          checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 2},
+                          launch={"kill_grace_s": 1.0, "max_restarts": 1}, telemetry={"interval_s": 0.2})
+    job = _salloc(cluster, recipe)
+    assert job.wait(timeout=300) == 0, job.output
+    stderr = "\n".join(job.stderr)
+    assert "zerorun: restart 1 of 1 on the same nodes" in stderr
+    assert len(job.job_ids) == 2  # a second srun step, under the attempt's own job id
+    assert any(line.endswith("rank 1 resumed from step-2 at step 2") for line in job.stdout), job.output
+    assert any(line.endswith("rank 0 step 5 loss") or "rank 0 step 5 loss" in line for line in job.stdout)
+    assert _no_leftovers_within(job, 15.0) == []
