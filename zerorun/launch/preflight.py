@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shlex
@@ -31,14 +32,23 @@ from zerorun.launch.ssh import ssh_argv
 from zerorun.launch.transport import bootstrap_env
 
 TIMEOUT_S = 30.0
-# Run by the remote python: must not need zerorun to be importable (that is one of the checks).
-_PROBE = """
-import json, os, platform, sys
-def version(module):
+def version(module: str) -> str:
+    """An installed package's version: from its metadata when there is some (importing torch takes
+    seconds), else from the module itself. The probe runs this same function on every host."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(module)
+    except Exception:  # noqa: BLE001 - not installed as a package (a checkout on PYTHONPATH)
+        pass
     try:
         return __import__(module).__version__
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a missing or broken install is what the table reports
         return "missing (" + type(exc).__name__ + ")"
+
+
+# Run by the remote python: must not need zerorun to be importable (that is one of the checks).
+_PROBE = "import json, os, platform, sys\n" + inspect.getsource(version) + """
 def nvme(paths):
     try:
         from zerorun.offload_files import inspect_path
@@ -63,13 +73,10 @@ class HostCheck:
 
 
 def local_facts() -> dict[str, str]:
+    """This machine's versions, found as the probe finds them on every host."""
     import platform
 
-    import torch
-
-    import zerorun
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "zerorun": zerorun.__version__}
+    return {"python": platform.python_version(), "torch": version("torch"), "zerorun": version("zerorun")}
 
 
 def check(launch_plan: LaunchPlan) -> None:
