@@ -74,3 +74,15 @@ def test_hosts_that_fail_a_restarts_preflight_are_dropped_only_under_shrink():
     assert shrink.restart and shrink.nodes == (TWO[0],)
     retry = decide(Policy(max_restarts=1), [rank_failed(host="a")], TWO, BATCH, unreachable=["b"])
     assert not retry.restart and "cannot be reached and launch.on_node_failure is retry" in retry.reason
+
+
+def test_the_launcher_says_where_the_next_attempt_resumes(tmp_path):
+    from zerorun import config
+    from zerorun.launch.launcher import resume_point
+
+    recipe = config.from_dict({"script": "t.py", "checkpoint": {"dir": str(tmp_path)}})
+    assert resume_point(recipe, rank_failed(step=7)) == ("no checkpoint to resume from: the job starts again from "
+                                                        "step 0 with the same seed; the job had reached step 7")
+    (tmp_path / "latest").write_text("step-4\n")
+    assert resume_point(recipe, rank_failed(step=7)) == (f"resuming from checkpoint step-4 in {tmp_path}; the job "
+                                                        "had reached step 7; steps 5-7 run again")

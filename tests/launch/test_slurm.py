@@ -358,3 +358,19 @@ def test_a_killed_rank_restarts_as_a_new_step_in_the_same_allocation(cluster, tm
     assert any(line.endswith("rank 1 resumed from step-2 at step 2") for line in job.stdout), job.output
     assert any(line.endswith("rank 0 step 5 loss") or "rank 0 step 5 loss" in line for line in job.stdout)
     assert _no_leftovers_within(job, 15.0) == []
+
+
+def test_a_shrunk_step_runs_on_the_nodes_that_remain():
+    from zerorun.hostfile import Node
+    from zerorun.launch.launcher import replan
+    from zerorun.launch.recovery import Batch
+
+    recipe = config.from_dict({"script": "/jobs/train.py", "train": {"micro_batch_size": 4}})
+    facts = MachineFacts(cpu_count=16, python="/venv/bin/python", inherited_env={}, cwd="/jobs")
+    launch_plan = slurm.plan_step(recipe, _allocation(), 4, "job-1", 29500, facts)
+    shrunk = replan(launch_plan, [Node("gpu01", (0, 1, 2, 3))], Batch(4, 2), "job-1-r1")
+    (step,) = shrunk.nodes
+    assert step.argv[:6] == ("srun", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--nodelist=gpu01",
+                             "--kill-on-bad-exit=1")
+    assert (shrunk.world_size, step.step_nodes, shrunk.job_id) == (4, ("gpu01",), "job-1-r1")
+    assert config.from_dict(json.loads(step.env["ZERORUN_RECIPE"])).train.grad_accum_steps == 2

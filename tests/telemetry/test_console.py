@@ -196,3 +196,28 @@ def test_offload_column_shows_bytes_and_rate_per_direction_and_the_wait() -> Non
                          "nvme_read": {"bytes": 3 * 2**20, "seconds": 0.001}, "wait": {"bytes": 0, "seconds": 0.25}})
     assert text == "D2H 2.0 GiB @ 4.29 GB/s, NVMe read 3.0 MiB @ 3.15 GB/s; waited 250 ms"
     assert offload_text({}) == "-"
+
+
+def test_a_restart_starts_the_ranks_over_and_times_the_gap_from_the_failure_to_the_first_step_after_it():
+    records = job_records(steps=4)[:-4]  # ranks at step 4, then rank 1 fails
+    records.append({"type": "restart", "attempt": 1, "job_id": "demo-1-r1", "world_size": 2,
+                    "cause": "rank 1 on gpu-node failed (killed by SIGKILL)", "decision": "restart 1 of 1",
+                    "failed_at": 110.0, "torn_down_at": 111.5, "t": 112.0})
+    for r in range(2):
+        records.append({"type": "hello", "rank": r, "t": 115.0 + r, "host": "gpu-node", "pid": 2000 + r})
+        records.append({"type": "engine", "rank": r, "t": 118.0 + r, "params": 10, "global_step": 2,
+                        "resumed_from": "step-2"})
+    for r in range(2):
+        records.append({"type": "step", "rank": r, "t": 120.0 + r, "step": 3, "loss": 1.0, "step_time_s": 0.5,
+                        "samples": 8, "tokens": 8192})
+    state = fold(records)
+    (restart,) = state.restarts
+    assert state.step == 3 and state.first_step == 3  # the steps after the resume count again
+    assert restart.gap() == {"total": 11.0, "teardown": 1.5, "restart": 0.5, "start": 3.0, "engine": 4.0,
+                             "first step": 2.0}
+    assert restart.describe() == ("restart 1: rank 1 on gpu-node failed (killed by SIGKILL); resumed from step-2 at "
+                                  "step 2, 2 steps run again; 11.0 s from the failure to the first step after it "
+                                  "(teardown 1.5, restart 0.5, start 3.0, engine 4.0, first step 2.0 s)")
+    shown = text(console.summary_table(state))
+    assert "steps 3-3 of 10 (1 run, resumed after step 2)" in shown and "1 restart (below)" in shown
+    assert "[restart 1]" in text(console.live_view(state, now=121.0))
