@@ -137,3 +137,39 @@ def test_a_half_open_ssh_link_is_torn_down_within_15_s_and_reported_as_lost_cont
             client.send_signal(signal.SIGCONT)
         except psutil.NoSuchProcess:
             pass
+
+
+def test_the_root_failure_is_the_first_rank_that_was_not_waiting_for_the_others():
+    from zerorun import config
+    from zerorun.hostfile import Node
+    from zerorun.launch.plan import MachineFacts, plan
+    from zerorun.launch.streams import RankExit
+    from zerorun.launch.supervisor import Ending, Supervisor
+    from zerorun.launch.transport import Transport
+
+    class Idle(Transport):
+        def start(self, node):  # noqa: ANN001, ANN202 - never started here
+            raise AssertionError
+
+        def poll(self) -> int | None:
+            return None
+
+        def stop(self, grace_s: float) -> int:
+            return 0
+
+    class Witness:  # rank 0 was waiting in a collective (a victim); rank 1 was not
+        def waiting(self, rank: int) -> bool:
+            return rank == 0
+
+        def culprit(self, failed_rank: int) -> None:
+            return None
+
+    recipe = config.from_dict({"script": "/x/t.py"})
+    launch_plan = plan(recipe, [Node("a", (0,)), Node("b", (0,))], "j", 1, MachineFacts(2, "py"))
+    supervisor = Supervisor(launch_plan, [Idle("a", "j"), Idle("b", "j")], witness=Witness())
+    supervisor._failures = [RankExit("a", 0, 1, None), RankExit("b", 1, None, 9)]  # the victim's record came first
+    outcome = supervisor._outcome_of_failure()
+    assert (outcome.ending, outcome.rank, outcome.host, outcome.exit_code) == (Ending.RANK_FAILED, 1, "b", 137)
+    assert outcome.cause == "rank 1 on b failed (killed by SIGKILL)"
+    supervisor._failures = [RankExit("b", 1, None, 15), RankExit("a", 0, 1, None)]  # torchrun's SIGTERM came first
+    assert supervisor._outcome_of_failure().rank == 0  # the rank that failed by itself, even while waiting

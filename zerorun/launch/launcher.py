@@ -151,8 +151,7 @@ def _attempt(launch_plan: LaunchPlan, monitor: Monitor | None) -> Outcome:
         _check_port_free(launch_plan.master_addr, launch_plan.master_port)
     if monitor is not None:
         launch_plan = with_env(launch_plan, {ADDRESS_ENV: monitor.address})
-    witness = monitor.culprit if monitor is not None else None
-    supervisor = Supervisor(launch_plan, transports, output=monitor, witness=witness)
+    supervisor = Supervisor(launch_plan, transports, output=monitor, witness=monitor)
     supervisor.run()
     assert supervisor.outcome is not None
     return supervisor.outcome

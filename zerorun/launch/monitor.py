@@ -163,6 +163,12 @@ class Monitor(Output):
         self._stalled_at = None
         self._plain = (0, -1, 0.0)
 
+    def waiting(self, rank: int) -> bool:
+        """The supervisor's witness: whether `rank` was last seen waiting inside a collective."""
+        with self.collector.lock:
+            state = self.state.ranks.get(rank)
+            return state is not None and state.waiting
+
     def culprit(self, failed_rank: int) -> Culprit | None:
         """The supervisor's witness: the rank `failed_rank` was waiting for when it failed, if any."""
         with self.collector.lock:

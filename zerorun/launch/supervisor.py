@@ -10,8 +10,9 @@
   to 30 s before SIGKILL, and it exits 1 whatever the rank's status was; the supervisor stops
   everything within `kill_grace_s` and exits with the failing rank's own status.
 - **Blame the cause, not the victim.** A rank that fails because a peer stopped answering (a
-  collective timeout, a closed connection) is a victim. Before it names the failed rank, the
-  supervisor checks that no other node has gone silent (`_LINK_SILENT_S`: they beat every second)
+  collective timeout, a closed connection) is a victim. When the first rank to fail was waiting in
+  a collective, the supervisor gives the others' exit records `_VICTIM_SETTLE_S` and names the first
+  that was not waiting; it checks that no other node has gone silent (`_LINK_SILENT_S`: they beat every second)
   and asks the `witness` (the telemetry monitor) whether another rank was holding everyone up; the
   report and the final line name the root cause (rank and host, or the node's link) with that
   evidence.
@@ -40,10 +41,10 @@ import sys
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, BinaryIO
+from typing import IO, BinaryIO, Protocol
 
 from zerorun.launch import streams
 from zerorun.launch.node import HEARTBEAT_TIMEOUT_S
@@ -56,6 +57,7 @@ TAIL_LINES = 20  # lines of a failed rank shown in the failure report
 ERROR_PREFIX = b"zerorun: error: "  # a ZerorunError a worker printed (see `worker`): shown once per job
 _SETTLE_S = 2.0  # after every node exited: how long to wait for their pipes to close
 _NODE_SETTLE_S = 1.0  # after a node exited with an error: how long its ranks' exit records may take
+_VICTIM_SETTLE_S = 2.0  # a failed rank that was waiting in a collective: how long its peer's exit record may take
 _LINK_SILENT_S = 3.0  # at a rank's failure: a node silent this long (it beats every second) lost its link
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -104,7 +106,14 @@ class Output:
         """Called about every 0.1 s while the job runs (and while its last output drains)."""
 
 
-Witness = Callable[[int], "Culprit | None"]  # failed rank -> the rank that held it up, with the evidence
+class Witness(Protocol):
+    """What the telemetry saw of the ranks (the monitor): who was waiting, and for whom."""
+
+    def waiting(self, rank: int) -> bool:
+        """Whether `rank` was last seen waiting inside a collective."""
+
+    def culprit(self, failed_rank: int) -> Culprit | None:
+        """The rank `failed_rank` was waiting for when it failed, with the evidence."""
 
 
 class Supervisor:
@@ -121,7 +130,7 @@ class Supervisor:
         self._events: queue.Queue[tuple[int, int, bytes | None]] = queue.Queue()
         self._open_streams = [0] * len(transports)
         self._tails: dict[tuple[str, int | str], deque[bytes]] = defaultdict(lambda: deque(maxlen=TAIL_LINES))
-        self._first_failure: RankExit | None = None
+        self._failures: list[RankExit] = []  # every rank that failed before the stop, in arrival order
         self._errors_shown: set[bytes] = set()
         self._signals: list[int] = []
         self._stopping = False
@@ -162,13 +171,17 @@ class Supervisor:
             lost = self._lost_node(HEARTBEAT_TIMEOUT_S)
             if lost is not None:
                 return lost
-            if self._first_failure is not None:
-                return self._outcome_of_failure()
+            if self._failures:
+                # A rank that failed waiting in a collective is likely a victim: give its peer's record a moment.
+                since = first_seen.setdefault(-1, now)
+                root = self._root_failure()
+                if not (self._waiting(root.rank) or root.signal == signal.SIGTERM) or now - since > _VICTIM_SETTLE_S:
+                    return self._outcome_of_failure()
             for index, transport in enumerate(self.transports):
                 code = transport.poll()
                 if code and now - first_seen.setdefault(index, now) > _NODE_SETTLE_S:
                     self._handle_events(timeout=0)
-                    return self._outcome_of_failure() if self._first_failure else self._node_outcome(index)
+                    return self._outcome_of_failure() if self._failures else self._node_outcome(index)
             if all(t.poll() is not None for t in self.transports):
                 exited_at = exited_at or now
                 # Their exit records may still be in the pipes: read on until the pipes close.
@@ -188,14 +201,13 @@ class Supervisor:
 
     def _outcome_of_failure(self) -> Outcome:
         """The first failed rank, unless a lost link or a stalled rank made it fail."""
-        failure = self._first_failure
-        assert failure is not None
+        failure = self._root_failure()
         status = failure.exit_status
         for index, transport in enumerate(self.transports):
             lost = transport.lost_link(_LINK_SILENT_S) if transport.host != failure.host else None
             if lost is not None:  # (the failure's own exit record came over its host's link: that one works)
                 return Outcome(status, Ending.NODE_LOST, lost, host=transport.host, failure=failure, node=index)
-        culprit = self.witness(failure.rank) if self.witness is not None else None
+        culprit = self.witness.culprit(failure.rank) if self.witness is not None else None
         if culprit is not None and culprit.rank != failure.rank:
             cause = (f"rank {culprit.rank} on {culprit.host} {culprit.why}; rank {failure.rank} on {failure.host} "
                      f"failed waiting for it ({failure.describe()})")
@@ -203,6 +215,15 @@ class Supervisor:
                            failure)
         cause = f"rank {failure.rank} on {failure.host} failed ({failure.describe()})"
         return Outcome(status, Ending.RANK_FAILED, cause, failure.host, failure.rank, failure=failure)
+
+    def _root_failure(self) -> RankExit:
+        """The first failed rank that was neither waiting for others nor ended by SIGTERM (torchrun ends a
+        node's other workers so once one of them failed), else the first not ended by SIGTERM, else the first."""
+        ranked = sorted(self._failures, key=lambda f: (f.signal == signal.SIGTERM, self._waiting(f.rank)))
+        return ranked[0]  # a stable sort: in arrival order within each kind
+
+    def _waiting(self, rank: int) -> bool:
+        return self.witness is not None and self.witness.waiting(rank)
 
     def _node_outcome(self, index: int) -> Outcome:
         transport = self.transports[index]
@@ -215,7 +236,7 @@ class Supervisor:
 
     def _outcome_of_exits(self) -> Outcome:
         """Every node exited by itself: a rank's failure, else a node's failure, else success."""
-        if self._first_failure is not None:
+        if self._failures:
             return self._outcome_of_failure()
         for index, transport in enumerate(self.transports):
             if transport.poll():
@@ -247,8 +268,8 @@ class Supervisor:
             self._tails[(host, "torchrun")].append(item.text.encode())
             self._say(item.text)
         elif isinstance(item, RankExit):
-            if item.failed and self._first_failure is None and not self._stopping:
-                self._first_failure = item
+            if item.failed and not self._stopping:
+                self._failures.append(item)
         elif isinstance(item, RankLine):
             self._tails[(item.host, item.rank)].append(line)
             if not self._repeated_error(item):
