@@ -46,7 +46,7 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_matches_an_uninterr
                      **keys(tmp_path / "a"))
     assert job.wait(timeout=300) == 0, job.output
     stderr = "\n".join(job.stderr)
-    assert "rank 1 on 127.0.0.2 failed (killed by SIGKILL)" in stderr
+    assert "rank 1 on 127.0.0.2 failed (killed by SIGKILL)" in stderr, job.output
     assert "zerorun: restart 1 of 1 on the same nodes" in stderr
     assert re.search(r"zerorun: resuming from checkpoint step-4 in \S+; the job had reached step 5; steps 5-5 run "
                      r"again|zerorun: resuming from checkpoint step-4 in \S+", stderr), job.output

@@ -10,9 +10,10 @@
   to 30 s before SIGKILL, and it exits 1 whatever the rank's status was; the supervisor stops
   everything within `kill_grace_s` and exits with the failing rank's own status.
 - **Blame the cause, not the victim.** A rank that fails because a peer stopped answering (a
-  collective timeout, a closed connection) is a victim. When the first rank to fail was waiting in
-  a collective, the supervisor gives the others' exit records `_VICTIM_SETTLE_S` and names the first
-  that was not waiting; it checks that no other node has gone silent (`_LINK_SILENT_S`: they beat every second)
+  collective timeout, a closed connection) is a victim. Unless the first record is a clear cause
+  (killed by a signal, or an exit code the script chose), the supervisor gives the others' exit
+  records `_VICTIM_SETTLE_S` and names the likeliest cause (`_suspicion`); it checks that no other
+  node has gone silent (`_LINK_SILENT_S`: they beat every second)
   and asks the `witness` (the telemetry monitor) whether another rank was holding everyone up; the
   report and the final line name the root cause (rank and host, or the node's link) with that
   evidence.
@@ -57,7 +58,7 @@ TAIL_LINES = 20  # lines of a failed rank shown in the failure report
 ERROR_PREFIX = b"zerorun: error: "  # a ZerorunError a worker printed (see `worker`): shown once per job
 _SETTLE_S = 2.0  # after every node exited: how long to wait for their pipes to close
 _NODE_SETTLE_S = 1.0  # after a node exited with an error: how long its ranks' exit records may take
-_VICTIM_SETTLE_S = 2.0  # a failed rank that was waiting in a collective: how long its peer's exit record may take
+_VICTIM_SETTLE_S = 2.0  # after an exception (maybe a victim's): how long a peer's exit record may take
 _LINK_SILENT_S = 3.0  # at a rank's failure: a node silent this long (it beats every second) lost its link
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -172,10 +173,7 @@ class Supervisor:
             if lost is not None:
                 return lost
             if self._failures:
-                # A rank that failed waiting in a collective is likely a victim: give its peer's record a moment.
-                since = first_seen.setdefault(-1, now)
-                root = self._root_failure()
-                if not (self._waiting(root.rank) or root.signal == signal.SIGTERM) or now - since > _VICTIM_SETTLE_S:
+                if self._settled(first_seen.setdefault(-1, now), now):
                     return self._outcome_of_failure()
             for index, transport in enumerate(self.transports):
                 code = transport.poll()
@@ -217,10 +215,25 @@ class Supervisor:
         return Outcome(status, Ending.RANK_FAILED, cause, failure.host, failure.rank, failure=failure)
 
     def _root_failure(self) -> RankExit:
-        """The first failed rank that was neither waiting for others nor ended by SIGTERM (torchrun ends a
-        node's other workers so once one of them failed), else the first not ended by SIGTERM, else the first."""
-        ranked = sorted(self._failures, key=lambda f: (f.signal == signal.SIGTERM, self._waiting(f.rank)))
-        return ranked[0]  # a stable sort: in arrival order within each kind
+        """The failure most likely to be the cause: see `_suspicion`; the earliest among equals."""
+        return min(self._failures, key=self._suspicion)  # min is stable: arrival order within a kind
+
+    def _suspicion(self, failure: RankExit) -> int:
+        """0: killed by a signal (SIGKILL by the OOM killer, SIGSEGV...): never a victim. 1: an exit code
+        other than 1 (the script chose it). 2: an exception while not waiting in a collective. 3: an
+        exception while waiting in one (a peer vanished: a victim). 4: SIGTERM, which torchrun sends
+        the other workers of its node once one failed (and the teardown sends everyone)."""
+        if failure.signal is not None:
+            return 4 if failure.signal == signal.SIGTERM else 0
+        if failure.code != 1:
+            return 1
+        return 3 if self._waiting(failure.rank) else 2
+
+    def _settled(self, since: float, now: float) -> bool:
+        """Whether the failures so far can be judged: the likeliest is a clear cause, or its peers' exit
+        records (a SIGKILLed rank's may come seconds after its peer's exception) had their time."""
+        clear = self._suspicion(self._root_failure()) <= 1 or self.plan.world_size == 1
+        return clear or now - since > _VICTIM_SETTLE_S
 
     def _waiting(self, rank: int) -> bool:
         return self.witness is not None and self.witness.waiting(rank)
