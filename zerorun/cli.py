@@ -103,6 +103,9 @@ def launch(
         "--launcher", case_sensitive=False,
         help="How nodes start (the recipe's launch.transport): local processes (and ssh to other hostfile "
              "hosts), ssh to every host, or one srun step inside a Slurm allocation (the default there).")] = None,
+    max_restarts: Annotated[int | None, typer.Option(
+        min=0, help="Restart after a failure up to N times, from the latest checkpoint (the recipe's "
+                    "launch.max_restarts).")] = None,
 ) -> None:
     """Run a recipe's training script on every selected node and worker."""
     import dataclasses
@@ -113,7 +116,7 @@ def launch(
     options = launcher.LaunchOptions(hostfile=hostfile, include=include, exclude=exclude, num_nodes=num_nodes,
                                      num_gpus=num_gpus, master_addr=master_addr, master_port=master_port,
                                      overrides=tuple(set_ or ()),
-                                     launcher=launcher_.value if launcher_ else None)
+                                     launcher=launcher_.value if launcher_ else None, max_restarts=max_restarts)
     if recipe.suffix == ".py":
         recipe = cmdline.script_recipe(recipe, ctx.meta["script_args"], local_rank_arg=not no_local_rank)
         typer.echo(f"zerorun: the command line as a recipe: {recipe}", err=True)
@@ -337,13 +340,17 @@ def report(
     run: Annotated[Path, typer.Argument(help="A run directory (runs/<name>) or its telemetry.jsonl.",
                                         show_default=False)],
     job: Annotated[str | None, typer.Option(help="The job id to show (default: the file's last job).")] = None,
+    plots: Annotated[bool, typer.Option(help="Write PNG plots (loss, throughput, memory, time split, offload) "
+                                             "to runs/<name>/plots/<job id>/.")] = True,
 ) -> None:
-    """Show a job's telemetry summary again, from runs/<name>/telemetry.jsonl."""
+    """Show a job's telemetry summary again, and plot it, from runs/<name>/telemetry.jsonl."""
     from rich.console import Console
 
     from zerorun.telemetry import report as telemetry_report
 
     Console(width=200).print(telemetry_report.render(telemetry_report.load(run, job)))
+    if plots:
+        typer.echo(telemetry_report.plot(run, job))
 
 
 @app.command()

@@ -188,6 +188,10 @@ class TelemetryConfig:
     stall_s: float = _f(300.0, "Report a stall (and every rank's stack) when no step finishes for this long.", gt=0)
     peak_tflops: float | None = _f(None, "Peak dense TFLOP/s of one device, for MFU (null: looked up from the "
                                          "GPU's name; MFU is n/a on CPU).", gt=0)
+    tensorboard: bool = _f(False, "Also write TensorBoard event files to runs/<name>/tensorboard/<job id>/, from the "
+                                  "telemetry stream, in the launcher (needs `pip install 'zerorun[tensorboard]'`).")
+    csv: bool = _f(False, "Also write runs/<name>/csv/<job id>/steps.csv and samples.csv, from the telemetry "
+                          "stream, in the launcher.")
 
 
 @dataclass
@@ -205,6 +209,14 @@ class LaunchConfig:
                                        "(zerorun.compat.deepspeed); on for a `zerorun launch script.py` command line.")
     deepspeed_local_rank: bool = _f(True, "With deepspeed_compat: append --local_rank=<local rank> to the script's "
                                           "arguments, as DeepSpeed's launcher does (its --no_local_rank: false).")
+    max_restarts: int = _f(0, "After a failure, start the job again up to this many times, each from the latest "
+                              "complete checkpoint (checkpoint.dir; from scratch with the same seed when there is "
+                              "none). 0: a failure ends the job. `zerorun launch --max-restarts` overrides it.", ge=0)
+    on_node_failure: Literal["retry", "shrink"] = _f(
+        "retry", "When a node's link is lost (or it fails a restart's preflight). retry: restart on the same "
+                 "nodes. shrink: restart without it, keeping the global batch by raising "
+                 "train.grad_accum_steps (the job stops when the new world size does not divide it).")
+    min_nodes: int = _f(1, "shrink: the fewest nodes a restart may run on.", ge=1)
 
 
 @dataclass

@@ -111,6 +111,11 @@ class LaunchedJob:
                 return match.group(1)
         return None
 
+    @property
+    def job_ids(self) -> set[str]:
+        """Every job id the launcher announced (one per attempt of a restarted job)."""
+        return {m.group(1) for m in map(_JOB_LINE.match, list(self.stderr)) if m}
+
     def worker_pids(self) -> list[int]:
         """The pids the test scripts printed as `pid N` (workers and their children)."""
         return [int(m.group(1)) for m in map(_PID_LINE.match, list(self.stdout)) if m]
@@ -120,10 +125,10 @@ class LaunchedJob:
     def leftovers(self) -> list[psutil.Process]:
         """Live (non-zombie) processes of this job: by job id in their environment, or by printed pid."""
         found: dict[int, psutil.Process] = {}
-        job_id = self.job_id
-        if job_id:
+        job_ids = self.job_ids  # a restarted job runs each attempt under its own id
+        if job_ids:
             for proc in psutil.process_iter(["environ"], ad_value=None):
-                if (proc.info.get("environ") or {}).get("ZERORUN_JOB_ID") == job_id:
+                if (proc.info.get("environ") or {}).get("ZERORUN_JOB_ID") in job_ids:
                     found[proc.pid] = proc
         for pid in self.worker_pids():
             try:

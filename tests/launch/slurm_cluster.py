@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from zerorun.launch.transport import _die_with_parent
+from zerorun.launch.processes import die_with_parent
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("srun", "salloc", "sbatch", "scontrol", "scancel", "squeue", "sinfo")
@@ -183,7 +183,7 @@ class PrivateSlurm:
         log = open(self.directory / f"{name}.out", "wb")
         self.procs[name] = subprocess.Popen([str(a) for a in argv], env=self.env(), stdin=subprocess.DEVNULL,
                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            preexec_fn=_die_with_parent)
+                                            preexec_fn=die_with_parent)
         log.close()
 
     def _wait_until_idle(self) -> None:

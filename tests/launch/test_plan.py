@@ -13,13 +13,12 @@ from zerorun import config
 from zerorun.errors import HostfileError, LaunchError
 from zerorun.hostfile import Node
 from zerorun.launch import launcher
-from zerorun.launch.launcher import LaunchOptions
+from zerorun.launch.launcher import LaunchOptions, transport_for
 from zerorun.launch.plan import MachineFacts, plan, render, with_env
 from zerorun.launch.ssh import ssh_argv
-from zerorun.launch.transport import transport_for
 
-CPU = MachineFacts(cpu_count=8, cuda=False, python="/py/bin/python")
-GPU = MachineFacts(cpu_count=64, cuda=True, python="/py/bin/python")
+CPU = MachineFacts(cpu_count=8, python="/py/bin/python")
+MANY_CORES = MachineFacts(cpu_count=64, python="/py/bin/python")
 TWO_LOCAL = [Node("localhost", (0, 1))]
 
 
@@ -50,7 +49,7 @@ def test_torchrun_accepts_the_planned_flags():
 
 def test_nodes_get_ranks_in_hostfile_order_and_the_first_node_is_master():
     nodes = [Node("a", (0, 1)), Node("b", (0, 1, 2, 3))]
-    p = plan(recipe(), nodes, "job-1", 29500, GPU)
+    p = plan(recipe(), nodes, "job-1", 29500, MANY_CORES)
     assert [(n.host, n.node_rank, n.first_rank, n.nproc) for n in p.nodes] == [("a", 0, 0, 2), ("b", 1, 2, 4)]
     assert p.world_size == 6 and p.master_addr == "a"
     assert [n.argv[n.argv.index("--node-rank") + 1] for n in p.nodes] == ["0", "1"]
@@ -63,28 +62,38 @@ def test_recipe_master_addr_and_port_win():
     assert p.master_addr == "10.0.0.9" and "10.0.0.9" in p.nodes[0].argv
 
 
-def test_cuda_visible_devices_come_from_the_slots_on_gpu_nodes():
-    p = plan(recipe(), [Node("a", (1, 3)), Node("b", (0, 1, 2))], "job-1", 29500, GPU)
-    assert [n.env["CUDA_VISIBLE_DEVICES"] for n in p.nodes] == ["1,3", "0,1,2"]
+def test_slots_travel_in_the_plan_and_cuda_visible_devices_is_left_to_each_node():
+    facts = MachineFacts(cpu_count=8, python="py", inherited_env={"CUDA_VISIBLE_DEVICES": "2,3,5", "CUDA_HOME": "/c"})
+    p = plan(recipe(), [Node("localhost", (0, 2)), Node("b", (1, 3))], "j", 1, facts)
+    assert [n.slots for n in p.nodes] == [(0, 2), (1, 3)]
+    assert all("CUDA_VISIBLE_DEVICES" not in n.env for n in p.nodes)  # the launcher's GPUs are not the node's
+    assert p.nodes[1].env["CUDA_HOME"] == "/c"  # other CUDA_* variables still reach remote nodes
+    text = render(p)
+    assert "node 0: localhost  ranks 0-1  slots 0,2" in text and "node 1: b  ranks 2-3  slots 1,3" in text
 
 
-def test_local_slots_map_through_the_cuda_visible_devices_the_launcher_inherited():
-    facts = MachineFacts(cpu_count=8, cuda=True, python="py", inherited_env={"CUDA_VISIBLE_DEVICES": "2,3,5"})
-    assert plan(recipe(), [Node("localhost", (0, 2))], "j", 1, facts).nodes[0].env["CUDA_VISIBLE_DEVICES"] == "2,5"
-    assert plan(recipe(), [Node("b", (0, 2))], "j", 1, facts).nodes[0].env["CUDA_VISIBLE_DEVICES"] == "0,2"
-    with pytest.raises(LaunchError, match="slot 3 does not exist"):
-        plan(recipe(), [Node("localhost", (0, 3))], "j", 1, facts)
+def test_dry_run_from_a_host_without_gpus_shows_the_included_slots_per_node(tmp_path: Path, monkeypatch):
+    from typer.testing import CliRunner
 
+    from zerorun.cli import app
 
-def test_cpu_nodes_leave_cuda_visible_devices_alone():
-    assert "CUDA_VISIBLE_DEVICES" not in plan(recipe(), TWO_LOCAL, "job-1", 29500, CPU).nodes[0].env
+    monkeypatch.setattr(launcher, "gpu_count", lambda: 0)  # a login node, a CPU laptop
+    hosts = tmp_path / "hosts"
+    hosts.write_text("gpu-a slots=4\ngpu-b slots=4\n")
+    recipe_path = write_recipe(tmp_path, "allreduce.py")
+    result = CliRunner().invoke(app, ["launch", str(recipe_path), "--hostfile", str(hosts), "--include",
+                                      "gpu-a:0,2@gpu-b:1", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "node 0: gpu-a  ranks 0-1  slots 0,2" in result.output
+    assert "node 1: gpu-b  ranks 2  slots 1" in result.output
+    assert "CUDA_VISIBLE_DEVICES=" not in result.output  # decided on each node, not here
 
 
 def test_omp_threads_share_the_cores_between_workers_unless_the_user_set_them():
     assert plan(recipe(), TWO_LOCAL, "j", 1, CPU).nodes[0].env["OMP_NUM_THREADS"] == "4"
     assert plan(recipe(), [Node("localhost", tuple(range(16)))], "j", 1, CPU).nodes[0].env["OMP_NUM_THREADS"] == "1"
     assert plan(recipe(env={"OMP_NUM_THREADS": 7}), TWO_LOCAL, "j", 1, CPU).nodes[0].env["OMP_NUM_THREADS"] == "7"
-    inherited = MachineFacts(cpu_count=8, cuda=False, python="py", inherited_env={"OMP_NUM_THREADS": "2"})
+    inherited = MachineFacts(cpu_count=8, python="py", inherited_env={"OMP_NUM_THREADS": "2"})
     assert "OMP_NUM_THREADS" not in plan(recipe(), TWO_LOCAL, "j", 1, inherited).nodes[0].env
 
 
@@ -98,7 +107,7 @@ def test_env_carries_the_resolved_recipe_job_id_and_host():
 
 
 def test_plan_carries_steps_and_telemetry_and_with_env_adds_the_collector_address_to_every_node():
-    p = plan(recipe(train={"steps": 7}, telemetry={"stall_s": 9}), [Node("a", (0,)), Node("b", (0,))], "j", 1, GPU)
+    p = plan(recipe(train={"steps": 7}, telemetry={"stall_s": 9}), [Node("a", (0,)), Node("b", (0,))], "j", 1, MANY_CORES)
     assert (p.steps, p.telemetry.stall_s) == (7, 9.0)
     launched = with_env(p, {"ZERORUN_TELEMETRY": "10.0.0.1:4000"})
     assert all(n.env["ZERORUN_TELEMETRY"] == "10.0.0.1:4000" for n in launched.nodes)
@@ -112,11 +121,11 @@ def test_recipe_env_reaches_workers_but_cannot_replace_zerorun_variables():
 
 
 def test_dry_run_shows_each_host_its_env_and_a_command_line_the_shell_reads_back_as_argv():
-    p = plan(recipe(args=["--name", "two words"]), [Node("a", (0,)), Node("b", (0, 1))], "job-1", 29500, GPU)
+    p = plan(recipe(args=["--name", "two words"]), [Node("a", (0,)), Node("b", (0, 1))], "job-1", 29500, MANY_CORES)
     text = render(p)
     assert text.startswith("job job-1 (r): 2 nodes, 3 workers, master a:29500")
     assert "node 0: a  ranks 0" in text and "node 1: b  ranks 1-2" in text
-    assert "CUDA_VISIBLE_DEVICES=0,1" in text and "ZERORUN_JOB_ID=job-1" in text
+    assert "ZERORUN_JOB_ID=job-1" in text
     assert "ZERORUN_RECIPE=<the resolved recipe as JSON" in text  # summarised, not dumped
     assert "telemetry: runs/r/telemetry.jsonl; every node's env also gets ZERORUN_TELEMETRY=" in text
     commands = [line.strip() for line in text.splitlines() if line.startswith("    /py/bin/python")]
@@ -175,7 +184,7 @@ def test_remote_hosts_run_over_ssh_and_local_ones_as_processes_unless_transport_
 def test_ssh_nodes_get_the_propagated_environment_then_env_file_then_recipe_env():
     inherited = {"PATH": "/venv/bin:/usr/bin", "PYTHONPATH": "/src", "VIRTUAL_ENV": "/venv", "HOME": "/root",
                  "NCCL_DEBUG": "INFO", "CUDA_HOME": "/cuda", "SECRET": "x", "LD_LIBRARY_PATH": "/lib"}
-    facts = MachineFacts(cpu_count=8, cuda=False, python="/venv/bin/python", inherited_env=inherited,
+    facts = MachineFacts(cpu_count=8, python="/venv/bin/python", inherited_env=inherited,
                          cwd="/jobs", env_file={"NCCL_DEBUG": "WARN", "FROM_FILE": "1", "TOKEN": "file"})
     p = plan(recipe(env={"TOKEN": "recipe"}), [Node("localhost", (0,)), Node("worker-1", (0,))], "job-1", 29500, facts)
     local, remote = p.nodes
@@ -188,7 +197,7 @@ def test_ssh_nodes_get_the_propagated_environment_then_env_file_then_recipe_env(
     assert (remote.over_ssh, remote.cwd) == (True, "/jobs")
     assert p.master_addr == "localhost"  # node 0 is this machine: the others reach it by its name, not 127.0.0.1
     text = render(p)
-    assert "node 1: worker-1  ranks 1  over ssh, in /jobs" in text and "    PATH=/venv/bin:/usr/bin" in text
+    assert "node 1: worker-1  ranks 1  slots 0  over ssh, in /jobs" in text and "    PATH=/venv/bin:/usr/bin" in text
 
 
 def test_env_file_takes_key_value_lines_with_comments_blanks_export_and_quotes():

@@ -29,9 +29,8 @@ from zerorun import config
 from zerorun.cli import app
 from zerorun.errors import LaunchError
 from zerorun.launch import slurm, submit
-from zerorun.launch.launcher import LaunchOptions, uses_slurm
+from zerorun.launch.launcher import LaunchOptions, transport_for, uses_slurm
 from zerorun.launch.plan import MachineFacts, render
-from zerorun.launch.transport import transport_for
 
 TEARDOWN_LIMIT_S = 15.0
 TELEMETRY_SCRIPT = SCRIPTS.parent.parent / "telemetry" / "scripts" / "tiny_train.py"
@@ -94,15 +93,16 @@ def test_workers_per_node_are_the_recipes_else_the_gpus_else_the_tasks_which_mus
 
 def test_the_step_is_one_srun_whose_torchrun_takes_its_node_rank_from_slurm():
     recipe = config.from_dict({"script": "/jobs/train.py", "args": ["--lr", "1"], "env": {"A": "1"}})
-    facts = MachineFacts(cpu_count=16, cuda=True, python="/venv/bin/python", inherited_env={}, cwd="/jobs")
+    facts = MachineFacts(cpu_count=16, python="/venv/bin/python", inherited_env={}, cwd="/jobs")
     launch_plan = slurm.plan_step(recipe, _allocation(), 4, "job-1", 29500, facts)
     (step,) = launch_plan.nodes
     assert (launch_plan.world_size, launch_plan.master_addr, step.step_nodes) == (8, "gpu01", ("gpu01", "gpu02"))
     argv = list(step.argv)
     assert argv[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
                         "--job-name=job-1"]
-    assert argv[6:12] == ["/venv/bin/python", "-m", "zerorun.launch.slurm", "--kill-grace-s", "3", "--"]
-    torchrun = argv[12:]
+    assert argv[6:16] == ["/venv/bin/python", "-m", "zerorun.launch.slurm", "--kill-grace-s", "3", "--run-name",
+                          "job", "--ranks-per-node", "4", "--"]
+    torchrun = argv[16:]
     for flag, value in [("--nnodes", "2"), ("--node-rank", "$SLURM_NODEID"), ("--nproc-per-node", "4"),
                         ("--master-addr", "gpu01"), ("--master-port", "29500")]:
         assert torchrun[torchrun.index(flag) + 1] == value
@@ -240,7 +240,8 @@ def test_dry_run_inside_an_allocation_prints_the_srun_command_and_its_environmen
     text = "\n".join(job.stdout)
     assert "srun step on localhost: 2 workers per node, ranks 0-1" in text
     assert re.search(r"^    srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --kill-on-bad-exit=1 .*"
-                     r"-m zerorun.launch.slurm --kill-grace-s 1 -- .*--node-rank '\$SLURM_NODEID'", text, re.M)
+                     r"-m zerorun.launch.slurm --kill-grace-s 1 --run-name recipe --ranks-per-node 2 -- "
+                     r".*--node-rank '\$SLURM_NODEID'", text, re.M)
     assert "    ZERORUN_JOB_ID=" in text and "rank 0 of 2" not in text
 
 
@@ -331,3 +332,45 @@ def test_submit_of_a_failing_rank_ends_the_job_with_its_exit_code_and_error(clus
     assert "[localhost:1] rank 1 line 24" in block
     assert re.search(r"zerorun: Slurm job (\d+) FAILED; exit code 3$", followed.rstrip())
     assert _zerorun_job_leftovers(followed) == []
+
+
+def test_a_node_entry_checks_its_nvme_paths_before_torchrun_starts(tmp_path, capsys):
+    shape = slurm.StepShape("run", 2, {"zero.offload_optimizer.nvme_path": str(tmp_path / "absent")})
+    env = {"ZERORUN_JOB_ID": "job-1", "SLURM_NODEID": "1", "SLURMD_NODENAME": "gpu02"}
+    marker = tmp_path / "started"
+    code = slurm.run_on_node([sys.executable, "-c", f"open({str(marker)!r}, 'w')"], 1.0, env, shape)
+    assert code == 2 and not marker.exists()
+    assert f"host gpu02: zero.offload_optimizer.nvme_path: {tmp_path / 'absent'} does not exist" in \
+        capsys.readouterr().err
+
+
+def test_a_killed_rank_restarts_as_a_new_step_in_the_same_allocation(cluster, tmp_path):
+    recipe = write_recipe(tmp_path, "train_restartable.py",
+                          ["--fail-rank", "1", "--fail-at", "3", "--once", str(tmp_path / "once")],
+                          train={"steps": 6, "micro_batch_size": 4}, nproc_per_node=2,
+                          checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 2},
+                          launch={"kill_grace_s": 1.0, "max_restarts": 1}, telemetry={"interval_s": 0.2})
+    job = _salloc(cluster, recipe)
+    assert job.wait(timeout=300) == 0, job.output
+    stderr = "\n".join(job.stderr)
+    assert "zerorun: restart 1 of 1 on the same nodes" in stderr
+    assert len(job.job_ids) == 2  # a second srun step, under the attempt's own job id
+    assert any(line.endswith("rank 1 resumed from step-2 at step 2") for line in job.stdout), job.output
+    assert any(line.endswith("rank 0 step 5 loss") or "rank 0 step 5 loss" in line for line in job.stdout)
+    assert _no_leftovers_within(job, 15.0) == []
+
+
+def test_a_shrunk_step_runs_on_the_nodes_that_remain():
+    from zerorun.hostfile import Node
+    from zerorun.launch.launcher import replan
+    from zerorun.launch.recovery import Batch
+
+    recipe = config.from_dict({"script": "/jobs/train.py", "train": {"micro_batch_size": 4}})
+    facts = MachineFacts(cpu_count=16, python="/venv/bin/python", inherited_env={}, cwd="/jobs")
+    launch_plan = slurm.plan_step(recipe, _allocation(), 4, "job-1", 29500, facts)
+    shrunk = replan(launch_plan, [Node("gpu01", (0, 1, 2, 3))], Batch(4, 2), "job-1-r1")
+    (step,) = shrunk.nodes
+    assert step.argv[:6] == ("srun", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--nodelist=gpu01",
+                             "--kill-on-bad-exit=1")
+    assert (shrunk.world_size, step.step_nodes, shrunk.job_id) == (4, ("gpu01",), "job-1-r1")
+    assert config.from_dict(json.loads(step.env["ZERORUN_RECIPE"])).train.grad_accum_steps == 2

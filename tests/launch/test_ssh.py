@@ -1,6 +1,6 @@
 """Multi-node launches over SSH on a private sshd: two loopback addresses are two "hosts".
 
-Every node runs under the remote supervisor (`zerorun.launch.remote`) through a real `ssh`. Both
+Every node runs under its node supervisor (`zerorun.launch.node`) through a real `ssh`. Both
 hosts are this machine, so "nothing left on either host" means no live process carrying the
 job's ZERORUN_JOB_ID (and none of the pids the workers printed).
 """
@@ -101,7 +101,10 @@ def test_ssh_client_killed_with_sigkill_ends_the_job_on_both_hosts(launch_ssh):
     dropped.kill()  # SIGKILL: the connection to 127.0.0.2 drops without a word
     started = time.monotonic()
     assert job.wait(timeout=TEARDOWN_LIMIT_S + 10) != 0, job.output
-    assert "torchrun over ssh on 127.0.0.2 failed (exit code 137)" in "\n".join(job.stderr)
+    stderr = "\n".join(job.stderr)
+    assert "job " + str(job.job_id) + " stopped: lost contact with 127.0.0.2: its ssh client was killed (SIGKILL)" \
+        in stderr, job.output
+    assert "rank 0" not in stderr.split("stopped:")[-1]  # never the rank on the other host
     assert _no_leftovers_within(job, TEARDOWN_LIMIT_S) == []
     assert time.monotonic() - started < TEARDOWN_LIMIT_S
 
@@ -132,11 +135,16 @@ def test_preflight_names_an_unreachable_host_in_one_table_and_starts_nothing(lau
 def test_preflight_reports_version_differences_and_a_missing_script(sshd, tmp_path):
     recipe = config.from_dict({"script": str(tmp_path / "gone.py"), "ssh": sshd.recipe_section(),
                                "launch": {"transport": "ssh"}})
-    facts = MachineFacts(cpu_count=2, cuda=False, python=sys.executable, inherited_env=subprocess_env(),
+    facts = MachineFacts(cpu_count=2, python=sys.executable, inherited_env=subprocess_env(),
                          cwd=str(tmp_path))
     launch_plan = plan(recipe, [Node("127.0.0.2", (0,))], "job-pre", 29500, facts)
     expected = {**preflight.local_facts(), "torch": "1.0.0"}
-    check = preflight.check_host(launch_plan, launch_plan.nodes[0], recipe.script, expected)
-    assert check.problem == f"torch {check.torch} here, 1.0.0 on the launcher; no script {recipe.script}"
+    missing = tmp_path / "no-nvme"
+    check = preflight.check_host(launch_plan, launch_plan.nodes[0], recipe.script, expected,
+                                 {"zero.offload_optimizer.nvme_path": str(missing)})
+    assert check.problem == (f"torch {check.torch} here, 1.0.0 on the launcher; no script {recipe.script}; "
+                             f"zero.offload_optimizer.nvme_path: {missing} does not exist; create it on a local "
+                             f"NVMe disk (mkdir -p {missing}) or point zero.offload_optimizer.nvme_path at an "
+                             "existing directory.")
     assert (check.python, check.zerorun, check.script) == (expected["python"], expected["zerorun"], False)
     assert "127.0.0.2" in preflight.render([check], expected, recipe.script)

@@ -37,7 +37,8 @@ def job_records(job_id: str = "demo-1", steps: int = 4, ranks: int = 2) -> list[
                         "step_time_s": seconds, "samples": 8, "tokens": 8192, "samples_per_s": 8 / seconds,
                         "tokens_per_s": 8192 / seconds, "flops": 6e9 * 8192, "tflops": 6e9 * 8192 / seconds / 1e12,
                         "mfu": 6e9 * 8192 / seconds / 1e12 / 989.0,
-                        "comm": {"reduce_scatter": {"bytes": 4e9 * step, "calls": 10 * step, "seconds": 0.1 * step}}})
+                        "comm": {"reduce_scatter": {"bytes": 4e9 * step, "calls": 10 * step, "seconds": 0.1 * step,
+                                                    "waited": 0.05 * step}}})
             out.append({"type": "sample", "rank": r, "t": 102.0 + step, "rss": (3000 + step) * MiB, "cpu_percent": 99.0,
                         "cuda": {"allocated": 20_000 * MiB, "reserved": 30_000 * MiB, "peak": (24_000 + step) * MiB},
                         "memory": {"params": {"cuda": 2 * 10**9}, "optimizer": {"nvme": 12 * 10**9}},
@@ -72,7 +73,8 @@ def test_state_keeps_latest_figures_and_means_without_the_first_step_and_ignores
     assert rank.mean(rank.timed_tokens) == pytest.approx(8192 / 0.5)
     assert rank.device_peak == 24_004 * MiB and rank.rss_peak == 3004 * MiB and rank.nvme_bytes == 12 * 10**9
     assert rank.io_rate == pytest.approx(2e9) and rank.io_bytes == 6 * 10**9
-    assert rank.comm_seconds == pytest.approx(0.4) and rank.busy_s == pytest.approx(3.5)  # all steps
+    assert rank.first_step == 1
+    assert rank.comm_waited_s == pytest.approx(0.15) and rank.comm_in_flight_s == pytest.approx(0.3)  # steps 2-4
 
 
 def test_live_view_has_a_progress_bar_a_row_per_rank_and_totals():
@@ -98,8 +100,49 @@ def test_summary_table_shows_mean_throughput_peaks_skips_and_comm_per_rank():
     shown = text(console.summary_table(fold(job_records())))
     assert "job demo-1: 4/10 steps in 0:00:11, exit code 0" in shown
     row = next(line for line in shown.splitlines() if "gpu-node" in line and " 0 " in line)
-    for figure in ("16.0", "16,384", "98.3", "9.9%", "23.4 GiB", "2.9 GiB", "0.40 s (11%)", "5.6 GiB"):
+    for figure in ("16.0", "16,384", "98.3", "9.9%", "23.4 GiB", "2.9 GiB", "0.15 s (10%)", "5.6 GiB"):
         assert figure in row, (figure, row)
+
+
+def test_comm_is_the_time_blocked_in_collectives_so_its_share_of_step_time_never_exceeds_100_percent():
+    records = job_records()
+    for r in records:  # several reduce-scatters in flight at once: 3 s "in flight" per 0.5 s step
+        if r["type"] == "step":
+            r["comm"]["reduce_scatter"]["seconds"] = 3.0 * r["step"]
+    state = fold(records)
+    assert state.ranks[0].comm_in_flight_s == pytest.approx(9.0)  # 600% of the 1.5 s of timed steps
+    row = next(line for line in text(console.summary_table(state)).splitlines() if "gpu-node" in line)
+    assert "0.15 s (10%)" in row and "600%" not in row  # (before: "1.20 s (34%)" here, 243% and 535% seen)
+
+
+def test_after_a_resume_the_summary_counts_the_steps_this_job_ran():
+    records = [r for r in job_records(steps=4) if r.get("type") != "step" or r["step"] > 2]
+    shown = text(console.summary_table(fold(records)))
+    assert "job demo-1: steps 3-4 of 10 (2 run, resumed after step 2) in" in shown  # (before: "4/10 steps")
+
+
+def test_model_state_kinds_are_the_runtimes():
+    from zerorun.runtime.memory import MODEL_STATE_KINDS
+    from zerorun.telemetry import state
+
+    assert state.MODEL_STATE_KINDS == MODEL_STATE_KINDS
+    assert state.model_state_bytes({"params": {"cuda": 2}, "optimizer": {"nvme": 3}, "buffers": {"cuda": 5}}) == 5
+
+
+def test_the_culprit_is_the_rank_outside_a_collective_or_the_one_that_went_silent():
+    state = fold(job_records()[:-4])
+    waiting = {"function": "wait", "file": "collectives.py", "line": 62, "in_collective": True}
+    state.ranks[0].where = waiting
+    culprit = state.culprit(0)
+    assert (culprit.rank, culprit.host) == (1, "gpu-node")
+    assert culprit.why == "stopped making progress at step 4, in main (train.py:7)"
+    assert culprit.evidence[0] == "rank 0 on gpu-node: step 4, in wait (collectives.py:62), waiting in a collective"
+    state.ranks[1].where = dict(waiting)
+    assert state.culprit(0) is None  # both waited: nothing to tell
+    state.ranks[1].last_sample_at = state.ranks[0].last_sample_at - 20  # rank 1 stopped sending (SIGSTOP)
+    assert state.culprit(0).why.startswith("stopped answering (no telemetry for 20 s: stopped or frozen)")
+    state.ranks[0].where = {"function": "main", "file": "train.py", "line": 3, "in_collective": False}
+    assert state.culprit(0) is None  # rank 0 failed on its own, not waiting for anyone
 
 
 def test_behind_is_the_lowest_step_or_at_equal_steps_the_ranks_outside_a_collective():
@@ -153,3 +196,28 @@ def test_offload_column_shows_bytes_and_rate_per_direction_and_the_wait() -> Non
                          "nvme_read": {"bytes": 3 * 2**20, "seconds": 0.001}, "wait": {"bytes": 0, "seconds": 0.25}})
     assert text == "D2H 2.0 GiB @ 4.29 GB/s, NVMe read 3.0 MiB @ 3.15 GB/s; waited 250 ms"
     assert offload_text({}) == "-"
+
+
+def test_a_restart_starts_the_ranks_over_and_times_the_gap_from_the_failure_to_the_first_step_after_it():
+    records = job_records(steps=4)[:-4]  # ranks at step 4, then rank 1 fails
+    records.append({"type": "restart", "attempt": 1, "job_id": "demo-1-r1", "world_size": 2,
+                    "cause": "rank 1 on gpu-node failed (killed by SIGKILL)", "decision": "restart 1 of 1",
+                    "failed_at": 110.0, "torn_down_at": 111.5, "t": 112.0})
+    for r in range(2):
+        records.append({"type": "hello", "rank": r, "t": 115.0 + r, "host": "gpu-node", "pid": 2000 + r})
+        records.append({"type": "engine", "rank": r, "t": 118.0 + r, "params": 10, "global_step": 2,
+                        "resumed_from": "step-2"})
+    for r in range(2):
+        records.append({"type": "step", "rank": r, "t": 120.0 + r, "step": 3, "loss": 1.0, "step_time_s": 0.5,
+                        "samples": 8, "tokens": 8192})
+    state = fold(records)
+    (restart,) = state.restarts
+    assert state.step == 3 and state.first_step == 3  # the steps after the resume count again
+    assert restart.gap() == {"total": 11.0, "teardown": 1.5, "restart": 0.5, "start": 3.0, "engine": 4.0,
+                             "first step": 2.0}
+    assert restart.describe() == ("restart 1: rank 1 on gpu-node failed (killed by SIGKILL); resumed from step-2 at "
+                                  "step 2, 2 steps run again; 11.0 s from the failure to the first step after it "
+                                  "(teardown 1.5, restart 0.5, start 3.0, engine 4.0, first step 2.0 s)")
+    shown = text(console.summary_table(state))
+    assert "steps 3-3 of 10 (1 run, resumed after step 2)" in shown and "1 restart (below)" in shown
+    assert "[restart 1]" in text(console.live_view(state, now=121.0))

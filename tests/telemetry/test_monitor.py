@@ -11,13 +11,13 @@ from tests.telemetry.test_console import job_records
 from zerorun import config
 from zerorun.hostfile import Node
 from zerorun.launch.plan import MachineFacts, plan
-from zerorun.telemetry.monitor import Monitor
+from zerorun.launch.monitor import Monitor
 
 
 def make_monitor(tmp_path: Path, live: bool, **telemetry: float) -> tuple[Monitor, io.BytesIO, io.BytesIO]:
     recipe = config.from_dict({"script": "/x/train.py", "train": {"steps": 10}, "telemetry": telemetry}, "<test>")
     recipe.name = "demo"
-    launch_plan = plan(recipe, [Node("localhost", (0, 1))], "demo-1", 29500, MachineFacts(2, False, "python"))
+    launch_plan = plan(recipe, [Node("localhost", (0, 1))], "demo-1", 29500, MachineFacts(2, "python"))
     out, err = io.BytesIO(), io.BytesIO()
     return Monitor(launch_plan, out, err, live=live, runs_dir=tmp_path / "runs", width=160), out, err
 

@@ -28,6 +28,11 @@ class FakeEngine:
         self.recipe = config.from_dict({"script": "train.py"}, "<test>")
         self.device = torch.device("cpu")
         self.stage = 2
+        self.global_step = 0
+        self.resumed_from = None
+
+    def num_parameters(self) -> int:
+        return 110
 
     def memory(self) -> MemoryReport:
         report = MemoryReport()
@@ -157,3 +162,27 @@ def test_on_cuda_the_loss_is_read_after_its_event_and_allocator_figures_are_sent
     rank = collector.state.ranks[0]
     assert rank.loss == pytest.approx(step.loss.item(), rel=1e-6)
     assert rank.device_now and rank.device_now >= x.numel() * 4 and rank.device_peak >= rank.device_now
+
+
+def _stage3_params(rank: int, world: int) -> dict:
+    import zerorun
+    from zerorun.bench.gpt import GPT, GPTConfig
+
+    recipe = config.loads("script: t.py", "t.yaml", ["zero.stage=3", "zero.wrap=[Block]",
+                                                    "zero.param_persistence_threshold=100"])
+    cfg = GPTConfig(layers=2, d_model=48, heads=4, vocab=500, seq_len=16)
+    whole = sum(p.numel() for p in GPT(cfg).parameters())
+    with zerorun.sharded_init():
+        model = GPT(cfg)
+    engine = zerorun.initialize(model, None, recipe)
+    probe = Probe("127.0.0.1:9", FAST, rank=rank, host="h")  # never started: only its engine record is read
+    probe.attach_engine(engine)
+    return {"whole": whole, "sent": probe._engine_record["params"], "module": sum(p.numel() for p in model.parameters())}
+
+
+def test_stage3_with_sharded_init_reports_the_whole_models_parameters_for_tflops():
+    from tests.harness import run_ranks
+
+    for r in run_ranks(_stage3_params, 2):
+        assert r["sent"] == r["whole"], r  # TFLOP/s = 6 x this x tokens / s
+        assert r["module"] < r["whole"] / 10, r  # what the module holds: counting it made TFLOP/s ~2000x too low

@@ -4,19 +4,19 @@
     print(render(launch_plan))                                                # --dry-run
     exit_code = run(launch_plan)                                              # starts, supervises, tears down
 
-`make_plan` gathers the impure facts (recipe file, hostfile, GPUs, CPU count, a free port, the job
+`make_plan` gathers the impure facts (recipe file, hostfile, GPU count, CPU count, a free port, the job
 id, the working directory and its `.zerorun_env`) and hands them to the pure `plan.plan`; inside a
 Slurm allocation (unless a hostfile or `--launcher` says otherwise) the allocation's nodes go to
 `slurm.plan_step` instead, which plans one srun step for them all. `run`
-checks the SSH hosts (`preflight`), picks a transport per node, starts the telemetry
+checks every node (`preflight`: SSH hosts, NVMe paths), picks a transport per node, starts the telemetry
 monitor (collector, live view, stall watch) unless the recipe turned it off, tells the workers its
 address, and lets the supervisor drive the job.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
-import glob
 import importlib.util
 import os
 import secrets
@@ -31,14 +31,16 @@ from zerorun import config, hostfile
 from zerorun.config import Recipe
 from zerorun.errors import HostfileError, LaunchError
 from zerorun.hostfile import Node
-from zerorun.launch import preflight, slurm
-from zerorun.launch.plan import LaunchPlan, MachineFacts, is_local, plan, render, with_env
-from zerorun.launch.supervisor import Supervisor
-from zerorun.launch.transport import transport_for
+from zerorun.launch import preflight, recovery, slurm
+from zerorun.launch.devices import gpu_count
+from zerorun.launch.plan import LaunchPlan, MachineFacts, NodeCommand, is_local, plan, render, with_env
+from zerorun.launch.ssh import SSHTransport
+from zerorun.launch.supervisor import Ending, Outcome, Supervisor
+from zerorun.launch.transport import LocalTransport, Transport
 from zerorun.telemetry import ADDRESS_ENV
 
 if TYPE_CHECKING:
-    from zerorun.telemetry.monitor import Monitor
+    from zerorun.launch.monitor import Monitor
 
 __all__ = ["LaunchOptions", "make_plan", "render", "run"]
 
@@ -56,6 +58,7 @@ class LaunchOptions:
     master_port: int | None = None  # overrides the recipe's `master_port`
     overrides: Sequence[str] = field(default_factory=tuple)  # `--set KEY=VALUE`
     launcher: str | None = None  # local, ssh or slurm: overrides the recipe's `launch.transport`
+    max_restarts: int | None = None  # overrides the recipe's `launch.max_restarts`
 
 
 def make_plan(recipe_path: str | os.PathLike, options: LaunchOptions) -> LaunchPlan:
@@ -63,12 +66,12 @@ def make_plan(recipe_path: str | os.PathLike, options: LaunchOptions) -> LaunchP
     flags = [f"master_addr={options.master_addr}"] if options.master_addr else []
     flags += [f"master_port={options.master_port}"] if options.master_port else []
     flags += [f"launch.transport={options.launcher}"] if options.launcher else []
+    flags += [f"launch.max_restarts={options.max_restarts}"] if options.max_restarts is not None else []
     recipe = config.load(recipe_path, overrides=[*options.overrides, *flags])
     if uses_slurm(recipe, options, os.environ):
         return _slurm_plan(recipe, options)
-    gpus = local_gpu_count()
-    nodes = select_nodes(recipe, options, gpus)
-    facts = _machine_facts(os.cpu_count() or 1, cuda=gpus > 0)
+    nodes = select_nodes(recipe, options, gpu_count())
+    facts = _machine_facts(os.cpu_count() or 1)
     master_port = recipe.master_port or (free_port() if is_local(nodes[0].host) else 29500)
     return plan(recipe, nodes, new_job_id(recipe.name or "job"), master_port, facts)
 
@@ -98,43 +101,145 @@ def _slurm_plan(recipe: Recipe, options: LaunchOptions) -> LaunchPlan:
                           "allocation every allocated node runs (ask salloc/sbatch for fewer nodes).")
     allocation = slurm.read_allocation(os.environ)
     nproc = slurm.procs_per_node(allocation, options.num_gpus or recipe.nproc_per_node)
-    facts = _machine_facts(min(allocation.cpus_per_node, default=os.cpu_count() or 1), cuda=False)
+    facts = _machine_facts(min(allocation.cpus_per_node, default=os.cpu_count() or 1))
     here = slurm.runs_here(allocation, os.environ)
     master_port = recipe.master_port or (free_port() if here else slurm.default_port(allocation))
     return slurm.plan_step(recipe, allocation, nproc, new_job_id(recipe.name or "job"), master_port, facts)
 
 
-def _machine_facts(cpu_count: int, cuda: bool) -> MachineFacts:
+def _machine_facts(cpu_count: int) -> MachineFacts:
     cwd = os.getcwd()
-    return MachineFacts(cpu_count=cpu_count, cuda=cuda, python=sys.executable, inherited_env=dict(os.environ),
+    return MachineFacts(cpu_count=cpu_count, python=sys.executable, inherited_env=dict(os.environ),
                         cwd=cwd, env_file=load_env_file(cwd), hostname=socket.getfqdn())
 
 
 def run(launch_plan: LaunchPlan) -> int:
-    """Run the planned job to its end; return the launcher's exit code."""
+    """Run the planned job to its end, restarting it after failures as `launch.max_restarts` allows;
+    return the launcher's exit code (the last attempt's)."""
     if importlib.util.find_spec("torch") is None:
         raise LaunchError(f"torch is not installed for {sys.executable}; zerorun runs workers with torchrun.")
-    preflight.check_hosts(launch_plan)
-    transports = [transport_for(node, launch_plan) for node in launch_plan.nodes]
-    if is_local(launch_plan.nodes[0].host):
-        _check_port_free(launch_plan.master_addr, launch_plan.master_port)
+    preflight.check(launch_plan)
     monitor = _start_monitor(launch_plan)
-    if monitor is not None:
-        launch_plan = with_env(launch_plan, {ADDRESS_ENV: monitor.address})
+    policy = _policy(launch_plan)
+    base_job_id = launch_plan.job_id  # attempt k runs as <base>-r<k>: its processes apart from the last one's
+    failures: list[recovery.Failure] = []
     exit_code = 1
     try:
-        exit_code = Supervisor(launch_plan, transports, output=monitor).run()
+        while True:
+            outcome = _attempt(launch_plan, monitor)
+            torn_down_at = time.time()
+            exit_code = outcome.exit_code
+            if outcome.ending is Ending.SUCCESS or not policy.max_restarts:
+                return exit_code
+            failures.append(_failure(outcome, monitor))
+            following = _next_attempt(launch_plan, base_job_id, policy, failures)
+            if following is None:
+                return exit_code
+            launch_plan, decision = following
+            if monitor is not None:
+                monitor.restarted(launch_plan, len(failures), outcome.cause, decision, outcome.detected_at,
+                                  torn_down_at)
     finally:
         if monitor is not None:
             monitor.finish(exit_code)
-    return exit_code
+
+
+def _attempt(launch_plan: LaunchPlan, monitor: Monitor | None) -> Outcome:
+    """One run of the plan on its nodes, from start to teardown."""
+    transports = [transport_for(node, launch_plan) for node in launch_plan.nodes]
+    if is_local(launch_plan.nodes[0].host):
+        _check_port_free(launch_plan.master_addr, launch_plan.master_port)
+    if monitor is not None:
+        launch_plan = with_env(launch_plan, {ADDRESS_ENV: monitor.address})
+    supervisor = Supervisor(launch_plan, transports, output=monitor, witness=monitor)
+    supervisor.run()
+    assert supervisor.outcome is not None
+    return supervisor.outcome
+
+
+def _policy(launch_plan: LaunchPlan) -> recovery.Policy:
+    assert launch_plan.inputs is not None, "run: a plan from make_plan knows its recipe"
+    launch = launch_plan.inputs.recipe.launch
+    return recovery.Policy(launch.max_restarts, launch.on_node_failure, launch.min_nodes)
+
+
+def _failure(outcome: Outcome, monitor: Monitor | None) -> recovery.Failure:
+    step = monitor.last_step(outcome.host, outcome.rank) if monitor is not None else None
+    return recovery.Failure(outcome.ending, outcome.cause, outcome.exit_code, outcome.host, outcome.rank, step)
+
+
+def _next_attempt(launch_plan: LaunchPlan, base_job_id: str, policy: recovery.Policy,
+                  failures: list[recovery.Failure]) -> tuple[LaunchPlan, str] | None:
+    """The plan of the next attempt, preflight passed, and the decision in words; None when the job
+    stops (and why is said)."""
+    inputs = launch_plan.inputs
+    assert inputs is not None
+    recipe = inputs.recipe
+    batch = recovery.Batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps)
+    unreachable: list[str] = []
+    while True:
+        decision = recovery.decide(policy, failures, inputs.nodes, batch, unreachable)
+        _say(decision.reason)
+        if not decision.restart:
+            return None
+        assert decision.batch is not None
+        attempt = len(failures)
+        next_plan = replan(launch_plan, decision.nodes, decision.batch, f"{base_job_id}-r{attempt}")
+        failed = preflight.failed_hosts(next_plan)
+        if not failed:
+            break
+        if policy.on_node_failure != "shrink":
+            raise LaunchError(f"restart {attempt}: preflight failed; nothing was started: "
+                              + "; ".join(f"{host}: {problem}" for host, problem in failed.items()))
+        unreachable = sorted(set(unreachable) | set(failed))  # decide again without them
+    _say(resume_point(recipe, failures[-1]))
+    return next_plan, decision.reason
+
+
+def replan(launch_plan: LaunchPlan, nodes: Sequence[Node], batch: recovery.Batch, job_id: str) -> LaunchPlan:
+    """The same job planned again on `nodes` with `batch` (a restart), under `job_id`."""
+    inputs = launch_plan.inputs
+    assert inputs is not None
+    train = dataclasses.replace(inputs.recipe.train, micro_batch_size=batch.micro_batch_size,
+                                grad_accum_steps=batch.grad_accum_steps)
+    recipe = dataclasses.replace(inputs.recipe, train=train)
+    port = recipe.master_port or (free_port() if is_local(nodes[0].host) else launch_plan.master_port)
+    if inputs.allocation is not None:
+        nproc = inputs.nodes[0].nproc
+        return slurm.plan_step(recipe, inputs.allocation, nproc, job_id, port, inputs.facts,
+                               [node.host for node in nodes])
+    return plan(recipe, nodes, job_id, port, inputs.facts)
+
+
+def resume_point(recipe: Recipe, failure: recovery.Failure) -> str:
+    """Where the next attempt resumes: the checkpoint `latest` names (the engine's auto-resume loads it)."""
+    reached = f"; the job had reached step {failure.step}" if failure.step is not None else ""
+    directory = recipe.checkpoint.dir
+    tag = _latest_tag(directory) if directory and recipe.checkpoint.resume == "auto" else None
+    if tag is None:
+        return f"no checkpoint to resume from: the job starts again from step 0 with the same seed{reached}"
+    step = tag.rpartition("-")[2]
+    lost = f"; steps {int(step) + 1}-{failure.step} run again" if failure.step and step.isdigit() else ""
+    return f"resuming from checkpoint {tag} in {directory}{reached}{lost}"
+
+
+def _latest_tag(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, "latest")) as file:
+            return file.read().strip() or None
+    except OSError:
+        return None
+
+
+def _say(message: str) -> None:
+    print(f"zerorun: {message}", file=sys.stderr, flush=True)
 
 
 def _start_monitor(launch_plan: LaunchPlan) -> Monitor | None:
     """The telemetry monitor, listening; None when the recipe turned telemetry off or it cannot start."""
     if not launch_plan.telemetry.enabled:
         return None
-    from zerorun.telemetry.monitor import Monitor
+    from zerorun.launch.monitor import Monitor
 
     monitor = Monitor(launch_plan)
     try:
@@ -143,6 +248,15 @@ def _start_monitor(launch_plan: LaunchPlan) -> Monitor | None:
         print(f"zerorun: telemetry off: cannot start the collector ({monitor.path}): {exc}", file=sys.stderr)
         return None
     return monitor
+
+
+def transport_for(node: NodeCommand, launch_plan: LaunchPlan) -> Transport:
+    """The transport that reaches `node`'s host: an srun step, SSH when the plan says so, else a local process."""
+    if node.step_nodes:
+        return slurm.SlurmTransport(node.host, launch_plan.job_id)
+    if node.over_ssh:
+        return SSHTransport(node.host, launch_plan.job_id, launch_plan.ssh, launch_plan.kill_grace_s)
+    return LocalTransport(node.host, launch_plan.job_id, node.argv[0], launch_plan.kill_grace_s)
 
 
 def select_nodes(recipe: Recipe, options: LaunchOptions, gpus: int) -> list[Node]:
@@ -200,17 +314,6 @@ def parse_env_file(text: str, source: str) -> dict[str, str]:
             value = value[1:-1]
         env[key] = value
     return env
-
-
-def local_gpu_count() -> int:
-    """CUDA devices here; 0 without importing torch where no GPU driver is present (saves ~2 s)."""
-    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd")) and not glob.glob("/dev/nvidia[0-9]*"):
-        return 0
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def new_job_id(name: str) -> str:

@@ -19,8 +19,13 @@ Inside a Slurm allocation the whole job is one srun step instead, planned by
 A node on another host runs the same command over SSH (see `zerorun.launch.ssh`). It does not
 inherit the launcher's environment, so its `env` also carries what a remote shell would lack:
 PATH, LD_LIBRARY_PATH, PYTHONPATH, the active virtualenv or conda prefix, and every NCCL_* and
-CUDA_* variable. Every node also gets the `.zerorun_env` file's variables. Precedence, lowest
-first: propagated variables, `.zerorun_env`, zerorun's defaults, the recipe's `env`, ZERORUN_*.
+CUDA_* variable but CUDA_VISIBLE_DEVICES (which names the launcher's GPUs). Every node also gets
+the `.zerorun_env` file's variables. Precedence, lowest first: propagated variables, `.zerorun_env`,
+zerorun's defaults, the recipe's `env`, ZERORUN_*.
+
+Slots travel as they were selected (`--include host:0,2` is slots 0 and 2 on `host`), whatever
+GPUs the launching machine has: each node maps them onto its own devices (`zerorun.launch.devices`).
+So do the directories of the node's NVMe offload files, which its supervisor removes at the end.
 """
 
 from __future__ import annotations
@@ -29,10 +34,10 @@ import dataclasses
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from zerorun import config
+from zerorun import config, offload_files
 from zerorun.config import Recipe, SSHConfig, TelemetryConfig
-from zerorun.errors import LaunchError
 from zerorun.hostfile import Node
 from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV
 from zerorun.telemetry import ADDRESS_ENV, RUNS_DIR
@@ -42,18 +47,18 @@ RECIPE_SOURCE_ENV = config.RECIPE_ENV + "_SOURCE"
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 PROPAGATED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX")
 PROPAGATED_ENV_PREFIXES = ("NCCL_", "CUDA_")
+NOT_PROPAGATED = frozenset({"CUDA_VISIBLE_DEVICES"})  # the launcher's GPUs, not the node's
 
 
 @dataclass(frozen=True)
 class MachineFacts:
     """What `plan()` needs to know about the machines, gathered by the caller.
 
-    Remote nodes are assumed to look like the launching machine (same CPU count, GPUs or not,
-    same Python path), as DeepSpeed and torchrun also assume.
+    Remote nodes are assumed to look like the launching machine (same CPU count, same Python
+    path), as DeepSpeed and torchrun also assume; their GPUs are their own (see `devices`).
     """
 
     cpu_count: int
-    cuda: bool  # slots are CUDA devices: set CUDA_VISIBLE_DEVICES from them
     python: str  # the interpreter that runs torchrun on every node
     inherited_env: Mapping[str, str] = field(default_factory=dict)  # the launcher's environment
     cwd: str = "."  # the working directory, the same on every node
@@ -74,6 +79,8 @@ class NodeCommand:
     over_ssh: bool = False  # started through `ssh host` rather than as a local process
     cwd: str = "."
     step_nodes: tuple[str, ...] = ()  # a Slurm step (argv is srun's): one torchrun on each of these nodes
+    slots: tuple[int, ...] = ()  # the node's selected GPU indices, mapped onto its devices there
+    offload_dirs: tuple[str, ...] = ()  # its ranks' NVMe offload directories, removed when the job ends
 
     @property
     def ranks(self) -> range:
@@ -82,6 +89,16 @@ class NodeCommand:
     @property
     def node_count(self) -> int:
         return len(self.step_nodes) or 1
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a plan was made from, so that a restart can plan again (fewer nodes, another batch shape)."""
+
+    recipe: Recipe
+    nodes: tuple[Node, ...]
+    facts: MachineFacts
+    allocation: Any = None  # a Slurm step's: zerorun.launch.slurm.Allocation (typed there, to keep plan pure)
 
 
 @dataclass(frozen=True)
@@ -98,6 +115,8 @@ class LaunchPlan:
     steps: int = 0  # the recipe's train.steps: the launcher's progress bar counts towards it
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     ssh: SSHConfig = field(default_factory=SSHConfig)
+    nvme_paths: Mapping[str, str] = field(default_factory=dict)  # recipe key -> NVMe offload directory
+    inputs: PlanInputs | None = field(default=None, compare=False, repr=False)
 
 
 def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, facts: MachineFacts) -> LaunchPlan:
@@ -114,11 +133,14 @@ def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, f
                              recipe.script, recipe.args)
         over_ssh = runs_over_ssh(node.host, recipe.launch.transport)
         env = node_env(recipe, node, job_id, recipe_json, facts, over_ssh)
-        commands.append(NodeCommand(node.host, node_rank, first_rank, node.nproc, argv, env, over_ssh, facts.cwd))
+        ranks = range(first_rank, first_rank + node.nproc)
+        commands.append(NodeCommand(node.host, node_rank, first_rank, node.nproc, argv, env, over_ssh, facts.cwd,
+                                    slots=node.slots, offload_dirs=offload_dirs(recipe, ranks)))
         first_rank += node.nproc
     return LaunchPlan(job_id=job_id, name=recipe.name or "job", master_addr=master_addr, master_port=master_port,
                       world_size=first_rank, kill_grace_s=recipe.launch.kill_grace_s, nodes=tuple(commands),
-                      steps=recipe.train.steps, telemetry=recipe.telemetry, ssh=recipe.ssh)
+                      steps=recipe.train.steps, telemetry=recipe.telemetry, ssh=recipe.ssh,
+                      nvme_paths=nvme_paths(recipe), inputs=PlanInputs(recipe, tuple(nodes), facts))
 
 
 def with_env(launch_plan: LaunchPlan, extra: Mapping[str, str]) -> LaunchPlan:
@@ -153,13 +175,11 @@ def node_env(recipe: Recipe, node: Node, job_id: str, recipe_json: str, facts: M
              over_ssh: bool = False) -> dict[str, str]:
     """The variables zerorun sets for one node's torchrun (and so for its workers).
 
-    The recipe's `env` overrides zerorun's defaults (OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES) but not
-    the ZERORUN_* variables the worker bootstrap depends on.
+    The recipe's `env` overrides zerorun's defaults (OMP_NUM_THREADS) but not the ZERORUN_*
+    variables the worker bootstrap depends on.
     """
     env: dict[str, str] = propagated_env(facts.inherited_env) if over_ssh else {}
     env.update(facts.env_file)
-    if facts.cuda:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(_devices(node, facts.inherited_env.get("CUDA_VISIBLE_DEVICES")))
     if "OMP_NUM_THREADS" not in facts.inherited_env:
         # torchrun would otherwise force 1 thread per worker (with a warning); share the cores instead.
         env["OMP_NUM_THREADS"] = str(max(1, facts.cpu_count // node.nproc))
@@ -174,7 +194,20 @@ def node_env(recipe: Recipe, node: Node, job_id: str, recipe_json: str, facts: M
 def propagated_env(inherited: Mapping[str, str]) -> dict[str, str]:
     """What a remote node gets from the launcher's environment (a login shell there would lack it)."""
     return {key: value for key, value in inherited.items()
-            if key in PROPAGATED_ENV or key.startswith(PROPAGATED_ENV_PREFIXES)}
+            if (key in PROPAGATED_ENV or key.startswith(PROPAGATED_ENV_PREFIXES)) and key not in NOT_PROPAGATED}
+
+
+def nvme_paths(recipe: Recipe) -> dict[str, str]:
+    """Recipe key -> directory, for each kind of state the recipe offloads to NVMe."""
+    offloads = {"zero.offload_optimizer.nvme_path": recipe.zero.offload_optimizer,
+                "zero.offload_param.nvme_path": recipe.zero.offload_param}
+    return {key: off.nvme_path for key, off in offloads.items() if off.device == "nvme" and off.nvme_path}
+
+
+def offload_dirs(recipe: Recipe, ranks: range) -> tuple[str, ...]:
+    """The NVMe offload directories of these ranks (none unless the recipe offloads to NVMe)."""
+    paths = sorted(set(nvme_paths(recipe).values()))
+    return tuple(str(offload_files.rank_dir(path, recipe.name, rank)) for path in paths for rank in ranks)
 
 
 def runs_over_ssh(host: str, transport: str) -> bool:
@@ -183,27 +216,15 @@ def runs_over_ssh(host: str, transport: str) -> bool:
     return transport == "ssh" or (transport != "slurm" and not is_local(host))
 
 
-def _devices(node: Node, inherited: str | None) -> list[str]:
-    """The CUDA devices of a node's slots.
-
-    On the launching machine slots count the GPUs the launcher itself sees, so a
-    CUDA_VISIBLE_DEVICES it inherited maps them (slot 0 of `CUDA_VISIBLE_DEVICES=2,3` is GPU 2).
-    """
-    if not inherited or not is_local(node.host):
-        return [str(slot) for slot in node.slots]
-    visible = [device.strip() for device in inherited.split(",") if device.strip()]
-    if max(node.slots) >= len(visible):
-        raise LaunchError(f"host {node.host}: slot {max(node.slots)} does not exist: CUDA_VISIBLE_DEVICES={inherited} "
-                          f"leaves {len(visible)} GPU(s) visible; use fewer slots or widen CUDA_VISIBLE_DEVICES.")
-    return [visible[slot] for slot in node.slots]
-
-
 def render(launch_plan: LaunchPlan) -> str:
     """The `--dry-run` text: per node, its host, ranks, the variables zerorun sets and the command."""
     p = launch_plan
     count = sum(node.node_count for node in p.nodes)
     nodes = f"{count} node{'s' if count != 1 else ''}"
     lines = [f"job {p.job_id} ({p.name}): {nodes}, {p.world_size} workers, master {p.master_addr}:{p.master_port}"]
+    if any(not node.step_nodes for node in p.nodes):
+        lines.append("slots: GPU indices on each node, mapped there onto its own devices (CUDA_VISIBLE_DEVICES); "
+                     "on a node without GPUs they only count workers")
     if p.telemetry.enabled:
         lines.append(f"telemetry: {RUNS_DIR}/{p.name}/telemetry.jsonl; every node's env also gets "
                      f"{ADDRESS_ENV}=<the launcher's collector, host:port chosen at launch>")
@@ -215,6 +236,9 @@ def render(launch_plan: LaunchPlan) -> str:
             lines.append(f"    {key}={_shown_value(key, node.env[key])}")
         lines.append("  command:")
         lines.append(f"    {shlex.join(node.argv)}")
+        if node.offload_dirs:
+            lines.append("  NVMe offload files, removed when the job ends:")
+            lines.extend(f"    {directory}" for directory in node.offload_dirs)
     return "\n".join(lines)
 
 
@@ -225,7 +249,7 @@ def _heading(node: NodeCommand) -> str:
                 f"per node, ranks {_span(node.ranks)}; each node sets --node-rank from SLURM_NODEID and "
                 f"{NODE_HOST_ENV} from SLURMD_NODENAME")
     how = f"  over ssh, in {node.cwd}" if node.over_ssh else ""
-    return f"node {node.node_rank}: {node.host}  ranks {_span(node.ranks)}{how}"
+    return f"node {node.node_rank}: {node.host}  ranks {_span(node.ranks)}  slots {','.join(map(str, node.slots))}{how}"
 
 
 def _shown_value(key: str, value: str) -> str:

@@ -23,7 +23,7 @@ node, else its tasks per node (SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE,
 the same on every node). `zerorun submit` asks for `--ntasks-per-node` accordingly.
 
 Teardown, with the same no-orphans guarantee as the other transports:
-- The node entry runs torchrun like the SSH remote supervisor does (`remote.run_node`): on SIGTERM
+- The node entry runs torchrun like every node supervisor does (`node.run_node`): on SIGTERM
   it ends every process of the job on its node, SIGKILL after `kill_grace_s` included, and also
   the ones that left torchrun's tree (found by the job id in their environment).
 - A failing rank's exit record reaches the supervisor through srun's output, which stops the step.
@@ -54,12 +54,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from zerorun import offload_files
 from zerorun.config import Recipe
 from zerorun.errors import LaunchError
 from zerorun.hostfile import Node
-from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV, remote
+from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV
 from zerorun.launch.plan import LaunchPlan, MachineFacts, NodeCommand, plan, torchrun_argv
-from zerorun.launch.transport import _KILL_WAIT_S, Transport, _die_with_parent
+from zerorun.launch.node import NodeJob, StopOrder, run_node
+from zerorun.launch.processes import KILL_WAIT_S, die_with_parent
+from zerorun.launch.transport import Transport
 
 NODE_MODULE = "zerorun.launch.slurm"
 NODE_RANK = "$SLURM_NODEID"  # in the step's command: each node's entry puts its own node index there
@@ -206,28 +209,33 @@ def procs_per_node(allocation: Allocation, requested: int | None) -> int:
 # The plan (pure)
 
 
-def srun_argv(allocation: Allocation, job_id: str) -> tuple[str, ...]:
-    """srun for one task per node on every allocated node; a failing task ends the step."""
-    count = len(allocation.nodes)
-    return ("srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+def srun_argv(allocation: Allocation, job_id: str, nodes: Sequence[str] | None = None) -> tuple[str, ...]:
+    """srun for one task per node on every allocated node (or on `nodes` of them, after a restart
+    dropped the others); a failing task ends the step."""
+    count = len(nodes if nodes is not None else allocation.nodes)
+    subset = (f"--nodelist={','.join(nodes)}",) if nodes is not None else ()
+    return ("srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", *subset, "--kill-on-bad-exit=1",
             f"--job-name={job_id}")
 
 
 def plan_step(recipe: Recipe, allocation: Allocation, nproc: int, job_id: str, master_port: int,
-              facts: MachineFacts) -> LaunchPlan:
-    """The plan of a job as one srun step: `plan.plan` for the allocated nodes, its node 0 command made
-    generic (node rank from SLURM_NODEID) and wrapped in srun and the node entry."""
-    nodes = [Node(host, tuple(range(nproc))) for host in allocation.nodes]
-    facts = dataclasses.replace(facts, cuda=False)  # Slurm sets CUDA_VISIBLE_DEVICES on each node
+              facts: MachineFacts, hosts: Sequence[str] | None = None) -> LaunchPlan:
+    """The plan of a job as one srun step: `plan.plan` for the allocated nodes (or `hosts` of them), its
+    node 0 command made generic (node rank from SLURM_NODEID) and wrapped in srun and the node entry."""
+    nodes = [Node(host, tuple(range(nproc))) for host in (hosts if hosts is not None else allocation.nodes)]
     per_node = plan(recipe, nodes, job_id, master_port, facts)
     torchrun = torchrun_argv(facts.python, len(nodes), NODE_RANK, nproc, per_node.master_addr, master_port,
                              recipe.script, recipe.args)
-    argv = (*srun_argv(allocation, job_id), facts.python, "-m", NODE_MODULE,
-            "--kill-grace-s", f"{recipe.launch.kill_grace_s:g}", "--", *torchrun)
+    nvme = [arg for key, path in per_node.nvme_paths.items() for arg in ("--nvme", f"{key}={path}")]
+    argv = (*srun_argv(allocation, job_id, hosts), facts.python, "-m", NODE_MODULE,
+            "--kill-grace-s", f"{recipe.launch.kill_grace_s:g}", "--run-name", per_node.name,
+            "--ranks-per-node", str(nproc), *nvme, "--", *torchrun)
     env = {key: value for key, value in per_node.nodes[0].env.items() if key != NODE_HOST_ENV}
-    step = NodeCommand(allocation.nodelist, 0, 0, per_node.world_size, argv, env, cwd=facts.cwd,
-                       step_nodes=allocation.nodes)
-    return dataclasses.replace(per_node, nodes=(step,))
+    step_nodes = tuple(node.host for node in nodes)
+    step = NodeCommand(allocation.nodelist if hosts is None else ",".join(hosts), 0, 0, per_node.world_size, argv,
+                       env, cwd=facts.cwd, step_nodes=step_nodes)
+    inputs = dataclasses.replace(per_node.inputs, allocation=allocation)
+    return dataclasses.replace(per_node, nodes=(step,), inputs=inputs)
 
 
 def default_port(allocation: Allocation) -> int:
@@ -264,7 +272,7 @@ class SlurmTransport(Transport):
             self._proc = subprocess.Popen(
                 node.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True,  # Ctrl-C reaches the launcher only: srun would answer it with SIGKILL
-                preexec_fn=functools.partial(_die_with_parent, LAUNCHER_GONE))
+                preexec_fn=functools.partial(die_with_parent, LAUNCHER_GONE))
         except OSError as exc:
             raise LaunchError(f"cannot start srun: {exc.strerror or exc}; zerorun launches Slurm jobs with "
                               "Slurm's client commands, which must be on PATH.") from None
@@ -284,12 +292,12 @@ class SlurmTransport(Transport):
         else:
             _scancel("--signal=TERM", step)
         try:
-            self._proc.wait(timeout=grace_s + 2 * _KILL_WAIT_S)
+            self._proc.wait(timeout=grace_s + 2 * KILL_WAIT_S)
         except subprocess.TimeoutExpired:
             if step is not None:
                 _scancel(step)
             try:
-                self._proc.wait(timeout=_KILL_WAIT_S)
+                self._proc.wait(timeout=KILL_WAIT_S)
             except subprocess.TimeoutExpired:
                 self._proc.kill()  # slurmstepd notices srun is gone and ends the step
                 self._proc.wait()
@@ -329,26 +337,48 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m zerorun.launch.slurm",
                                      description="zerorun's node entry in a Slurm step (srun starts it).")
     parser.add_argument("--kill-grace-s", type=float, default=3.0)
+    parser.add_argument("--run-name", default="job")
+    parser.add_argument("--ranks-per-node", type=int, default=1)
+    parser.add_argument("--nvme", action="append", default=[], metavar="KEY=PATH",
+                        help="an NVMe offload directory: checked before torchrun starts, cleaned when it ends")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    sys.exit(run_on_node(command, args.kill_grace_s, os.environ))
+    nvme = dict(item.partition("=")[::2] for item in args.nvme)
+    sys.exit(run_on_node(command, args.kill_grace_s, os.environ, StepShape(args.run_name, args.ranks_per_node, nvme)))
 
 
-def run_on_node(command: Sequence[str], grace_s: float, env: Mapping[str, str]) -> int:
-    """Fill this node's rank and host into the step's command and run it until it ends or a signal comes."""
+@dataclass(frozen=True)
+class StepShape:
+    """What every node entry of a step shares: the run name, ranks per node, NVMe offload paths."""
+
+    run_name: str
+    ranks_per_node: int
+    nvme_paths: Mapping[str, str]  # recipe key -> directory
+
+
+def run_on_node(command: Sequence[str], grace_s: float, env: Mapping[str, str], shape: StepShape) -> int:
+    """Fill this node's rank and host into the step's command, check its NVMe paths, and run it until
+    it ends or a signal comes."""
     job_id, node_rank = env.get(JOB_ID_ENV), env.get("SLURM_NODEID")
     if not job_id or node_rank is None or not command:
         print(f"{NODE_MODULE}: {JOB_ID_ENV}, SLURM_NODEID and a command are needed (zerorun launch inside a "
               "Slurm allocation starts this module with srun).", file=sys.stderr)
         return 2
     host = env.get("SLURMD_NODENAME") or socket.gethostname()
+    problems = [p for p in (offload_files.inspect_path(path, key) for key, path in shape.nvme_paths.items()) if p]
+    if problems:
+        print(f"{NODE_MODULE}: host {host}: {'; '.join(problems)}", file=sys.stderr)
+        return 2
     argv = tuple(node_rank if arg == NODE_RANK else arg for arg in command)
-    node = NodeCommand(host, int(node_rank), 0, 0, argv, {NODE_HOST_ENV: host})
-    stop_reason: list[str] = []
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, LAUNCHER_GONE):
-        signal.signal(sig, lambda signum, _frame: stop_reason.append(f"received {signal.Signals(signum).name}"))
-    return remote.run_node(node, job_id, host, grace_s, stop_reason)
+    first = int(node_rank) * shape.ranks_per_node
+    ranks = range(first, first + shape.ranks_per_node)
+    dirs = tuple(str(offload_files.rank_dir(path, shape.run_name, r))
+                 for path in sorted(set(shape.nvme_paths.values())) for r in ranks)
+    job = NodeJob(argv, {NODE_HOST_ENV: host}, os.getcwd(), grace_s, offload_dirs=dirs)
+    order = StopOrder()
+    order.on_signals(signal.SIGTERM, signal.SIGINT, signal.SIGHUP, LAUNCHER_GONE)
+    return run_node(job, job_id, host, order)
 
 
 if __name__ == "__main__":

@@ -32,10 +32,14 @@ import re
 import selectors
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from typing import BinaryIO
 
 EXIT_RECORD = b"\x1ezerorun-exit "  # starts with ASCII record separator: no user output looks like it
+BEAT_RECORD = b"\x1ezerorun-beat"  # the node supervisor is alive (every second, on its stderr)
+NOTE_RECORD = b"\x1ezerorun-note "  # the node supervisor says something the launcher always shows
 PIPE_BUF = 4096  # writes up to this size to a pipe are atomic (POSIX guarantees >= 512, Linux 4096)
 _PREFIX = re.compile(rb"^\[([^\]\s]+):(\d+)\] ")
 _DRAIN_S = 1.0  # after the worker ended: how long to wait for output its own children still write
@@ -172,6 +176,18 @@ def _write(fd: int, data: bytes) -> None:
             return  # nobody is reading any more (launcher gone): drop the output, keep relaying the exit
 
 
+def write_whole(stream: BinaryIO, data: bytes, lock: threading.Lock) -> bool:
+    """Write and flush `data` to a pipe under `lock` (lines of several threads never interleave);
+    False once the other end is gone."""
+    with lock:
+        try:
+            stream.write(data)
+            stream.flush()
+            return True
+        except (OSError, ValueError):
+            return False
+
+
 # ---------------------------------------------------------------------------------------------
 # Launcher side
 
@@ -213,8 +229,33 @@ class RankExit:
         return f"killed by {name}"
 
 
-def parse(line: bytes) -> RankLine | RankExit | None:
-    """What a line from a node's torchrun is: a rank's output, a rank's exit record, or None (torchrun's own)."""
+@dataclass(frozen=True)
+class NodeBeat:
+    """The node supervisor's heartbeat: the link to the node works."""
+
+
+@dataclass(frozen=True)
+class NodeNote:
+    """A message of the node supervisor (a cleanup done, why it stopped the node)."""
+
+    text: str
+
+
+def note(text: str) -> bytes:
+    """A `NodeNote` as the node supervisor writes it (one line)."""
+    return NOTE_RECORD + json.dumps({"text": text}).encode() + b"\n"
+
+
+def parse(line: bytes) -> RankLine | RankExit | NodeBeat | NodeNote | None:
+    """What a line from a node is: a rank's output or exit record, the node supervisor's heartbeat or
+    note, or None (torchrun's own output)."""
+    if line.startswith(BEAT_RECORD):
+        return NodeBeat()
+    if line.startswith(NOTE_RECORD):
+        try:
+            return NodeNote(str(json.loads(line[len(NOTE_RECORD):])["text"]))
+        except (ValueError, KeyError, TypeError):
+            return None
     if line.startswith(EXIT_RECORD):
         try:
             data = json.loads(line[len(EXIT_RECORD):])

@@ -1,27 +1,41 @@
-"""The supervisor: runs a launch plan, one transport per node, and decides how the job ends.
+"""The supervisor: runs a launch plan, one transport per node, and decides how the job ends and why.
 
-- **Output.** One reader thread per stream puts lines on a queue; the main thread prints them as
-  they come (worker lines already carry their `[host:rank] ` prefix, torchrun's own lines get
-  `[host:torchrun] `) and keeps each rank's last lines for the failure report.
+- **Output.** One reader thread per stream puts lines on a queue (and notes that the node was
+  heard from); the main thread prints them as they come (worker lines already carry their
+  `[host:rank] ` prefix, torchrun's own lines get `[host:torchrun] `, node supervisor notes
+  `zerorun: `) and keeps each rank's last lines for the failure report. A worker's `zerorun:
+  error:` line (a ZerorunError: every rank usually raises the same) is printed once per job.
 - **First failure ends the job.** The first exit record (see `streams`) with a non-zero status
-  stops every node at once. torchrun would notice too, but then signals the workers' groups and
-  waits up to 30 s before SIGKILL, and it exits 1 whatever the rank's status was; the supervisor
-  stops everything within `kill_grace_s` and exits with the failing rank's own status.
-- **A lost node ends the job.** A node whose transport exits non-zero while others still run (its
-  ssh connection dropped, the host stopped answering, torchrun failed there) stops every node once
-  `_NODE_SETTLE_S` has passed without a rank's exit record explaining it.
+  stops every node. torchrun would notice too, but then signals the workers' groups and waits up
+  to 30 s before SIGKILL, and it exits 1 whatever the rank's status was; the supervisor stops
+  everything within `kill_grace_s` and exits with the failing rank's own status.
+- **Blame the cause, not the victim.** A rank that fails because a peer stopped answering (a
+  collective timeout, a closed connection) is a victim. Unless the first record is a clear cause
+  (killed by a signal, or an exit code the script chose), the supervisor gives the others' exit
+  records `_VICTIM_SETTLE_S` and names the likeliest cause (`_suspicion`); it checks that no other
+  node has gone silent (`_LINK_SILENT_S`: they beat every second)
+  and asks the `witness` (the telemetry monitor) whether another rank was holding everyone up; the
+  report and the final line name the root cause (rank and host, or the node's link) with that
+  evidence.
+- **A lost node ends the job.** A node whose transport exits non-zero while others still run, or
+  that has sent no heartbeat for `HEARTBEAT_TIMEOUT_S` (a half-open link), stops every node; the
+  report says "lost contact with HOST" or "ssh to HOST closed", and never blames a rank elsewhere.
 - **Signals.** SIGINT, SIGTERM and SIGHUP to the launcher stop the job the same way; the launcher
-  exits 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM). The handler only records the
-  signal: the main loop wakes every 0.1 s and acts, so no lock is ever taken inside a handler.
-- **Nothing left behind.** Whatever the ending (success included), every transport's `stop` runs,
-  which ends every process that still carries the job's id.
+  exits 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM). Another signal while the job
+  is being torn down (a second Ctrl-C) kills every node's processes at once. The handler only
+  records the signal: the main loop wakes every 0.1 s and acts, so no lock is taken inside it.
+- **Nothing left behind.** Whatever the ending (success included), every transport's `stop` runs;
+  each node's supervisor ends every process that carries the job's id and removes the node's
+  NVMe offload files, even if this launcher dies meanwhile.
 - **Where lines go** is an `Output`: by default straight to stdout/stderr; the telemetry monitor
-  (`zerorun.telemetry.monitor`) is another, which shows them above a live table and uses the loop's
+  (`zerorun.launch.monitor`) is another, which shows them above a live table and uses the loop's
   `tick` to refresh it and to watch for stalls.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import queue
 import signal
 import sys
@@ -31,27 +45,48 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, BinaryIO
+from typing import IO, BinaryIO, Protocol
 
 from zerorun.launch import streams
+from zerorun.launch.node import HEARTBEAT_TIMEOUT_S
 from zerorun.launch.plan import LaunchPlan
-from zerorun.launch.streams import RankExit, RankLine
-from zerorun.launch.transport import Transport
+from zerorun.launch.streams import NodeBeat, NodeNote, RankExit, RankLine
+from zerorun.launch.transport import Transport, exit_status
+from zerorun.telemetry.state import Culprit
 
 TAIL_LINES = 20  # lines of a failed rank shown in the failure report
-_SETTLE_S = 2.0  # after every torchrun exited: how long to wait for their pipes to close
-_NODE_SETTLE_S = 1.0  # after one node failed while others run: how long its ranks' exit records may take
+ERROR_PREFIX = b"zerorun: error: "  # a ZerorunError a worker printed (see `worker`): shown once per job
+_SETTLE_S = 2.0  # after every node exited: how long to wait for their pipes to close
+_NODE_SETTLE_S = 1.0  # after a node exited with an error: how long its ranks' exit records may take
+_VICTIM_SETTLE_S = 2.0  # after an exception (maybe a victim's): how long a peer's exit record may take
+_LINK_SILENT_S = 3.0  # at a rank's failure: a node silent this long (it beats every second) lost its link
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Ending(enum.Enum):
+    """How a job ended."""
+
+    SUCCESS = "success"
+    RANK_FAILED = "rank failed"  # a rank's worker failed (or, blamed, made another fail)
+    NODE_FAILED = "node failed"  # a node's torchrun (or its supervisor) failed without a rank failing
+    NODE_LOST = "node lost"  # the link to a node: closed, its client killed, or no heartbeat
+    SIGNAL = "signal"  # the launcher was told to stop
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """How the job ended; `exit_code` is the launcher's."""
+    """How the job ended; `exit_code` is the launcher's, `cause` the one line that names the culprit."""
 
     exit_code: int
+    ending: Ending = Ending.SUCCESS
+    cause: str = ""
+    host: str | None = None  # the culprit's host
+    rank: int | None = None  # the culprit rank, when it is a rank
+    evidence: tuple[str, ...] = ()  # why that rank (the stall evidence), when it is not the one that failed
     failure: RankExit | None = None  # the first rank that failed
-    failed_node: int | None = None  # a torchrun that failed without any rank failing
+    node: int | None = None  # the culprit node's index in the plan
     signal: int | None = None  # the signal that stopped the launcher
+    detected_at: float = 0.0  # wall clock when the supervisor decided the job had ended
 
 
 class Output:
@@ -72,19 +107,33 @@ class Output:
         """Called about every 0.1 s while the job runs (and while its last output drains)."""
 
 
+class Witness(Protocol):
+    """What the telemetry saw of the ranks (the monitor): who was waiting, and for whom."""
+
+    def waiting(self, rank: int) -> bool:
+        """Whether `rank` was last seen waiting inside a collective."""
+
+    def culprit(self, failed_rank: int) -> Culprit | None:
+        """The rank `failed_rank` was waiting for when it failed, with the evidence."""
+
+
 class Supervisor:
     """Runs `plan` through `transports` (one per node, in node order) and returns the exit code."""
 
-    def __init__(self, plan: LaunchPlan, transports: Sequence[Transport], output: Output | None = None) -> None:
+    def __init__(self, plan: LaunchPlan, transports: Sequence[Transport], output: Output | None = None,
+                 witness: Witness | None = None) -> None:
         assert len(transports) == len(plan.nodes), "supervisor: one transport per node"
         self.plan = plan
         self.transports = list(transports)
         self.output = output or Output()
+        self.witness = witness
+        self.outcome: Outcome | None = None
         self._events: queue.Queue[tuple[int, int, bytes | None]] = queue.Queue()
         self._open_streams = [0] * len(transports)
         self._tails: dict[tuple[str, int | str], deque[bytes]] = defaultdict(lambda: deque(maxlen=TAIL_LINES))
-        self._first_failure: RankExit | None = None
-        self._signal: int | None = None
+        self._failures: list[RankExit] = []  # every rank that failed before the stop, in arrival order
+        self._errors_shown: set[bytes] = set()
+        self._signals: list[int] = []
         self._stopping = False
 
     def run(self) -> int:
@@ -96,51 +145,115 @@ class Supervisor:
                 out, err = transport.start(node)
                 self._read_in_background(index, 1, out)
                 self._read_in_background(index, 2, err)
-            outcome = self._watch()
+            outcome = dataclasses.replace(self._watch(), detected_at=time.time())
         finally:
             self._stopping = True
-            still_running = self._stop_all()
+            self._stop_all()
             self._drain(_SETTLE_S)
             self._restore_signal_handlers(previous)
-        self._report(outcome, still_running)
+        self.outcome = outcome
+        self._report(outcome)
         return outcome.exit_code
 
     # -- watching ---------------------------------------------------------------------------------
 
     def _watch(self) -> Outcome:
-        """Handle output until the first of: a signal, a failed rank, every torchrun having exited."""
+        """Handle output until the first of: a signal, a failure, a lost node, every node having exited."""
         exited_at: float | None = None
-        failed_at: dict[int, float] = {}
+        first_seen: dict[int, float] = {}  # node index -> when its exit was noticed
         while True:
-            if self._signal is not None:
-                self._say(f"received {signal.Signals(self._signal).name}; stopping job {self.plan.job_id}")
-                return Outcome(128 + self._signal, signal=self._signal)
+            if self._signals:
+                sig = self._signals[0]
+                self._say(f"received {signal.Signals(sig).name}; stopping job {self.plan.job_id}")
+                return Outcome(128 + sig, Ending.SIGNAL, f"stopped by {signal.Signals(sig).name}", signal=sig)
             self._handle_events(timeout=0.1)
             self.output.tick()
-            if self._first_failure is not None:
-                return Outcome(self._first_failure.exit_status, failure=self._first_failure)
+            now = time.monotonic()
+            lost = self._lost_node(HEARTBEAT_TIMEOUT_S)
+            if lost is not None:
+                return lost
+            if self._failures:
+                if self._settled(first_seen.setdefault(-1, now), now):
+                    return self._outcome_of_failure()
             for index, transport in enumerate(self.transports):
                 code = transport.poll()
-                if code and time.monotonic() - failed_at.setdefault(index, time.monotonic()) > _NODE_SETTLE_S:
+                if code and now - first_seen.setdefault(index, now) > _NODE_SETTLE_S:
                     self._handle_events(timeout=0)
-                    if self._first_failure is not None:
-                        return Outcome(self._first_failure.exit_status, failure=self._first_failure)
-                    return Outcome(_status(code), failed_node=index)
+                    return self._outcome_of_failure() if self._failures else self._node_outcome(index)
             if all(t.poll() is not None for t in self.transports):
-                exited_at = exited_at or time.monotonic()
+                exited_at = exited_at or now
                 # Their exit records may still be in the pipes: read on until the pipes close.
-                if sum(self._open_streams) == 0 or time.monotonic() - exited_at > _SETTLE_S:
+                if sum(self._open_streams) == 0 or now - exited_at > _SETTLE_S:
                     self._handle_events(timeout=0)
                     return self._outcome_of_exits()
 
-    def _outcome_of_exits(self) -> Outcome:
-        """Every torchrun exited by itself: a rank's failure, else a torchrun's failure, else success."""
-        if self._first_failure is not None:
-            return Outcome(self._first_failure.exit_status, failure=self._first_failure)
+    def _lost_node(self, silent_s: float) -> Outcome | None:
+        """A node whose link is gone: its client says so, or it has not been heard from for `silent_s`."""
         for index, transport in enumerate(self.transports):
-            code = transport.poll()
-            if code:
-                return Outcome(_status(code), failed_node=index)
+            cause = transport.lost_link(silent_s)
+            if cause is not None:
+                code = transport.poll()
+                return Outcome(1 if code is None else exit_status(code), Ending.NODE_LOST, cause, host=transport.host,
+                               node=index)
+        return None
+
+    def _outcome_of_failure(self) -> Outcome:
+        """The first failed rank, unless a lost link or a stalled rank made it fail."""
+        failure = self._root_failure()
+        status = failure.exit_status
+        for index, transport in enumerate(self.transports):
+            lost = transport.lost_link(_LINK_SILENT_S) if transport.host != failure.host else None
+            if lost is not None:  # (the failure's own exit record came over its host's link: that one works)
+                return Outcome(status, Ending.NODE_LOST, lost, host=transport.host, failure=failure, node=index)
+        culprit = self.witness.culprit(failure.rank) if self.witness is not None else None
+        if culprit is not None and culprit.rank != failure.rank:
+            cause = (f"rank {culprit.rank} on {culprit.host} {culprit.why}; rank {failure.rank} on {failure.host} "
+                     f"failed waiting for it ({failure.describe()})")
+            return Outcome(status, Ending.RANK_FAILED, cause, culprit.host, culprit.rank, tuple(culprit.evidence),
+                           failure)
+        cause = f"rank {failure.rank} on {failure.host} failed ({failure.describe()})"
+        return Outcome(status, Ending.RANK_FAILED, cause, failure.host, failure.rank, failure=failure)
+
+    def _root_failure(self) -> RankExit:
+        """The failure most likely to be the cause: see `_suspicion`; the earliest among equals."""
+        return min(self._failures, key=self._suspicion)  # min is stable: arrival order within a kind
+
+    def _suspicion(self, failure: RankExit) -> int:
+        """0: killed by a signal (SIGKILL by the OOM killer, SIGSEGV...): never a victim. 1: an exit code
+        other than 1 (the script chose it). 2: an exception while not waiting in a collective. 3: an
+        exception while waiting in one (a peer vanished: a victim). 4: SIGTERM, which torchrun sends
+        the other workers of its node once one failed (and the teardown sends everyone)."""
+        if failure.signal is not None:
+            return 4 if failure.signal == signal.SIGTERM else 0
+        if failure.code != 1:
+            return 1
+        return 3 if self._waiting(failure.rank) else 2
+
+    def _settled(self, since: float, now: float) -> bool:
+        """Whether the failures so far can be judged: the likeliest is a clear cause, or its peers' exit
+        records (a SIGKILLed rank's may come seconds after its peer's exception) had their time."""
+        clear = self._suspicion(self._root_failure()) <= 1 or self.plan.world_size == 1
+        return clear or now - since > _VICTIM_SETTLE_S
+
+    def _waiting(self, rank: int) -> bool:
+        return self.witness is not None and self.witness.waiting(rank)
+
+    def _node_outcome(self, index: int) -> Outcome:
+        transport = self.transports[index]
+        code = transport.poll()
+        assert code is not None
+        lost = transport.lost_link(HEARTBEAT_TIMEOUT_S)
+        ending = Ending.NODE_FAILED if lost is None else Ending.NODE_LOST
+        return Outcome(exit_status(code), ending, lost or transport.describe_exit(code), host=transport.host,
+                       node=index)
+
+    def _outcome_of_exits(self) -> Outcome:
+        """Every node exited by itself: a rank's failure, else a node's failure, else success."""
+        if self._failures:
+            return self._outcome_of_failure()
+        for index, transport in enumerate(self.transports):
+            if transport.poll():
+                return self._node_outcome(index)
         return Outcome(0)
 
     def _handle_events(self, timeout: float) -> None:
@@ -161,18 +274,33 @@ class Supervisor:
             self._open_streams[node_index] -= 1
             return
         item = streams.parse(line)
-        if isinstance(item, RankExit):
-            if item.failed and self._first_failure is None and not self._stopping:
-                self._first_failure = item
+        host = self.plan.nodes[node_index].host
+        if isinstance(item, NodeBeat):
+            return
+        if isinstance(item, NodeNote):
+            self._tails[(host, "torchrun")].append(item.text.encode())
+            self._say(item.text)
+        elif isinstance(item, RankExit):
+            if item.failed and not self._stopping:
+                self._failures.append(item)
         elif isinstance(item, RankLine):
             self._tails[(item.host, item.rank)].append(line)
-            self._write(fd, line)
+            if not self._repeated_error(item):
+                self._write(fd, line)
         else:  # torchrun's own output; once we are stopping it only narrates the teardown we started
-            host = self.plan.nodes[node_index].host
             line = streams.prefix(host, "torchrun") + line
             self._tails[(host, "torchrun")].append(line)
             if not self._stopping:
                 self._write(fd, line)
+
+    def _repeated_error(self, item: RankLine) -> bool:
+        """Whether this is a `zerorun: error:` line another rank already printed."""
+        text = item.line.split(b"] ", 1)[-1]
+        if not text.startswith(ERROR_PREFIX):
+            return False
+        seen = text in self._errors_shown
+        self._errors_shown.add(text)
+        return seen
 
     def _drain(self, timeout: float) -> None:
         """Print what the streams still hold, until they close or `timeout` passes."""
@@ -183,9 +311,12 @@ class Supervisor:
         self._handle_events(timeout=0)
 
     def _read_in_background(self, node_index: int, fd: int, stream: IO[bytes]) -> None:
+        transport = self.transports[node_index]
+
         def read() -> None:
             with stream:
                 for line in stream:
+                    transport.last_heard = time.monotonic()  # here, not in the main loop: it may be busy stopping
                     self._events.put((node_index, fd, line.rstrip(b"\n")))
             self._events.put((node_index, fd, None))
 
@@ -194,31 +325,41 @@ class Supervisor:
 
     # -- ending -----------------------------------------------------------------------------------
 
-    def _stop_all(self) -> int:
-        """Stop every node at once; return how many processes were still running."""
+    def _stop_all(self) -> None:
+        """Stop every node at once; a signal meanwhile makes every node kill at once."""
         if not self.transports:
-            return 0
+            return
+        signals_before = len(self._signals)
         with ThreadPoolExecutor(len(self.transports)) as pool:
-            return sum(pool.map(lambda t: t.stop(self.plan.kill_grace_s), self.transports))
+            futures = [pool.submit(t.stop, self.plan.kill_grace_s) for t in self.transports]
+            hurried = False
+            while not all(f.done() for f in futures):
+                if len(self._signals) > signals_before and not hurried:
+                    hurried = True
+                    self._say(f"received {signal.Signals(self._signals[-1]).name} again; killing job "
+                              f"{self.plan.job_id} now")
+                    for transport in self.transports:
+                        transport.hurry()
+                self._handle_events(timeout=0.05)
+                self.output.tick()
 
-    def _report(self, outcome: Outcome, still_running: int) -> None:
-        if outcome.failure is not None:
+    def _report(self, outcome: Outcome) -> None:
+        if outcome.ending is Ending.RANK_FAILED:
+            assert outcome.rank is not None and outcome.host is not None
+            tail = self._tails[(outcome.host, outcome.rank)]
+            if not (tail and tail[-1].split(b"] ", 1)[-1].startswith(ERROR_PREFIX)):  # the one line says it all
+                self._failure_block(outcome.cause, tail, f"rank {outcome.rank}")
             failure = outcome.failure
-            self._failure_block(f"rank {failure.rank} on {failure.host} failed ({failure.describe()})",
-                                self._tails[(failure.host, failure.rank)], f"rank {failure.rank}")
-            self._say(f"job {self.plan.job_id} stopped: rank {failure.rank} on {failure.host} failed; "
-                      f"exit code {outcome.exit_code}")
-        elif outcome.failed_node is not None:
-            host = self.plan.nodes[outcome.failed_node].host
-            what = self.transports[outcome.failed_node].what
-            self._failure_block(f"{what} on {host} failed (exit code {outcome.exit_code})",
-                                self._tails[(host, "torchrun")], what)
-            self._say(f"job {self.plan.job_id} stopped: {what} on {host} failed; exit code {outcome.exit_code}")
-        elif outcome.signal is not None:
-            self._say(f"job {self.plan.job_id} stopped ({still_running} processes ended); "
-                      f"exit code {outcome.exit_code}")
-        elif still_running:
-            self._say(f"job {self.plan.job_id} finished; ended {still_running} processes it left running")
+            if failure is not None and failure.rank != outcome.rank:
+                for line in outcome.evidence:
+                    self._say(f"evidence: {line}")
+                self._failure_block(f"rank {failure.rank} on {failure.host}: {failure.describe()}",
+                                    self._tails[(failure.host, failure.rank)], f"rank {failure.rank}")
+        elif outcome.ending in (Ending.NODE_FAILED, Ending.NODE_LOST):
+            assert outcome.host is not None
+            self._failure_block(outcome.cause, self._tails[(outcome.host, "torchrun")], f"the node on {outcome.host}")
+        if outcome.ending is not Ending.SUCCESS:
+            self._say(f"job {self.plan.job_id} stopped: {outcome.cause}; exit code {outcome.exit_code}")
 
     def _failure_block(self, title: str, tail: deque[bytes], who: str) -> None:
         rule = "=" * 20
@@ -245,8 +386,7 @@ class Supervisor:
             return {}  # only the main thread may set handlers; an embedding caller handles its own
 
         def record(signum: int, _frame: object) -> None:
-            if self._signal is None:
-                self._signal = signum
+            self._signals.append(signum)
 
         return {sig: signal.signal(sig, record) for sig in _HANDLED_SIGNALS}
 
@@ -254,11 +394,6 @@ class Supervisor:
     def _restore_signal_handlers(previous: dict[int, object]) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
-
-
-def _status(code: int) -> int:
-    """A process's exit status as a shell shows it (killed by signal N: 128+N)."""
-    return code if code > 0 else 128 - code
 
 
 def _plural(count: int, noun: str) -> str:

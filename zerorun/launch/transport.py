@@ -1,53 +1,52 @@
-"""Transports: how one node's command is started and how everything it started is ended.
+"""Transports: how the launcher reaches one node, and how it stops it.
 
 The supervisor only sees the `Transport` interface: `start` a node's command and get its output
-streams, `poll` for its exit, `stop` it. `LocalTransport` runs the command as a child process;
-`zerorun.launch.ssh.SSHTransport` runs it on another host under a remote supervisor
-(`zerorun.launch.remote`), which uses a `LocalTransport` there; `zerorun.launch.slurm.SlurmTransport`
-runs one srun step that does the same on every node of a Slurm allocation.
+streams, `poll` for its exit, `stop` it (orderly), `hurry` (a second Ctrl-C: kill now). Every node
+runs under a node supervisor (`zerorun.launch.node`) that owns the node's processes and ends them
+even when the launcher is gone, so the launcher's side of a node is small:
 
-Ending a local job leaves nothing behind, whatever the workers do:
-- torchrun starts every worker in a *new session* (its own process group), so signalling
-  torchrun's group does not reach the workers, and a worker's own children (dataloader workers)
-  sit in the worker's group. So `stop` collects the processes first: torchrun, all its
-  descendants (a psutil tree walk), and every process whose environment carries this job's
-  `ZERORUN_JOB_ID` and this node's `ZERORUN_NODE_HOST` (orphans whose parent already died and
-  were re-parented away from the tree; the host keeps two nodes on one machine apart).
-- It signals each of their process groups (never the launcher's own) and each process, SIGTERM
-  first, then SIGKILL to whatever is still alive after the grace period, re-collecting in case a
-  dying process started another. Workers that ignore SIGTERM therefore still die.
-- Processes are only ever chosen by ancestry or by the job id in their environment, never by
-  matching command lines, so other jobs on the machine are safe.
+- `LocalTransport` starts the node supervisor as a child process; `zerorun.launch.ssh.SSHTransport`
+  starts the same program on another host through `ssh`. Both are a `SupervisedTransport`: the
+  job goes to the node supervisor as one JSON line on stdin, then a heartbeat line every second;
+  `stop` writes `stop`, `hurry` writes `kill`. The node supervisor writes a heartbeat record every
+  second on its stderr: the supervisor notes when each node was last heard (`last_heard`), and a
+  node silent for `HEARTBEAT_TIMEOUT_S` is a lost node. A stop does not wait on a node that has
+  gone silent: its client is killed at once (the node ends the job by itself when the launcher's
+  heartbeats stop), which keeps a half-open link from holding the teardown for the whole grace.
+- `zerorun.launch.slurm.SlurmTransport` runs one srun step whose node entries do the same on every
+  node of an allocation.
 """
 
 from __future__ import annotations
 
 import abc
-import ctypes
 import os
-import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable
 from typing import IO
-
-import psutil
 
 from zerorun.errors import LaunchError
 from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV
-from zerorun.launch.plan import LaunchPlan, NodeCommand
+from zerorun.launch.node import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, MODULE, NodeJob
+from zerorun.launch.plan import NodeCommand
+from zerorun.launch.processes import KILL_WAIT_S, die_with_parent, kill_job_processes
+from zerorun.launch.streams import write_whole
 
-_KILL_WAIT_S = 5.0  # after SIGKILL: the kernel needs a moment to reap
+SILENT_S = 5.0  # while stopping: a node not heard from this long has lost its link (it beats every second)
+_EXIT_WAIT_S = 5.0  # after the node's grace period: for its SIGKILL round and the exit to travel back
 
 
 class Transport(abc.ABC):
-    """Runs one node's command; owns every process that command starts."""
+    """Runs one node's command; ends everything it started."""
 
     what = "torchrun"  # what ran the node's command, for reports ("torchrun on HOST failed")
+    heartbeats = False  # the node beats every second: a silence means a lost link
 
     def __init__(self, host: str, job_id: str) -> None:
         self.host = host
         self.job_id = job_id
+        self.last_heard = time.monotonic()  # set by the supervisor's readers on every line from the node
 
     @abc.abstractmethod
     def start(self, node: NodeCommand) -> tuple[IO[bytes], IO[bytes]]:
@@ -61,40 +60,67 @@ class Transport(abc.ABC):
     def stop(self, grace_s: float) -> int:
         """End everything the command started: SIGTERM, then SIGKILL after `grace_s`.
 
-        Returns how many of its processes were still running when it was called.
+        Returns 1 if the node was still running when it was called, else 0.
         """
 
+    def hurry(self) -> None:
+        """Turn a `stop` in progress (called from another thread) into SIGKILL now."""
 
-def transport_for(node: NodeCommand, launch_plan: LaunchPlan) -> Transport:
-    """The transport that reaches `node`'s host: an srun step, SSH when the plan says so, else a local process."""
-    if node.step_nodes:
-        from zerorun.launch.slurm import SlurmTransport  # it imports this module
+    def silent_s(self) -> float:
+        return time.monotonic() - self.last_heard
 
-        return SlurmTransport(node.host, launch_plan.job_id)
-    if node.over_ssh:
-        from zerorun.launch.ssh import SSHTransport  # it imports this module
+    def lost_link(self, silent_s: float) -> str | None:
+        """Why the link to the node is gone (its client exited for that reason, or a node that beats
+        has been silent for `silent_s` while running), or None."""
+        if self.heartbeats and self.poll() is None and self.silent_s() > silent_s:
+            return f"lost contact with {self.host}: no heartbeat for {self.silent_s():.0f} s"
+        return None
 
-        return SSHTransport(node.host, launch_plan.job_id, launch_plan.ssh, launch_plan.kill_grace_s)
-    return LocalTransport(node.host, launch_plan.job_id)
+    def describe_exit(self, code: int) -> str:
+        """Why the node ended, for the report (`code` as `poll()` gave it)."""
+        return f"{self.what} on {self.host} failed (exit code {exit_status(code)})"
 
 
-class LocalTransport(Transport):
-    """The node's torchrun as a child process in its own session."""
+def exit_status(code: int) -> int:
+    """A process's exit status as a shell shows it (killed by signal N: 128+N)."""
+    return code if code >= 0 else 128 - code
 
-    def __init__(self, host: str, job_id: str) -> None:
+
+def bootstrap_env(node: NodeCommand) -> dict[str, str]:
+    """The few variables the node supervisor needs before it reads the rest from stdin: the job id
+    and host (teardown finds the node's processes by them) and what makes zerorun importable."""
+    keys = (JOB_ID_ENV, NODE_HOST_ENV, "PYTHONPATH", "PATH", "VIRTUAL_ENV")
+    return {key: node.env[key] for key in keys if key in node.env}
+
+
+class SupervisedTransport(Transport):
+    """A node supervisor as a child process (directly, or through ssh), driven through its stdin."""
+
+    heartbeats = True
+
+    def __init__(self, host: str, job_id: str, kill_grace_s: float) -> None:
         super().__init__(host, job_id)
+        self.kill_grace_s = kill_grace_s  # the node supervisor's, between its SIGTERM and SIGKILL
         self._proc: subprocess.Popen[bytes] | None = None
+        self._stdin_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._hurry = threading.Event()
+
+    @abc.abstractmethod
+    def command(self, node: NodeCommand) -> tuple[list[str], dict[str, str] | None]:
+        """The argv that starts the node supervisor, and its environment (None: ours)."""
 
     def start(self, node: NodeCommand) -> tuple[IO[bytes], IO[bytes]]:
+        argv, env = self.command(node)
         try:
-            self._proc = subprocess.Popen(
-                node.argv, env={**os.environ, **node.env}, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True,  # the terminal's Ctrl-C reaches the launcher only; it decides
-                preexec_fn=_die_with_parent,
-            )
+            self._proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, start_new_session=True, preexec_fn=die_with_parent)
         except OSError as exc:
-            raise LaunchError(f"host {self.host}: cannot start {node.argv[0]}: {exc.strerror or exc}.") from None
+            raise LaunchError(f"host {self.host}: cannot start {argv[0]}: {exc.strerror or exc}.") from None
+        self.last_heard = time.monotonic()
+        job = NodeJob(node.argv, node.env, node.cwd, self.kill_grace_s, node.slots, node.offload_dirs)
+        self._send(job.header())
+        threading.Thread(target=self._heartbeat, name=f"zerorun-heartbeat-{self.host}", daemon=True).start()
         assert self._proc.stdout is not None and self._proc.stderr is not None
         return self._proc.stdout, self._proc.stderr
 
@@ -102,102 +128,65 @@ class LocalTransport(Transport):
         return self._proc.poll() if self._proc is not None else None
 
     def stop(self, grace_s: float) -> int:
-        running = self._job_processes()
-        if running:
-            _signal_all(running, signal.SIGTERM)
-            still = _wait_gone(running, grace_s, reap=self.poll)
-            for _ in range(3):  # a dying process may have started another: collect again each round
-                still = list({p.pid: p for p in still + self._job_processes()}.values())
-                if not still:
+        """Ask the node to stop and wait for it; kill the client if the node went silent or hangs."""
+        if self._proc is None:
+            return 0
+        running = self._proc.poll() is None
+        self._send(b"stop\n")
+        deadline = time.monotonic() + grace_s + KILL_WAIT_S + _EXIT_WAIT_S
+        hurried = False
+        while self._proc.poll() is None:
+            if self.silent_s() > SILENT_S or time.monotonic() > deadline:
+                self._kill_client()
+                break
+            if self._hurry.is_set() and not hurried:
+                hurried = True
+                if not self._send(b"kill\n"):
+                    self._kill_client()
                     break
-                _signal_all(still, signal.SIGKILL)
-                still = _wait_gone(still, _KILL_WAIT_S, reap=self.poll)
-        if self._proc is not None:
+            time.sleep(0.05)
+        self._stopped.set()
+        self._close_stdin()
+        self._proc.wait()
+        return int(running)
+
+    def hurry(self) -> None:
+        self._hurry.set()
+
+    def _kill_client(self) -> None:
+        """The node does not answer: end our side; it ends the job itself when our heartbeats stop."""
+        assert self._proc is not None
+        self._proc.kill()
+
+    def _heartbeat(self) -> None:
+        while not self._stopped.wait(HEARTBEAT_S):
+            if self.poll() is not None or not self._send(b"\n"):
+                return
+
+    def _send(self, data: bytes) -> bool:
+        assert self._proc is not None and self._proc.stdin is not None
+        return write_whole(self._proc.stdin, data, self._stdin_lock)
+
+    def _close_stdin(self) -> None:
+        with self._stdin_lock:
             try:
-                self._proc.wait(timeout=_KILL_WAIT_S)
-            except subprocess.TimeoutExpired:
+                assert self._proc is not None and self._proc.stdin is not None
+                self._proc.stdin.close()
+            except (OSError, ValueError):
                 pass
-        return len(running)
-
-    def _job_processes(self) -> list[psutil.Process]:
-        """torchrun, its descendants, and every other live process carrying this job's id."""
-        found: dict[int, psutil.Process] = {}
-        if self._proc is not None and self._proc.poll() is None:
-            try:
-                root = psutil.Process(self._proc.pid)
-                found[root.pid] = root
-                found.update((p.pid, p) for p in root.children(recursive=True))
-            except psutil.NoSuchProcess:
-                pass
-        found.update((p.pid, p) for p in processes_with_job_id(self.job_id, self.host))
-        found.pop(os.getpid(), None)
-        return [p for p in found.values() if _alive(p)]
 
 
-def processes_with_job_id(job_id: str, host: str | None = None) -> list[psutil.Process]:
-    """Live processes (of this user) whose environment has ZERORUN_JOB_ID=job_id (and, given a
-    host, ZERORUN_NODE_HOST=host)."""
-    matches = []
-    for proc in psutil.process_iter(["environ"], ad_value=None):
-        env = proc.info.get("environ")
-        if env and env.get(JOB_ID_ENV) == job_id and (host is None or env.get(NODE_HOST_ENV) == host):
-            matches.append(proc)
-    return matches
+class LocalTransport(SupervisedTransport):
+    """A node on this machine: its node supervisor as our child."""
 
+    def __init__(self, host: str, job_id: str, python: str, kill_grace_s: float) -> None:
+        super().__init__(host, job_id, kill_grace_s)
+        self.python = python
 
-def _signal_all(procs: list[psutil.Process], sig: signal.Signals) -> None:
-    """Send `sig` to each process's group (never our own) and to each process."""
-    own_group = os.getpgrp()
-    groups = set()
-    for proc in procs:
-        try:
-            groups.add(os.getpgid(proc.pid))
-        except OSError:
-            pass
-    for group in groups - {own_group}:
-        try:
-            os.killpg(group, sig)
-        except OSError:
-            pass
-    for proc in procs:
-        try:
-            proc.send_signal(sig)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
+    def command(self, node: NodeCommand) -> tuple[list[str], dict[str, str] | None]:
+        argv = [self.python, "-m", MODULE, "--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S:g}"]
+        return argv, {**os.environ, **bootstrap_env(node)}
 
-
-def _wait_gone(procs: list[psutil.Process], timeout: float, reap: Callable[[], object]) -> list[psutil.Process]:
-    """Wait until `procs` have exited (zombies count as gone); return those still alive."""
-    deadline = time.monotonic() + timeout
-    alive = procs
-    while True:
-        reap()  # our own child must be waited for, or it stays a zombie
-        alive = [p for p in alive if _alive(p)]
-        if not alive or time.monotonic() >= deadline:
-            return alive
-        time.sleep(0.05)
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _load_libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-_LIBC = _load_libc()  # loaded here, not in the forked child, where taking locks is unsafe
-
-
-def _die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """In the child before exec: get `sig` if the launcher dies (even by SIGKILL), so torchrun
-    stops its workers instead of running on unsupervised (Linux only; a no-op elsewhere)."""
-    prctl = getattr(_LIBC, "prctl", None)
-    if prctl is not None:
-        prctl(1, int(sig))  # PR_SET_PDEATHSIG
+    def _kill_client(self) -> None:
+        super()._kill_client()
+        kill_job_processes(self.job_id, self.host)  # what the node supervisor could not end, we can: same machine

@@ -16,6 +16,9 @@
    peers are gone can block, and the process is about to end anyway.
 
 An exception in the script prints its usual traceback (without this module's frames) and exits 1.
+A `ZerorunError` (a problem the user can fix, raised by zerorun inside the script) prints its
+one-line message as `zerorun: error: ...` and exits 2, as the CLI does; every rank usually hits the
+same one, and the launcher shows it once per job.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from zerorun.errors import ZerorunError
 from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV, streams
 from zerorun.telemetry import ADDRESS_ENV
 
 STACK_SIGNAL = signal.SIGUSR1  # `kill -USR1 <pid>` prints a worker's Python stacks
+USER_ERROR = 2  # the exit status of a ZerorunError, as the CLI's
 
 USAGE = "usage: python -m zerorun.launch.worker -- SCRIPT [ARGS...]"
 
@@ -76,6 +81,9 @@ def run_script(script: str, args: list[str]) -> int:
         code = 0
     except SystemExit as exc:
         code = _exit_code(exc.code)
+    except ZerorunError as exc:  # the user's to fix, and the message says how: no traceback
+        print(f"zerorun: error: {exc}", file=sys.stderr)
+        code = USER_ERROR
     except BaseException as exc:  # noqa: BLE001 - the user's error, reported as Python would
         _print_user_traceback(exc, script)
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1

@@ -29,10 +29,7 @@ the same block. Spans must be increasing and disjoint (the optimizer's pieces ar
 from __future__ import annotations
 
 import errno
-import mmap
 import os
-import shutil
-import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass
@@ -42,10 +39,11 @@ from typing import Callable, Sequence
 import torch
 
 from zerorun.errors import ZerorunError
+from zerorun.offload_files import MEMORY_FILESYSTEMS, check_nvme_path, filesystem_type  # noqa: F401 - re-exported
+from zerorun.offload_files import gib as _gib
 from zerorun.runtime.aio import ALIGN, AioEngine, AioError, open_engine
 
 RING_SLOTS = 3
-MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 
 
 def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
@@ -58,81 +56,6 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Te
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
     shift = -raw.data_ptr() % ALIGN
     return raw[shift:shift + nbytes].view(dtype)
-
-
-# ---- the path check ------------------------------------------------------------------------------
-
-def check_nvme_path(path: str | os.PathLike | None, key: str, need_bytes: int) -> None:
-    """Raise ZerorunError, naming `key` and `path`, unless `path` can hold `need_bytes` of O_DIRECT files."""
-    if not path:
-        raise ZerorunError(f"{key}: not set; NVMe offload needs a directory on a local disk.")
-    where = Path(path)
-    if not where.exists():
-        raise ZerorunError(f"{key}: {path} does not exist; create it on a local NVMe disk (mkdir -p {path}) or "
-                           f"point {key} at an existing directory.")
-    if not where.is_dir():
-        raise ZerorunError(f"{key}: {path} is not a directory.")
-    if not os.access(where, os.W_OK | os.X_OK):
-        raise ZerorunError(f"{key}: {path} is read-only for this process (uid {os.getuid()}); make it writable or "
-                           "choose another directory.")
-    fs = filesystem_type(where)
-    if fs in MEMORY_FILESYSTEMS:
-        raise ZerorunError(f"{key}: {path} is on {fs}, which lives in RAM: offloading there saves no memory (and "
-                           "older kernels refuse O_DIRECT on it); use a directory on a real disk, ideally local NVMe.")
-    free = shutil.disk_usage(where).free
-    if free < need_bytes:
-        raise ZerorunError(f"{key}: {path} has {_gib(free)} free, but this rank's offload files need "
-                           f"{_gib(need_bytes)}; free space there or choose a larger disk.")
-    _probe_direct_io(where, key, fs)
-
-
-def _probe_direct_io(where: Path, key: str, fs: str) -> None:
-    """Write and read back one aligned block with O_DIRECT, as the store will."""
-    probe = where / f".zerorun-probe-{os.getpid()}-{threading.get_ident()}"
-    block = mmap.mmap(-1, ALIGN)  # anonymous mappings are page-aligned
-    fd = -1
-    try:
-        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, 0o600)
-        os.pwrite(fd, block, 0)
-        os.preadv(fd, [block], 0)
-    except OSError as exc:
-        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            raise ZerorunError(f"{key}: {where} is read-only ({exc.strerror}); choose a writable directory.") from None
-        if exc.errno == errno.ENOSPC:
-            raise ZerorunError(f"{key}: {where} is full; free space there or choose another disk.") from None
-        if exc.errno == errno.EINVAL:
-            raise ZerorunError(f"{key}: {where} ({fs}) refuses O_DIRECT I/O, which NVMe offload needs; use a "
-                               "directory on a real disk (ext4, xfs on local NVMe), not tmpfs or a network "
-                               "file system.") from None
-        raise ZerorunError(f"{key}: cannot do O_DIRECT I/O in {where} ({fs}): {exc.strerror}.") from None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        probe.unlink(missing_ok=True)
-        block.close()
-
-
-def filesystem_type(path: Path) -> str:
-    """The type of the file system holding `path` (from /proc/self/mounts), or 'unknown'."""
-    target = os.path.realpath(path)
-    best, kind = "", "unknown"
-    try:
-        with open("/proc/self/mounts") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                point = fields[1].encode().decode("unicode_escape")  # \040 is a space
-                inside = target == point or target.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best):
-                    best, kind = point, fields[2]
-    except OSError:
-        pass
-    return kind
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
 
 
 # ---- tiles -------------------------------------------------------------------------------------

@@ -86,12 +86,12 @@ class FileShard:
     def __init__(self, placement: Placement, group_numels: Sequence[int], dtype: torch.dtype,
                  largest_piece: int) -> None:
         from zerorun.runtime.nvme import NvmeStore, aligned_empty, check_nvme_path
-        from zerorun.runtime.placement import nvme_dir
+        from zerorun.offload_files import rank_dir
 
         self.dtype = dtype
         self.group_numels = list(group_numels)
-        check_nvme_path(placement.params_nvme, "zero.offload_param.nvme_path", dtype.itemsize * sum(group_numels))
-        root = nvme_dir(placement.params_nvme, placement.run, placement.rank) / "params"
+        root = rank_dir(placement.params_nvme, placement.run, placement.rank) / "params"
+        check_nvme_path(placement.params_nvme, "zero.offload_param.nvme_path", dtype.itemsize * sum(group_numels), root)
         self.store = NvmeStore(root, {self._file(g): n for g, n in enumerate(group_numels)},
                                tile_numel=placement.tile_numel, aio=placement.aio, pin=placement.param_pin, dtype=dtype)
         self._bounce = aligned_empty(largest_piece, dtype, placement.param_pin)

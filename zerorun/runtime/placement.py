@@ -20,12 +20,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from zerorun.config import AioConfig, OffloadConfig, Recipe
+from zerorun.offload_files import rank_dir
 from zerorun.runtime.homes import Home, MemoryHome, NvmeHome
 from zerorun.runtime.transfers import Direct, StagingRing, Transfers
 
@@ -83,8 +83,8 @@ class Placement:
             return MemoryHome(group_numels, HOST)
         from zerorun.runtime.nvme import check_nvme_path  # builds the aio kernel: only when used
 
-        check_nvme_path(self.optimizer_nvme, "zero.offload_optimizer.nvme_path", 12 * sum(group_numels))
-        root = nvme_dir(self.optimizer_nvme, self.run, self.rank)
+        root = rank_dir(self.optimizer_nvme, self.run, self.rank)
+        check_nvme_path(self.optimizer_nvme, "zero.offload_optimizer.nvme_path", 12 * sum(group_numels), root)
         return NvmeHome(root, group_numels, self.tile_numel, self.aio, self.pin)
 
     def transfers(self) -> Transfers:
@@ -97,7 +97,3 @@ class Placement:
         assert place is not Place.NVME, "NVMe is not a torch device"
         return self.device if place is Place.DEVICE else HOST
 
-
-def nvme_dir(nvme_path: str, run: str | None, rank: int) -> Path:
-    """`<nvme_path>/<run>/rank-<r>/`: one directory per rank, so ranks sharing a disk never collide."""
-    return Path(nvme_path) / (run or "zerorun") / f"rank-{rank}"

@@ -4,8 +4,11 @@
   training thread is; never blocks or breaks training.
 - `collector` (launcher): a TCP server; keeps the latest state per rank (`state.RunState`) and
   appends every record to `runs/<name>/telemetry.jsonl`.
-- `console` renders that state (live table, plain summary lines, final summary); `monitor` plugs
-  collector, console and stall detection into the supervisor; `report` re-renders a JSONL file.
+- `console` renders that state (live table, plain summary lines, final summary); `report`
+  re-renders a JSONL file, and `plots` draws it as PNGs; `series` flattens records into the rows
+  that CSV, TensorBoard (`sinks`, written live by the launcher) and the plots share.
+- `zerorun.launch.monitor` plugs collector, console and stall detection into the supervisor
+  (telemetry knows nothing of launching; the launcher composes it).
 
 The wire protocol is one JSON object per line; every record has `type`, and every worker record
 has `rank` and `t` (the worker's wall clock). See `probe` for the record types.

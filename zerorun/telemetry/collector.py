@@ -8,6 +8,12 @@ the launcher writes a `job` record first and an `end` record last, so several ru
 name follow one another in one file and `zerorun report` shows the last one.
 
 `lock` guards `state` and the file: the console reads the state under it.
+
+Telemetry never decides how a job ends: a file that cannot be written (a full disk under `runs/`)
+stops the writing, not the collector. The first OSError is kept in `write_error`, with the count
+of records that did not reach the file (`unwritten`); the monitor turns it into one warning. The
+live view and the summary go on from memory. Sinks (TensorBoard, CSV) get each record too, under
+the same rule: the first error of a sink is kept and the sink is dropped.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from zerorun.telemetry.state import RunState
 
@@ -35,6 +41,10 @@ class Collector:
         self.state = state or RunState()
         self.lock = threading.Lock()
         self.records = 0
+        self.written = 0  # records that reached the file
+        self.write_error: OSError | None = None  # the first error writing the file; nothing more is written
+        self.sinks: list[Sink] = []  # more places each record goes (TensorBoard, CSV), added before start
+        self.sink_errors: list[tuple[str, Exception]] = []  # (sink name, its first error): that sink is dropped
         self._bind_host = bind_host
         self._advertise_host = advertise_host or bind_host
         self._selector = selectors.DefaultSelector()
@@ -75,8 +85,18 @@ class Collector:
         self._wake_w.close()
         with self.lock:
             if self._file is not None:
-                self._file.close()
+                try:
+                    self._file.close()  # flushes: may fail on a full disk
+                except OSError as exc:
+                    self._failed(exc)
                 self._file = None
+            for sink in list(self.sinks):
+                self._to_sink(sink, sink.close)
+
+    @property
+    def unwritten(self) -> int:
+        """Records that never reached the file (after a write error)."""
+        return self.records - self.written
 
     # -- serving thread --------------------------------------------------------------------------
 
@@ -148,15 +168,47 @@ class Collector:
         if self._file is not None:
             try:
                 self._file.write(line.strip() + b"\n")
-            except OSError:
-                pass  # a full disk must not take the launcher down; the live view goes on
+                self.written += 1
+            except OSError as exc:  # a full disk must not take the launcher down; the live view goes on
+                self._failed(exc)
+        for sink in list(self.sinks):
+            self._to_sink(sink, lambda: sink.add(record))
 
     def _flush(self) -> None:
         if self._file is not None:
             try:
                 self._file.flush()
+            except OSError as exc:
+                self._failed(exc)
+
+    def _failed(self, exc: OSError) -> None:
+        """Stop writing the file after its first error (what the buffer held is lost with it)."""
+        if self.write_error is None:
+            self.write_error = exc
+        if self._file is not None:
+            try:
+                self._file.close()
             except OSError:
                 pass
+            self._file = None
+
+    def _to_sink(self, sink: Sink, call: Any) -> None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - a sink's failure is reported once, never raised
+            self.sinks.remove(sink)
+            self.sink_errors.append((sink.name, exc))
+
+
+class Sink(Protocol):
+    """Another place records go, written from the collector's thread (`zerorun.telemetry.sinks`)."""
+
+    name: str
+    directory: Path
+
+    def add(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def _parse(line: bytes) -> dict[str, Any] | None:

@@ -52,6 +52,8 @@ def progress(state: RunState, now: float) -> RenderableType:
     quiet = now - state.last_step_at if state.last_step_at is not None else None
     if quiet is not None and quiet >= 10 and step < total:
         timing += f"  [no step for {quiet:.0f} s]"
+    if state.restarts:
+        timing += f"  [restart {len(state.restarts)}]"
     grid.add_row(Text(f"step {step}/{total}", style="bold"), bar, Text(timing))
     return grid
 
@@ -108,15 +110,19 @@ def summary_line(state: RunState, now: float | None = None) -> str:
 
 def summary_table(state: RunState) -> Table:
     """The end-of-job table, one row per rank and a totals row."""
-    title = f"job {state.job.get('job_id', '?')}: {state.step}/{state.total_steps} steps in " \
+    title = f"job {state.job.get('job_id', '?')}: {steps_done(state)} in " \
             f"{duration(state.elapsed_s(state.ended_at or time.time()))}"
     if state.exit_code is not None:
         title += f", exit code {state.exit_code}"
     if state.stalls:
         title += f", {len(state.stalls)} stall report{'s' if len(state.stalls) != 1 else ''}"
+    if state.restarts:
+        title += f", {len(state.restarts)} restart{'s' if len(state.restarts) != 1 else ''} (below)"
     table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, show_edge=False,
                   padding=(0, 0), caption_justify="left",
-                  caption="means over the steps after each rank's first; all: sums (max for skipped, comm)")
+                  caption="means over the steps after each rank's first; all: sums (max for skipped, comm). "
+                          "comm: time blocked waiting for collectives (the share of step time compute did "
+                          "not hide)")
     for i, name in enumerate(_SUMMARY_COLUMNS):
         table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
     ranks = state.sorted_ranks()
@@ -124,7 +130,7 @@ def summary_table(state: RunState) -> Table:
         table.add_row(r.host, str(r.rank), str(r.step), _count(r.mean(r.timed_samples), 1),
                       _count(r.mean(r.timed_tokens)), _flops(_tflops_mean(r)), _mfu(_mfu_mean(r)),
                       nbytes(r.device_peak or None), nbytes(r.rss_peak or None), str(r.skipped_total),
-                      _comm(r.comm_seconds, r.busy_s), offload_text(r.offload), nbytes(r.io_bytes))
+                      _comm(r.comm_waited_s, r.timed_s), offload_text(r.offload), nbytes(r.io_bytes))
     if len(ranks) > 1:
         total = _sum
         tflops = total([_tflops_mean(r) for r in ranks])
@@ -135,7 +141,9 @@ def summary_table(state: RunState) -> Table:
                       nbytes(total([r.device_peak or None for r in ranks])),
                       nbytes(total([r.rss_peak or None for r in ranks])),
                       str(max(r.skipped_total for r in ranks)),
-                      _comm(max(r.comm_seconds for r in ranks), max(r.busy_s for r in ranks)), "",
+                      _comm(max((r.comm_waited_s or 0.0) for r in ranks) if any(r.comm_waited_s is not None
+                                                                                 for r in ranks) else None,
+                            max(r.timed_s for r in ranks)), "",
                       nbytes(sum(r.io_bytes for r in ranks)), style="bold")
     return table
 
@@ -155,12 +163,21 @@ def _mfu_mean(r: RankState) -> float | None:
     return tflops / r.peak_tflops if tflops is not None and r.peak_tflops else None
 
 
-def _comm(comm_s: float, busy_s: float) -> str:
-    """Seconds in flight, and as a share of the time spent in steps."""
-    if not comm_s:
+def _comm(waited_s: float | None, timed_s: float) -> str:
+    """Seconds blocked in collectives over the timed steps, and their share of those steps' time."""
+    if waited_s is None:
         return "-"
-    share = f" ({100 * comm_s / busy_s:.0f}%)" if busy_s > 0 else ""
-    return f"{comm_s:.2f} s{share}"
+    share = f" ({100 * waited_s / timed_s:.0f}%)" if timed_s > 0 else ""
+    return f"{waited_s:.2f} s{share}"
+
+
+def steps_done(state: RunState) -> str:
+    """`60/60 steps`, or after a resume `steps 41-60 of 60 (20 run, resumed after step 40)`."""
+    first = state.first_step
+    if first is None or first <= 1:
+        return f"{state.step}/{state.total_steps} steps"
+    return (f"steps {first}-{state.step} of {state.total_steps} ({state.step - first + 1} run, resumed after "
+            f"step {first - 1})")
 
 
 _DIRECTIONS = (("d2h", "D2H"), ("h2d", "H2D"), ("nvme_read", "NVMe read"), ("nvme_write", "NVMe write"))

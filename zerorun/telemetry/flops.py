@@ -72,17 +72,6 @@ class ModelFlops:
         return None
 
 
-def count_params(module: Any) -> int:
-    """Parameters of `module` (distinct tensors; tied weights count once)."""
-    seen: set[int] = set()
-    total = 0
-    for param in module.parameters():
-        if id(param) not in seen:
-            seen.add(id(param))
-            total += param.numel()
-    return total
-
-
 def count_training_flops(model: Any, *example_inputs: Any, **example_kwargs: Any) -> float:
     """Measured FLOPs of one training step on these inputs: one forward, counted by torch, times 3.
 

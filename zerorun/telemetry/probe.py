@@ -47,7 +47,7 @@ from typing import Any
 import psutil
 
 from zerorun.config import TelemetryConfig
-from zerorun.telemetry.flops import ModelFlops, count_params, peak_tflops
+from zerorun.telemetry.flops import ModelFlops, peak_tflops
 
 log = logging.getLogger("zerorun")
 
@@ -165,12 +165,14 @@ class Probe:
         self.device = device
         device_name = _device_name(device)
         peak = self.peak_override or peak_tflops(device_name, dtype)
-        params = count_params(engine.module)
+        params = engine.num_parameters()  # the whole model's, not what stage 3 has gathered right now
         self._flops = ModelFlops(params, **{k: v for k, v in _flops_override.items() if v is not None})
         self._engine_record = {"type": "engine", "rank": self.rank, "params": params,
                                "stage": getattr(engine, "stage", None), "dtype": dtype,
                                "device_name": device_name, "peak_tflops": peak,
-                               "flops_per_token": self._flops.per_token, "flops_per_sample": self._flops.per_sample}
+                               "flops_per_token": self._flops.per_token, "flops_per_sample": self._flops.per_sample,
+                               "global_step": engine.global_step,  # after its auto-resume
+                               "resumed_from": engine.resumed_from}
         self._enqueue(dict(self._engine_record, t=time.time()))
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -194,7 +196,7 @@ class Probe:
                 log.debug("zerorun telemetry: probe round failed", exc_info=True)
         try:  # the script ended: everything left, a last sample and goodbye
             self._take_steps(wait=True)
-            self._enqueue(self._sample())
+            self._enqueue(self._sample(final=True))
             self._enqueue({"type": "bye", "rank": self.rank, "t": time.time()})
             self._send()
         except Exception:  # noqa: BLE001
@@ -246,7 +248,8 @@ class Probe:
             "offload": stats.offload,
         }
 
-    def _sample(self) -> dict[str, Any]:
+    def _sample(self, final: bool = False) -> dict[str, Any]:
+        """Memory, I/O and where the training thread is (not after the script: the bootstrap's frame says nothing)."""
         record: dict[str, Any] = {"type": "sample", "rank": self.rank, "t": time.time()}
         with self._process.oneshot():
             record["rss"] = self._process.memory_info().rss
@@ -254,7 +257,7 @@ class Probe:
             record["io"] = _io_bytes(self._process)
         record["cuda"] = _cuda_memory(self.device)
         record["memory"] = _engine_memory(self.engine())
-        record["where"] = where(self._main_thread)
+        record["where"] = None if final else where(self._main_thread)
         record["dropped"] = self._dropped
         return record
 
@@ -335,6 +338,8 @@ def _engine_memory(engine: Any) -> dict[str, dict[str, int]] | None:
             return engine.memory().as_dict()
         except RuntimeError:
             continue
+        except Exception:  # noqa: BLE001 - mid-step state the accounting does not expect: this sample has no memory,
+            return None  # the sample itself still goes (a lost sample left ranks without a memory peak)
     return None
 
 

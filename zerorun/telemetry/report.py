@@ -1,8 +1,9 @@
-"""`zerorun report runs/<name>`: the end-of-job summary again, from the run's telemetry.jsonl.
+"""`zerorun report runs/<name>`: the end-of-job summary again, and plots, from the run's telemetry.jsonl.
 
 The file may hold several jobs of the same name, one after another (each starts with a `job`
 record); the report shows the last one, or the one whose id is given. A job still running (no
-`end` record) is shown as far as it got.
+`end` record) is shown as far as it got. The plots (`plots.write_plots`) go to
+`runs/<name>/plots/<job id>/*.png`, next to the telemetry, where matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ FILE_NAME = "telemetry.jsonl"
 
 def load(path: str | Path, job_id: str | None = None) -> RunState:
     """The state of one job in a run directory (or a telemetry.jsonl file)."""
+    state = RunState()
+    for record in load_records(path, job_id):
+        state.ingest(record, float(record.get("t") or 0.0))
+    return state
+
+
+def load_records(path: str | Path, job_id: str | None = None) -> list[dict[str, Any]]:
+    """The records of one job (the last, or `job_id`) in a run directory or a telemetry.jsonl file."""
     path = Path(path)
     file = path / FILE_NAME if path.is_dir() else path
     if not file.is_file():
@@ -38,10 +47,23 @@ def load(path: str | Path, job_id: str | None = None) -> RunState:
             known = ", ".join(str(j[0].get("job_id")) for j in jobs)
             raise ZerorunError(f"{file}: no job {job_id}; it holds {known}.")
         records = matching[-1]
-    state = RunState()
-    for record in records:
-        state.ingest(record, float(record.get("t") or 0.0))
-    return state
+    return records
+
+
+def plot(path: str | Path, job_id: str | None = None) -> str:
+    """Write the job's plots next to its telemetry; one line saying where (or why not)."""
+    records = load_records(path, job_id)
+    try:
+        from zerorun.telemetry.plots import write_plots
+    except ImportError:
+        return "plots: not written: matplotlib is not installed (pip install 'zerorun[report]')"
+    path = Path(path)
+    run_dir = path if path.is_dir() else path.parent
+    job = str(records[0].get("job_id") or "job")
+    written = write_plots(records, run_dir / "plots" / job)
+    if not written:
+        return "plots: none: the job has no step records yet"
+    return f"plots: {written[0].parent}/ " + ", ".join(p.name for p in written)
 
 
 def render(state: RunState) -> RenderableType:
@@ -50,6 +72,7 @@ def render(state: RunState) -> RenderableType:
     for stall in state.stalls:
         behind = ", ".join(f"rank {r}" for r in stall.get("behind", [])) or "no rank in particular"
         parts.append(Text(f"stall after {stall.get('quiet_s', 0):.0f} s without a step; behind: {behind}"))
+    parts += [Text(restart.describe()) for restart in state.restarts]
     return Group(*parts)
 
 

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from zerorun.telemetry.restarts import Restart
+
 
 @dataclass
 class RankState:
@@ -52,13 +54,14 @@ class RankState:
     io_bytes: int = 0  # since the first sample
     where: dict[str, Any] | None = None
     last_sample_at: float | None = None
-    busy_s: float = 0.0  # the time of every step, the first included
+    first_step: int | None = None  # the step number of the first step this job reported (after a resume: > 1)
     # totals over steps after the first
     steps_seen: int = 0
     timed_s: float = 0.0
     timed_samples: int = 0
     timed_tokens: int = 0
     timed_flops: float = 0.0
+    _comm_first: tuple[float, float] = (0.0, 0.0)  # (waited, in flight) seconds at the first step
     _io_first: int | None = None
     _io_last: tuple[float, int] | None = None
 
@@ -80,7 +83,9 @@ class RankState:
         step = int(r.get("step", 0))
         if step <= self.step and self.steps_seen:
             return  # a repeat after a reconnect
-        self.busy_s += r.get("step_time_s") or 0.0
+        if self.first_step is None:
+            self.first_step = step
+            self._comm_first = _comm_totals(r.get("comm") or {})
         if self.steps_seen and r.get("step_time_s"):
             self.timed_s += r["step_time_s"]
             self.timed_samples += r.get("samples") or 0
@@ -101,14 +106,14 @@ class RankState:
         self.rss_peak = max(self.rss_peak, self.rss or 0)
         self.cpu_percent = r.get("cpu_percent")
         self.memory = r.get("memory") or self.memory
-        self.where = r.get("where")
+        self.where = r.get("where") or self.where  # the last sample, after the script ended, has none
         cuda = r.get("cuda")
         self.cuda = cuda is not None
         if cuda is not None:
             self.device_now = cuda.get("allocated")
             self.device_peak = max(self.device_peak, cuda.get("peak") or 0)
         elif self.memory is not None:
-            self.device_now = sum(b for kind in self.memory.values() for place, b in kind.items() if place != "nvme")
+            self.device_now = held_bytes(self.memory)
             self.device_peak = max(self.device_peak, self.device_now)
         if self.memory is not None:
             self.nvme_bytes = sum(places.get("nvme", 0) for places in self.memory.values())
@@ -130,18 +135,64 @@ class RankState:
         return amount / self.timed_s if self.timed_s > 0 else None
 
     @property
-    def comm_seconds(self) -> float:
-        return sum(float(k.get("seconds", 0.0)) for k in self.comm.values())
+    def comm_waited_s(self) -> float | None:
+        """Seconds the training thread blocked in collectives over the timed steps (what compute did not
+        hide); None from workers that do not count it."""
+        if not self.comm or any("waited" not in kind for kind in self.comm.values()):
+            return None
+        return _comm_totals(self.comm)[0] - self._comm_first[0]
 
     @property
-    def comm_bytes(self) -> int:
-        return int(sum(float(k.get("bytes", 0)) for k in self.comm.values()))
+    def comm_in_flight_s(self) -> float:
+        """Seconds collectives were in flight over the timed steps, launch to wait(): overlapping
+        collectives each count, so this can exceed the step time when overlap works."""
+        return _comm_totals(self.comm)[1] - self._comm_first[1]
+
+    @property
+    def offload_waited_s(self) -> float:
+        return float(self.offload.get("wait", {}).get("seconds", 0.0))
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the training thread was last seen inside a collective (waiting for other ranks)."""
+        return bool(self.where and self.where.get("in_collective"))
 
     def describe_where(self) -> str:
         if not self.where:
             return "no sample yet"
         w = self.where
         return f"in {w.get('function')} ({os.path.basename(str(w.get('file')))}:{w.get('line')})"
+
+
+def _comm_totals(comm: dict[str, dict[str, float]]) -> tuple[float, float]:
+    """(waited, in flight) seconds summed over the collective kinds of cumulative counters."""
+    return (sum(float(k.get("waited", 0.0)) for k in comm.values()),
+            sum(float(k.get("seconds", 0.0)) for k in comm.values()))
+
+
+MODEL_STATE_KINDS = ("params", "grads", "master", "optimizer")  # as runtime.memory (a test keeps them equal)
+
+
+def held_bytes(memory: dict[str, dict[str, int]]) -> int:
+    """What the engine holds in memory (every kind and place but NVMe): a CPU rank's "device" bytes."""
+    return sum(b for kind in memory.values() for place, b in kind.items() if place != "nvme")
+
+
+def model_state_bytes(memory: dict[str, dict[str, int]] | None) -> int | None:
+    """params + grads + master + optimizer, every place: what the ZeRO formulas describe."""
+    if memory is None:
+        return None
+    return sum(b for kind in MODEL_STATE_KINDS for b in memory.get(kind, {}).values())
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """The rank that held the others up when one of them failed waiting, and what the telemetry showed."""
+
+    rank: int
+    host: str
+    why: str  # "stopped making progress at step 2, in sleep_here (train.py:39)"
+    evidence: tuple[str, ...]  # one line per rank: step, where, waiting or silent
 
 
 @dataclass
@@ -156,9 +207,13 @@ class RunState:
     engine_at: float | None = None  # when the first engine was built (stall detection starts then)
     last_step_at: float | None = None  # when any rank last finished a step
     stalls: list[dict[str, Any]] = field(default_factory=list)
+    restarts: list[Restart] = field(default_factory=list)
 
     def ingest(self, record: dict[str, Any], now: float) -> None:
         kind = record.get("type")
+        if kind == "restart":
+            self._restart(record)
+            return
         if kind == "job":
             self.job = dict(record)
             self.started_at = float(record.get("t", now))
@@ -180,6 +235,16 @@ class RunState:
             self.engine_at = now
         if kind == "step" and state.step > before:
             self.last_step_at = now
+        if self.restarts:
+            stepped = len(self.ranks) >= self.world_size and all(r.steps_seen for r in self.ranks.values())
+            self.restarts[-1].saw(record, now, stepped)
+
+    def _restart(self, record: dict[str, Any]) -> None:
+        """A new attempt: the ranks start over (possibly fewer of them); the failure is kept with its gap."""
+        self.restarts.append(Restart.from_record(record, self.step))
+        self.job["world_size"] = record.get("world_size", self.job.get("world_size"))
+        self.ranks = {}
+        self.engine_at = self.last_step_at = None
 
     # -- progress --------------------------------------------------------------------------------
 
@@ -195,6 +260,11 @@ class RunState:
     def step(self) -> int:
         """Steps every reporting rank has finished."""
         return min((r.step for r in self.ranks.values()), default=0)
+
+    @property
+    def first_step(self) -> int | None:
+        """The first step this job ran (1, or the one after the checkpoint it resumed from)."""
+        return min((r.first_step for r in self.ranks.values() if r.first_step is not None), default=None)
 
     def eta_s(self, now: float) -> float | None:
         """Steps left times the slowest rank's mean step time, less the time since the last step.
@@ -216,6 +286,42 @@ class RunState:
         return [self.ranks[r] for r in sorted(self.ranks)]
 
     # -- stalls ----------------------------------------------------------------------------------
+
+    def culprit(self, failed_rank: int) -> Culprit | None:
+        """When `failed_rank` failed while waiting in a collective: the rank it waited for.
+
+        That is a rank whose telemetry stopped well before the failed rank's (a stopped or frozen
+        process), else one behind it in steps, else, at equal steps, one that was not inside a
+        collective (a hang in the script). None when the failed rank was not waiting, or no rank stands out.
+        """
+        failed = self.ranks.get(failed_rank)
+        if failed is None or not failed.waiting or failed.last_sample_at is None:
+            return None
+        others = [r for r in self.sorted_ranks() if r.rank != failed_rank]
+        silent_after = max(5.0, 5 * float(self.job.get("interval_s") or 1.0))
+
+        def silence(r: RankState) -> float:
+            return failed.last_sample_at - r.last_sample_at if r.last_sample_at is not None else 0.0
+
+        frozen = [r for r in others if not r.finished and silence(r) > silent_after]
+        behind = [r for r in others if r.step < failed.step] or \
+                 [r for r in others if not r.finished and r.where and not r.waiting]
+        if frozen:
+            r = frozen[0]
+            why = f"stopped answering (no telemetry for {silence(r):.0f} s: stopped or frozen) at step {r.step}, " \
+                  f"last seen {r.describe_where()}"
+        elif behind:
+            r = behind[0]
+            why = f"stopped making progress at step {r.step}, {r.describe_where()}"
+        else:
+            return None
+        evidence = []
+        for rank in [failed, *others]:
+            state = "waiting in a collective" if rank.waiting else "not in a collective"
+            quiet = f", no telemetry for its last {silence(rank):.0f} s" if rank in frozen else ""
+            evidence.append(f"rank {rank.rank} on {rank.host}: step {rank.step}, {rank.describe_where()}, {state}{quiet}")
+        return Culprit(r.rank, r.host, why, tuple(evidence))
+
 
     def behind(self) -> tuple[list[RankState], list[RankState]]:
         """(ranks holding the others up, ranks waiting for them).

@@ -1,4 +1,4 @@
-"""The launcher's side of telemetry, plugged into the supervisor as its `Output`.
+"""The launcher's side of telemetry, plugged into the supervisor as its `Output` and its witness.
 
     monitor = Monitor(launch_plan)
     launch_plan = with_env(launch_plan, {ADDRESS_ENV: monitor.start()})   # collector listening
@@ -40,7 +40,8 @@ from zerorun.launch.plan import LaunchPlan, is_local
 from zerorun.launch.supervisor import Output
 from zerorun.telemetry import RUNS_DIR, console
 from zerorun.telemetry.collector import Collector
-from zerorun.telemetry.state import RankState
+from zerorun.telemetry.sinks import open_sinks
+from zerorun.telemetry.state import Culprit, RankState
 
 PLAIN_EVERY_S = 30.0
 LIVE_REFRESH_S = 0.25
@@ -68,9 +69,12 @@ class Monitor(Output):
         self._plain = (0, -1, 0.0)  # (step, tenth, time) of the last plain summary line
         self._stalled_at: float | None = None
         self.address: str | None = None  # host:port the workers report to, once started
+        self._warned: set[str] = set()  # files and sinks already warned about
 
     def start(self) -> str:
         """Start the collector (and the live region); return the address workers report to."""
+        sinks, errors = open_sinks(self.telemetry, self.path.parent, self.plan.job_id, self.plan.world_size)
+        self.collector.sinks, self.collector.sink_errors = sinks, errors
         self.address = address = self.collector.start()
         self.collector.record({"type": "job", "job_id": self.plan.job_id, "name": self.plan.name,
                                "world_size": self.plan.world_size, "steps": self.plan.steps,
@@ -104,6 +108,7 @@ class Monitor(Output):
             self.collector.record({"type": "end", "exit_code": exit_code, "t": time.time()})
         finally:
             self.collector.close()
+        self._warn_io()
         try:
             self._summarize()
         except Exception as exc:  # noqa: BLE001 - the job's exit code matters more than its summary
@@ -122,13 +127,57 @@ class Monitor(Output):
         elif table is not None:
             for line in _plain_text(table, self._width or 160).splitlines():
                 super().write(2, line.rstrip().encode())
-        if ranks:
-            self._say(f"telemetry: {self.path} ({self.collector.records} records); "
-                      f"`zerorun report {self.path.parent}` shows this summary again")
+        for restart in self.state.restarts:
+            self._say(restart.describe())
+        if ranks and self.collector.write_error is None:
+            more = "".join(f", {sink.name} {sink.directory}" for sink in self.collector.sinks)
+            self._say(f"telemetry: {self.path} ({self.collector.records} records){more}; "
+                      f"`zerorun report {self.path.parent}` shows this summary again, with plots")
+
+    def _warn_io(self) -> None:
+        """One warning per file or sink that could not be written (the job goes on, its exit code is the workers')."""
+        collector = self.collector
+        problems = [(str(self.path), collector.write_error, f"it stops after about {collector.written} records")] \
+            if collector.write_error else []
+        problems += [(name, exc, "nothing more goes there") for name, exc in collector.sink_errors]
+        for what, exc, consequence in problems:
+            if what not in self._warned:
+                self._warned.add(what)
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
+                self._say(f"warning: telemetry: cannot write {what} ({reason}); {consequence}; the live view and "
+                          "summary go on, and the job's exit code is the workers'")
+
+    def last_step(self, host: str | None, rank: int | None) -> int | None:
+        """The last step a culprit finished (a rank's, else the lowest of its host's ranks), if telemetry knows."""
+        with self.collector.lock:
+            ranks = [r for r in self.state.ranks.values() if (r.rank == rank if rank is not None else r.host == host)]
+            return min((r.step for r in ranks), default=None)
+
+    def restarted(self, plan: LaunchPlan, attempt: int, cause: str, decision: str, failed_at: float,
+                  torn_down_at: float) -> None:
+        """A new attempt starts: say so in the stream (the state starts its ranks over) and watch it afresh."""
+        self.plan = plan
+        self.collector.record({"type": "restart", "attempt": attempt, "job_id": plan.job_id,
+                               "world_size": plan.world_size, "cause": cause, "decision": decision,
+                               "failed_at": failed_at, "torn_down_at": torn_down_at, "t": time.time()})
+        self._stalled_at = None
+        self._plain = (0, -1, 0.0)
+
+    def waiting(self, rank: int) -> bool:
+        """The supervisor's witness: whether `rank` was last seen waiting inside a collective."""
+        with self.collector.lock:
+            state = self.state.ranks.get(rank)
+            return state is not None and state.waiting
+
+    def culprit(self, failed_rank: int) -> Culprit | None:
+        """The supervisor's witness: the rank `failed_rank` was waiting for when it failed, if any."""
+        with self.collector.lock:
+            return self.state.culprit(failed_rank)
 
     # -- each tick ---------------------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
+        self._warn_io()
         with self.collector.lock:
             stall = self._stall_check(now)
             view = None

@@ -1,0 +1,250 @@
+"""The fault table: inject each fault into a real launch and record how the job ends.
+
+    python -m tests.launch.fault_table                 # every case, a markdown table on stdout
+    python -m tests.launch.fault_table hang ssh-stop   # some of them
+
+Not a test (it takes minutes and measures times): it is how the closing note's "before / after"
+table of issue 15 was made, and a way to re-measure it on a quiet machine. For each case it
+reports the seconds from the fault to the launcher's exit, the exit code, what the launcher named
+as the cause (its `zerorun: job ... stopped` / failure lines), and what was left: live processes
+of the job (by job id and printed pids) and NVMe offload files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from tests.launch.launched import SCRIPTS, LaunchedJob, write_recipe
+
+TINY = str(Path(__file__).resolve().parents[1] / "telemetry" / "scripts" / "tiny_train.py")
+_CAUSE = re.compile(r"^(zerorun: (job \S+ stopped.*|lost contact.*|.*failed.*|error: .*|warning: .*)|\S*Error: .*)$")
+
+
+@dataclass
+class Row:
+    case: str
+    seconds: float | None
+    code: int | None
+    cause: str
+    leftovers: str
+
+
+def _pid_of(job: LaunchedJob, host_rank: str) -> int:
+    line = next(line for line in job.stdout if line.startswith(f"[{host_rank}] pid "))
+    return int(line.rsplit(" ", 1)[1])
+
+
+def _cause(job: LaunchedJob) -> str:
+    lines = [line for line in job.stderr if _CAUSE.match(line) or line.startswith("=" * 20 + " ")]
+    shown = [line.strip("= ").removeprefix("zerorun: ") for line in lines]
+    return " / ".join(dict.fromkeys(shown))[:300] or "(nothing)"
+
+
+def _files(directory: Path | None) -> list[str]:
+    if directory is None or not directory.exists():
+        return []
+    return [str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()]
+
+
+def _run(case: str, work: Path, start: Callable[[Path], LaunchedJob], fault: Callable[[LaunchedJob], None],
+         nvme: Path | None = None, settle_s: float = 15.0) -> Row:
+    job = start(work)
+    try:
+        fault(job)
+        fault_at = time.monotonic()
+        try:
+            code = job.wait(timeout=180)
+        except AssertionError:
+            job.cleanup()
+            return Row(case, None, None, "never noticed: still running 180 s after the fault", "(killed by the table)")
+        seconds = time.monotonic() - fault_at
+        deadline = time.monotonic() + settle_s
+        while job.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        procs = job.leftovers()
+        files = _files(nvme)
+        left = ", ".join(filter(None, [f"{len(procs)} processes" if procs else "",
+                                       f"{len(files)} NVMe files" if files else ""])) or "none"
+        return Row(case, seconds, code, _cause(job), left)
+    finally:
+        job.cleanup()
+
+
+def _wait_steps(job: LaunchedJob, count: int = 2, timeout: float = 120.0) -> None:
+    job.wait_until(lambda: sum("pid " in line for line in job.stdout) >= count, "workers up", timeout)
+    time.sleep(3.0)  # a few steps
+
+
+def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
+    def local(script: str, args: list[str] = (), **keys: object) -> Callable[[Path], LaunchedJob]:
+        def start(work: Path) -> LaunchedJob:
+            return LaunchedJob.start(write_recipe(work, script, args, **keys), cwd=work)
+        return start
+
+    def fresh(name: str) -> Path:
+        path = work_root / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    slow = {"nproc_per_node": 2, "train": {"steps": 100_000}, "telemetry": {"interval_s": 0.5}}
+
+    def nvme_case(name: str, fault: Callable[[LaunchedJob], None]) -> Row:
+        work = fresh(name)
+        disk = Path(tempfile.mkdtemp(prefix="zr-fault-nvme-", dir="/var/tmp"))
+        keys = dict(slow, zero={"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(disk)}})
+        return _run(name, work, local(TINY, ["--step-delay", "0.05"], **keys), fault, nvme=disk)
+
+    def kill_rank(sig: int) -> Callable[[LaunchedJob], None]:
+        def fault(job: LaunchedJob) -> None:
+            _wait_steps(job)
+            os.kill(_pid_of(job, "localhost:1"), sig)
+        return fault
+
+    def signal_launcher(sig: int, again: bool = False, kill_after_s: float | None = None):
+        def fault(job: LaunchedJob) -> None:
+            job.wait_for("ready", count=2, timeout=120)
+            job.send(sig)
+            if again:
+                time.sleep(1.0)
+                job.send(sig)
+            if kill_after_s is not None:
+                time.sleep(kill_after_s)
+                job.proc.kill()
+        return fault
+
+    def ready_then(fn: Callable[[LaunchedJob], None]) -> Callable[[LaunchedJob], None]:
+        def fault(job: LaunchedJob) -> None:
+            job.wait_for("ready", count=2, timeout=120)
+            fn(job)
+        return fault
+
+    stubborn = {"launch": {"kill_grace_s": 1.0}}
+    table: dict[str, Callable[[], Row]] = {
+        "rank exits 3": lambda: _run("rank exits 3", fresh("exit"), local("stubborn.py", ["--fail-rank", "1"]),
+                                     lambda job: job.wait_for("rank 1 line 24", timeout=120)),
+        "rank SIGKILL": lambda: _run("rank SIGKILL", fresh("kill"), local(TINY, ["--step-delay", "0.05"], **slow),
+                                     kill_rank(signal.SIGKILL)),
+        "rank hangs (collective timeout 10 s)": lambda: _run(
+            "rank hangs (collective timeout 10 s)", fresh("hang"),
+            local(TINY, ["--sleep-rank", "1", "--sleep-at", "3", "--sleep-s", "120"], nproc_per_node=2,
+                  train={"steps": 50}, launch={"timeout_s": 10.0, "kill_grace_s": 1.0},
+                  telemetry={"interval_s": 0.5}),
+            lambda job: job.wait_for("[localhost:1] sleeping", timeout=120)),
+        "rank SIGSTOP (collective timeout 10 s)": lambda: _run(
+            "rank SIGSTOP (collective timeout 10 s)", fresh("stop"),
+            local(TINY, ["--step-delay", "0.05"], **dict(slow, launch={"timeout_s": 10.0, "kill_grace_s": 1.0})),
+            kill_rank(signal.SIGSTOP)),
+        "Ctrl-C, workers ignore SIGTERM": lambda: _run(
+            "Ctrl-C, workers ignore SIGTERM", fresh("int"), local("stubborn.py", **stubborn),
+            signal_launcher(signal.SIGINT)),
+        "second Ctrl-C (kill_grace_s 30)": lambda: _run(
+            "second Ctrl-C (kill_grace_s 30)", fresh("int2"), local("stubborn.py", launch={"kill_grace_s": 30.0}),
+            signal_launcher(signal.SIGINT, again=True)),
+        "launcher SIGKILL in its grace wait": lambda: _run(
+            "launcher SIGKILL in its grace wait", fresh("kill9"), local("stubborn.py", launch={"kill_grace_s": 5.0}),
+            signal_launcher(signal.SIGINT, kill_after_s=1.0), settle_s=30.0),
+        "ZerorunError in every rank": lambda: _run(
+            "ZerorunError in every rank", fresh("error"),
+            local(TINY, nproc_per_node=2, zero={"stage": 2, "offload_optimizer": {
+                "device": "nvme", "nvme_path": "/nonexistent/zerorun-nvme"}}), lambda job: None),
+        "NVMe offload, Ctrl-C": lambda: nvme_case("NVMe offload, Ctrl-C", lambda job: (_wait_steps(job),
+                                                                                      job.send(signal.SIGINT))),
+        "NVMe offload, rank SIGKILL": lambda: nvme_case("NVMe offload, rank SIGKILL", kill_rank(signal.SIGKILL)),
+    }
+    table["runs/ disk full (tmpfs of 16 KiB)"] = lambda: _full_runs_disk(fresh("full"))
+    table.update(_ssh_cases(work_root, fresh))
+    return table
+
+
+def _full_runs_disk(work: Path) -> Row:
+    """A job whose workers all succeed while runs/ is a 16 KiB file system (needs root to mount)."""
+    import subprocess
+
+    runs = work / "runs"
+    runs.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(runs)]).returncode != 0:
+        return Row("runs/ disk full", None, None, "(cannot mount here)", "-")
+    try:
+        start = lambda w: LaunchedJob.start(write_recipe(w, TINY, [], nproc_per_node=2, train={"steps": 40},
+                                                         telemetry={"interval_s": 0.1}), cwd=w)
+        return _run("runs/ disk full (tmpfs of 16 KiB), 40 steps succeed", work, start, lambda job: None)
+    finally:
+        subprocess.run(["umount", "-l", str(runs)])
+
+
+def _ssh_cases(work_root: Path, fresh: Callable[[str], Path]) -> dict[str, Callable[[], Row]]:
+    from tests.launch.sshd import PrivateSSHD, find_sshd
+
+    if find_sshd() is None:
+        return {}
+    server: list[PrivateSSHD] = []
+
+    def start(script: str, args: list[str] = (), **keys: object) -> Callable[[Path], LaunchedJob]:
+        def run(work: Path) -> LaunchedJob:
+            if not server:
+                server.append(PrivateSSHD.start(Path(tempfile.mkdtemp(prefix="zr-fault-sshd-"))))
+            sshd = server[0]
+            hosts = work / "hosts"
+            hosts.write_text("".join(f"{host} slots=1\n" for host in sshd.hosts))
+            recipe = write_recipe(work, script, args, ssh=sshd.recipe_section(),
+                                  launch={"kill_grace_s": 1.0, "transport": "ssh"}, **keys)
+            return LaunchedJob.start(recipe, "--hostfile", str(hosts), cwd=work)
+        return run
+
+    def client_of(job: LaunchedJob, host: str) -> psutil.Process:
+        for proc in psutil.Process(job.proc.pid).children(recursive=True):
+            try:
+                if proc.name() == "ssh" and host in proc.cmdline():
+                    return proc
+            except psutil.NoSuchProcess:
+                continue
+        raise AssertionError(f"no ssh client to {host}:\n{job.output}")
+
+    def ready_then(fn: Callable[[LaunchedJob], None]) -> Callable[[LaunchedJob], None]:
+        def fault(job: LaunchedJob) -> None:
+            job.wait_for("ready", count=2, timeout=120)
+            fn(job)
+        return fault
+
+    return {
+        "ssh: remote rank exits 3": lambda: _run("ssh: remote rank exits 3", fresh("ssh-exit"),
+                                                 start("stubborn.py", ["--fail-rank", "1"]),
+                                                 lambda job: job.wait_for("rank 1 line 24", timeout=120)),
+        "ssh: client SIGKILL": lambda: _run("ssh: client SIGKILL", fresh("ssh-kill"), start("stubborn.py"),
+                                            ready_then(lambda job: client_of(job, "127.0.0.2").kill())),
+        "ssh: half-open link (client SIGSTOP)": lambda: _run(
+            "ssh: half-open link (client SIGSTOP)", fresh("ssh-stop"), start("stubborn.py"),
+            ready_then(lambda job: client_of(job, "127.0.0.2").send_signal(signal.SIGSTOP))),
+        "ssh: half-open link while training": lambda: _run(
+            "ssh: half-open link while training", fresh("ssh-stop-train"),
+            start(TINY, ["--step-delay", "0.05"], train={"steps": 100_000}),
+            lambda job: (_wait_steps(job), client_of(job, "127.0.0.2").send_signal(signal.SIGSTOP))),
+        "ssh: Ctrl-C": lambda: _run("ssh: Ctrl-C", fresh("ssh-int"), start("stubborn.py"),
+                                    ready_then(lambda job: job.send(signal.SIGINT))),
+    }
+
+
+def main(argv: list[str]) -> None:
+    work_root = Path(tempfile.mkdtemp(prefix="zr-faults-"))
+    table = cases(work_root)
+    chosen = [name for name in table if not argv or any(arg in name for arg in argv)]
+    print("| case | seconds to exit | exit code | cause named | left behind |")
+    print("|---|---|---|---|---|")
+    for name in chosen:
+        row = table[name]()
+        seconds = "-" if row.seconds is None else f"{row.seconds:.1f}"
+        print(f"| {row.case} | {seconds} | {row.code} | {row.cause} | {row.leftovers} |", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

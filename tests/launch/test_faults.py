@@ -1,0 +1,175 @@
+"""Real launches with a fault injected: the right culprit named, a fast teardown, nothing left behind.
+
+Each test starts `python -m zerorun.cli launch` on a fresh recipe (tests/launch/launched.py),
+injects one fault, and checks what the launcher said, how long it took, and that no process of
+the job (by job id and by the pids the workers printed) and no NVMe offload file is left.
+Time limits are generous against the slowest loaded machine seen, yet far below what each fault
+took before its fix (in parentheses): the limits are about the design, not this machine's speed.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+TINY = str(Path(__file__).resolve().parents[1] / "telemetry" / "scripts" / "tiny_train.py")
+TEARDOWN_LIMIT_S = 15.0
+
+
+def _no_leftovers_within(job, seconds: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + seconds
+    while (left := job.leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _stopped_line(job) -> str:
+    return next(line for line in reversed(job.stderr) if line.startswith(f"zerorun: job {job.job_id} stopped: "))
+
+
+def test_a_hanging_rank_is_named_in_the_final_report_not_the_rank_that_timed_out_waiting(launch):
+    job = launch(TINY, ["--sleep-rank", "1", "--sleep-at", "2", "--sleep-s", "120"], nproc_per_node=2,
+                 train={"steps": 50}, launch={"timeout_s": 5.0, "kill_grace_s": 1.0}, telemetry={"interval_s": 0.2})
+    assert job.wait(timeout=120) == 1, job.output  # rank 0's collective timed out (before: "rank 0 ... failed")
+    final = _stopped_line(job)
+    assert "rank 1 on localhost stopped making progress at step 2, in sleep_here (tiny_train.py:" in final, job.output
+    assert "rank 0 on localhost failed waiting for it (exit code 1)" in final
+    stderr = "\n".join(job.stderr)
+    assert "zerorun: evidence: rank 1 on localhost: step 2, in sleep_here" in stderr
+    assert "zerorun: evidence: rank 0 on localhost: step 2, in " in stderr and "waiting in a collective" in stderr
+    assert job.leftovers() == []
+
+
+def test_a_second_sigint_during_the_grace_period_ends_the_launcher_at_once(launch):
+    job = launch("stubborn.py", launch={"kill_grace_s": 60.0})  # workers ignore SIGTERM: 60 s of grace
+    job.wait_for("ready", count=2)
+    job.send(signal.SIGINT)
+    job.wait_until(lambda: any("received SIGINT; stopping job" in line for line in job.stderr), "the first stop")
+    time.sleep(1.0)
+    job.send(signal.SIGINT)  # (before: ignored; the launcher waited out the 60 s)
+    assert job.wait(timeout=60) == 130, job.output
+    assert job.seconds_since("signal") < TEARDOWN_LIMIT_S
+    assert any("received SIGINT again; killing job" in line for line in job.stderr)
+    assert job.leftovers() == []
+
+
+def test_a_launcher_killed_in_its_grace_period_leaves_no_worker_that_ignores_sigterm(launch):
+    job = launch("stubborn.py", launch={"kill_grace_s": 3.0})
+    job.wait_for("ready", count=2)
+    pids = job.worker_pids()
+    job.send(signal.SIGINT)  # the launcher asks every node to stop: SIGTERM, which the workers ignore...
+    job.wait_until(lambda: any("received SIGINT; stopping job" in line for line in job.stderr), "the first stop")
+    job.proc.kill()  # ...and dies before its grace period is over (before: the workers ran on for good)
+    job.wait()
+    assert _no_leftovers_within(job, 3.0 + TEARDOWN_LIMIT_S) == [], pids
+
+
+def test_nvme_offload_files_are_removed_after_ctrl_c_and_after_a_killed_rank(launch, direct_io_dir: Path):
+    keys = {"nproc_per_node": 2, "train": {"steps": 100_000}, "telemetry": {"interval_s": 0.2},
+            "zero": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(direct_io_dir)}}}
+    files = lambda: sorted(p.name for p in direct_io_dir.rglob("*.bin"))  # noqa: E731
+    for fault in ("ctrl-c", "kill-rank"):
+        job = launch(TINY, ["--step-delay", "0.05"], **keys)
+        job.wait_until(lambda: sum("pid " in line for line in job.stdout) == 2, "both ranks training")
+        job.wait_until(lambda: len(files()) == 6, "the offload files of both ranks")
+        if fault == "ctrl-c":
+            job.send(signal.SIGINT)
+            assert job.wait() == 130, job.output
+        else:
+            rank1 = next(int(line.split()[-1]) for line in job.stdout if line.startswith("[localhost:1] pid "))
+            psutil.Process(rank1).kill()
+            assert job.wait() == 137, job.output
+        assert files() == [], f"{fault}: {files()} left\n{job.output}"  # (before: all 6 stayed)
+        assert any("NVMe offload file(s) of this job on localhost" in line for line in job.stderr), job.output
+        assert job.leftovers() == []
+
+
+def test_a_bad_nvme_path_fails_in_preflight_before_any_worker_starts(launch, tmp_path: Path):
+    missing = tmp_path / "no-such-dir"
+    job = launch(TINY, nproc_per_node=2,
+                 zero={"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(missing)}})
+    assert job.wait(timeout=60) == 2, job.output  # a user error, as the CLI reports it
+    stderr = "\n".join(job.stderr)
+    assert f"preflight failed on localhost; nothing was started: zero.offload_optimizer.nvme_path: {missing} " \
+           "does not exist" in stderr, job.output
+    assert job.stdout == [] and job.job_id is None  # (before: every rank started, then each printed a traceback)
+
+
+def test_a_zerorun_error_in_every_rank_prints_its_message_once_and_no_traceback(launch, tmp_path: Path):
+    (tmp_path / "fails.py").write_text(
+        "import torch.distributed as dist\n"
+        "from zerorun.errors import ZerorunError\n"
+        "dist.barrier()\n"
+        "raise ZerorunError('the data file is missing; pass --data PATH')\n")
+    job = launch(str(tmp_path / "fails.py"), nproc_per_node=2)
+    assert job.wait(timeout=60) == 2, job.output
+    errors = [line for line in job.stderr if "zerorun: error: the data file is missing" in line]
+    assert len(errors) == 1, job.output
+    assert not any("Traceback" in line for line in job.stderr)
+    assert "failed (exit code 2)" in _stopped_line(job)
+    assert job.leftovers() == []
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["idle", "training"])
+def test_a_half_open_ssh_link_is_torn_down_within_15_s_and_reported_as_lost_contact(launch_ssh, training):
+    if training:
+        job = launch_ssh(TINY, ["--step-delay", "0.05"], nproc=1, train={"steps": 100_000})
+        job.wait_until(lambda: sum("pid " in line for line in job.stdout) == 2, "both ranks training")
+    else:
+        job = launch_ssh("stubborn.py", nproc=1)
+        job.wait_for("ready", count=2)
+    client = next(p for p in psutil.Process(job.proc.pid).children() if p.name() == "ssh" and "127.0.0.2" in p.cmdline())
+    client.send_signal(signal.SIGSTOP)  # the link stays "open" and carries nothing (before: 27 s, or never noticed)
+    stopped = time.monotonic()
+    try:
+        assert job.wait(timeout=TEARDOWN_LIMIT_S + 30) != 0, job.output
+        assert time.monotonic() - stopped < TEARDOWN_LIMIT_S, job.output
+        final = _stopped_line(job)
+        assert "lost contact with 127.0.0.2: no heartbeat for " in final, job.output
+        assert "rank 0" not in final
+        assert _no_leftovers_within(job, TEARDOWN_LIMIT_S) == []
+    finally:
+        try:
+            client.send_signal(signal.SIGCONT)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_the_root_failure_is_the_first_rank_that_was_not_waiting_for_the_others():
+    from zerorun import config
+    from zerorun.hostfile import Node
+    from zerorun.launch.plan import MachineFacts, plan
+    from zerorun.launch.streams import RankExit
+    from zerorun.launch.supervisor import Ending, Supervisor
+    from zerorun.launch.transport import Transport
+
+    class Idle(Transport):
+        def start(self, node):  # noqa: ANN001, ANN202 - never started here
+            raise AssertionError
+
+        def poll(self) -> int | None:
+            return None
+
+        def stop(self, grace_s: float) -> int:
+            return 0
+
+    class Witness:  # rank 0 was waiting in a collective (a victim); rank 1 was not
+        def waiting(self, rank: int) -> bool:
+            return rank == 0
+
+        def culprit(self, failed_rank: int) -> None:
+            return None
+
+    recipe = config.from_dict({"script": "/x/t.py"})
+    launch_plan = plan(recipe, [Node("a", (0,)), Node("b", (0,))], "j", 1, MachineFacts(2, "py"))
+    supervisor = Supervisor(launch_plan, [Idle("a", "j"), Idle("b", "j")], witness=Witness())
+    supervisor._failures = [RankExit("a", 0, 1, None), RankExit("b", 1, None, 9)]  # the victim's record came first
+    outcome = supervisor._outcome_of_failure()
+    assert (outcome.ending, outcome.rank, outcome.host, outcome.exit_code) == (Ending.RANK_FAILED, 1, "b", 137)
+    assert outcome.cause == "rank 1 on b failed (killed by SIGKILL)"
+    supervisor._failures = [RankExit("b", 1, None, 15), RankExit("a", 0, 1, None)]  # torchrun's SIGTERM came first
+    assert supervisor._outcome_of_failure().rank == 0  # the rank that failed by itself, even while waiting
