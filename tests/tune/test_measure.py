@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zerorun.tune.measure import Status, TrialRecords, failure_cause
+from zerorun.tune.measure import Status, Trial, TrialRecords, failure_cause
 
 
 def step(rank: int, number: int, seconds: float, tokens: int = 256, samples: int = 2) -> dict:
@@ -93,3 +93,14 @@ def test_a_launcher_error_is_the_cause_when_no_rank_ran() -> None:
     output = "zerorun: error: recipe.yaml:3: zero.stage: must be >= 0 and <= 3, got 7.\n"
     assert failure_cause(output, 2) == (Status.FAILED, "recipe.yaml:3: zero.stage: must be >= 0 and <= 3, got 7.")
     assert failure_cause("", 1) == (Status.FAILED, "the launcher exited with code 1")
+
+
+def test_a_repeat_that_fails_means_the_candidate_cannot_win() -> None:
+    from zerorun.tune.space import Candidate
+
+    c = Candidate(2, "none", "none", 2, 1, False, 25.0)
+    trial = Trial(c, Status.MEASURED, index=1, throughput=100.0, peak_rss=10)
+    trial.fold(Trial(c, Status.MEASURED, index=5, throughput=120.0, peak_rss=30))
+    assert trial.ok and trial.throughput == 110.0 and trial.peak_rss == 30 and trial.repeats == [5]
+    trial.fold(Trial(c, Status.OUT_OF_MEMORY, index=7, cause="killed by SIGKILL"))
+    assert trial.status is Status.OUT_OF_MEMORY and trial.cause == "its repeat t07: killed by SIGKILL"

@@ -116,3 +116,25 @@ def test_on_separable_unimodal_landscapes_the_search_finds_the_exhaustive_best(m
     exhaustive = max(space.space(DIMS), key=model)
     assert search.best(trials).candidate == exhaustive
     assert len(trials) <= 1 + len(DIMS.shardings) + 2 * len(DIMS.micro_batches) + len(DIMS.bucket_mb)
+
+
+def _measured(candidate: Candidate, throughput: float, index: int) -> Trial:
+    return Trial(candidate, Status.MEASURED, "sharding", index, throughput=throughput)
+
+
+def test_rivals_close_to_the_best_are_run_again_until_the_median_of_three_decides() -> None:
+    a, b, c = (Candidate(s, "none", "none", 4, 4, False, 25.0) for s in (1, 2, 3))
+    trials = {a: _measured(a, 100.0, 1), b: _measured(b, 95.0, 2), c: _measured(c, 80.0, 3)}
+    asked = []
+    while (again := search.next_confirmation(trials.values())) is not None:
+        asked.append(again)
+        repeat = _measured(again, {a: 90.0, b: 99.0}[again], 10 + len(asked))
+        trials[again].fold(repeat)
+    assert asked == [a, a, b, b]  # c is more than 10% behind: never repeated
+    assert trials[a].throughput == 90.0 and trials[b].throughput == 99.0  # medians of (100, 90, 90), (95, 99, 99)
+    assert search.best(trials.values()).candidate == b
+
+
+def test_a_clear_winner_is_not_run_again() -> None:
+    a, b = (Candidate(s, "none", "none", 4, 4, False, 25.0) for s in (1, 2))
+    assert search.next_confirmation([_measured(a, 100.0, 1), _measured(b, 85.0, 2)]) is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import re
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,10 +172,27 @@ class Trial:
     samples_per_step: set[int] = field(default_factory=set)  # per rank, as the engine counted them
     log: str | None = None  # the trial's launcher output
     run_dir: str | None = None  # runs/<trial>: its telemetry.jsonl
+    runs: list[float] = field(default_factory=list)  # with repeats: every run's throughput (the median is reported)
+    repeats: list[int] = field(default_factory=list)  # the trial numbers of the repeats folded in
 
     @property
     def ok(self) -> bool:
         return self.status is Status.MEASURED
+
+    def fold(self, repeat: Trial) -> None:
+        """Take in another run of the same candidate: the throughput becomes the median of the runs, the
+        peaks the largest; a repeat that failed makes the candidate failed (it cannot be trusted to train)."""
+        assert repeat.candidate == self.candidate, "fold: a repeat is of the same candidate"
+        self.runs = self.runs or [self.throughput or 0.0]
+        self.repeats.append(repeat.index or 0)
+        self.wall_s += repeat.wall_s
+        self.peak_rss = max(self.peak_rss or 0, repeat.peak_rss or 0) or None
+        self.peak_gpu = max(self.peak_gpu or 0, repeat.peak_gpu or 0) or None
+        if repeat.ok and repeat.throughput:
+            self.runs.append(repeat.throughput)
+            self.throughput = statistics.median(self.runs)
+        else:
+            self.status, self.cause = repeat.status, f"its repeat t{repeat.index:02d}: {repeat.cause}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,8 +54,10 @@ def _columns(result: TuneResult) -> list[str]:
 def _row(trial: Trial, best: Trial | None, gpu: bool) -> list[str]:
     ratio = f"{trial.throughput / best.throughput:.2f}" if trial.throughput and best else "-"
     memory = [gib(trial.peak_gpu) if trial.peak_gpu else "-"] if gpu else []
-    return [f"t{trial.index:02d}", trial.candidate.label(), trial.status.value,
-            f"{trial.throughput:,.0f}" if trial.throughput else "-", ratio, *memory,
+    rate = f"{trial.throughput:,.0f}" if trial.throughput else "-"
+    if len(trial.runs) > 1:
+        rate += f" (median of {len(trial.runs)})"
+    return [f"t{trial.index:02d}", trial.candidate.label(), trial.status.value, rate, ratio, *memory,
             gib(trial.peak_rss) if trial.peak_rss else "-", _short(trial.cause)]
 
 

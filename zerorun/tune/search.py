@@ -16,6 +16,8 @@ instead of sweeping it. The walk relies on what each knob is known to do:
    faster sharding or a larger micro-batch fit.
 5. **bucket size**: the best so far, bucket sizes outward while improving: a second-order effect
    (overlap granularity against per-call cost), so last.
+6. **confirm** (`next_confirmation`): rivals within a few percent of the best are run again, and the
+   median of their runs decides.
 
 Early stopping (a trial that cannot beat the best so far is ended after two measured steps) is the
 tuner's; this module only orders the work.
@@ -31,6 +33,9 @@ from zerorun.tune.measure import Status, Trial
 from zerorun.tune.space import Candidate, Dimensions
 
 TOP = 2  # shardings whose micro-batches are explored
+CONFIRM_WITHIN = 0.10  # trials this close to the best are run again before one is declared the winner
+CONFIRM_TOP = 3
+CONFIRM_RUNS = 3
 MEMORY_FAILURES = (Status.OUT_OF_MEMORY, Status.OVER_BUDGET)
 
 
@@ -56,6 +61,24 @@ def _dominated(candidate: Candidate, trials: Mapping[Candidate, Trial]) -> bool:
         return False
     twin = trials.get(replace(candidate, checkpointing=False))
     return twin is not None and twin.status in (Status.MEASURED, Status.SLOWER)
+
+
+def next_confirmation(trials: Iterable[Trial]) -> Candidate | None:
+    """Once the search is done: a candidate close to the best to measure again, or None.
+
+    One short trial on a shared machine varies by several percent, so when rivals are within
+    `CONFIRM_WITHIN` of the best, the `CONFIRM_TOP` of them are run until each has `CONFIRM_RUNS` runs,
+    and the median decides. A clear winner (no rival that close) is not repeated.
+    """
+    trials = list(trials)
+    top = best(trials)
+    if top is None:
+        return None
+    rivals = sorted((t for t in trials if t.ok and t.throughput >= (1 - CONFIRM_WITHIN) * top.throughput),
+                    key=lambda t: -t.throughput)[:CONFIRM_TOP]
+    if len(rivals) < 2:
+        return None
+    return next((t.candidate for t in rivals if len(t.runs or [t.throughput]) < CONFIRM_RUNS), None)
 
 
 def best(trials: Iterable[Trial]) -> Trial | None:

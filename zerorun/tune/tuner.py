@@ -7,9 +7,10 @@
 The loop: load the recipe and plan the job as `zerorun launch` would (nodes, ranks), set the memory
 budget (default: what this machine has), list and prune the candidates (`space`), then until the
 search (`search`) has nothing left or the time is up, run the next candidate (`trial`) with early
-stopping: a trial whose best step so far cannot beat the best trial's mean is ended after
-`DECIDE_STEPS` measured steps, and one that cannot finish before the deadline is ended at once.
-Failures are results, never the end of the tuning.
+stopping: a trial whose best step so far falls clearly short of the best trial's throughput is ended
+after `DECIDE_STEPS` measured steps, and one that cannot finish before the deadline is ended at once.
+When the search is done and time is left, close rivals of the best are run again (`search.next_confirmation`)
+and their medians decide. Failures are results, never the end of the tuning.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from zerorun.tune.trial import TrialRunner, TrialSetup
 
 GIB = 2**30
 DECIDE_STEPS = 2  # measured steps before a trial may be stopped for being slower
+EARLY_STOP_MARGIN = 0.05  # ... than this much below the best: closer calls measure fully (steps vary this much)
 RESERVE_S = 5.0  # of the budget, kept for stopping the last trial and writing the results
 
 
@@ -176,19 +178,25 @@ def tune(recipe_path: str | Path, options: TuneOptions, progress: Progress = lam
                         str(session.runner.setup.tune_dir), rejected=session.rejected, notes=session.notes)
     trials: dict[Candidate, Trial] = {}
     try:
-        while (picked := search.next_candidate(session.base, session.dims, trials,
-                                               [r.candidate for r in session.rejected])) is not None:
+        while (picked := _next(session, trials)) is not None:
             candidate, phase = picked
             if not _time_for_another(result.trials, deadline, options):
-                session.notes.append(f"the time budget ended in the search's {phase} phase (next: "
-                                     f"{candidate.label()}); raise --budget-min to measure more.")
+                if phase != "confirm":
+                    session.notes.append(f"the time budget ended in the search's {phase} phase (next: "
+                                         f"{candidate.label()}); raise --budget-min to measure more.")
                 break
             trial = _run_one(session.runner, result, candidate, phase, deadline, options, progress)
-            trials[candidate] = trial
-            if candidate == session.base:
-                session.check_batch(trial)
-            session.judge(trial)
-            session.learn_params(trial, trials)
+            if candidate in trials:  # a repeat: folded into the candidate's row
+                session.judge(trial)
+                trials[candidate].fold(trial)
+                session.judge(trials[candidate])
+            else:
+                trials[candidate] = trial
+                result.trials.append(trial)
+                if candidate == session.base:
+                    session.check_batch(trial)
+                session.judge(trial)
+                session.learn_params(trial, trials)
             result.rejected, result.dims = session.rejected, session.dims
             result.elapsed_s = time.monotonic() - started
             progress(result)
@@ -200,9 +208,18 @@ def tune(recipe_path: str | Path, options: TuneOptions, progress: Progress = lam
     return result
 
 
+def _next(session: Session, trials: dict[Candidate, Trial]) -> tuple[Candidate, str] | None:
+    """The search's next candidate; once it has none, a rival of the best to run again."""
+    picked = search.next_candidate(session.base, session.dims, trials, [r.candidate for r in session.rejected])
+    if picked is not None:
+        return picked
+    again = search.next_confirmation(trials.values())
+    return (again, "confirm") if again is not None else None
+
+
 def _run_one(runner: TrialRunner, result: TuneResult, candidate: Candidate, phase: str, deadline: float,
              options: TuneOptions, progress: Progress) -> Trial:
-    best = result.winner
+    best = result.winner if phase != "confirm" else None  # a repeat is measured fully
 
     def stop(records: TrialRecords) -> tuple[Status, str] | None:
         left = deadline - RESERVE_S - time.monotonic()
@@ -215,17 +232,17 @@ def _run_one(runner: TrialRunner, result: TuneResult, candidate: Candidate, phas
         if best is None or records.measured_steps(options.warmup) < DECIDE_STEPS:
             return None
         fastest = records.best_step(options.warmup)
-        if fastest is not None and fastest < best.throughput:
-            return Status.SLOWER, (f"its best step {fastest:,.0f} {records.unit} < t{best.index:02d}'s mean "
-                                   f"{best.throughput:,.0f}")
+        if fastest is not None and fastest < (1 - EARLY_STOP_MARGIN) * best.throughput:
+            return Status.SLOWER, (f"its best step {fastest:,.0f} {records.unit} < {1 - EARLY_STOP_MARGIN:g} x "
+                                   f"t{best.index:02d}'s {best.throughput:,.0f}")
         return None
 
     def show(trial: Trial, records: TrialRecords) -> None:
         result.current = trial
         progress(result)
 
-    trial = runner.run(candidate, len(result.trials) + 1, phase, stop, show)
-    result.trials.append(trial)
+    index = 1 + len(result.trials) + sum(len(t.repeats) for t in result.trials)
+    trial = runner.run(candidate, index, phase, stop, show)
     result.current = None
     return trial
 
