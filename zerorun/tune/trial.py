@@ -11,7 +11,7 @@ tails that file every `POLL_S`, reads the high-water mark (VmHWM) of the workers
 into an orderly stop of the job on every node, as soon as:
 - the measurement is complete: `steps` steps after the `warmup` ones, lasting at least `min_seconds`;
 - the `stop` callback gives a reason (the tuner's early stopping: slower than the best, out of time);
-- no step arrives for `stall_s`.
+- no step arrives for `stall_s` (the tuner sets it from the trials so far).
 A trial that fails ends by itself; its cause is read from the launcher's failure report.
 """
 
@@ -89,7 +89,10 @@ class TrialRunner:
         setup.tune_dir.mkdir(parents=True, exist_ok=True)
 
     def run(self, candidate: Candidate, index: int, phase: str, stop: Stop,
-            progress: Callable[[Trial, TrialRecords], None] = lambda trial, records: None) -> Trial:
+            progress: Callable[[Trial, TrialRecords], None] = lambda trial, records: None,
+            stall_s: float | None = None) -> Trial:
+        """Run `candidate` until it is measured, `stop` gives a reason, it fails, or no step comes for
+        `stall_s` (default: the setup's) from its start or its last step."""
         s = self.setup
         trial = Trial(candidate, Status.FAILED, phase, index, log=str(s.tune_dir / f"t{index:02d}.log"),
                       run_dir=str(s.tune_dir / f"t{index:02d}"))
@@ -98,7 +101,7 @@ class TrialRunner:
         started = time.monotonic()
         proc = self._start(candidate, index, trial.log)
         try:
-            ended = self._watch(proc, trial, records, tail, stop, progress)
+            ended = self._watch(proc, trial, records, tail, stop, progress, stall_s or s.stall_s)
         except KeyboardInterrupt:  # Ctrl-C: the job stops (the launcher got it too, or gets SIGTERM now)
             self._stop(proc)
             raise
@@ -114,7 +117,7 @@ class TrialRunner:
         return trial
 
     def _watch(self, proc: subprocess.Popen, trial: Trial, records: TrialRecords, tail: _Tail, stop: Stop,
-               progress: Callable[[Trial, TrialRecords], None]) -> tuple[Status, str] | None:
+               progress: Callable[[Trial, TrialRecords], None], stall_s: float) -> tuple[Status, str] | None:
         """Follow the running trial; end it (and return why) once a verdict comes, or return None when it ends."""
         started = last_step = time.monotonic()
         last_count = 0
@@ -127,7 +130,7 @@ class TrialRunner:
             if count > last_count:
                 last_step, last_count = time.monotonic(), count
                 trial.startup_s = trial.startup_s or last_step - started
-            ended = self._verdict(records, stop, time.monotonic() - last_step)
+            ended = self._verdict(records, stop, time.monotonic() - last_step, stall_s)
             self._fill(trial, records)
             progress(trial, records)
             if ended is not None:
@@ -145,12 +148,15 @@ class TrialRunner:
             return subprocess.Popen([sys.executable, "-m", "zerorun.tune.guard", json.dumps(spec)], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
-    def _verdict(self, records: TrialRecords, stop: Stop, quiet_s: float) -> tuple[Status, str] | None:
+    def _verdict(self, records: TrialRecords, stop: Stop, quiet_s: float, stall_s: float
+                 ) -> tuple[Status, str] | None:
         """Why the running trial should end now, or None to let it go on."""
         s = self.setup
         if records.measured_steps(s.warmup) >= s.steps and records.measured_seconds(s.warmup) >= s.min_seconds:
             return Status.MEASURED, ""
-        if quiet_s > s.stall_s:
+        if quiet_s > stall_s:
+            if records.world_size is None:
+                return Status.STALLED, f"no telemetry from the launcher for {quiet_s:.0f} s"
             return Status.STALLED, f"no step for {quiet_s:.0f} s"
         return stop(records)
 

@@ -34,6 +34,7 @@ from zerorun.tune.trial import TrialRunner, TrialSetup
 GIB = 2**30
 DECIDE_STEPS = 2  # measured steps before a trial may be stopped for being slower
 EARLY_STOP_MARGIN = 0.05  # ... than this much below the best: closer calls measure fully (steps vary this much)
+STALL_MIN_S = 60.0
 RESERVE_S = 5.0  # of the budget, kept for stopping the last trial and writing the results
 
 
@@ -242,9 +243,19 @@ def _run_one(runner: TrialRunner, result: TuneResult, candidate: Candidate, phas
         progress(result)
 
     index = 1 + len(result.trials) + sum(len(t.repeats) for t in result.trials)
-    trial = runner.run(candidate, index, phase, stop, show)
+    trial = runner.run(candidate, index, phase, stop, show, _stall_limit(result.trials))
     result.current = None
     return trial
+
+
+def _stall_limit(trials: list[Trial]) -> float | None:
+    """How long a trial may go without a step: generous against the slowest start and step seen so far
+    (a hung trial must not eat the budget); before any trial, the setup's default."""
+    startups = [t.startup_s for t in trials if t.startup_s]
+    steps = [t.step_s for t in trials if t.step_s]
+    if not startups:
+        return None
+    return max(STALL_MIN_S, 3 * max(startups), 10 * max(steps, default=0.0))
 
 
 def _time_for_another(trials: list[Trial], deadline: float, options: TuneOptions) -> bool:
