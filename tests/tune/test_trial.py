@@ -22,7 +22,8 @@ def test_a_trials_overrides_set_the_candidate_and_keep_it_away_from_the_users_ru
     sets = trial_overrides(setup, CANDIDATE, 7)
     assert sets[0] == "optimizer.lr=0.1"  # the user's first: the candidate's keys win over them
     recipe = config.loads("script: t.py\ncheckpoint: {dir: ckpt, resume: auto}\n", overrides=sets)
-    assert (recipe.zero.stage, recipe.zero.offload_optimizer.device, recipe.zero.offload_param.device) == (3, "nvme", "cpu")
+    zero = recipe.zero
+    assert (zero.stage, zero.offload_optimizer.device, zero.offload_param.device) == (3, "nvme", "cpu")
     assert recipe.zero.offload_optimizer.nvme_path == "/local/nvme" and recipe.zero.offload_param.nvme_path is None
     assert (recipe.train.micro_batch_size, recipe.train.grad_accum_steps) == (4, 2)
     assert recipe.train.activation_checkpointing and recipe.zero.bucket_mb == 6.25
