@@ -50,16 +50,11 @@ class Candidate:
         return "nvme" in (self.offload_optimizer, self.offload_param)
 
     def sharding_label(self) -> str:
-        """`stage 3, opt cpu, params cpu`."""
-        parts = [f"stage {self.stage}"]
-        if self.offload_optimizer != "none":
-            parts.append(f"opt {self.offload_optimizer}")
-        if self.offload_param != "none":
-            parts.append(f"params {self.offload_param}")
-        return ", ".join(parts)
+        """`stage 3, optimizer->cpu, params->cpu`, as `zerorun estimate` names it."""
+        return estimate.Placement(*self.sharding).name
 
     def label(self) -> str:
-        """`stage 3, opt cpu, params cpu, micro 4 x 2, ckpt, bucket 25`: short enough for a table cell."""
+        """`stage 3, optimizer->cpu, params->cpu, micro 4 x 2, ckpt, bucket 25`: one table cell."""
         parts = [self.sharding_label(), f"micro {self.micro_batch} x {self.grad_accum}"]
         if self.checkpointing:
             parts.append("ckpt")

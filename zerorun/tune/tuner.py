@@ -9,8 +9,8 @@ budget (default: what this machine has), list and prune the candidates (`space`)
 search (`search`) has nothing left or the time is up, run the next candidate (`trial`) with early
 stopping: a trial whose best step so far falls clearly short of the best trial's throughput is ended
 after `DECIDE_STEPS` measured steps, and one that cannot finish before the deadline is ended at once.
-When the search is done and time is left, close rivals of the best are run again (`search.next_confirmation`)
-and their medians decide. Failures are results, never the end of the tuning.
+When the search is done and time is left, close rivals of the best are run again
+(`search.next_confirmation`) and their medians decide. Failures are results, never the end of the tuning.
 """
 
 from __future__ import annotations
@@ -240,6 +240,7 @@ def _run_one(runner: TrialRunner, result: TuneResult, candidate: Candidate, phas
 
     def show(trial: Trial, records: TrialRecords) -> None:
         result.current = trial
+        result.elapsed_s = time.monotonic() - (deadline - result.budget_s)
         progress(result)
 
     index = 1 + len(result.trials) + sum(len(t.repeats) for t in result.trials)
