@@ -88,3 +88,24 @@ def test_the_json_is_complete_and_serialisable() -> None:
                                            "bucket_mb": 4.0}
     assert [t["status"] for t in data["trials"]] == ["measured", "measured", "stopped: slower", "out of memory"]
     assert data["rejected"][0]["reason"].startswith("NVMe offload needs --nvme-path")
+
+
+def test_a_measured_trial_over_the_budget_or_with_another_batch_cannot_win() -> None:
+    from zerorun.tune.tuner import judge
+
+    cpu_only, gpu = Budget(2, 1, 8 * 2**30), Budget(2, 1, 8 * 2**30, gpu_bytes=2 * 2**30)
+    fits = Trial(BASE, Status.MEASURED, throughput=1.0, peak_rss=3 * 2**30, samples_per_step={16})
+    judge(fits, cpu_only)
+    assert fits.ok
+    big = Trial(BASE, Status.MEASURED, throughput=1.0, peak_rss=5 * 2**30, samples_per_step={16})
+    judge(big, cpu_only)
+    assert big.status is Status.OVER_BUDGET and big.cause == "peak 5.00 GiB RSS/rank > budget 4.00 GiB"
+    on_gpu = Trial(BASE, Status.MEASURED, throughput=1.0, peak_gpu=3 * 2**30, peak_rss=2**30, samples_per_step={16})
+    judge(on_gpu, gpu)
+    assert on_gpu.status is Status.OVER_BUDGET and "GPU/rank > budget 2.00 GiB" in on_gpu.cause
+    other = Trial(BASE, Status.MEASURED, throughput=1.0, peak_rss=2**30, samples_per_step={4})
+    judge(other, cpu_only)
+    assert other.status is Status.INVALID and other.cause == "the script ran 4 samples per step, not 8 x 2"
+    ignored = Trial(BASE, Status.MEASURED, throughput=1.0, peak_rss=2**30, samples_per_step={4})
+    judge(ignored, cpu_only, batch_honoured=False)  # the baseline showed the script picks its own batch
+    assert ignored.ok

@@ -101,21 +101,25 @@ class Session:
                           "give --model module:function to prune before any trial.")
 
     def judge(self, trial: Trial) -> None:
-        """A measured trial over the memory budget does not fit, and one that did not get the candidate's batch
-        did not measure it: neither can win."""
-        budget, c = self.budget, trial.candidate
-        if not trial.ok:
-            return
-        if budget.gpu_bytes is not None and trial.peak_gpu and trial.peak_gpu > budget.gpu_bytes:
-            trial.status = Status.OVER_BUDGET
-            trial.cause = f"peak {space.gib(trial.peak_gpu)} GPU/rank > budget {space.gib(budget.gpu_bytes)}"
-        elif trial.peak_rss and trial.peak_rss > budget.cpu_bytes_per_rank:
-            trial.status = Status.OVER_BUDGET
-            trial.cause = f"peak {space.gib(trial.peak_rss)} RSS/rank > budget {space.gib(budget.cpu_bytes_per_rank)}"
-        elif self.batch_honoured and trial.samples_per_step - {c.micro_batch * c.grad_accum}:
-            trial.status = Status.INVALID
-            trial.cause = (f"the script ran {', '.join(map(str, sorted(trial.samples_per_step)))} samples per step, "
-                           f"not {c.micro_batch} x {c.grad_accum}")
+        judge(trial, self.budget, self.batch_honoured)
+
+
+def judge(trial: Trial, budget: Budget, batch_honoured: bool = True) -> None:
+    """A measured trial over the memory budget does not fit, and one whose steps did not see the candidate's
+    batch did not measure the candidate: neither can win."""
+    c = trial.candidate
+    if not trial.ok:
+        return
+    if budget.gpu_bytes is not None and trial.peak_gpu and trial.peak_gpu > budget.gpu_bytes:
+        trial.status = Status.OVER_BUDGET
+        trial.cause = f"peak {space.gib(trial.peak_gpu)} GPU/rank > budget {space.gib(budget.gpu_bytes)}"
+    elif trial.peak_rss and trial.peak_rss > budget.cpu_bytes_per_rank:
+        trial.status = Status.OVER_BUDGET
+        trial.cause = f"peak {space.gib(trial.peak_rss)} RSS/rank > budget {space.gib(budget.cpu_bytes_per_rank)}"
+    elif batch_honoured and trial.samples_per_step - {c.micro_batch * c.grad_accum}:
+        trial.status = Status.INVALID
+        trial.cause = (f"the script ran {', '.join(map(str, sorted(trial.samples_per_step)))} samples per step, "
+                       f"not {c.micro_batch} x {c.grad_accum}")
 
 
 def prepare(recipe_path: str | Path, options: TuneOptions, kind: str = "tune") -> Session:
