@@ -405,19 +405,22 @@ def tune(
     tuned = output.write_tuned(result, target, options.nvme_path)
     report = output.as_json(result, str(tuned) if tuned else None)
     Path(result.tune_dir, "tune.json").write_text(json.dumps(report, indent=2))
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-    else:
+    if not as_json:
         Console(width=200).print(output.render_final(result, str(tuned) if tuned else None))
-    if sweep > 0 and not result.interrupted:
+    interrupted = result.interrupted
+    if sweep > 0 and not interrupted:
         from zerorun.tune import sweep as manual
 
         checked = manual.run_sweep(recipe, options, sweep, progress=output.trial_line(err))
-        Path(checked.session.runner.setup.tune_dir, "sweep.json").write_text(json.dumps(manual.as_json(checked, result),
-                                                                                        indent=2))
-        Console(width=200).print(manual.table(checked, result))
-        typer.echo(manual.verdict(checked, result))
-    if result.interrupted:
+        report["sweep"] = manual.as_json(checked, result)
+        Path(checked.session.runner.setup.tune_dir, "sweep.json").write_text(json.dumps(report["sweep"], indent=2))
+        if not as_json:
+            Console(width=200).print(manual.table(checked, result))
+            typer.echo(manual.verdict(checked, result))
+        interrupted = checked.interrupted
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    if interrupted:
         raise typer.Exit(130)
     if tuned is None:
         raise typer.Exit(1)

@@ -104,6 +104,29 @@ def test_a_killed_tuner_leaves_no_trial_running(tmp_path: Path) -> None:
             proc.kill()
 
 
+def test_ctrl_c_stops_the_trial_and_still_reports_what_was_measured(tmp_path: Path) -> None:
+    out = tmp_path / "tuned.yaml"
+    proc = subprocess.Popen([sys.executable, "-m", "zerorun.cli", "tune", str(QUICKSTART), "--budget-min", "10",
+                             "--out", str(out), "--json"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:  # until the second trial has started
+            time.sleep(0.5)
+            if list((tmp_path / "runs").glob("*/tune-*/t02/telemetry.jsonl")):
+                break
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    report = json.loads(stdout)
+    assert report["interrupted"] and report["trials"][0]["status"] == "measured"
+    assert report["winner"] is not None and config.load(out).zero.stage == report["winner"]["candidate"]["stage"]
+    assert _running([job for run in (tmp_path / "runs").glob("*/tune-*") for job in _job_ids(run)]) == []
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--micro-batches", "3"], "--micro-batches: 3 do not divide the per-rank batch 16"),
     (["--stages", "1,5"], "--stages takes values of 0-3"),
@@ -125,3 +148,18 @@ def test_a_budget_below_every_candidates_need_is_a_table_of_reasons_not_a_crash(
     assert report["trials"] == [] and report["winner"] is None and not (tmp_path / "t.yaml").exists()
     reasons = {r["reason"] for r in report["rejected"]}
     assert any(re.fullmatch(r"estimate \d+\.\d\d GiB RSS/rank > budget 0\.25 GiB", r) for r in reasons), reasons
+
+
+def test_the_manual_sweep_measures_every_candidate_of_the_same_space_against_a_reference(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "zerorun.cli", "tune", str(QUICKSTART), "--budget-min", "0.5",
+                             "--stages", "1,2", "--offloads", "none", "--micro-batches", "8", "--bucket-mb", "4",
+                             "--sweep", "1", "--json", "--out", str(tmp_path / "t.yaml")],
+                            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-5000:]
+    sweep = json.loads(result.stdout)["sweep"]
+    labels = sorted(row["label"] for row in sweep["rows"])
+    assert labels == sorted(f"stage {s}, micro 8 x 2, {ckpt}bucket 4" for s in (1, 2) for ckpt in ("", "ckpt, "))
+    reference = next(row for row in sweep["rows"] if row["candidate"] == sweep["reference"])
+    assert len(reference["trials"]) == 2 and reference["label"] == "stage 2, micro 8 x 2, bucket 4"  # first, last
+    assert all(len(row["corrected"]) == 1 for row in sweep["rows"] if row is not reference)
+    assert re.search(r"measures [\d,]+ in the sweep = \d\.\d{3} x the sweep's best", sweep["verdict"])

@@ -166,6 +166,7 @@ class Trial:
     steps: int = 0  # measured steps
     step_s: float | None = None
     wall_s: float = 0.0  # from start to the end of teardown
+    ended_at: float | None = None  # time.time() when it ended (the sweep's drift correction places it by it)
     startup_s: float | None = None  # from start to the first step record
     cause: str = ""  # failure, rejection or stop reason
     params: int | None = None  # as the engine reported them

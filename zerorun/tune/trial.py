@@ -109,7 +109,7 @@ class TrialRunner:
         for record in tail.read():
             records.feed(record)
         self._fill(trial, records)
-        trial.wall_s = time.monotonic() - started
+        trial.wall_s, trial.ended_at = time.monotonic() - started, time.time()
         trial.status, trial.cause = ended or self._ending(records, code, trial.log)
         shutil.rmtree(s.tune_dir / f"t{index:02d}-ckpt", ignore_errors=True)
         if s.nvme_path and candidate.uses_nvme:
