@@ -150,15 +150,22 @@ def test_a_budget_below_every_candidates_need_is_a_table_of_reasons_not_a_crash(
     assert any(re.fullmatch(r"estimate \d+\.\d\d GiB RSS/rank > budget 0\.25 GiB", r) for r in reasons), reasons
 
 
-def test_the_manual_sweep_measures_every_candidate_of_the_same_space_against_a_reference(tmp_path: Path) -> None:
+def test_the_manual_sweep_measures_every_candidate_of_the_same_space_against_a_reference(
+        tmp_path: Path, direct_io_dir: Path) -> None:
+    nvme = direct_io_dir / "nvme"
+    nvme.mkdir()
     result = subprocess.run([sys.executable, "-m", "zerorun.cli", "tune", str(QUICKSTART), "--budget-min", "0.5",
-                             "--stages", "1,2", "--offloads", "none", "--micro-batches", "8", "--bucket-mb", "4",
-                             "--sweep", "1", "--json", "--out", str(tmp_path / "t.yaml")],
+                             "--stages", "2", "--offloads", "none,nvme", "--nvme-path", str(nvme),
+                             "--micro-batches", "8", "--bucket-mb", "4", "--sweep", "1", "--json",
+                             "--out", str(tmp_path / "t.yaml")],
                             cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-5000:]
     sweep = json.loads(result.stdout)["sweep"]
     labels = sorted(row["label"] for row in sweep["rows"])
-    assert labels == sorted(f"stage {s}, micro 8 x 2, {ckpt}bucket 4" for s in (1, 2) for ckpt in ("", "ckpt, "))
+    assert labels == sorted(f"stage 2, {off}micro 8 x 2, {ckpt}bucket 4" for off in ("", "optimizer->nvme, ")
+                            for ckpt in ("", "ckpt, "))
+    assert all(row["status"] == "measured" for row in sweep["rows"])
+    assert list(nvme.iterdir()) == []  # every NVMe trial's offload files are gone
     reference = next(row for row in sweep["rows"] if row["candidate"] == sweep["reference"])
     assert len(reference["trials"]) == 2 and reference["label"] == "stage 2, micro 8 x 2, bucket 4"  # first, last
     assert all(len(row["corrected"]) == 1 for row in sweep["rows"] if row is not reference)

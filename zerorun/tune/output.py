@@ -127,6 +127,9 @@ def summary(result: TuneResult, tuned_path: str | None) -> list[str]:
     lines = []
     if win is None:
         lines.append("No candidate was measured within the memory budget: see the table's last column.")
+    elif win is base:
+        lines.append(f"Fastest that fits: your recipe as it is, t{win.index:02d} {win.candidate.label()}: "
+                     f"{win.throughput:,.0f} {win.unit}.")
     else:
         vs = (f", {win.throughput / base.throughput:.2f}x your recipe ({base.throughput:,.0f})"
               if base and base.ok and base.throughput else "")
@@ -201,8 +204,10 @@ def write_tuned(result: TuneResult, out: str | Path, nvme_path: str | None) -> P
     source = Path(result.recipe)
     text = source.read_text()
     changes = {**tuned_changes(result, nvme_path), **_moved_paths(text, source, out)}
+    own = "; your recipe's own configuration" if win.candidate == result.base else ""
     header = (f"# Tuned by `zerorun tune` on {time.strftime('%Y-%m-%d %H:%M')} from {source}: "
-              f"{win.candidate.label()}.\n# Every trial: {result.tune_dir}/tune.json\n")
+              f"{win.candidate.label()}, t{win.index:02d} {win.throughput:,.0f} {win.unit}{own}.\n"
+              f"# Every trial: {result.tune_dir}/tune.json\n")
     try:
         edited = header + recipe_edit.set_keys(text, changes)
     except (ValueError, yaml.YAMLError):  # a layout the text editor does not handle: plain YAML, no comments

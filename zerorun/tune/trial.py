@@ -113,7 +113,7 @@ class TrialRunner:
         trial.status, trial.cause = ended or self._ending(records, code, trial.log)
         shutil.rmtree(s.tune_dir / f"t{index:02d}-ckpt", ignore_errors=True)
         if s.nvme_path and candidate.uses_nvme:
-            shutil.rmtree(Path(s.nvme_path) / s.name / s.stamp / f"t{index:02d}", ignore_errors=True)
+            _remove_nvme_files(Path(s.nvme_path), Path(s.name) / s.stamp / f"t{index:02d}")
         return trial
 
     def _watch(self, proc: subprocess.Popen, trial: Trial, records: TrialRecords, tail: _Tail, stop: Stop,
@@ -142,8 +142,9 @@ class TrialRunner:
         spec = {"recipe": self.setup.recipe, "parent": os.getpid(),
                 "options": {**self.setup.launch_options, "overrides": trial_overrides(self.setup, candidate, index)}}
         env = dict(os.environ)
-        package_root = str(Path(zerorun.__file__).resolve().parents[1])  # the zerorun this tuner runs
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        checkout = Path(zerorun.__file__).resolve().parents[1]
+        if (checkout / "pyproject.toml").is_file():  # run from a source tree: trials import this same zerorun
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), env.get("PYTHONPATH")) if p)
         with open(log, "wb") as out:
             return subprocess.Popen([sys.executable, "-m", "zerorun.tune.guard", json.dumps(spec)], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
@@ -215,6 +216,17 @@ class _Tail:
             if isinstance(record, dict):
                 out.append(record)
         return out
+
+
+def _remove_nvme_files(root: Path, trial: Path) -> None:
+    """The trial's offload files (`<nvme_path>/<run name>/rank-<r>/`), then its parents as far as they are empty."""
+    shutil.rmtree(root / trial, ignore_errors=True)
+    for parent in trial.parents:
+        if parent != Path("."):
+            try:
+                (root / parent).rmdir()
+            except OSError:
+                break
 
 
 def _read_high_water_marks(records: TrialRecords) -> None:
