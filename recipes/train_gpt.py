@@ -20,6 +20,9 @@ import torch.distributed as dist
 import zerorun
 from zerorun.bench.gpt import GPT, GPTConfig, synthetic_tokens
 
+# Recipe keys this script applies itself (the engine applies the rest): `zerorun tune` varies only these.
+ZERORUN_HONOURS = ["train.activation_checkpointing"]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -32,7 +35,8 @@ def main() -> None:
     args = parser.parse_args()
 
     recipe = zerorun.recipe()
-    cfg = GPTConfig(args.layers, args.d_model, args.heads, args.vocab, args.seq_len)
+    cfg = GPTConfig(args.layers, args.d_model, args.heads, args.vocab, args.seq_len,
+                    checkpoint="non-reentrant" if recipe.train.activation_checkpointing else "none")
     torch.manual_seed(recipe.train.seed)
     model = GPT(cfg)
     params = sum(p.numel() for p in model.parameters())  # before stage 3 shards them

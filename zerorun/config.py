@@ -125,6 +125,9 @@ class TrainConfig:
     micro_batch_size: int = _f(2, "Samples per rank per forward.", ge=1)
     grad_accum_steps: int = _f(1, "Micro-batches per optimizer step.", ge=1)
     clip_grad_norm: float | None = _f(None, "Clip gradients to this global L2 norm (null: no clipping).", gt=0)
+    activation_checkpointing: bool = _f(False, "Recompute each block's activations in backward instead of keeping "
+                                               "them. The script applies it (recipes/train_gpt.py does); zerorun tune "
+                                               "varies it only for a script that declares ZERORUN_HONOURS.")
     steps: int = _f(100, "Optimizer steps to train.", ge=1)
     global_batch_size: int | None = _f(None, "Samples per optimizer step over all ranks (DeepSpeed's "
                                              "train_batch_size): when set, micro_batch_size x grad_accum_steps x "
@@ -444,6 +447,11 @@ def _expand_shorthand(dotted: str, value: Any) -> dict[str, Any]:
     if short is not None and not isinstance(value, (dict, list)):
         return {short: value}
     return {}
+
+
+def shorthand_of(section: str) -> str | None:
+    """The key a scalar stands for in a section written as one value (`offload_optimizer: cpu` -> device)."""
+    return getattr(_dataclass_at(section), "__shorthand__", None)
 
 
 def _dataclass_at(dotted: str) -> type | None:
