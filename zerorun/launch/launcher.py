@@ -219,7 +219,11 @@ def resume_point(recipe: Recipe, failure: recovery.Failure) -> str:
     if tag is None:
         return f"no checkpoint to resume from: the job starts again from step 0 with the same seed{reached}"
     step = tag.rpartition("-")[2]
-    lost = f"; steps {int(step) + 1}-{failure.step} run again" if failure.step and step.isdigit() else ""
+    if failure.step is not None and step.isdigit() and failure.step <= int(step):
+        # telemetry arrives a moment after the step (and not at all from a rank killed first): it lags
+        reached = f"; telemetry last saw step {failure.step}, so it cannot say how far past step {step} the job got"
+    lost = f"; steps {int(step) + 1}-{failure.step} run again" if failure.step and step.isdigit() and \
+        failure.step > int(step) else ""
     return f"resuming from checkpoint {tag} in {directory}{reached}{lost}"
 
 

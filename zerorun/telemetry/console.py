@@ -176,6 +176,8 @@ def steps_done(state: RunState) -> str:
     first = state.first_step
     if first is None or first <= 1:
         return f"{state.step}/{state.total_steps} steps"
+    if state.step < first:  # resumed, and no step since has reached the telemetry
+        return f"resumed after step {first - 1} of {state.total_steps}; no step since reported"
     return (f"steps {first}-{state.step} of {state.total_steps} ({state.step - first + 1} run, resumed after "
             f"step {first - 1})")
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import zerorun
+from zerorun.telemetry import probe
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--fail-rank", type=int, default=None)
@@ -54,4 +55,5 @@ with engine.gathered():
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
 print(f"rank {rank} checksum {checksum:.12e}", flush=True)
 dist.barrier()
+probe.stop()  # os._exit skips the worker's own stop: send the last steps' telemetry first (the test reads it)
 os._exit(0)  # as train_tiny.py: skip the interpreter exit that a multi-rank CPU run sometimes aborts in
