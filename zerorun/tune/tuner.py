@@ -313,9 +313,9 @@ def _budget(recipe_path: str | Path, options: TuneOptions) -> Budget:
 
 def _gpu_memory() -> float | None:
     """The smallest local GPU's memory; None without CUDA (a CPU-only job)."""
-    from zerorun.launch.launcher import local_gpu_count
+    from zerorun.launch.devices import gpu_count
 
-    if not local_gpu_count():
+    if not gpu_count():
         return None
     import torch
 
