@@ -10,13 +10,18 @@ from __future__ import annotations
 import enum
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
 import zerorun
 from zerorun.errors import ZerorunError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from zerorun.tune.tuner import TuneOptions, TuneResult
 
 
 class _ZerorunGroup(TyperGroup):
@@ -471,21 +476,31 @@ def tune(
         Console(width=200).print(output.render_final(result, str(tuned) if tuned else None))
     interrupted = result.interrupted
     if sweep > 0 and not interrupted:
-        from zerorun.tune import sweep as manual
-
-        checked = manual.run_sweep(recipe, options, sweep, progress=output.trial_line(err))
-        report["sweep"] = manual.as_json(checked, result)
-        Path(checked.session.runner.setup.tune_dir, "sweep.json").write_text(json.dumps(report["sweep"], indent=2))
-        if not as_json:
-            Console(width=200).print(manual.table(checked, result))
-            typer.echo(manual.verdict(checked, result))
-        interrupted = checked.interrupted
+        interrupted = _sweep(recipe, options, sweep, result, report, as_json, err)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     if interrupted:
         raise typer.Exit(130)
     if tuned is None:
         raise typer.Exit(1)
+
+
+def _sweep(recipe: Path, options: TuneOptions, rounds: int, result: TuneResult, report: dict, as_json: bool,
+           err: Console) -> bool:
+    """`tune --sweep N`: every candidate measured `rounds` times, the tuner's winner checked against the
+    best; the sweep goes into `report` and sweep.json. Returns whether Ctrl-C ended it."""
+    from rich.console import Console
+
+    from zerorun.tune import output
+    from zerorun.tune import sweep as manual
+
+    checked = manual.run_sweep(recipe, options, rounds, progress=output.trial_line(err))
+    report["sweep"] = manual.as_json(checked, result)
+    Path(checked.session.runner.setup.tune_dir, "sweep.json").write_text(json.dumps(report["sweep"], indent=2))
+    if not as_json:
+        Console(width=200).print(manual.table(checked, result))
+        typer.echo(manual.verdict(checked, result))
+    return checked.interrupted
 
 
 checkpoint_app = typer.Typer(help="Inspect, consolidate and upgrade sharded checkpoints.", no_args_is_help=True)
