@@ -177,6 +177,15 @@ def test_the_handed_over_optimizer_refuses_to_step_or_save_and_says_what_to_call
         assert "engine.save_checkpoint(dir)" in message and "engine.load_checkpoint(dir)" in message
 
 
+def _stepped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """An optimizer that holds Adam state, as after a step() or a load_state_dict() of a plain run."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.ones_like(p)
+    optimizer.step()
+    return optimizer
+
+
 def _errors(rank: int, world: int) -> list[str]:
     import zerorun
     from zerorun import config
@@ -188,6 +197,7 @@ def _errors(rank: int, world: int) -> list[str]:
         lambda m: zerorun.initialize(m, torch.optim.SGD(m.parameters(), lr=1), recipe),
         lambda m: zerorun.initialize(m, torch.optim.AdamW(m.parameters(), amsgrad=True), recipe),
         lambda m: zerorun.initialize(m, torch.optim.AdamW([m.up.weight]), recipe),
+        lambda m: zerorun.initialize(m, _stepped(torch.optim.AdamW(m.parameters())), recipe),
     ]
     for attempt in attempts:
         try:
@@ -210,9 +220,10 @@ def _errors(rank: int, world: int) -> list[str]:
 
 
 def test_unsupported_optimizers_and_misuse_give_clear_errors() -> None:
-    sgd, amsgrad, stray, outside, direct = run_ranks(_errors, 1)[0]
+    sgd, amsgrad, stray, stateful, outside, direct = run_ranks(_errors, 1)[0]
     assert "takes over torch.optim.Adam or AdamW, got SGD" in sgd
     assert "amsgrad=True is not supported" in amsgrad
     assert "trainable parameters missing from the optimizer's param groups: embed.weight" in stray
+    assert "already holds state" in stateful and "would drop it" in stateful  # (before: moments silently reset)
     assert "call engine.backward(loss), not loss.backward()" in outside
     assert "call engine.step()" in direct

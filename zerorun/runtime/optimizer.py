@@ -30,6 +30,12 @@ def param_groups_from(optimizer: torch.optim.Optimizer | None, model: nn.Module,
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise ZerorunError(f"zerorun.initialize takes over torch.optim.Adam or AdamW, got {type(optimizer).__name__}; "
                            "pass optimizer=None to use the recipe's optimizer section.")
+    if any(state for state in optimizer.state.values()):
+        # taking the groups over without it would restart Adam's moments and bias correction silently
+        raise ZerorunError(f"the {type(optimizer).__name__} passed to zerorun.initialize already holds state "
+                           f"({len(optimizer.state)} parameters: steps and moments, from a step() or a "
+                           "load_state_dict()); zerorun's engine starts Adam's state fresh and would drop it. "
+                           "Pass a fresh optimizer, and resume through checkpoint.dir / engine.load_checkpoint.")
     decoupled = isinstance(optimizer, torch.optim.AdamW)
     groups = []
     for i, group in enumerate(optimizer.param_groups):
