@@ -178,7 +178,8 @@ class CheckpointConfig:
     """Sharded checkpoints."""
 
     dir: str | None = _f(None, "Checkpoint directory (null: no checkpoints).")
-    every_steps: int = _f(0, "Save every N optimizer steps (0: only when the script asks).", ge=0)
+    every_steps: int = _f(0, "Save every N optimizer steps into checkpoint.dir (0: only when the script asks).",
+                          ge=0)
     resume: str = _f("auto", "auto: resume from the latest checkpoint if any; never; or a tag to resume from.")
 
 
@@ -633,6 +634,9 @@ def _check_cross_fields(recipe: Recipe, ctx: _Ctx) -> None:
               "parameters, so offload it first (e.g. offload_optimizer: cpu).")
     if recipe.zero.offload_optimizer.device != "none" and recipe.zero.stage == 0:
         _fail(ctx, "zero.offload_optimizer.device", "optimizer offload needs zero.stage >= 1.")
+    if recipe.checkpoint.every_steps and not recipe.checkpoint.dir:
+        _fail(ctx, "checkpoint.every_steps", f"{recipe.checkpoint.every_steps} saves nothing without checkpoint.dir; "
+              "set checkpoint.dir (a directory every node can write) or every_steps: 0.")
     if recipe.zero.aio.block_size % 4096:
         _fail(ctx, "zero.aio.block_size", f"must be a multiple of 4096 (O_DIRECT), got {recipe.zero.aio.block_size}.")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from zerorun.hostfile import Node
 from zerorun.launch.recovery import Batch, Failure, Policy, decide
 from zerorun.launch.supervisor import Ending
@@ -91,3 +93,24 @@ def test_the_launcher_says_where_the_next_attempt_resumes(tmp_path):
     assert resume_point(recipe, rank_failed(step=2)) == (f"resuming from checkpoint step-4 in {tmp_path}; telemetry "
                                                         "last saw step 2, so it cannot say how far past step 4 the "
                                                         "job got")
+
+
+def test_restart_settings_that_cannot_work_as_asked_are_warned_about_before_the_start():
+    from zerorun.launch.recovery import policy_warnings
+
+    assert policy_warnings(0, "retry", None, "auto") == []
+    assert policy_warnings(2, "retry", "ckpt", "auto") == []
+    [no_dir] = policy_warnings(2, "retry", None, "auto")
+    assert "no checkpoint.dir: every restart starts again from step 0" in no_dir
+    [never] = policy_warnings(1, "retry", "ckpt", "never")
+    assert "checkpoint.resume is never" in never
+    [inert] = policy_warnings(0, "shrink", "ckpt", "auto")
+    assert "launch.max_restarts is 0: a failure ends the job" in inert
+
+
+def test_every_steps_without_a_checkpoint_dir_is_refused_naming_the_key():
+    from zerorun import config
+    from zerorun.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"checkpoint.every_steps: 5 saves nothing without checkpoint.dir"):
+        config.from_dict({"script": "t.py", "checkpoint": {"every_steps": 5}})

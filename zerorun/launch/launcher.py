@@ -159,7 +159,11 @@ def _attempt(launch_plan: LaunchPlan, monitor: Monitor | None) -> Outcome:
 
 def _policy(launch_plan: LaunchPlan) -> recovery.Policy:
     assert launch_plan.inputs is not None, "run: a plan from make_plan knows its recipe"
-    launch = launch_plan.inputs.recipe.launch
+    recipe = launch_plan.inputs.recipe
+    launch = recipe.launch
+    for warning in recovery.policy_warnings(launch.max_restarts, launch.on_node_failure, recipe.checkpoint.dir,
+                                            recipe.checkpoint.resume):
+        _say(f"warning: {warning}")
     return recovery.Policy(launch.max_restarts, launch.on_node_failure, launch.min_nodes)
 
 

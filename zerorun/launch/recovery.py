@@ -69,6 +69,19 @@ class Decision:
     dropped: tuple[str, ...] = ()  # hosts left out of the next attempt
 
 
+def policy_warnings(max_restarts: int, on_node_failure: str, checkpoint_dir: str | None, resume: str) -> list[str]:
+    """Restart settings that cannot do what they seem to ask, said before the job starts."""
+    warnings = []
+    if max_restarts and (not checkpoint_dir or resume == "never"):
+        why = "no checkpoint.dir" if not checkpoint_dir else "checkpoint.resume is never"
+        warnings.append(f"launch.max_restarts is {max_restarts} but {why}: every restart starts again from step 0 "
+                        "(set checkpoint.dir and checkpoint.every_steps to resume where it failed).")
+    if on_node_failure == "shrink" and not max_restarts:
+        warnings.append("launch.on_node_failure is shrink but launch.max_restarts is 0: a failure ends the job "
+                        "(shrink applies to restarts; set launch.max_restarts or --max-restarts).")
+    return warnings
+
+
 def decide(policy: Policy, failures: Sequence[Failure], nodes: Sequence[Node], batch: Batch,
            unreachable: Sequence[str] = ()) -> Decision:
     """After `failures` (every attempt's, the latest last), on `nodes` with `batch`: what next.
