@@ -55,8 +55,9 @@ class Batch:
 
     @property
     def needs_world(self) -> bool:
-        """Whether the world size is needed to know the micro-batch and the accumulation."""
-        return self.train_batch_size is not None
+        """Whether the world size is needed to know the micro-batch and the accumulation (with all three
+        given it is not: the recipe keeps train_batch_size as train.global_batch_size, checked at launch)."""
+        return self.train_batch_size is not None and (self.micro is None or self.accum is None)
 
     def resolve(self, world: int) -> tuple[int, int, int]:
         """(micro, accum, train_batch_size) by DeepSpeed's rule: two of them give the third, and all

@@ -57,6 +57,19 @@ def test_a_train_batch_size_needs_the_world_size_to_convert(tmp_path: Path) -> N
     assert "activation_checkpointing: ignored" in result.stderr
 
 
+def test_a_complete_batch_triple_converts_without_the_world_size_and_is_checked_at_launch(tmp_path: Path) -> None:
+    ds = tmp_path / "triple.json"
+    ds.write_text('{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2}')
+    out = tmp_path / "triple.yaml"
+    result = CliRunner().invoke(app, ["convert", str(ds), "--out", str(out), "--script", str(SCRIPT)])
+    assert result.exit_code == 0, result.output  # (before: "pass --world-size N, or give ..." with both given)
+    recipe = config.load(out)
+    assert (recipe.train.micro_batch_size, recipe.train.grad_accum_steps, recipe.train.global_batch_size) == (8, 2, 32)
+    with pytest.raises(config.ConfigError, match="world size 3"):
+        config.check_global_batch(recipe, 3)
+    config.check_global_batch(recipe, 2)
+
+
 def test_unsupported_keys_are_refused_by_name_with_what_zerorun_does_instead(tmp_path: Path) -> None:
     _, result = _convert(tmp_path, "bing_bert_lamb", "--world-size", "64")
     assert result.exit_code == 2
