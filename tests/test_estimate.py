@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +149,12 @@ def test_cli_bad_model_is_a_one_line_error(spec: str) -> None:
     result = CliRunner().invoke(app, ["estimate", "--model", spec])
     assert result.exit_code == 2
     assert result.output.count("\n") == 1 and "zerorun: error: --model" in result.output
+
+
+def test_cli_sizes_the_recipes_own_world_unless_the_flags_say_otherwise() -> None:
+    recipe = str(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")  # nproc_per_node: 2
+    result = CliRunner().invoke(app, ["estimate", recipe, "--params", "1e8", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["cluster"]["gpus_per_node"] == 2  # (before: 8, silently another job)
+    result = CliRunner().invoke(app, ["estimate", recipe, "--params", "1e8", "--gpus-per-node", "4", "--json"])
+    assert json.loads(result.output)["cluster"]["gpus_per_node"] == 4

@@ -366,8 +366,9 @@ def estimate(
                                                    "(e.g. zerorun.bench.gpt:GPT).")] = None,
     params: Annotated[float | None, typer.Option(help="Trainable parameters, instead of --model (e.g. 7e9).")] = None,
     largest_layer: Annotated[int | None, typer.Option(help="Parameters of the largest stage-3 unit (a block).")] = None,
-    nodes: Annotated[int, typer.Option(help="Nodes.")] = 1,
-    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node.")] = 8,
+    nodes: Annotated[int | None, typer.Option(min=1, help="Nodes (default: 1).")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(min=1, help="GPUs (workers) per node (default: the recipe's "
+                                                                  "nproc_per_node, else 8).")] = None,
     gpu_mem: Annotated[float | None, typer.Option(help="Memory of one GPU, GiB.")] = None,
     cpu_mem: Annotated[float | None, typer.Option(help="CPU memory of one node, GiB.")] = None,
     precision: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16 (default: the recipe's, "
@@ -400,7 +401,14 @@ def estimate(
     shape_args = (micro_batch, seq_len, hidden, layers)
     activations = planner.Activations(*shape_args) if all(a is not None for a in shape_args) else None
     settings = planner.Settings(dtype, zero.bucket_mb, zero.allgather_bucket_mb, zero.prefetch_units, checkpointing)
-    result = planner.estimate(shape, planner.Cluster(nodes, gpus_per_node, gpu_mem, cpu_mem), settings, activations)
+    per_node = gpus_per_node or loaded.nproc_per_node or 8
+    origin = "--gpus-per-node" if gpus_per_node else "the recipe's nproc_per_node" if loaded.nproc_per_node else \
+        "the default; set --gpus-per-node"
+    cluster = planner.Cluster(nodes or 1, per_node, gpu_mem, cpu_mem)
+    result = planner.estimate(shape, cluster, settings, activations)
+    if not as_json:
+        typer.echo(f"world size {(nodes or 1) * per_node}: {nodes or 1} node(s) x {per_node} workers ({origin})",
+                   err=True)
     if as_json:
         typer.echo(json.dumps(planner.as_json(result), indent=2))
         return
