@@ -40,7 +40,10 @@ def test_a_misspelled_wrap_class_stops_the_launch_and_names_it(tmp_path: Path) -
 def test_the_quick_start_at_stage_3_shards_its_layers_and_says_into_how_many_units(tmp_path: Path) -> None:
     code, output = _launch(tmp_path, "zero.stage=3")
     assert code == 0, output
-    assert "ZeRO stage 3 (4 units)" in output, output  # one per Block
+    assert "ZeRO stage 3 (4 units)" in output, output  # one per Block, in the script's banner
+    # and said by zerorun itself, whatever the script prints
+    assert "zerorun: stage 3: 4 units (Block; 793,088 parameters gathered around their use), 139,520 in the " \
+        "root unit, 0 persistent" in output, output
     assert "ZerorunWarning" not in output, output
     # 0.93M parameters on 2 ranks: stage 3 holds 16/N = 8 bytes per parameter (7.1 MiB) at rest,
     # stage 2 holds 4 + 12/N = 10 (8.9 MiB); before units were found automatically it held 10.7

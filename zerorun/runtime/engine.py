@@ -38,6 +38,7 @@ from zerorun.runtime.dist import init_distributed
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
+from zerorun.runtime.module_units import describe as describe_plan
 from zerorun.runtime.module_units import plan_stage3, warn_if_nothing_sharded
 from zerorun.runtime.optimizer import ShardedAdamW, param_groups_from
 from zerorun.runtime.param_scheduler import ParamScheduler
@@ -105,6 +106,7 @@ class Engine:
         plan = plan_stage3(model, groups, zero.wrap, zero.param_persistence_threshold, _numel(zero.bucket_mb),
                            _numel(zero.allgather_bucket_mb), self.comm.world_size, dtype)
         if self.comm.rank == 0:
+            print(describe_plan(plan), flush=True)
             warn_if_nothing_sharded(plan, zero.wrap, zero.param_persistence_threshold)
         sharded = ShardedParams(model, plan, self.placement, self.policy, self.comm, init_log)
         scheduler = ParamScheduler(sharded, zero.prefetch_units, self.phase)

@@ -172,12 +172,26 @@ def check_wrap_names(model: nn.Module, wrap: list[str]) -> None:
                        "(e.g. [Block]), or [] to pick its layers automatically.")
 
 
+def describe(plan: Stage3Plan) -> str:
+    """One line: how stage 3 cut the model (what `zerorun.initialize` prints on rank 0)."""
+    gathered = plan.gathered_units()
+    classes = sorted({type(mu.module).__name__ for mu in gathered})
+    sharded = sum(_numel(plan, mu) for mu in gathered)
+    return (f"zerorun: stage 3: {len(gathered)} units ({', '.join(classes) or 'none'}; {sharded:,} parameters "
+            f"gathered around their use), {_numel(plan, plan.root):,} in the root unit, "
+            f"{_numel(plan, plan.persistent):,} persistent")
+
+
+def _numel(plan: Stage3Plan, mu: ModuleUnit) -> int:
+    return sum(plan.units[k].layout.numel for k in mu.units)
+
+
 def warn_if_nothing_sharded(plan: Stage3Plan, wrap: list[str], threshold: int) -> None:
     """Stage 3 with no unit gathers everything for the whole forward and backward: say so (call on one rank)."""
     if plan.gathered_units():
         return
-    count = lambda mu: sum(plan.units[k].layout.numel for k in mu.units)  # noqa: E731
-    total, in_root, persistent = sum(u.layout.numel for u in plan.units), count(plan.root), count(plan.persistent)
+    total = sum(u.layout.numel for u in plan.units)
+    in_root, persistent = _numel(plan, plan.root), _numel(plan, plan.persistent)
     warnings.warn(
         f"zerorun stage 3 made no units: of {total:,} trainable parameters, {in_root:,} are in the root unit "
         f"(gathered for all of forward and backward) and {persistent:,} are persistent (fewer than "
