@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.harness import run_ranks
 from zerorun import config
@@ -48,6 +49,13 @@ def test_the_switch_makes_import_deepspeed_zeroruns_and_names_what_it_lacks(inst
     with pytest.raises(AttributeError, match=r"deepspeed.init_inference is not provided .*engine.module"):
         deepspeed.init_inference
     assert installed_shim == ["--local_rank=0", "--deepspeed"]  # where DeepSpeed's launcher puts it
+    from deepspeed.accelerator import get_accelerator  # in most of DeepSpeed's current examples
+
+    accelerator = get_accelerator()
+    assert accelerator.device_name(0) == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert accelerator.communication_backend_name() == ("nccl" if torch.cuda.is_available() else "gloo")
+    with pytest.raises(AttributeError, match=r"get_accelerator\(\).create_graph is not provided"):
+        accelerator.create_graph
 
 
 def _initialize_rules(rank: int, world: int, tmp: str) -> list[str]:

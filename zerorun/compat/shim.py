@@ -1,8 +1,8 @@
 """`launch.deepspeed_compat`: make `import deepspeed` in the user's script resolve to zerorun's API.
 
 The worker calls `install(args)` before it runs the script. `deepspeed` and its submodules that
-zerorun provides (`deepspeed.comm`, `deepspeed.zero`) become `zerorun.compat.deepspeed[...]`,
-ahead of a real DeepSpeed installed in the same environment; any other `deepspeed.*` import fails
+zerorun provides (`deepspeed.accelerator`, `deepspeed.comm`, `deepspeed.zero`) become
+`zerorun.compat.deepspeed[...]`, ahead of a real DeepSpeed installed in the same environment; any other `deepspeed.*` import fails
 with a message naming it. As DeepSpeed's launcher does, the script gets `--local_rank=<local
 rank>` before its own arguments unless `launch.deepspeed_local_rank` is false.
 """
@@ -20,7 +20,7 @@ from typing import Any
 from zerorun.config import Recipe
 
 PACKAGE = "zerorun.compat.deepspeed"
-PROVIDED = ("comm", "zero")
+PROVIDED = ("accelerator", "comm", "zero")
 
 
 class _RefuseMissing(importlib.abc.MetaPathFinder):

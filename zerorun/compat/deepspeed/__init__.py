@@ -15,19 +15,18 @@ from __future__ import annotations
 from typing import Any
 
 from zerorun import __version__ as _zerorun_version
-from zerorun.compat.deepspeed import comm, zero
+from zerorun.compat.deepspeed import accelerator, comm, zero
 from zerorun.compat.api import add_config_arguments, init_distributed, initialize
 from zerorun.compat.engine import DeepSpeedEngine
 
 __version__ = f"0.0.0+zerorun.{_zerorun_version}"  # PEP 440, and never mistaken for a DeepSpeed release
 
-__all__ = ["DeepSpeedEngine", "add_config_arguments", "comm", "init_distributed", "initialize", "zero"]
+__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "init_distributed", "initialize", "zero"]
 
 _INSTEAD = {
     "init_inference": "zerorun trains; for inference use engine.module (or engine.state_dict()) directly",
     "checkpointing": "torch.utils.checkpoint (zerorun supports it at every stage)",
     "ops": "zerorun picks its own fused and CPU Adam kernels (recipe optimizer.*)",
-    "accelerator": "torch.cuda / torch.device directly",
     "pipe": "zerorun has no pipeline parallelism",
     "moe": "zerorun has no expert parallelism",
 }
