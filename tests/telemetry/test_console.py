@@ -92,7 +92,7 @@ def test_live_view_has_a_progress_bar_a_row_per_rank_and_totals():
 def test_plain_summary_line_says_progress_and_totals_in_one_line():
     line = console.summary_line(fold(job_records()[:-4]), now=107.0)
     assert line.startswith("step 4/10 (40%) elapsed 0:00:07 ETA 0:00:02 | loss 2.5950 | step 500 ms")
-    assert "32,768 tokens/s" in line and "196.6 TFLOP/s (MFU 9.9%)" in line and "NVMe 4.00 GB/s" in line
+    assert "32,768 tokens/s" in line and "196.6 TFLOP/s (MFU 9.9%)" in line and "disk 4.00 GB/s" in line
     assert "\n" not in line
 
 

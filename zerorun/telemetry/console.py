@@ -2,17 +2,17 @@
 
 - `live_view`: a progress bar over `train.steps` with ETA, and a table with one row per rank
   (host, rank, step, loss, step time, tokens/s, TFLOP/s, MFU, device memory now/peak, CPU RSS,
-  NVMe GB/s) and a totals row. On a terminal it sits under the workers' scrolling output.
+  disk GB/s) and a totals row. On a terminal it sits under the workers' scrolling output.
 - `summary_line`: the same in one line, printed now and then when the output is not a terminal.
 - `summary_table`: the end-of-job summary (also `zerorun report`): mean throughput, peak memory
   per rank, skipped steps, time in communication, offload traffic (bytes and GB/s per direction,
   and the time steps waited on it) and bytes of block-device I/O.
 
 Columns in words: "device" memory is CUDA's allocated bytes (peak: `max_memory_allocated`) or, on
-CPU, the bytes `engine.memory()` reports (peak: the highest sample); "NVMe GB/s" is the rank's
-block-device I/O rate (NVMe offload and checkpoint writes); "comm" is the host time collectives
-spent in flight, launch to `wait()` (and its share of the time in steps), which overlaps compute
-when overlap works, so it is not time lost.
+CPU, the bytes `engine.memory()` reports (peak: the highest sample); "disk GB/s" is the rank's
+block-device I/O rate (NVMe offload, checkpoint writes, anything else the process reads or
+writes); "comm" is the host time collectives spent in flight, launch to `wait()` (and its share
+of the time in steps), which overlaps compute when overlap works, so it is not time lost.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from rich.text import Text
 from zerorun.telemetry.state import RankState, RunState
 
 _LIVE_COLUMNS = ("host", "rank", "step", "loss", "step time", "tokens/s", "TFLOP/s", "MFU", "device now / peak",
-                 "CPU RSS", "NVMe GB/s")
+                 "CPU RSS", "disk GB/s")
 _SUMMARY_COLUMNS = ("host", "rank", "steps", "samples/s", "tokens/s", "TFLOP/s", "MFU", "peak device", "peak RSS",
                     "skipped", "comm", "offload", "I/O")
 
@@ -104,7 +104,7 @@ def summary_line(state: RunState, now: float | None = None) -> str:
              f"loss {_loss(t['loss'])}", f"step {seconds(t['step_time_s'])}",
              f"{_count(t['tokens_per_s'])} tokens/s", f"{_flops(t['tflops'])} TFLOP/s (MFU {_mfu(t['mfu'])})",
              f"device {nbytes(t['device_now'])} (peak {nbytes(t['device_peak'])})", f"RSS {nbytes(t['rss'])}",
-             f"NVMe {_gbps(t['io_rate'])} GB/s"]
+             f"disk {_gbps(t['io_rate'])} GB/s"]
     return " | ".join(parts)
 
 
