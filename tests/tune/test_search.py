@@ -138,3 +138,15 @@ def test_rivals_close_to_the_best_are_run_again_until_the_median_of_three_decide
 def test_a_clear_winner_is_not_run_again() -> None:
     a, b = (Candidate(s, "none", "none", 4, 4, False, 25.0) for s in (1, 2))
     assert search.next_confirmation([_measured(a, 100.0, 1), _measured(b, 85.0, 2)]) is None
+
+
+def test_the_best_is_measured_again_every_few_runs_and_new_trials_meet_its_latest_run() -> None:
+    a, b = (Candidate(s, "none", "none", 4, 4, False, 25.0) for s in (1, 2))
+    best = _measured(a, 186.0, 1)  # measured in a quiet minute
+    trials = [best, _measured(b, 70.0, 2)]
+    assert search.next_recheck(trials, runs_so_far=2) is None
+    assert search.next_recheck(trials, runs_so_far=1 + search.RECHECK_EVERY) == a
+    best.fold(_measured(a, 74.0, 5))  # the machine got busy: its repeat runs at today's load
+    assert search.next_recheck(trials, runs_so_far=5) is None  # just measured
+    assert search.latest(best) == 74.0  # what a new trial is held against, not the quiet 186
+    assert search.latest(trials[1]) == 70.0

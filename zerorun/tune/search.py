@@ -19,6 +19,11 @@ instead of sweeping it. The walk relies on what each knob is known to do:
 6. **confirm** (`next_confirmation`): rivals within a few percent of the best are run again, and the
    median of their runs decides.
 
+Throughout, the best so far is measured again after every `RECHECK_EVERY` other runs
+(`next_recheck`): a shared machine's load moves, and a best measured in a quiet minute would
+otherwise stop every later trial as "slower" (seen here: a first trial at 186 tokens/s, its
+repeats 56-103 once other jobs started, and the sweep's best stopped early against the 186).
+
 Early stopping (a trial that cannot beat the best so far is ended after two measured steps) is the
 tuner's; this module only orders the work.
 """
@@ -36,6 +41,7 @@ TOP = 2  # shardings whose micro-batches are explored
 CONFIRM_WITHIN = 0.10  # trials this close to the best are run again before one is declared the winner
 CONFIRM_TOP = 3
 CONFIRM_RUNS = 3
+RECHECK_EVERY = 4  # other runs after which the best so far is measured again (the machine may have drifted)
 MEMORY_FAILURES = (Status.OUT_OF_MEMORY, Status.OVER_BUDGET)
 
 
@@ -79,6 +85,20 @@ def next_confirmation(trials: Iterable[Trial]) -> Candidate | None:
     if len(rivals) < 2:
         return None
     return next((t.candidate for t in rivals if len(t.runs or [t.throughput]) < CONFIRM_RUNS), None)
+
+
+def next_recheck(trials: Iterable[Trial], runs_so_far: int) -> Candidate | None:
+    """The best so far when `RECHECK_EVERY` runs have gone by since it was last measured, else None."""
+    top = best(trials)
+    if top is None or top.index is None:
+        return None
+    last = max([top.index, *top.repeats])
+    return top.candidate if runs_so_far - last >= RECHECK_EVERY else None
+
+
+def latest(trial: Trial) -> float:
+    """The throughput of a trial's most recent run: the level to compare a new trial with, at today's load."""
+    return trial.runs[-1] if trial.runs else (trial.throughput or 0.0)
 
 
 def best(trials: Iterable[Trial]) -> Trial | None:

@@ -186,7 +186,7 @@ def tune(recipe_path: str | Path, options: TuneOptions, progress: Progress = lam
         while (picked := _next(session, trials)) is not None:
             candidate, phase = picked
             if not _time_for_another(result.trials, deadline, options):
-                if phase != "confirm":
+                if phase not in ("confirm", "recheck"):
                     session.notes.append(f"the time budget ended in the search's {phase} phase (next: "
                                          f"{candidate.label()}); raise --budget-min to measure more.")
                 break
@@ -214,7 +214,13 @@ def tune(recipe_path: str | Path, options: TuneOptions, progress: Progress = lam
 
 
 def _next(session: Session, trials: dict[Candidate, Trial]) -> tuple[Candidate, str] | None:
-    """The search's next candidate; once it has none, a rival of the best to run again."""
+    """The best so far again when the machine may have drifted since; else the search's next
+    candidate; once it has none, a rival of the best to run again."""
+    runs = sum(1 + len(t.repeats) for t in trials.values())
+    recheck = search.next_recheck(trials.values(), runs)
+    if recheck is not None and search.next_candidate(session.base, session.dims, trials,
+                                                     [r.candidate for r in session.rejected]) is not None:
+        return recheck, "recheck"
     picked = search.next_candidate(session.base, session.dims, trials, [r.candidate for r in session.rejected])
     if picked is not None:
         return picked
@@ -224,7 +230,7 @@ def _next(session: Session, trials: dict[Candidate, Trial]) -> tuple[Candidate, 
 
 def _run_one(runner: TrialRunner, result: TuneResult, candidate: Candidate, phase: str, deadline: float,
              options: TuneOptions, progress: Progress) -> Trial:
-    best = result.winner if phase != "confirm" else None  # a repeat is measured fully
+    best = result.winner if phase not in ("confirm", "recheck") else None  # a repeat is measured fully
 
     def stop(records: TrialRecords) -> tuple[Status, str] | None:
         left = deadline - RESERVE_S - time.monotonic()
@@ -236,10 +242,10 @@ def _run_one(runner: TrialRunner, result: TuneResult, candidate: Candidate, phas
             return Status.OUT_OF_TIME, f"needed ~{missing * step_s:.0f} s more, {left:.0f} s left"
         if best is None or records.measured_steps(options.warmup) < DECIDE_STEPS:
             return None
-        fastest = records.best_step(options.warmup)
-        if fastest is not None and fastest < (1 - EARLY_STOP_MARGIN) * best.throughput:
+        fastest, level = records.best_step(options.warmup), search.latest(best)  # the best's latest run: today's load
+        if fastest is not None and fastest < (1 - EARLY_STOP_MARGIN) * level:
             return Status.SLOWER, (f"its best step {fastest:,.0f} {records.unit} < {1 - EARLY_STOP_MARGIN:g} x "
-                                   f"t{best.index:02d}'s {best.throughput:,.0f}")
+                                   f"t{best.index:02d}'s {level:,.0f}")
         return None
 
     def show(trial: Trial, records: TrialRecords) -> None:
