@@ -52,8 +52,8 @@ class StepProfile:
     forward_s: float
     backward_s: float
     optimizer_s: float
-    gather_s: float  # host-side seconds inside all-gathers
-    reduce_s: float  # host-side seconds inside reduce-scatters / all-reduces
+    gather_bytes: int  # all-gathered (stage 3's units) by this rank
+    reduce_bytes: int  # reduce-scattered / all-reduced by this rank
     nvme_read_bytes: int
     nvme_write_bytes: int
     nvme_wait_s: float  # seconds the step blocked on NVMe requests
@@ -120,16 +120,17 @@ def _io_counters(engine: Any) -> dict[str, float]:
     comm = engine.comm.stats.as_dict()
     out = {"read": stats.get("nvme_read", {}).get("bytes", 0), "write": stats.get("nvme_write", {}).get("bytes", 0),
            "wait": stats.get("wait", {}).get("seconds", 0.0),
-           "gather": comm.get("all_gather", {}).get("seconds", 0.0) + comm.get("broadcast", {}).get("seconds", 0.0),
-           "reduce": comm.get("reduce_scatter", {}).get("seconds", 0.0)
-           + comm.get("all_reduce", {}).get("seconds", 0.0), "param_read": 0, "param_write": 0}
+           "gather": comm.get("all_gather", {}).get("bytes", 0) + comm.get("broadcast", {}).get("bytes", 0),
+           "reduce": comm.get("reduce_scatter", {}).get("bytes", 0) + comm.get("all_reduce", {}).get("bytes", 0),
+           "param_read": 0, "param_write": 0}
     shard = getattr(engine.store, "shard", None)
     if isinstance(shard, FileShard):
         s = shard.store.stats
         out["param_read"], out["param_write"] = s.bytes_read, s.bytes_written
         out["read"] += s.bytes_read
         out["write"] += s.bytes_written
-        out["wait"] += s.wait_s
+        # the caller's waits (the file's own I/O runs on a thread; its wait_s is that thread's)
+        out["wait"] += shard.blocked_s
     return out
 
 
@@ -191,7 +192,7 @@ def _now() -> float:
 def _profile(rows: list[dict[str, float]]) -> StepProfile:
     med = lambda key: statistics.median(r.get(key, 0) for r in rows)  # noqa: E731
     return StepProfile(med("forward") + med("backward") + med("optimizer"), med("forward"), med("backward"),
-                       med("optimizer"), med("gather"), med("reduce"), round(med("read")), round(med("write")),
+                       med("optimizer"), round(med("gather")), round(med("reduce")), round(med("read")), round(med("write")),
                        med("wait"), round(med("param_read")), round(med("param_write")))
 
 
@@ -287,15 +288,15 @@ def render(cfg: ScaleConfig, results: list[SystemScale]) -> Any:
                         f"{b.disk_bytes / 1e9:.0f} GB disk; {b.world} ranks x 1 thread, micro-batch {b.micro_batch}, "
                         f"fp32 AdamW, {cfg.steps} steps (first untimed)")
     for col in ("system", "predicted", "trained", "params", "RAM GiB/rank (engine)", "NVMe GB/rank",
-                "peak RSS GiB/rank", "step s", "fwd / bwd / opt s", "gather / reduce s", "NVMe read / write GB",
-                "read / write GB/s (step)"):
+                "peak RSS GiB/rank", "step s", "fwd / bwd / opt s", "gather / reduce GB", "NVMe read / write GB",
+                "NVMe blocked s", "NVMe GB/s over the step"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in results:
         won = r.largest
         pred = f"r{r.predicted.rung} {r.predicted.params / 1e6:.0f}M" if r.predicted else "-"
         if won is None or won.profile is None:
             failed = "; ".join(f"r{x.rung}: {x.error}" for x in r.runs) or "not run"
-            table.add_row(DESCRIPTIONS[r.system], pred, failed, *["-"] * 9)
+            table.add_row(DESCRIPTIONS[r.system], pred, failed, *["-"] * 10)
             continue
         layers, d_model, _ = cfg.family.shape(won.rung)
         p, params = won.profile, predict(r.system, cfg.family, won.rung, b).params
@@ -305,7 +306,8 @@ def render(cfg: ScaleConfig, results: list[SystemScale]) -> Any:
             f"{params / 1e6:.0f}M", f"{won.bytes_per_place.get('cpu', 0) / GIB:.2f}",
             f"{won.bytes_per_place.get('nvme', 0) / 1e9:.1f}", f"{max(won.peak_rss_mib) / 1024:.2f}",
             f"{p.step_s:.1f}", f"{p.forward_s:.1f} / {p.backward_s:.1f} / {p.optimizer_s:.1f}",
-            f"{p.gather_s:.1f} / {p.reduce_s:.1f}", f"{p.nvme_read_bytes / 1e9:.2f} / {p.nvme_write_bytes / 1e9:.2f}",
-            f"{p.nvme_read_bytes / io_s / 1e9:.2f} / {p.nvme_write_bytes / io_s / 1e9:.2f}")
+            f"{p.gather_bytes / 1e9:.2f} / {p.reduce_bytes / 1e9:.2f}",
+            f"{p.nvme_read_bytes / 1e9:.2f} / {p.nvme_write_bytes / 1e9:.2f}", f"{p.nvme_wait_s:.1f}",
+            f"{(p.nvme_read_bytes + p.nvme_write_bytes) / io_s / 1e9:.2f}")
     table.caption = "* the predicted rung failed and the search walked down; figures are rank 0's, per step"
     return table

@@ -103,8 +103,8 @@ def predict(system: str, family: Family, rung: int, budget: Budget) -> Predictio
         placed = est.placed_states(shape, n, 3, "fp32", offload, offload)
         ram = (sum(placed["gpu"].values()) + sum(placed["cpu"].values()) + est.working_buffers(shape, 3, settings)
                + est.offload_buffers(settings, offload))
-        if offload == "nvme":  # the parameter file's bounce buffer: one unit's shard
-            ram += 4 * block / n + settings.offload_buffer_mb * MIB
+        if offload == "nvme":  # the parameter file: two bounce buffers of a unit's shard, the store's bounce
+            ram += 2 * 4 * block / n + 3 * settings.offload_buffer_mb * MIB  # tile and two queued writes
         disk = round(sum(placed["nvme"].values()) * n)
     ram_per_rank = round(ram + working)
     fits = ram_per_rank * n <= budget.ram_bytes and disk <= budget.disk_bytes
