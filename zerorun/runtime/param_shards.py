@@ -86,12 +86,12 @@ class FileShard:
 
     The file's I/O runs on one background thread, in submission order, so it overlaps the caller:
     the step's parameter writes (`target`) queue behind each other while the next tile is updated,
-    and after each gather the unit that followed it last time is read ahead into a second bounce
-    buffer while this one computes. One thread keeps every write and read in program order, so
-    nothing can read a block before an earlier write of it lands; a read-ahead issued before a write
-    is dropped (`_generation`), and `fill`/`write` wait for queued writes first. Measured on the
-    336M GPT (`bench scale`): the synchronous version stalled the tile loop on every parameter write
-    and every gather on its read.
+    and each gather reads ahead, into a second bounce buffer, the unit that came next in the
+    previous cycle of gathers (those between two steps' writes) while this one computes. One thread
+    keeps every write and read in program order, so no read passes an earlier write of its blocks;
+    a read-ahead issued before a write is dropped (`_generation`), and `fill`/`write` wait for
+    queued writes first. Before, the caller waited on every parameter write inside the optimizer's
+    tile loop and on every gather's read (`bench scale` reports the seconds blocked on NVMe).
     """
 
     WRITE_SLOTS = 2  # queued parameter writes: one in flight, one being filled
