@@ -340,6 +340,40 @@ def bench_io(
         json_out.write_text(json.dumps(io.as_json(bench), indent=2))
 
 
+@bench_app.command("scale")
+def bench_scale(
+    systems: Annotated[str, typer.Option(help="Comma-separated subset of: ddp, zero3-cpu, zero3-nvme.")] =
+        "ddp,zero3-cpu,zero3-nvme",
+    nvme_path: Annotated[str | None, typer.Option(help="Directory for zero3-nvme's files (a real disk).")] = None,
+    max_rung: Annotated[int, typer.Option(help="Largest rung of the family to consider.")] = 8,
+    max_params: Annotated[float | None, typer.Option(help="Consider no model above this many parameters.")] = None,
+    ram_gib: Annotated[float | None, typer.Option(help="RAM budget for all ranks (default: 80% of available).")] =
+        None,
+    disk_gb: Annotated[float | None, typer.Option(help="Disk budget at --nvme-path (default: 80% of free).")] = None,
+    steps: Annotated[int, typer.Option(help="Steps per run; the first is untimed.")] = 3,
+    base_layers: Annotated[int, typer.Option(help="Family: layers of rung 0.")] = 12,
+    base_d_model: Annotated[int, typer.Option(help="Family: width of rung 0.")] = 768,
+    d_step: Annotated[int, typer.Option(help="Family: width added per rung.")] = 256,
+    layer_step: Annotated[int, typer.Option(help="Family: layers added per rung.")] = 2,
+    head_dim: Annotated[int, typer.Option(help="Family: width per attention head.")] = 64,
+    vocab: Annotated[int, typer.Option(help="Family: vocabulary.")] = 8192,
+    seq_len: Annotated[int, typer.Option(help="Family: sequence length.")] = 128,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
+) -> None:
+    """The largest GPT of the standard family DDP and stage 3 with CPU / NVMe offload train here: predicted, then run."""
+    from rich.console import Console
+
+    from zerorun.bench import scale
+    from zerorun.bench.scale_plan import Family
+
+    family = Family(base_layers, base_d_model, d_step, layer_step, head_dim, vocab, seq_len)
+    cfg = scale.make_config(systems, max_rung, max_params, ram_gib, disk_gb, nvme_path, steps, family)
+    results = scale.run(cfg, progress=lambda line: typer.echo(line, err=True))
+    Console(width=240).print(scale.render(cfg, results))
+    if json_out is not None:
+        json_out.write_text(json.dumps(scale.as_json(cfg, results), indent=2))
+
+
 @app.command()
 def report(
     run: Annotated[Path, typer.Argument(help="A run directory (runs/<name>) or its telemetry.jsonl.",
