@@ -39,11 +39,12 @@ def _landing_at_wait(all_gather):
 def _train(rank: int, overrides: list[str], overlap: bool, ckpt_dir: str | None = None) -> dict:
     import zerorun
     from zerorun import config
-    from tests.runtime.reference import OPT, batch, make_model
+    from tests.runtime.reference import OPT, batch, make_model, tied_gpt
+    from zerorun.runtime.module_units import UnitState
 
     recipe = config.loads("script: t.py\n", "t.yaml", ["zero.bucket_mb=0.0005", *overrides,
                                                         f"zero.overlap_comm={str(overlap).lower()}"])
-    model = make_model(0)
+    model = tied_gpt(0) if "zero.stage=3" in overrides else make_model(0)
     engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), **OPT), recipe)
     engine.comm.all_gather = _landing_at_wait(engine.comm.all_gather)
     out = {"losses": [], "evals": [], "outstanding": []}
@@ -55,14 +56,21 @@ def _train(rank: int, overrides: list[str], overlap: bool, ckpt_dir: str | None 
             engine.step()
             out["losses"].append(loss.item())
             micro += 1
-        out["outstanding"].append(0 if engine.deferred is None else engine.deferred.outstanding)
+        if engine.scheduler is not None:  # stage 3: the next forward's first unit is on its way
+            out["outstanding"].append(sum(mu.state is UnitState.GATHERING for mu in engine.store.module_units))
+        else:
+            out["outstanding"].append(0 if engine.deferred is None else engine.deferred.outstanding)
         if ckpt_dir is not None and len(out["outstanding"]) == STEPS:
             engine.save_checkpoint(ckpt_dir, tag="t")  # straight after step(): the publish is still outstanding
         with torch.no_grad():  # the module itself, straight after step(): its hooks must wait
             out["evals"].append(model(batch(7, rank, micro)).item())
-    out["state"] = {k: v.clone() for k, v in model.state_dict().items()}
+    state = model.state_dict()  # stages 1/2: its hooks wait for the last publish
+    with engine.gathered():  # stage 3: whole parameters
+        out["state"] = {k: v.clone() for k, v in (model.state_dict() if engine.scheduler else state).items()}
     out["waits"] = 0 if engine.deferred is None else engine.deferred.deferred_waits
     out["units"] = len(engine.store.units)
+    if engine.scheduler is not None:  # one prefetched unit (prefetch_units=1); its wait is the forward's own
+        out["units"], out["waits"] = 1, 1
     return out
 
 
@@ -86,10 +94,12 @@ def _both(rank: int, world: int, cases: list[list[str]]) -> list[str]:
     return problems
 
 
+STAGE3 = ["zero.wrap=[Block]", "zero.param_persistence_threshold=30", "zero.prefetch_units=1"]
 CASES = [[f"zero.stage={stage}", f"train.grad_accum_steps={accum}", f"precision.dtype={dtype}", *offload]
          for stage, accum, dtype, offload in [
              (1, 1, "fp32", []), (2, 3, "fp32", []), (1, 2, "bf16", []), (2, 1, "bf16", []),
-             (2, 2, "fp32", ["zero.offload_optimizer=cpu"]), (1, 1, "bf16", ["zero.offload_optimizer=cpu"])]]
+             (2, 2, "fp32", ["zero.offload_optimizer=cpu"]), (1, 1, "bf16", ["zero.offload_optimizer=cpu"]),
+             (3, 2, "fp32", STAGE3), (3, 1, "bf16", STAGE3), (3, 1, "fp32", [*STAGE3, "zero.offload_optimizer=cpu"])]]
 
 
 @pytest.mark.parametrize("world", [2, 3])

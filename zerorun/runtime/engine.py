@@ -206,6 +206,8 @@ class Engine:
                 self.deferred.start(self.store.publish_units)  # waited for by the next forward's hooks
             else:
                 self.store.publish().wait()
+            if self.scheduler is not None and self.recipe.zero.overlap_comm:
+                self.scheduler.prefetch_next_forward()
         self.scaler.update(found_inf)
         self.optimizer.count_step()  # skipped or not, scheduler.step() after engine.step() is the right order
         self.reducer.zero()
