@@ -80,7 +80,8 @@ class Engine:
         self.deferred = (DeferredPublish(self.module, self.store.units)
                          if 1 <= self.stage <= 2 and recipe.zero.overlap_comm and self.store.shard_world > 1 else None)
         self.optimizer = ShardedAdamW(groups, decoupled, handed_over=optimizer)
-        self.update = AdamStep(self.optimizer, self.store.home, self.placement.transfers(),
+        largest_piece = max((u.shard_numel for u in self.store.units), default=1)
+        self.update = AdamStep(self.optimizer, self.store.home, self.placement.transfers(largest_piece),
                                self.placement.step_tile_numel)
         self._pieces = [[Piece(g, u.state_offset, u.shard_numel, grad, target)
                          for u, grad, target in zip(units_of(self.store.units, g), self.reducer.grad_pieces(g),
