@@ -235,6 +235,9 @@ def bench_step(
         "ddp,fsdp2,zero1,zero2,zero3",
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 for zerorun's stages.")] = "fp32",
     nvme_path: Annotated[str | None, typer.Option(help="Directory for the *-nvme systems' offload files.")] = None,
+    baseline: Annotated[str, typer.Option(help="A second ratio column against this system (one of --systems), "
+                                               "e.g. ddp-fused: DDP with AdamW(fused=True), the strong baseline.")] =
+        "ddp",
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
 ) -> None:
     """Step time and memory of zerorun's stages against DDP and FSDP2, in one interleaved run."""
@@ -249,8 +252,11 @@ def bench_step(
         raise ZerorunError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(step.SYSTEMS)}.")
     if any(s.endswith("nvme") for s in chosen) and not nvme_path:
         raise ZerorunError("--nvme-path: required by the *-nvme systems (a directory on a real disk, not tmpfs).")
+    if baseline != "ddp" and baseline not in chosen:
+        raise ZerorunError(f"--baseline: {baseline!r} is not among --systems ({', '.join(chosen)}); add it there "
+                           "so both run in the same rounds.")
     cfg = step.StepBenchConfig(GPTConfig(layers, d_model, heads, vocab, seq_len), micro_batch, ranks, threads,
-                               rounds, 1, steps, chosen, precision, nvme_path)
+                               rounds, 1, steps, chosen, precision, nvme_path, baseline)
     results = step.run(cfg, progress=lambda line: typer.echo(line, err=True))
     Console(width=200).print(step.render(cfg, results))
     if json_out is not None:

@@ -69,7 +69,9 @@ class ZeroConfig:
     """ZeRO partitioning: what is sharded across data-parallel ranks and how it is communicated."""
 
     stage: int = _f(2, "0: plain data parallel; 1: shard optimizer states; 2: also gradients; 3: also parameters.", ge=0, le=3)
-    overlap_comm: bool = _f(True, "Reduce gradient buckets asynchronously while backward continues.")
+    overlap_comm: bool = _f(True, "Reduce gradient buckets asynchronously while backward continues; after a "
+                                  "step, stages 1/2 all-gather the updated buckets under the next forward and "
+                                  "stage 3 starts gathering its first units.")
     bucket_mb: float = _f(25.0, "Stages 0-2: size of a gradient reduce(-scatter) bucket, MiB; each bucket is also "
                                 "all-gathered as a whole after the step.", gt=0)
     allgather_bucket_mb: float = _f(25.0, "Stage 3: the largest flat buffer a unit's parameters are all-gathered in "

@@ -86,7 +86,12 @@ def _memory(rank: int, world: int) -> dict:
     store = engine.store
     unit_bytes = {mu.kind.value: [sum(store.full[k].numel() * 4 for k in mu.units)] for mu in store.module_units}
     blocks = [sum(store.full[k].numel() * 4 for k in mu.units) for mu in store.plan.gathered_units()]
+    # overlap_comm: the next forward's first block is already gathering when step() returns (reported as
+    # "gathered" working memory, not as a model state)
+    prefetched = sum(sum(store.full[k].numel() * 4 for k in mu.units) for mu in store.plan.gathered_units()
+                     if mu.kind.value == "wrapped" and mu.state.value != "released")
     return {"model_states": engine.memory().model_states(), "params": params, "persistent": persistent,
+            "prefetched": prefetched,
             "peak": store.peak_gathered_bytes, "root": unit_bytes["root"][0], "persistent_bytes": unit_bytes["persistent"][0],
             "largest_block": max(blocks), "all_blocks": sum(blocks)}
 
@@ -95,6 +100,7 @@ def _memory(rank: int, world: int) -> dict:
 def test_stage3_memory_at_rest_is_16_over_n_and_gathering_stays_in_the_prefetch_window(world: int) -> None:
     for rank, m in enumerate(run_ranks(_memory, world)):
         expected = 16 / world * m["params"] + 4 * m["persistent"]  # fp32 AdamW + persistent params kept whole
+        assert 0 < m["prefetched"] <= m["largest_block"], (rank, m)  # prefetch_units=1 block, started by step()
         assert abs(m["model_states"] - expected) / expected < 0.02, (rank, m, expected)
         # in use, prefetched, and the one whose gradients are on their way: at most 3 blocks at once
         window = m["root"] + m["persistent_bytes"] + 3 * m["largest_block"]

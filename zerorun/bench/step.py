@@ -2,8 +2,14 @@
 
 Every system trains the same model on the same batches. Rounds interleave the systems (the order
 rotates each round) and each (round, system) runs in fresh rank processes, so a system's peak
-RSS is its own and machine drift hits every system alike. Ratios to DDP are taken within a
-round, then their median is reported: compare ratios, not absolute seconds, on a shared machine.
+RSS is its own and machine drift hits every system alike. Ratios to DDP (and to `baseline`, e.g.
+DDP with fused AdamW, the strong figure to compare with) are taken within a round, then their
+median is reported: compare ratios, not absolute seconds, on a shared machine.
+
+Phases are timed on the host without a barrier between them (a barrier would wait for work a
+system deliberately leaves in flight, such as stages 1/2's parameter all-gather under the next
+forward); the ranks meet once before the first timed step, and the last step's time includes
+waiting for everything still in flight, so overlapped work is never left uncounted.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class StepBenchConfig:
     systems: tuple[str, ...] = DEFAULT_SYSTEMS
     precision: str = "fp32"
     nvme_path: str | None = None  # for the *-nvme systems
+    baseline: str = "ddp"  # a second ratio column against this system (one of `systems`)
 
 
 @dataclass
@@ -122,35 +129,50 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
                                                          f"precision.dtype={cfg.precision}", "optimizer.lr=1e-4",
                                                          "name=bench-step"])
         engine = zerorun.initialize(model, None, recipe)
-        forward, backward, step = engine, engine.backward, engine.step
+        forward, backward, step, settle = engine, engine.backward, engine.step, engine.wait_published
         state_mib = lambda: engine.memory().model_states() / 2**20  # noqa: E731
     else:
         wrapped, opt = _peers(system, model)
-        forward, backward = wrapped, lambda loss: loss.backward()
+        forward, backward, settle = wrapped, lambda loss: loss.backward(), lambda: None
 
         def step() -> None:
             opt.step()
             opt.zero_grad(set_to_none=False)  # keep gradients allocated, as steady-state training does
         state_mib = lambda: _peer_state_mib(model, opt)  # noqa: E731
+    times, final_loss = _timed(batches, cfg.warmup, forward, backward, step, settle)
+    steps = [sum(parts) for parts in zip(*times.values())]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return Sample(steps, times["forward"], times["backward"], times["optimizer"], rss, state_mib(), final_loss)
+
+
+def _timed(batches: list[torch.Tensor], warmup: int, forward: Callable, backward: Callable, step: Callable,
+           settle: Callable[[], None]) -> tuple[dict[str, list[float]], float]:
+    """Seconds of each phase of each step after `warmup`, and the last loss; `settle` finishes what a step
+    leaves in flight."""
     times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     for i, tokens in enumerate(batches):
+        if i == warmup:  # every rank starts the timed steps together, owing nothing to the warm-up
+            settle()
+            dist.barrier()
         marks = [_now()]
         loss = forward(tokens)
         marks.append(_now())
         backward(loss)
         marks.append(_now())
         step()
+        if i == len(batches) - 1:  # what the last step left in flight, finished and counted
+            settle()
+            dist.barrier()
         marks.append(_now())
-        if i >= cfg.warmup:
+        if i >= warmup:
             for name, a, b in zip(times, marks, marks[1:]):
                 times[name].append(b - a)
-    steps = [sum(parts) for parts in zip(*times.values())]
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return Sample(steps, times["forward"], times["backward"], times["optimizer"], rss, state_mib(), float(loss.detach()))
+    return times, float(loss.detach())
 
 
 def _now() -> float:
-    dist.barrier()  # phases are timed on all ranks together, like a step
+    if torch.cuda.is_available():  # this stream's kernels only: a collective left in flight stays in flight
+        torch.cuda.current_stream().synchronize()
     return time.perf_counter()
 
 
@@ -159,6 +181,7 @@ class SystemResult:
     system: str
     step_s: float
     ratio_to_ddp: float | None
+    ratio_to_baseline: float | None
     forward_s: float
     backward_s: float
     optimizer_s: float
@@ -170,7 +193,7 @@ class SystemResult:
 def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print) -> list[SystemResult]:
     """Run the interleaved rounds; return one result per system (medians)."""
     samples: dict[str, list[Sample]] = {s: [] for s in cfg.systems}
-    ratios: dict[str, list[float]] = {s: [] for s in cfg.systems}
+    ratios = {base: {s: [] for s in cfg.systems} for base in {"ddp", cfg.baseline}}
     for round_index in range(cfg.rounds):
         shift = round_index % len(cfg.systems)
         order = cfg.systems[shift:] + cfg.systems[:shift]
@@ -180,15 +203,17 @@ def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print) -> list[S
             samples[system].append(sample)
             this_round[system] = statistics.median(sample.step_s)
             progress(f"round {round_index + 1}/{cfg.rounds} {system:10s} {this_round[system]:.3f} s/step")
-        if "ddp" in this_round:
+        for base, per_system in ratios.items():
             for system, seconds in this_round.items():
-                ratios[system].append(seconds / this_round["ddp"])
+                if base in this_round:
+                    per_system[system].append(seconds / this_round[base])
     results = []
     for system in cfg.systems:
         runs = samples[system]
         med = lambda name: statistics.median(x for s in runs for x in getattr(s, name))  # noqa: E731
+        ratio = lambda base: statistics.median(ratios[base][system]) if ratios[base][system] else None  # noqa: E731
         results.append(SystemResult(
-            system, med("step_s"), statistics.median(ratios[system]) if ratios[system] else None,
+            system, med("step_s"), ratio("ddp"), ratio(cfg.baseline),
             med("forward_s"), med("backward_s"), med("optimizer_s"),
             max(s.peak_rss_mib for s in runs), runs[-1].model_state_mib, runs[-1].final_loss))
     return results
@@ -207,11 +232,14 @@ def render(cfg: StepBenchConfig, results: list[SystemResult]) -> Any:
     table = Table(title=f"step time: GPT {m.layers}L d{m.d_model} h{m.heads} vocab {m.vocab} seq {m.seq_len}"
                         f" ({params / 1e6:.1f}M params), micro-batch {cfg.micro_batch}, {cfg.precision}, "
                         f"{cfg.world_size} ranks x {cfg.threads} thread(s), {cfg.rounds} interleaved rounds")
-    for col in ("system", "x DDP", "step s", "forward", "backward", "optimizer", "model states MiB/rank",
+    baseline = [f"x {cfg.baseline}"] if cfg.baseline != "ddp" else []
+    for col in ("system", "x DDP", *baseline, "step s", "forward", "backward", "optimizer", "model states MiB/rank",
                 "peak RSS MiB/rank", "final loss"):
         table.add_column(col, justify="left" if col == "system" else "right")
+    ratio = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
     for r in results:
-        table.add_row(DESCRIPTIONS[r.system], f"{r.ratio_to_ddp:.2f}" if r.ratio_to_ddp is not None else "-",
+        ratios = [ratio(r.ratio_to_ddp)] + ([ratio(r.ratio_to_baseline)] if baseline else [])
+        table.add_row(DESCRIPTIONS[r.system], *ratios,
                       f"{r.step_s:.3f}", f"{r.forward_s:.3f}", f"{r.backward_s:.3f}", f"{r.optimizer_s:.3f}",
                       f"{r.model_state_mib:.0f}", f"{r.peak_rss_mib:.0f}", f"{r.final_loss:.4f}")
     return table

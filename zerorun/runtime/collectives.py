@@ -73,19 +73,19 @@ class Handle:
 class Pending:
     """Work started now and finished by `wait()`: its collectives, then what must follow them, once.
 
-    Stores return one from `publish()`: today the engine waits at once; overlapping the parameter
-    all-gather with the next forward means waiting later, just before the first module that reads it.
+    Stores return one from `publish()`; with `zero.overlap_comm` stages 1/2 wait later, just before the
+    first module that reads each unit (deferred_publish.py).
     """
 
     def __init__(self, handles: list[Handle] | None = None, then: Callable[[], object] | None = None) -> None:
-        self._handles = handles or []
+        self.handles = handles or []
         self._then = then
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
-        for handle in self._handles:
+        for handle in self.handles:
             handle.wait()
         if self._then is not None:
             self._then()

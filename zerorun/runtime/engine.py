@@ -34,6 +34,7 @@ from zerorun.runtime import events, sharded_init
 from zerorun.runtime.events import StepWindow
 from zerorun.runtime.adam_step import AdamStep, Piece
 from zerorun.runtime.collectives import Collectives
+from zerorun.runtime.deferred_publish import DeferredPublish
 from zerorun.runtime.dist import init_distributed
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
@@ -76,8 +77,12 @@ class Engine:
         self.scheduler: ParamScheduler | None  # stage 3 only: when units are gathered and released
         self.store, self.reducer, self.scheduler = self._build_stage(model, [g["params"] for g in groups], init_log)
         self._cast_frozen()
+        # stages 1/2 with overlap_comm: the post-step all-gather lands under the next forward
+        self.deferred = (DeferredPublish(self.module, self.store.units)
+                         if 1 <= self.stage <= 2 and recipe.zero.overlap_comm and self.store.shard_world > 1 else None)
         self.optimizer = ShardedAdamW(groups, decoupled, handed_over=optimizer)
-        self.update = AdamStep(self.optimizer, self.store.home, self.placement.transfers(),
+        largest_piece = max((u.shard_numel for u in self.store.units), default=1)
+        self.update = AdamStep(self.optimizer, self.store.home, self.placement.transfers(largest_piece),
                                self.placement.step_tile_numel)
         self._pieces = [[Piece(g, u.state_offset, u.shard_numel, grad, target)
                          for u, grad, target in zip(units_of(self.store.units, g), self.reducer.grad_pieces(g),
@@ -140,7 +145,16 @@ class Engine:
             args, kwargs = _cast_floats((args, kwargs), dtype)
         self._window.count_inputs(args, kwargs, self.tokens_per_sample)
         with self.phase.running(Phase.FORWARD):
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        self.wait_published()  # a unit no module hook waited for (unused in this forward) is current from here on
+        return out
+
+    def wait_published(self) -> None:
+        """Wait until the last step's updated parameters have reached every rank (stages 1/2 with
+        `overlap_comm` publish them under the next forward). The engine's own methods, forwards and
+        `state_dict()` calls do this themselves; call it before reading `p.data` right after `step()`."""
+        if self.deferred is not None:
+            self.deferred.wait_all()
 
     @property
     def is_boundary(self) -> bool:
@@ -150,6 +164,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss / grad_accum_steps` (times the loss scale) and reduce gradients."""
         self._window.add_loss(loss)
+        self.wait_published()  # the forward may have run on the module itself, outside the engine
         with self.phase.running(Phase.BACKWARD):
             self.reducer.begin_backward(reduce=self.is_boundary)
             if self.scheduler is not None:
@@ -179,6 +194,7 @@ class Engine:
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Update from the reduced gradients unless any rank overflowed; (skipped, global norm)."""
+        self.wait_published()  # the update writes into the pieces the last publish sends
         sum_divisor = self.comm.world_size * self.scaler.scale  # reduced gradients are sums of scaled grads
         norm = self._global_norm() / sum_divisor
         self.grad_norm = norm
@@ -189,7 +205,12 @@ class Engine:
         else:
             coef = 1.0 if self.clip_grad_norm is None else min(1.0, self.clip_grad_norm / (norm + 1e-6))
             self.update.run(self._pieces, sum_divisor / coef)
-            self.store.publish().wait()
+            if self.deferred is not None:
+                self.deferred.start(self.store.publish_units)  # waited for by the next forward's hooks
+            else:
+                self.store.publish().wait()
+            if self.scheduler is not None and self.recipe.zero.overlap_comm:
+                self.scheduler.prefetch_next_forward()
         self.scaler.update(found_inf)
         self.optimizer.count_step()  # skipped or not, scheduler.step() after engine.step() is the right order
         self.reducer.zero()
@@ -230,6 +251,7 @@ class Engine:
         return report
 
     def parameters(self) -> Any:
+        self.wait_published()
         return self.module.parameters()
 
     def train(self, mode: bool = True) -> Engine:
@@ -242,6 +264,7 @@ class Engine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full state dict: every rank in stages 0-2; stage 3 consolidates on rank 0 ({} elsewhere),
         one unit at a time, in fp32."""
+        self.wait_published()
         return self.store.full_state_dict(self.module)
 
     def gathered(self, params: Any = None, modify: bool = False, src: int = 0) -> Any:
@@ -249,6 +272,7 @@ class Engine:
 
         With `modify=True`, rank `src`'s values are written back to every rank's shard on exit.
         """
+        self.wait_published()
         return self.store.gathered(params, modify, src)
 
     # -- checkpoints (runtime/checkpoint.py) -------------------------------------------------
@@ -269,6 +293,7 @@ class Engine:
         """Save the whole training state, sharded (every rank calls it); `tag` defaults to `step-<global_step>`."""
         from zerorun.runtime import checkpoint
 
+        self.wait_published()
         state = self.client_state if client_state is None else client_state
         return checkpoint.save(self, self._checkpoint_dir(dir), tag or f"step-{self.global_step}", state)
 
@@ -276,6 +301,7 @@ class Engine:
         """Restore from `tag` (default: the latest); returns its client_state, or None when there is no checkpoint."""
         from zerorun.runtime import checkpoint
 
+        self.wait_published()  # loading writes the pieces an unfinished publish may still be sending
         loaded = checkpoint.load(self, self._checkpoint_dir(dir), tag)
         if loaded is None:
             return None

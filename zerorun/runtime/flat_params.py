@@ -92,9 +92,13 @@ class FlatParams:
 
     def publish(self) -> Pending:
         """Every rank's parameters from the updated pieces: one all-gather per unit."""
+        return Pending([h for p in self.publish_units(range(len(self.units))).values() for h in p.handles])
+
+    def publish_units(self, order: Iterable[int]) -> dict[int, Pending]:
+        """`publish`, one `Pending` per unit index, started in `order` (the order they will be waited for)."""
         if self.shard_world == 1:
-            return Pending()
-        return Pending([self.comm.all_gather(self.unit_full(unit)) for unit in self.units])
+            return {}
+        return {k: Pending([self.comm.all_gather(self.unit_full(self.units[k]))]) for k in order}
 
     def master_changed(self, group: int, values: torch.Tensor) -> None:
         if self.params_are_master:

@@ -24,7 +24,7 @@ Gradients are *summed* across ranks; the optimizer divides by the world size in 
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import deque
 from enum import Enum
 from typing import Callable
 
@@ -58,22 +58,32 @@ class LaunchOrder(Enum):
 
 
 class BufferPool:
-    """Reusable buffers by size, so reducing into a shard does not allocate on every micro-step."""
+    """Reusable staging buffers, so reducing into a shard does not allocate on every micro-step.
 
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
-        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+    A unit gets (a view of) the smallest free buffer that holds it; a new buffer is made only when
+    none does, at the largest unit's size for any unit over half of it, so that units of nearly equal
+    size (cut at parameter boundaries) share buffers. Pooling by exact size kept a set per distinct
+    unit size, most of them idle (148 MiB over the ZeRO formula at stage 2 on the standard model).
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, slot_numel: int) -> None:
+        self.dtype, self.device, self.slot_numel = dtype, device, slot_numel
+        self._free: list[torch.Tensor] = []
         self.allocated_bytes = 0
 
     def get(self, numel: int) -> torch.Tensor:
         """A buffer of `numel` elements with undefined contents (the caller writes or zeroes every element)."""
-        if self._free[numel]:
-            return self._free[numel].pop()
-        self.allocated_bytes += numel * torch.empty((), dtype=self.dtype).element_size()
-        return torch.empty(numel, dtype=self.dtype, device=self.device)
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= numel]
+        if fits:
+            buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        else:
+            size = self.slot_numel if 2 * numel > self.slot_numel else numel
+            self.allocated_bytes += size * torch.empty((), dtype=self.dtype).element_size()
+            buffer = torch.empty(size, dtype=self.dtype, device=self.device)
+        return buffer[:numel]
 
     def put(self, buffer: torch.Tensor) -> None:
-        self._free[buffer.numel()].append(buffer)
+        self._free.append(buffer._base if buffer._base is not None else buffer)  # the buffer `get` gave a view of
 
 
 class GradReducer:
@@ -91,7 +101,7 @@ class GradReducer:
         self.full_grads = torch.zeros(total, dtype=dtype, device=device)  # stages 0/1: laid out like the parameters
         shards = self.group_numels if self.staged else []
         self.grad_shards = [torch.zeros(n, dtype=dtype, device=device) for n in shards]
-        self.pool = BufferPool(dtype, device)
+        self.pool = BufferPool(dtype, device, max((u.padded_numel for u in self.units), default=1))
         self._place = {param: (k, i) for k, unit in enumerate(self.units) for i, param in enumerate(unit.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._place]
         self._reset_backward_state(reduce=False)

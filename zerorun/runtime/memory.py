@@ -20,7 +20,9 @@ from typing import Iterable
 
 import torch
 
-KINDS = ("params", "grads", "master", "optimizer", "buffers", "comm")
+# "gathered": stage 3 blocks gathered ahead of the next forward (overlap_comm), the gather window's
+# working memory rather than a model state (`zerorun estimate` counts it with the working buffers)
+KINDS = ("params", "grads", "master", "optimizer", "buffers", "comm", "gathered")
 MODEL_STATE_KINDS = ("params", "grads", "master", "optimizer")
 
 

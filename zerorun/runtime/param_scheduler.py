@@ -8,6 +8,7 @@
 | gradients reach its outputs          | gathered again; the previous units in that order start gathering     |
 | the reducer launched its gradients   | released                                                              |
 | backward ends                        | everything but the persistent unit released                           |
+| a step published (`overlap_comm`)    | the first `prefetch_units` of the order start gathering for the next forward |
 
 The execution order is recorded on the first pass and re-recorded when it changes (that unit is then
 gathered on demand). Whether backward is running is the engine's `phase`, read here and by the
@@ -105,6 +106,13 @@ class ParamScheduler:
         for nxt in reversed(self.order[max(0, position - self.prefetch):position]):
             if id(nxt) not in self._backward_seen:
                 self.store.prefetch(nxt)
+
+    def prefetch_next_forward(self) -> None:
+        """After a step: start gathering the first `prefetch` units of the recorded order, so the next
+        forward's first gathers overlap with what runs before it (a unit then not used is released
+        with the others when that forward ends)."""
+        for mu in (self.order or [])[:self.prefetch]:
+            self.store.prefetch(mu)
 
     def begin_backward(self) -> None:
         self._backward_seen = set()

@@ -2,7 +2,7 @@
 
     placement = Placement.from_recipe(recipe, device, rank)
     home = placement.optimizer_home(group_numels)      # master + moments: device, host or NVMe
-    transfers = placement.transfers()                   # how gradients and updates reach that home
+    transfers = placement.transfers(largest_piece)      # how gradients and updates reach that home
 
 | `zero.offload_optimizer` | optimizer state (`Home`)             | the step's transfers | stage 3 gathers read  |
 |--------------------------|--------------------------------------|----------------------|-----------------------|
@@ -87,10 +87,12 @@ class Placement:
         check_nvme_path(self.optimizer_nvme, "zero.offload_optimizer.nvme_path", 12 * sum(group_numels), root)
         return NvmeHome(root, group_numels, self.tile_numel, self.aio, self.pin)
 
-    def transfers(self) -> Transfers:
+    def transfers(self, largest_piece: int) -> Transfers:
+        """How gradients and updates move; staging slots hold a tile, never more than `largest_piece`
+        (the longest piece of state one unit has on this rank: no tile of a step is longer)."""
         if self.optimizer is Place.DEVICE:
             return Direct()
-        return StagingRing(self.device, self.tile_numel, self.pin)
+        return StagingRing(self.device, max(1, min(self.tile_numel, largest_piece)), self.pin)
 
     def place_device(self, place: Place) -> torch.device:
         """The torch device of an in-memory place."""

@@ -177,7 +177,10 @@ class ShardedParams:
         return sum(t.untyped_storage().nbytes() for t in self.full)
 
     def account(self, report: MemoryReport) -> None:
-        report.add("params", self.device.type, self.gathered_bytes())
+        window = {k for mu in self.module_units if mu.kind is UnitKind.WRAPPED for k in mu.units}
+        held = [(k in window, t.untyped_storage().nbytes()) for k, t in enumerate(self.full)]
+        report.add("params", self.device.type, sum(n for in_window, n in held if not in_window))
+        report.add("gathered", self.device.type, sum(n for in_window, n in held if in_window))
         self.shard.account(report)
         report.units = self.unit_count()
 

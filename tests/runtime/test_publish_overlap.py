@@ -1,0 +1,125 @@
+"""Stages 1/2 publish the updated parameters under the next forward (`zero.overlap_comm`), bit-identically.
+
+Each case trains twice in the same processes, overlap on and off, and demands *equal* bits: the
+same collectives fill the same bytes, only the moment of the wait moves, so any difference at all
+means a forward read a unit before its gather landed. An inference pass on the module itself
+right after `step()` (no engine call in between) checks that module hooks, not the engine, wait.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+STEPS = 5
+
+
+class _LandsAtWait:
+    """A gather whose values reach the parameters only in `wait()`: reading before the wait reads stale bytes."""
+
+    def __init__(self, handle, full: torch.Tensor, scratch: torch.Tensor) -> None:
+        self.handle, self.full, self.scratch = handle, full, scratch
+
+    def wait(self) -> None:
+        self.handle.wait()
+        self.full.copy_(self.scratch)
+
+
+def _landing_at_wait(all_gather):
+    """Wrap `Collectives.all_gather` so that a forward reading a unit before waiting for it always fails
+    the comparison (a real gloo gather usually lands before the forward reads, hiding a missing wait)."""
+    def gather(full: torch.Tensor) -> _LandsAtWait:
+        scratch = full.clone()
+        return _LandsAtWait(all_gather(scratch), full, scratch)
+    return gather
+
+
+def _train(rank: int, overrides: list[str], overlap: bool, ckpt_dir: str | None = None) -> dict:
+    import zerorun
+    from zerorun import config
+    from tests.runtime.reference import OPT, batch, make_model, tied_gpt
+    from zerorun.runtime.module_units import UnitState
+
+    recipe = config.loads("script: t.py\n", "t.yaml", ["zero.bucket_mb=0.0005", *overrides,
+                                                        f"zero.overlap_comm={str(overlap).lower()}"])
+    model = tied_gpt(0) if "zero.stage=3" in overrides else make_model(0)
+    engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), **OPT), recipe)
+    engine.comm.all_gather = _landing_at_wait(engine.comm.all_gather)
+    out = {"losses": [], "evals": [], "outstanding": []}
+    micro = 0
+    for _ in range(STEPS):
+        for _a in range(recipe.train.grad_accum_steps):
+            loss = engine(batch(0, rank, micro))
+            engine.backward(loss)
+            engine.step()
+            out["losses"].append(loss.item())
+            micro += 1
+        if engine.scheduler is not None:  # stage 3: the next forward's first unit is on its way
+            out["outstanding"].append(sum(mu.state is UnitState.GATHERING for mu in engine.store.module_units))
+        else:
+            out["outstanding"].append(0 if engine.deferred is None else engine.deferred.outstanding)
+        if ckpt_dir is not None and len(out["outstanding"]) == STEPS:
+            engine.save_checkpoint(ckpt_dir, tag="t")  # straight after step(): the publish is still outstanding
+        with torch.no_grad():  # the module itself, straight after step(): its hooks must wait
+            out["evals"].append(model(batch(7, rank, micro)).item())
+    state = model.state_dict()  # stages 1/2: its hooks wait for the last publish
+    with engine.gathered():  # stage 3: whole parameters
+        out["state"] = {k: v.clone() for k, v in (model.state_dict() if engine.scheduler else state).items()}
+    out["waits"] = 0 if engine.deferred is None else engine.deferred.deferred_waits
+    out["units"] = len(engine.store.units)
+    if engine.scheduler is not None:  # one prefetched unit (prefetch_units=1); its wait is the forward's own
+        out["units"], out["waits"] = 1, 1
+    return out
+
+
+def _both(rank: int, world: int, cases: list[list[str]]) -> list[str]:
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    problems = []
+    for overrides in cases:
+        on, off = _train(rank, overrides, True), _train(rank, overrides, False)
+        name = f"{' '.join(overrides)} world={world} rank={rank}"
+        for key in ("losses", "evals"):
+            if on[key] != off[key]:
+                problems.append(f"{name}: {key} differ: {on[key]} vs {off[key]}")
+        for k, v in off["state"].items():
+            if not torch.equal(on["state"][k], v):
+                problems.append(f"{name}: {k} differs by {(on['state'][k] - v).abs().max().item():.2e}")
+        if min(on["outstanding"]) < on["units"] or on["waits"] < on["units"]:
+            problems.append(f"{name}: the publish was not deferred to forward hooks: {on['outstanding']} "
+                            f"outstanding after step, {on['waits']} hook waits, {on['units']} units")
+    return problems
+
+
+STAGE3 = ["zero.wrap=[Block]", "zero.param_persistence_threshold=30", "zero.prefetch_units=1"]
+CASES = [[f"zero.stage={stage}", f"train.grad_accum_steps={accum}", f"precision.dtype={dtype}", *offload]
+         for stage, accum, dtype, offload in [
+             (1, 1, "fp32", []), (2, 3, "fp32", []), (1, 2, "bf16", []), (2, 1, "bf16", []),
+             (2, 2, "fp32", ["zero.offload_optimizer=cpu"]), (1, 1, "bf16", ["zero.offload_optimizer=cpu"]),
+             (3, 2, "fp32", STAGE3), (3, 1, "bf16", STAGE3), (3, 1, "fp32", [*STAGE3, "zero.offload_optimizer=cpu"])]]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_overlapped_publish_is_bit_identical_and_deferred(world: int) -> None:
+    problems = [p for rank_problems in run_ranks(_both, world, (CASES,)) for p in rank_problems]
+    assert not problems, "\n".join(problems)
+
+
+def _checkpoints(rank: int, world: int, root: str) -> None:
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    for overlap in (True, False):
+        _train(rank, ["zero.stage=2"], overlap, ckpt_dir=f"{root}/{overlap}")
+
+
+def test_checkpoint_saved_right_after_step_equals_the_synchronous_one(tmp_path) -> None:
+    run_ranks(_checkpoints, 2, (str(tmp_path),))
+    on, off = tmp_path / "True" / "t", tmp_path / "False" / "t"
+    files = sorted(p.name for p in off.iterdir() if p.suffix == ".safetensors")
+    assert files and files == sorted(p.name for p in on.iterdir() if p.suffix == ".safetensors")
+    for name in files:
+        assert (on / name).read_bytes() == (off / name).read_bytes(), name

@@ -1,0 +1,95 @@
+"""Stages 1/2's post-step parameter all-gather, hidden under the next forward (`zero.overlap_comm`).
+
+After an optimizer step every rank holds only its own updated pieces of each unit; the rest of
+the flat parameter buffer is stale until the unit's all-gather lands. Rather than wait for all of
+them at the end of `step()`, the gathers are started in the order the next forward reads the units
+and each is waited for just before the first module that reads it:
+
+| who reads parameters                        | waits for                                        |
+|---------------------------------------------|--------------------------------------------------|
+| a module's forward (pre-hook, installed once) | the units of every parameter in its subtree (the root: its own parameters only) |
+| `module.state_dict()` (any module's)          | everything                                       |
+| the engine's next step, backward, checkpoint save/load, `state_dict`, `gathered`, `parameters()` | everything |
+| anything else (a script reading `p.data` right after `step()`) | call `engine.wait_published()` first |
+
+The root's hook waits only for its own parameters, so a root forward that reads a child's
+parameter *before* calling that child would see the previous step's value (no model here does;
+set `zero.overlap_comm: false` for such a model, or call `engine.wait_published()` at the top of
+its forward). Every forward ends with a wait for everything, so backward and what follows the
+forward always see current values. The values are bit-identical to a synchronous publish: the same
+collectives fill the same bytes, only the moment of the wait moves.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from zerorun.runtime.collectives import Pending
+from zerorun.runtime.units import Unit
+
+
+class DeferredPublish:
+    """Per-unit pending all-gathers and the module hooks that wait for them."""
+
+    def __init__(self, root: nn.Module, units: list[Unit]) -> None:
+        self._pending: dict[int, Pending] = {}
+        self.order = _forward_order(root, units)
+        self._hooks: list[RemovableHandle] = []
+        for module, ks in _reads(root, units, self.order).items():
+            self._hooks.append(module.register_forward_pre_hook(self._waiter(ks)))
+            self._hooks.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
+        self.deferred_waits = 0  # units first waited for by a forward hook (not by a barrier): the overlap at work
+
+    def start(self, publish: Callable[[list[int]], dict[int, Pending]]) -> None:
+        """Start every unit's gather (in forward order) through `publish`; waits happen later."""
+        self.wait_all()  # a previous publish must land before its buffer is gathered into again
+        self._pending = publish(self.order)
+
+    @property
+    def outstanding(self) -> int:
+        """Units whose gather has been started and not yet waited for."""
+        return sum(not p.done for p in self._pending.values())
+
+    def wait_all(self) -> None:
+        """Every unit's gather landed: the whole parameter buffer is current."""
+        for k in self.order:
+            pending = self._pending.pop(k, None)
+            if pending is not None:
+                pending.wait()
+
+    def _waiter(self, ks: list[int]):
+        def wait_units(module: nn.Module, args: object) -> None:
+            if not self._pending:
+                return
+            for k in ks:
+                pending = self._pending.pop(k, None)
+                if pending is not None:
+                    pending.wait()
+                    self.deferred_waits += 1
+        return wait_units
+
+    def remove(self) -> None:
+        self.wait_all()
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _forward_order(root: nn.Module, units: list[Unit]) -> list[int]:
+    """Unit indices by their first parameter in registration order (the order a forward usually reads them)."""
+    position = {p: i for i, p in enumerate(root.parameters())}
+    return sorted(range(len(units)), key=lambda k: min(position.get(p, len(position)) for p in units[k].params))
+
+
+def _reads(root: nn.Module, units: list[Unit], forward_order: list[int]) -> dict[nn.Module, list[int]]:
+    """For each module holding trainable parameters: the units it waits for, in forward order."""
+    unit_of = {p: k for k, unit in enumerate(units) for p in unit.params}
+    order = {k: i for i, k in enumerate(forward_order)}
+    reads = {}
+    for module in root.modules():
+        ks = {unit_of[p] for p in module.parameters(recurse=module is not root) if p in unit_of}
+        if ks:
+            reads[module] = sorted(ks, key=order.__getitem__)
+    return reads
