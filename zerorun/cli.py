@@ -1,7 +1,7 @@
 """The `zerorun` command: parse the flags, call one function, render its result or its error.
 
-Every subcommand is a plain `@app.command()` function here; the work happens in the modules they
-call. A `ZerorunError` from any of them (a bad recipe, hostfile or flag) is printed as one line,
+Every subcommand is a plain `@app.command()` function here (the `bench` ones in `cli_bench`); the
+work happens in the modules they call. A `ZerorunError` from any of them (a bad recipe, hostfile or flag) is printed as one line,
 `zerorun: error: <message>`, with exit status 2 and no traceback (see `_ZerorunGroup`).
 """
 
@@ -16,6 +16,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 import zerorun
+from zerorun.cli_bench import bench_app
 from zerorun.errors import ZerorunError
 
 if TYPE_CHECKING:
@@ -212,172 +213,7 @@ def env(
         raise typer.Exit(1)
 
 
-bench_app = typer.Typer(help="Side-by-side measurements: step time against DDP/FSDP2, collectives, Adam kernels, "
-                             "NVMe I/O.",
-                        no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
-
-
-@bench_app.command("step")
-def bench_step(
-    layers: Annotated[int, typer.Option(help="GPT layers.")] = 12,
-    d_model: Annotated[int, typer.Option(help="GPT width.")] = 768,
-    heads: Annotated[int, typer.Option(help="Attention heads.")] = 12,
-    vocab: Annotated[int, typer.Option(help="Vocabulary size.")] = 8192,
-    seq_len: Annotated[int, typer.Option(help="Sequence length.")] = 128,
-    micro_batch: Annotated[int, typer.Option(help="Micro-batch per rank.")] = 2,
-    ranks: Annotated[int, typer.Option(help="Ranks (local processes, gloo).")] = 2,
-    threads: Annotated[int, typer.Option(help="CPU threads per rank.")] = 1,
-    rounds: Annotated[int, typer.Option(help="Interleaved rounds (each system once per round).")] = 3,
-    steps: Annotated[int, typer.Option(help="Timed steps per round, after one warm-up step.")] = 3,
-    systems: Annotated[str, typer.Option(help="Comma-separated: ddp, ddp-fused, fsdp2, zero0-3, zero1-offload, "
-                                               "zero2-offload, zero3-offload (CPU), zero2-nvme, zero3-nvme.")] =
-        "ddp,fsdp2,zero1,zero2,zero3",
-    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 for zerorun's stages.")] = "fp32",
-    nvme_path: Annotated[str | None, typer.Option(help="Directory for the *-nvme systems' offload files.")] = None,
-    baseline: Annotated[str, typer.Option(help="A second ratio column against this system (one of --systems), "
-                                               "e.g. ddp-fused: DDP with AdamW(fused=True), the strong baseline.")] =
-        "ddp",
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
-) -> None:
-    """Step time and memory of zerorun's stages against DDP and FSDP2, in one interleaved run."""
-    from rich.console import Console
-
-    from zerorun.bench import step
-    from zerorun.bench.gpt import GPTConfig
-
-    chosen = tuple(s.strip() for s in systems.split(",") if s.strip())
-    unknown = [s for s in chosen if s not in step.SYSTEMS]
-    if unknown:
-        raise ZerorunError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(step.SYSTEMS)}.")
-    if any(s.endswith("nvme") for s in chosen) and not nvme_path:
-        raise ZerorunError("--nvme-path: required by the *-nvme systems (a directory on a real disk, not tmpfs).")
-    if baseline != "ddp" and baseline not in chosen:
-        raise ZerorunError(f"--baseline: {baseline!r} is not among --systems ({', '.join(chosen)}); add it there "
-                           "so both run in the same rounds.")
-    cfg = step.StepBenchConfig(GPTConfig(layers, d_model, heads, vocab, seq_len), micro_batch, ranks, threads,
-                               rounds, 1, steps, chosen, precision, nvme_path, baseline)
-    results = step.run(cfg, progress=lambda line: typer.echo(line, err=True))
-    Console(width=200).print(step.render(cfg, results))
-    if json_out is not None:
-        json_out.write_text(json.dumps(step.as_json(cfg, results), indent=2))
-
-
-@bench_app.command("comm")
-def bench_comm(
-    sizes: Annotated[str, typer.Option(help="Comma-separated buffer sizes in MiB.")] = "25,100",
-    ranks: Annotated[int, typer.Option(help="Ranks (local processes, gloo).")] = 2,
-) -> None:
-    """The backend's collectives against the implementations zerorun picks for it."""
-    from rich.console import Console
-
-    from zerorun.bench import comm
-
-    sizes_mib = [float(s) for s in sizes.split(",") if s.strip()]
-    Console(width=200).print(comm.render(comm.run(sizes_mib, ranks), ranks))
-
-
-@bench_app.command("adam")
-def bench_adam(
-    sizes: Annotated[str, typer.Option(help="Comma-separated shard sizes in parameters (K/M/G = 10^3/6/9).")] =
-        "1M,16M",
-    threads: Annotated[int, typer.Option(help="CPU threads (torch's and our kernel's).")] = 1,
-    repeats: Annotated[int, typer.Option(help="Timed steps per implementation and size, after one warm-up.")] = 10,
-    implementations: Annotated[str, typer.Option(help="Comma-separated subset of: zerorun, zerorun+bf16, "
-                                                      "torch fused, torch fused+bf16, torch foreach, "
-                                                      "torch for-loop (default: all).")] = "",
-    bandwidth_size: Annotated[str, typer.Option(help="Elements of the torch add that measures memory bandwidth; "
-                                                     "make it larger than the last-level cache.")] = "64M",
-) -> None:
-    """Params/s and GB/s of our CPU Adam kernel and torch's, against the measured memory bandwidth."""
-    from rich.console import Console
-
-    from zerorun.bench import adam
-
-    try:
-        numels = [adam.parse_size(s) for s in sizes.split(",") if s.strip()]
-        bandwidth_numel = adam.parse_size(bandwidth_size)
-    except ValueError as exc:
-        raise ZerorunError(f"--sizes/--bandwidth-size: {exc}") from None
-    chosen = tuple(s.strip() for s in implementations.split(",") if s.strip()) or adam.IMPLEMENTATIONS
-    unknown = [s for s in chosen if s not in adam.IMPLEMENTATIONS]
-    if unknown:
-        raise ZerorunError(f"--implementations: unknown {', '.join(unknown)}; "
-                           f"choose from {', '.join(adam.IMPLEMENTATIONS)}.")
-    if threads < 1 or repeats < 1:
-        raise ZerorunError("--threads and --repeats must be at least 1.")
-    Console(width=200).print(adam.render(adam.run(numels, threads, repeats, chosen, bandwidth_numel=bandwidth_numel)))
-
-
-@bench_app.command("io")
-def bench_io(
-    path: Annotated[str, typer.Option(help="A directory on the disk to measure (a real disk, not tmpfs).",
-                                      show_default=False)],
-    size_mb: Annotated[int, typer.Option(help="File size in MiB (rounded up to 8 MiB, dd's block).")] = 1024,
-    block_sizes: Annotated[str, typer.Option(help="Comma-separated request chunk sizes (K/M = KiB/MiB).")] = "1M,8M",
-    queue_depths: Annotated[str, typer.Option(help="Comma-separated chunks in flight.")] = "1,8,32",
-    threads: Annotated[str, typer.Option(help="Comma-separated thread counts (thread-pool backends only).")] = "4",
-    backends: Annotated[str, typer.Option(help="Comma-separated subset of: libaio, threads, python.")] =
-        "libaio,threads",
-    rounds: Annotated[int, typer.Option(help="Interleaved rounds (each case once per round).")] = 3,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
-) -> None:
-    """Read and write GB/s of zerorun's async O_DIRECT I/O next to dd (and fio) on the same disk."""
-    from rich.console import Console
-
-    from zerorun.bench import io
-
-    try:
-        blocks = [io.parse_bytes(s) for s in block_sizes.split(",") if s.strip()]
-        depths = [int(s) for s in queue_depths.split(",") if s.strip()]
-        counts = [int(s) for s in threads.split(",") if s.strip()]
-    except ValueError as exc:
-        raise ZerorunError(f"--block-sizes/--queue-depths/--threads: {exc}") from None
-    chosen = [s.strip() for s in backends.split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in io.BACKENDS]
-    if unknown:
-        raise ZerorunError(f"--backends: unknown {', '.join(unknown)}; choose from {', '.join(io.BACKENDS)}.")
-    if size_mb < 1 or rounds < 1 or not blocks or min(depths, default=0) < 1 or min(counts, default=0) < 1:
-        raise ZerorunError("--size-mb, --rounds, --queue-depths and --threads must be at least 1.")
-    bench = io.run(path, size_mb * 2**20, blocks, depths, counts, chosen, rounds,
-                   progress=lambda line: typer.echo(line, err=True))
-    Console(width=200).print(io.render(bench))
-    if json_out is not None:
-        json_out.write_text(json.dumps(io.as_json(bench), indent=2))
-
-
-@bench_app.command("scale")
-def bench_scale(
-    systems: Annotated[str, typer.Option(help="Comma-separated subset of: ddp, zero3-cpu, zero3-nvme.")] =
-        "ddp,zero3-cpu,zero3-nvme",
-    nvme_path: Annotated[str | None, typer.Option(help="Directory for zero3-nvme's files (a real disk).")] = None,
-    max_rung: Annotated[int, typer.Option(help="Largest rung of the family to consider.")] = 8,
-    max_params: Annotated[float | None, typer.Option(help="Consider no model above this many parameters.")] = None,
-    ram_gib: Annotated[float | None, typer.Option(help="RAM budget for all ranks (default: 80% of available).")] =
-        None,
-    disk_gb: Annotated[float | None, typer.Option(help="Disk budget at --nvme-path (default: 80% of free).")] = None,
-    steps: Annotated[int, typer.Option(help="Steps per run; the first is untimed.")] = 3,
-    base_layers: Annotated[int, typer.Option(help="Family: layers of rung 0.")] = 12,
-    base_d_model: Annotated[int, typer.Option(help="Family: width of rung 0.")] = 768,
-    d_step: Annotated[int, typer.Option(help="Family: width added per rung.")] = 256,
-    layer_step: Annotated[int, typer.Option(help="Family: layers added per rung.")] = 2,
-    head_dim: Annotated[int, typer.Option(help="Family: width per attention head.")] = 64,
-    vocab: Annotated[int, typer.Option(help="Family: vocabulary.")] = 8192,
-    seq_len: Annotated[int, typer.Option(help="Family: sequence length.")] = 128,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
-) -> None:
-    """The largest GPT of the standard family DDP and stage 3 with CPU / NVMe offload train here: predicted, then run."""
-    from rich.console import Console
-
-    from zerorun.bench import scale
-    from zerorun.bench.scale_plan import Family
-
-    family = Family(base_layers, base_d_model, d_step, layer_step, head_dim, vocab, seq_len)
-    cfg = scale.make_config(systems, max_rung, max_params, ram_gib, disk_gb, nvme_path, steps, family)
-    results = scale.run(cfg, progress=lambda line: typer.echo(line, err=True))
-    Console(width=240).print(scale.render(cfg, results))
-    if json_out is not None:
-        json_out.write_text(json.dumps(scale.as_json(cfg, results), indent=2))
 
 
 @app.command()
