@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -153,20 +154,23 @@ def test_a_scheduler_on_the_users_optimizer_drives_the_engine_like_ddp_without_w
 def _handed_over_misuse(rank: int, world: int) -> list[str]:
     import zerorun
     from zerorun import config
-    from zerorun.errors import ZerorunError
 
     model = make_model(0)
     opt = torch.optim.AdamW(model.parameters())
     engine = zerorun.initialize(model, opt, config.loads("script: t.py", "t.yaml"))
-    messages = []
-    for call in (opt.step, opt.zero_grad, opt.state_dict, lambda: opt.load_state_dict({}),
-                 engine.optimizer.state_dict, engine.optimizer.zero_grad):
-        try:
-            call()
-            messages.append("no error")
-        except ZerorunError as exc:
-            messages.append(str(exc))
-    return messages
+    return [_message(call) for call in (opt.step, opt.zero_grad, opt.state_dict, lambda: opt.load_state_dict({}),
+                                        engine.optimizer.state_dict, engine.optimizer.zero_grad)]
+
+
+def _message(call: Callable[[], object]) -> str:
+    """The ZerorunError `call` raises, or "no error"."""
+    from zerorun.errors import ZerorunError
+
+    try:
+        call()
+    except ZerorunError as exc:
+        return str(exc)
+    return "no error"
 
 
 def test_the_handed_over_optimizer_refuses_to_step_or_save_and_says_what_to_call() -> None:
@@ -189,7 +193,6 @@ def _stepped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def _errors(rank: int, world: int) -> list[str]:
     import zerorun
     from zerorun import config
-    from zerorun.errors import ZerorunError
 
     recipe = config.loads("script: t.py", "t.yaml")
     messages = []
@@ -200,22 +203,10 @@ def _errors(rank: int, world: int) -> list[str]:
         lambda m: zerorun.initialize(m, _stepped(torch.optim.AdamW(m.parameters())), recipe),
     ]
     for attempt in attempts:
-        try:
-            attempt(make_model(0))
-            messages.append("no error")
-        except ZerorunError as exc:
-            messages.append(str(exc))
+        messages.append(_message(lambda: attempt(make_model(0))))
     engine = zerorun.initialize(make_model(0), None, recipe)
-    try:
-        engine(batch(0, rank, 0)).backward()
-        messages.append("no error")
-    except ZerorunError as exc:
-        messages.append(str(exc))
-    try:
-        engine.optimizer.step()
-        messages.append("no error")
-    except ZerorunError as exc:
-        messages.append(str(exc))
+    messages.append(_message(lambda: engine(batch(0, rank, 0)).backward()))
+    messages.append(_message(engine.optimizer.step))
     return messages
 
 
