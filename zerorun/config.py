@@ -70,8 +70,12 @@ class ZeroConfig:
 
     stage: int = _f(2, "0: plain data parallel; 1: shard optimizer states; 2: also gradients; 3: also parameters.", ge=0, le=3)
     overlap_comm: bool = _f(True, "Reduce gradient buckets asynchronously while backward continues; after a "
-                                  "step, stages 1/2 all-gather the updated buckets under the next forward and "
-                                  "stage 3 starts gathering its first units.")
+                                  "step, stage 3 starts gathering the next forward's first units.")
+    overlap_publish: bool = _f(False, "Stages 1/2: engine.step() starts the all-gather of the updated buckets and "
+                                      "returns; the next forward waits for each bucket just before the layer "
+                                      "that reads it. Faster, but code that reads parameters directly after a "
+                                      "step (an EMA of the weights, p.data) must call engine.wait_published() "
+                                      "first. Off: every parameter is updated when step() returns.")
     bucket_mb: float = _f(25.0, "Stages 0-2: size of a gradient reduce(-scatter) bucket, MiB; each bucket is also "
                                 "all-gathered as a whole after the step.", gt=0)
     allgather_bucket_mb: float = _f(25.0, "Stage 3: the largest flat buffer a unit's parameters are all-gathered in "

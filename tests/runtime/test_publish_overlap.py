@@ -1,4 +1,5 @@
-"""Stages 1/2 publish the updated parameters under the next forward (`zero.overlap_comm`), bit-identically.
+"""The post-step publish under the next forward, bit-identically: stages 1/2's all-gather
+(`zero.overlap_publish`) and stage 3's prefetch of the first units (`zero.overlap_comm`).
 
 Each case trains twice in the same processes, overlap on and off, and demands *equal* bits: the
 same collectives fill the same bytes, only the moment of the wait moves, so any difference at all
@@ -43,7 +44,8 @@ def _train(rank: int, overrides: list[str], overlap: bool, ckpt_dir: str | None 
     from zerorun.runtime.module_units import UnitState
 
     recipe = config.loads("script: t.py\n", "t.yaml", ["zero.bucket_mb=0.0005", *overrides,
-                                                        f"zero.overlap_comm={str(overlap).lower()}"])
+                                                        f"zero.overlap_comm={str(overlap).lower()}",
+                                                        f"zero.overlap_publish={str(overlap).lower()}"])
     model = tied_gpt(0) if "zero.stage=3" in overrides else make_model(0)
     engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), **OPT), recipe)
     engine.comm.all_gather = _landing_at_wait(engine.comm.all_gather)

@@ -60,7 +60,7 @@ def test_tuned_yaml_changes_only_the_winners_keys_each_with_its_measured_figure(
 def test_a_tuned_file_elsewhere_points_at_the_same_script(tmp_path: Path) -> None:
     (tmp_path / "elsewhere").mkdir()
     out = output.write_tuned(_result(RECIPES / "quickstart.yaml", _trials()), tmp_path / "elsewhere" / "t.yaml", None)
-    assert Path(config.load(out).script) == (RECIPES / "train_gpt.py").resolve()
+    assert Path(config.load(out).script).resolve() == (RECIPES / "train_gpt.py").resolve()  # relative, via ..
 
 
 def test_without_a_winner_nothing_is_written(tmp_path: Path) -> None:

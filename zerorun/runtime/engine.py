@@ -77,9 +77,10 @@ class Engine:
         self.scheduler: ParamScheduler | None  # stage 3 only: when units are gathered and released
         self.store, self.reducer, self.scheduler = self._build_stage(model, [g["params"] for g in groups], init_log)
         self._cast_frozen()
-        # stages 1/2 with overlap_comm: the post-step all-gather lands under the next forward
+        # stages 1/2 with overlap_publish: the post-step all-gather lands under the next forward
         self.deferred = (DeferredPublish(self.module, self.store.units)
-                         if 1 <= self.stage <= 2 and recipe.zero.overlap_comm and self.store.shard_world > 1 else None)
+                         if 1 <= self.stage <= 2 and recipe.zero.overlap_publish and self.store.shard_world > 1
+                         else None)
         self.optimizer = ShardedAdamW(groups, decoupled, handed_over=optimizer)
         largest_piece = max((u.shard_numel for u in self.store.units), default=1)
         self.update = AdamStep(self.optimizer, self.store.home, self.placement.transfers(largest_piece),
@@ -151,7 +152,7 @@ class Engine:
 
     def wait_published(self) -> None:
         """Wait until the last step's updated parameters have reached every rank (stages 1/2 with
-        `overlap_comm` publish them under the next forward). The engine's own methods, forwards and
+        `overlap_publish` publish them under the next forward). The engine's own methods, forwards and
         `state_dict()` calls do this themselves; call it before reading `p.data` right after `step()`."""
         if self.deferred is not None:
             self.deferred.wait_all()
