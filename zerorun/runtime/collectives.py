@@ -73,7 +73,7 @@ class Handle:
 class Pending:
     """Work started now and finished by `wait()`: its collectives, then what must follow them, once.
 
-    Stores return one from `publish()`; with `zero.overlap_comm` stages 1/2 wait later, just before the
+    Stores return one from `publish()`; with `zero.overlap_publish` stages 1/2 wait later, just before the
     first module that reads each unit (deferred_publish.py).
     """
 

@@ -1,4 +1,4 @@
-"""Stages 1/2's post-step parameter all-gather, hidden under the next forward (`zero.overlap_comm`).
+"""Stages 1/2's post-step parameter all-gather, hidden under the next forward (`zero.overlap_publish`).
 
 After an optimizer step every rank holds only its own updated pieces of each unit; the rest of
 the flat parameter buffer is stale until the unit's all-gather lands. Rather than wait for all of
@@ -14,7 +14,7 @@ and each is waited for just before the first module that reads it:
 
 The root's hook waits only for its own parameters, so a root forward that reads a child's
 parameter *before* calling that child would see the previous step's value (no model here does;
-set `zero.overlap_comm: false` for such a model, or call `engine.wait_published()` at the top of
+set `zero.overlap_publish: false` for such a model, or call `engine.wait_published()` at the top of
 its forward). Every forward ends with a wait for everything, so backward and what follows the
 forward always see current values. The values are bit-identical to a synchronous publish: the same
 collectives fill the same bytes, only the moment of the wait moves.
@@ -56,19 +56,19 @@ class DeferredPublish:
     def wait_all(self) -> None:
         """Every unit's gather landed: the whole parameter buffer is current."""
         for k in self.order:
-            pending = self._pending.pop(k, None)
-            if pending is not None:
-                pending.wait()
+            self._wait(k)
+
+    def _wait(self, k: int) -> bool:
+        """Wait for unit `k`'s gather if it is still pending; whether it was."""
+        pending = self._pending.pop(k, None)
+        if pending is not None:
+            pending.wait()
+        return pending is not None
 
     def _waiter(self, ks: list[int]):
         def wait_units(module: nn.Module, args: object) -> None:
-            if not self._pending:
-                return
-            for k in ks:
-                pending = self._pending.pop(k, None)
-                if pending is not None:
-                    pending.wait()
-                    self.deferred_waits += 1
+            if self._pending:
+                self.deferred_waits += sum(self._wait(k) for k in ks)
         return wait_units
 
     def remove(self) -> None:

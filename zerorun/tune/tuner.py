@@ -216,14 +216,10 @@ def tune(recipe_path: str | Path, options: TuneOptions, progress: Progress = lam
 def _next(session: Session, trials: dict[Candidate, Trial]) -> tuple[Candidate, str] | None:
     """The best so far again when the machine may have drifted since; else the search's next
     candidate; once it has none, a rival of the best to run again."""
-    runs = sum(1 + len(t.repeats) for t in trials.values())
-    recheck = search.next_recheck(trials.values(), runs)
-    if recheck is not None and search.next_candidate(session.base, session.dims, trials,
-                                                     [r.candidate for r in session.rejected]) is not None:
-        return recheck, "recheck"
     picked = search.next_candidate(session.base, session.dims, trials, [r.candidate for r in session.rejected])
     if picked is not None:
-        return picked
+        recheck = search.next_recheck(trials.values(), sum(1 + len(t.repeats) for t in trials.values()))
+        return (recheck, "recheck") if recheck is not None else picked
     again = search.next_confirmation(trials.values())
     return (again, "confirm") if again is not None else None
 
