@@ -15,7 +15,8 @@ SECONDS = {"ddp": 2.0, "ddp-fused": 1.0, "zero1": 0.9}  # a fake step time per s
 
 def _fake_run_ranks(fn, world, args, timeout, threads):
     system = args[0]
-    return [step.Sample([SECONDS[system]], [0.1], [0.2], [0.3], 100.0, 10.0, 1.5)]
+    live = None if system.startswith("ddp") else 10.5
+    return [step.Sample([SECONDS[system]], [0.1], [0.2], [0.3], 100.0, 10.0, 1.5, live)]
 
 
 def test_baseline_ratios_are_taken_against_the_chosen_system(monkeypatch, tmp_path: Path) -> None:
@@ -28,6 +29,21 @@ def test_baseline_ratios_are_taken_against_the_chosen_system(monkeypatch, tmp_pa
     rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["zero1"]["ratio_to_ddp"] == 0.45 and rows["zero1"]["ratio_to_baseline"] == 0.9
     assert rows["ddp-fused"]["ratio_to_baseline"] == 1.0 and rows["ddp"]["ratio_to_baseline"] == 2.0
+    assert rows["zero1"]["live_mib"] == 10.5 and rows["ddp"]["live_mib"] is None
+    assert "10 (+5.0%)" in result.output  # live tensors against the model states
+
+
+def test_the_census_counts_each_storage_once_and_sees_gradients_autograd_made() -> None:
+    import torch
+
+    model = torch.nn.Linear(1000, 1000, bias=False)  # 4 MB of weight
+    before = step.live_tensor_bytes(model)
+    model(torch.ones(1, 1000)).sum().backward()  # a 4 MB gradient with no Python object yet
+    views = [model.weight.data[i] for i in range(10)]  # views of the weight: no new storage
+    extra = torch.empty(250_000)  # 1 MB of new storage
+    grown = step.live_tensor_bytes(model) - before
+    assert grown == 4_000_000 + 1_000_000, grown
+    del views, extra
 
 
 def test_default_baseline_is_ddp_and_adds_no_column(monkeypatch) -> None:

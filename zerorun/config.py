@@ -80,6 +80,10 @@ class ZeroConfig:
                                 "all-gathered as a whole after the step.", gt=0)
     allgather_bucket_mb: float = _f(25.0, "Stage 3: the largest flat buffer a unit's parameters are all-gathered in "
                                           "(its gradients are reduce-scattered in the same pieces), MiB.", gt=0)
+    cpu_collectives: Literal["auto", "shm", "gloo"] = _f(
+        "auto", "CPU ranks: auto and shm carry collectives through a shared-memory segment when every rank is on "
+        "one host (memory speed; auto falls back to gloo where it cannot, shm refuses); gloo: always the process "
+        "group's TCP loopback.")
     prefetch_units: int = _f(1, "Stage 3: units gathered ahead of the one computing.", ge=0)
     param_persistence_threshold: int = _f(
         0, "Stage 3: parameters with fewer elements stay gathered (0: every parameter is sharded). A unit gathers "

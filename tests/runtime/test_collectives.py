@@ -1,5 +1,7 @@
-"""Collectives: each operation gives the same result on a world of one and on gloo with 2 and 3 ranks,
-follow-up work runs once, and bytes and calls are counted per kind."""
+"""Collectives: each operation gives the same result on a world of one and on 2 and 3 ranks, through gloo
+and through shared memory (with slots so small that every operation takes several uneven chunks),
+follow-up work runs once, and bytes and calls are counted per kind. Shared memory gives gloo's bits
+with 2 ranks and the same bits on every rank with 3; a host where it cannot work falls back or refuses."""
 
 from __future__ import annotations
 
@@ -11,12 +13,15 @@ from tests.harness import run_ranks
 PIECE = 5  # elements per rank: odd, so nothing lines up by accident
 
 
-def _exercise(rank: int, world: int) -> dict:
+def _exercise(rank: int, world: int, cpu: str = "gloo") -> dict:
+    from zerorun.runtime import shm_collectives
     from zerorun.runtime.collectives import Collectives, Pending
     from zerorun.runtime.dist import init_distributed
 
     init_distributed()
-    comm = Collectives()
+    shm_collectives.SLOT_BYTES = 24  # 6 fp32 per slot: a 5-element piece takes 2 or 3 chunks
+    comm = Collectives(cpu=cpu)
+    assert comm.transport == ("shared memory" if cpu == "shm" and world > 1 else "gloo"), comm.transport
     # every rank contributes (rank + 1) * (1, 2, 3, ...): sums are known in closed form
     mine = lambda: (rank + 1) * torch.arange(1, world * PIECE + 1, dtype=torch.float32)  # noqa: E731
     total = sum(r + 1 for r in range(world)) * torch.arange(1, world * PIECE + 1, dtype=torch.float32)
@@ -48,11 +53,103 @@ def _exercise(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.parametrize("cpu", ["gloo", "shm"])
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_collectives_give_the_sums_and_pieces_they_promise(world: int) -> None:
-    for rank, out in enumerate(run_ranks(_exercise, world)):
+def test_collectives_give_the_sums_and_pieces_they_promise(world: int, cpu: str) -> None:
+    for rank, out in enumerate(run_ranks(_exercise, world, (cpu,))):
         stats = out.pop("stats")
         assert all(out.values()), (rank, out)
         nbytes = world * PIECE * 4
         assert stats == {"all_reduce": (1, nbytes), "reduce_scatter": (3, 3 * nbytes), "all_gather": (1, nbytes),
                          "broadcast": (1, 12)}, stats
+
+
+def _both_transports(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from zerorun.runtime import shm_collectives
+    from zerorun.runtime.collectives import Collectives
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    shm_collectives.SLOT_BYTES = 4096  # a 3001-element piece crosses several chunks in every dtype
+    gloo, shm = Collectives(cpu="gloo"), Collectives(cpu="shm")
+    gen = torch.Generator().manual_seed(rank)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        data = torch.randn(world * 3001, generator=gen).to(dtype)
+        start = torch.randn(3001, generator=gen).to(dtype)
+        for name, run in [
+            ("all_reduce", lambda c, t: c.all_reduce(t).wait() or t),
+            ("all_reduce_avg", lambda c, t: c.all_reduce(t, op=dist.ReduceOp.AVG).wait() or t),
+            ("all_reduce_max", lambda c, t: c.all_reduce(t, op=dist.ReduceOp.MAX).wait() or t),
+            ("reduce_scatter", lambda c, t: (o := torch.empty(3001, dtype=dtype), c.reduce_scatter(t, o).wait())[0]),
+            ("reduce_scatter_acc", lambda c, t: (o := start.clone(), c.reduce_scatter(t, o, accumulate=True).wait())[0]),
+            ("all_gather", lambda c, t: c.all_gather(t).wait() or t),
+            ("broadcast", lambda c, t: c.broadcast(t, src=world - 1).wait() or t),
+        ]:
+            out[(str(dtype), name)] = (run(gloo, data.clone()).float().tolist(), run(shm, data.clone()).float().tolist())
+    return out  # plain lists: tensors would travel back through shared files the exiting rank removes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_memory_gives_gloos_bits_with_two_ranks_and_one_answer_on_every_rank(world: int) -> None:
+    results = run_ranks(_both_transports, world)
+    for key, (by_gloo, by_shm) in results[0].items():
+        for rank_result in results[1:]:  # every rank holds the same bits (replicas must not drift)
+            if "reduce_scatter" not in key[1]:
+                assert rank_result[key][1] == by_shm, key
+        by_gloo, by_shm = torch.tensor(by_gloo), torch.tensor(by_shm)
+        if world == 2 or key[1] in ("all_gather", "broadcast", "all_reduce_max"):
+            assert torch.equal(by_gloo, by_shm), key  # a + b is a + b in any order: gloo's very bits
+        else:  # three summands: gloo's ring adds them in another order. Each of the two additions rounds
+            # once (half a unit u of a result below 3 x 5 in magnitude, randn staying under 5 here), so
+            # the two orders differ by at most 2 x 2 x u/2 x 15 (fp16 and bf16 also round the summands' sum)
+            assert torch.allclose(by_gloo, by_shm, rtol=0, atol=4 * _UNIT[key[0]] * 3 * 5), key
+
+
+_UNIT = {str(torch.float32): 2.0**-24, str(torch.bfloat16): 2.0**-8, str(torch.float16): 2.0**-11}
+
+
+def _without_shm(rank: int, world: int, setting: str) -> str:
+    from zerorun.errors import ZerorunError
+    from zerorun.runtime import shm_collectives
+    from zerorun.runtime.collectives import Collectives
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    shm_collectives.SHM_DIR = "/nonexistent-shm"  # as on a host without a writable /dev/shm
+    try:
+        return Collectives(cpu=setting).transport
+    except ZerorunError as err:
+        return f"refused: {err}"
+
+
+def test_without_shared_memory_auto_falls_back_to_gloo_and_shm_refuses_naming_why() -> None:
+    assert run_ranks(_without_shm, 2, ("auto",)) == ["gloo", "gloo"]
+    for answer in run_ranks(_without_shm, 2, ("shm",)):
+        assert answer.startswith("refused: zero.cpu_collectives: shm is not possible here: rank 0: cannot reserve"), answer
+        assert "(No such file or directory)" in answer and "Use auto" in answer, answer
+
+
+def _one_rank_stays_away(rank: int, world: int) -> str:
+    import time
+
+    from zerorun.runtime.collectives import Collectives
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    comm = Collectives(cpu="shm", timeout_s=2.0)
+    if rank == 1:
+        time.sleep(6)  # alive but elsewhere: the timeout, not the exit check, must end rank 0's wait
+        return "stayed away"
+    try:
+        comm.all_reduce(torch.ones(10)).wait()
+    except RuntimeError as err:
+        return str(err)
+    return "returned without rank 1"
+
+
+def test_a_rank_that_never_arrives_is_an_error_naming_it_after_the_timeout_not_a_hang() -> None:
+    answer = run_ranks(_one_rank_stays_away, 2)[0]
+    assert answer.startswith("shared-memory collective: rank 1 did not arrive within 2 s"), answer

@@ -1,7 +1,8 @@
 """`zerorun bench comm`: the backend's own collectives against the ones zerorun uses instead.
 
 This is the measurement behind `zerorun.runtime.collectives`: on gloo a reduce-scatter done as an
-all-reduce plus a copy, and an all-gather done as one broadcast per owner, beat gloo's own.
+all-reduce plus a copy, and an all-gather done as one broadcast per owner, beat gloo's own; ranks on
+one host do better still through shared memory (`zero.cpu_collectives`), measured alongside.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def _measure(rank: int, world: int, sizes_mib: list[float], repeats: int) -> lis
 
     init_distributed()
     comm = Collectives()
+    shm = Collectives(cpu="auto") if dist.get_backend() == "gloo" else None
+    shm = shm if shm is not None and shm.shm is not None else None
     out = []
     for mib in sizes_mib:
         numel = int(mib * 2**20 / 4) // world * world
@@ -42,6 +45,10 @@ def _measure(rank: int, world: int, sizes_mib: list[float], repeats: int) -> lis
             ("all-gather", "backend all_gather_into_tensor", lambda: dist.all_gather_into_tensor(full, shard)),
             ("all-gather", "zerorun", lambda: comm.all_gather(full).wait()),
         ]
+        if shm is not None:
+            cases += [("all-reduce", "zerorun shared memory", lambda: shm.all_reduce(full).wait()),
+                      ("reduce-scatter", "zerorun shared memory", lambda: shm.reduce_scatter(full, shard).wait()),
+                      ("all-gather", "zerorun shared memory", lambda: shm.all_gather(full).wait())]
         for operation, impl, fn in cases:
             times = []
             for _ in range(repeats):

@@ -15,6 +15,7 @@ waiting for everything still in flight, so overlapped work is never left uncount
 from __future__ import annotations
 
 import contextlib
+import gc
 import resource
 import statistics
 import time
@@ -87,6 +88,7 @@ class Sample:
     peak_rss_mib: float
     model_state_mib: float
     final_loss: float
+    live_mib: float | None  # every live tensor after a backward (None for DDP: its buckets live in C++)
 
 
 def _peers(system: str, model: torch.nn.Module) -> tuple[Any, torch.optim.Optimizer]:
@@ -146,7 +148,38 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
     times, final_loss = _timed(batches, cfg.warmup, forward, backward, step, settle)
     steps = [sum(parts) for parts in zip(*times.values())]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return Sample(steps, times["forward"], times["backward"], times["optimizer"], rss, state_mib(), final_loss)
+    backward(forward(batches[-1]))  # untimed: the census is taken where gradients and buffers peak
+    live = None if system.startswith("ddp") else live_tensor_bytes(model) / 2**20
+    settle()
+    return Sample(steps, times["forward"], times["backward"], times["optimizer"], rss, state_mib(), final_loss,
+                  live)
+
+
+def live_tensor_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct storage reachable from Python (and the model's gradients, which autograd
+    creates without a Python object), each counted once: the census to hold against the ZeRO formulas.
+    Storages held only by C++ (DDP's gradient buckets, a collective's scratch) are not seen."""
+    gc.collect()
+    tensors = [t for t in gc.get_objects() if _is_tensor(t)]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _is_tensor(obj: object) -> bool:
+    try:
+        return isinstance(obj, torch.Tensor)
+    except ReferenceError:  # a dead weakref proxy
+        return False
 
 
 def _timed(batches: list[torch.Tensor], warmup: int, forward: Callable, backward: Callable, step: Callable,
@@ -192,6 +225,7 @@ class SystemResult:
     peak_rss_mib: float
     model_state_mib: float
     final_loss: float
+    live_mib: float | None  # every live tensor after a backward (see `live_tensor_bytes`)
 
 
 def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print) -> list[SystemResult]:
@@ -219,7 +253,7 @@ def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print) -> list[S
         results.append(SystemResult(
             system, med("step_s"), ratio("ddp"), ratio(cfg.baseline),
             med("forward_s"), med("backward_s"), med("optimizer_s"),
-            max(s.peak_rss_mib for s in runs), runs[-1].model_state_mib, runs[-1].final_loss))
+            max(s.peak_rss_mib for s in runs), runs[-1].model_state_mib, runs[-1].final_loss, runs[-1].live_mib))
     return results
 
 
@@ -238,12 +272,18 @@ def render(cfg: StepBenchConfig, results: list[SystemResult]) -> Any:
                         f"{cfg.world_size} ranks x {cfg.threads} thread(s), {cfg.rounds} interleaved rounds")
     baseline = [f"x {cfg.baseline}"] if cfg.baseline != "ddp" else []
     for col in ("system", "x DDP", *baseline, "step s", "forward", "backward", "optimizer", "model states MiB/rank",
-                "peak RSS MiB/rank", "final loss"):
+                "live tensors MiB/rank (+% over states)", "peak RSS MiB/rank", "final loss"):
         table.add_column(col, justify="left" if col == "system" else "right")
     ratio = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
     for r in results:
         ratios = [ratio(r.ratio_to_ddp)] + ([ratio(r.ratio_to_baseline)] if baseline else [])
         table.add_row(DESCRIPTIONS[r.system], *ratios,
                       f"{r.step_s:.3f}", f"{r.forward_s:.3f}", f"{r.backward_s:.3f}", f"{r.optimizer_s:.3f}",
-                      f"{r.model_state_mib:.0f}", f"{r.peak_rss_mib:.0f}", f"{r.final_loss:.4f}")
+                      f"{r.model_state_mib:.0f}", _live(r), f"{r.peak_rss_mib:.0f}", f"{r.final_loss:.4f}")
     return table
+
+
+def _live(r: SystemResult) -> str:
+    if r.live_mib is None:
+        return "-"
+    return f"{r.live_mib:.0f} (+{100 * (r.live_mib / r.model_state_mib - 1):.1f}%)"

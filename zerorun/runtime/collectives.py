@@ -15,19 +15,31 @@ Per backend (2 ranks on loopback, 25 MiB fp32, median; reproduce with `zerorun b
 Gloo has a reduce-scatter, but it runs as a full all-reduce plus a copy and is slower than
 doing that ourselves; its all-gather is slower than broadcasting each rank's shard.
 
+CPU ranks that all share one host skip gloo's TCP loopback altogether (`zero.cpu_collectives`,
+default auto): every operation goes through a shared-memory segment (shm_collectives.py), at
+memory speed. Those operations complete before the call returns (on a CPU the rank's own thread
+would do the copying anyway); their handles only carry the follow-up.
+
 Byte and call counts are kept per kind of collective. Time is measured from launch to the end
 of `wait()` on the host, so accounting never adds a synchronisation of its own.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 import torch.distributed as dist
+
+from zerorun.errors import ZerorunError
+from zerorun.runtime.shm_collectives import ShmCollectives, Unavailable
+
+log = logging.getLogger("zerorun")
+CpuCollectives = Literal["auto", "shm", "gloo"]
 
 
 @dataclass
@@ -95,12 +107,18 @@ class Pending:
 class Collectives:
     """Collectives over one process group (the data-parallel group)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, cpu: CpuCollectives = "gloo",
+                 timeout_s: float = 300.0) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
         self.stats = CommStats()
+        self.shm = _shared_memory(group, self.rank, self.world_size, self.backend, cpu, timeout_s)
+        self.transport = "shared memory" if self.shm else self.backend
+
+    def _on_shm(self, *tensors: torch.Tensor) -> bool:
+        return self.shm is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
     def _record(self, kind: str, tensor: torch.Tensor) -> None:
         self.stats.calls[kind] += 1
@@ -110,6 +128,9 @@ class Collectives:
                    async_op: bool = True) -> Handle:
         """Sum (or `op`) `tensor` across ranks, in place."""
         self._record("all_reduce", tensor)
+        if self._on_shm(tensor) and self.shm.handles(op):
+            self.shm.all_reduce(tensor, op)
+            return Handle([], None, self.stats, "all_reduce")
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
         return Handle([work], None, self.stats, "all_reduce")
 
@@ -122,6 +143,9 @@ class Collectives:
         self._record("reduce_scatter", full)
         if self.world_size == 1:
             return Handle([], lambda: _store(out, full, accumulate), self.stats, "reduce_scatter")
+        if self._on_shm(full, out):
+            self.shm.reduce_scatter(full, out, accumulate)
+            return Handle([], None, self.stats, "reduce_scatter")
         if self.backend == "gloo":
             piece = full.view(self.world_size, -1)[self.rank]
             work = dist.all_reduce(full, group=self.group, async_op=True)
@@ -136,6 +160,9 @@ class Collectives:
         self._record("all_gather", full)
         if self.world_size == 1:
             return Handle([], None, self.stats, "all_gather")
+        if self._on_shm(full):
+            self.shm.all_gather(full)
+            return Handle([], None, self.stats, "all_gather")
         pieces = full.view(self.world_size, -1)
         if self.backend == "gloo":
             works = [dist.broadcast(pieces[src], src=dist.get_global_rank(self.group, src) if self.group else src,
@@ -147,8 +174,39 @@ class Collectives:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Handle:
         self._record("broadcast", tensor)
+        if self._on_shm(tensor) and self.world_size > 1:
+            self.shm.broadcast(tensor, src)
+            return Handle([], None, self.stats, "broadcast")
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
         return Handle([work], None, self.stats, "broadcast")
+
+
+_SHM: dict[dist.ProcessGroup, ShmCollectives] = {}
+
+
+def _shared_memory(group: dist.ProcessGroup | None, rank: int, world_size: int, backend: str,
+                   setting: CpuCollectives, timeout_s: float) -> ShmCollectives | None:
+    """The shared-memory transport where `setting` asks for it and every rank of the group can map it."""
+    if setting == "gloo" or world_size == 1:
+        return None
+    if backend != "gloo":
+        if setting == "shm":
+            raise ZerorunError(f"zero.cpu_collectives: shm carries CPU ranks' collectives; this job's backend is "
+                               f"{backend}. Use auto (shm only where ranks are on CPU) or gloo.")
+        return None
+    key = group or dist.group.WORLD  # a re-initialised process group gets a segment of its own
+    if key in _SHM:  # one segment per group and process, whatever the number of engines
+        return _SHM[key]
+    try:
+        _SHM[key] = ShmCollectives(group, rank, world_size, timeout_s=timeout_s)
+        return _SHM[key]
+    except Unavailable as why:
+        if setting == "shm":
+            raise ZerorunError(f"zero.cpu_collectives: shm is not possible here: {why}. Use auto (falls back to "
+                               f"gloo) or gloo.") from None
+        if rank == 0:
+            log.warning("zerorun: collectives go through gloo, not shared memory: %s", why)
+        return None
 
 
 def _store(out: torch.Tensor, value: torch.Tensor, accumulate: bool) -> None:

@@ -62,7 +62,7 @@ class Engine:
         self.stage = recipe.zero.stage
         self.policy = PrecisionPolicy.from_config(recipe.precision)
         self.scaler = LossScaler(recipe.precision)
-        self.comm = Collectives()
+        self.comm = Collectives(cpu=recipe.zero.cpu_collectives, timeout_s=recipe.launch.timeout_s)
         self.phase = TrainingPhase()
         self.placement = Placement.from_recipe(recipe, self.device, self.info.rank)
         init_log = sharded_init.log_for(model)

@@ -1,0 +1,235 @@
+"""Collectives for CPU ranks on one host, through a shared-memory segment instead of gloo's TCP loopback.
+
+Gloo moves every byte through a loopback socket (kernel copies both ways, a few GB/s at best); ranks
+on one host can instead read each other's data from a segment every rank maps. Each operation goes
+chunk by chunk through the segment: every rank writes its data into its own slot, the ranks meet,
+then each reads what it needs from the others' slots. The segment has two halves used in turn, so
+one meeting per chunk is enough: a rank writes a half again only after everyone has passed the
+meeting that follows their reads of it.
+
+Sums are taken in rank order (slot 0 + slot 1 + ...) on every rank, so all ranks hold the same bits
+and, with 2 ranks, the same bits as gloo's sum.
+
+The meeting is a counter per rank in the segment's header: a rank publishes how many meetings it
+has reached and waits until every other counter has too (spinning briefly, then yielding its core).
+x86 keeps stores in order, so data written before a counter is visible to whoever sees the counter;
+elsewhere the meeting is a gloo barrier (1-2 ms, against microseconds). A rank that waits longer
+than the collective timeout, or sees a peer's process gone, raises naming that rank: never a hang.
+
+The segment lives in /dev/shm only while the ranks open it: once everyone has mapped it, rank 0
+unlinks it, so nothing is left behind whatever happens next. Space is reserved up front
+(`posix_fallocate`), so a full /dev/shm is a fallback to gloo at start, never a SIGBUS mid-step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import secrets
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+SHM_DIR = "/dev/shm"
+SLOT_BYTES = 4 * 2**20  # per rank and half: large enough to amortise a meeting, small enough to stay in cache
+SEGMENT_BYTES = 32 * 2**20  # at most, whatever the rank count (Docker's default /dev/shm is 64 MiB)
+HEADER_BYTES = 64 * 2**10  # a 64-byte line per rank's meeting counter (up to 1024 ranks)
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+_SUMMABLE = {dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN}
+
+
+class Unavailable(Exception):
+    """Shared memory cannot carry this group's collectives; the message says why."""
+
+
+class ShmCollectives:
+    """All-reduce, reduce-scatter, all-gather and broadcast among the ranks of `group`, all on this host."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int,
+                 slot_bytes: int | None = None, timeout_s: float = 300.0) -> None:
+        slot_bytes = slot_bytes or min(SLOT_BYTES, SEGMENT_BYTES // (2 * world_size) // 4096 * 4096)
+        assert slot_bytes >= 8 * world_size, "a slot holds at least one 8-byte element per rank"
+        assert world_size * 64 <= HEADER_BYTES, "one header line per rank"
+        self.rank, self.world_size, self.slot_bytes = rank, world_size, slot_bytes
+        mapped = _map_segment(group, rank, HEADER_BYTES + 2 * world_size * slot_bytes)
+        self._header, self._segment = mapped[:HEADER_BYTES], mapped[HEADER_BYTES:]
+        pids: list[int] = [0] * world_size
+        dist.all_gather_object(pids, os.getpid(), group=group)
+        if ORDERED_STORES:
+            self._meet: Callable[[], None] = _Meeting(self._header, rank, pids, timeout_s)
+        else:
+            barrier_group = dist.new_group(None if group is None else dist.get_process_group_ranks(group),
+                                           backend="gloo")
+            self._meet = lambda: dist.barrier(group=barrier_group)
+        self._half = 0
+
+    # -- the meeting and the slots ----------------------------------------------------------------
+    def _slots(self, dtype: torch.dtype) -> torch.Tensor:
+        """The half to use next, as [world_size, slot elements] of `dtype`; the next call gets the other."""
+        half = self._segment.view(2, self.world_size, self.slot_bytes)[self._half]
+        self._half ^= 1
+        return half.view(dtype)
+
+    def _chunks(self, numel: int, per_chunk: int) -> range:
+        return range(0, numel, per_chunk)
+
+    # -- the operations -----------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        """`tensor` reduced in place; every rank ends with the same bits."""
+        flat = tensor.view(-1)
+        per = self.slot_bytes // tensor.element_size()
+        for start in self._chunks(flat.numel(), per):
+            piece = flat[start:start + per]
+            slots = self._slots(tensor.dtype)[:, :piece.numel()]
+            slots[self.rank].copy_(piece)
+            self._meet()
+            _reduce_into(piece, [slots[q] for q in range(self.world_size)], op)
+
+    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+        """The sum of every rank's `full`, this rank's piece of it into `out` (or added to it)."""
+        pieces = full.view(self.world_size, -1)
+        per = self.slot_bytes // full.element_size() // self.world_size
+        scratch = torch.empty(min(per, out.numel()), dtype=out.dtype) if accumulate else None
+        for start in self._chunks(out.numel(), per):
+            end = min(start + per, out.numel())
+            slots = self._slots(full.dtype)[:, :self.world_size * (end - start)].view(self.world_size, self.world_size, -1)
+            slots[self.rank].copy_(pieces[:, start:end])
+            self._meet()
+            mine = [slots[q, self.rank] for q in range(self.world_size)]
+            if scratch is None:
+                _reduce_into(out[start:end], mine, dist.ReduceOp.SUM)
+            else:
+                total = scratch[:end - start]
+                _reduce_into(total, mine, dist.ReduceOp.SUM)
+                out[start:end].add_(total)
+
+    def all_gather(self, full: torch.Tensor) -> None:
+        """Every rank's piece of `full` (its own already in place) into every rank's `full`."""
+        pieces = full.view(self.world_size, -1)
+        per = self.slot_bytes // full.element_size()
+        for start in self._chunks(pieces.shape[1], per):
+            end = min(start + per, pieces.shape[1])
+            slots = self._slots(full.dtype)[:, :end - start]
+            slots[self.rank].copy_(pieces[self.rank, start:end])
+            self._meet()
+            for q in range(self.world_size):
+                if q != self.rank:
+                    pieces[q, start:end].copy_(slots[q])
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        flat = tensor.view(-1)
+        per = self.slot_bytes // tensor.element_size()
+        for start in self._chunks(flat.numel(), per):
+            piece = flat[start:start + per]
+            slot = self._slots(tensor.dtype)[src, :piece.numel()]
+            if self.rank == src:
+                slot.copy_(piece)
+            self._meet()
+            if self.rank != src:
+                piece.copy_(slot)
+
+    @staticmethod
+    def handles(op: dist.ReduceOp.RedOpType) -> bool:
+        """Whether `op` is one this transport reduces (others go through the process group)."""
+        return op in _SUMMABLE
+
+
+class _Meeting:
+    """Ranks meet through one counter per rank (a 64-byte line each) in the shared header."""
+
+    def __init__(self, header: torch.Tensor, rank: int, pids: list[int], timeout_s: float) -> None:
+        self._header = header  # keeps the mapping alive under the counters
+        self.rank, self.pids, self.timeout_s = rank, pids, timeout_s
+        self.counters = [ctypes.c_int64.from_address(header.data_ptr() + 64 * q) for q in range(len(pids))]
+        self.reached = 0
+
+    def __call__(self) -> None:
+        self.reached += 1
+        self.counters[self.rank].value = self.reached
+        for q, counter in enumerate(self.counters):
+            spins = 0
+            while counter.value < self.reached:
+                spins += 1
+                if spins > 100:
+                    os.sched_yield()  # a peer may be waiting for this core (more ranks than cores)
+                if spins % 8192 == 0:
+                    self._check(q, spins)
+
+    def _check(self, q: int, spins: int) -> None:
+        if spins == 8192:
+            self._since = time.monotonic()
+            return
+        try:
+            os.kill(self.pids[q], 0)
+        except ProcessLookupError:
+            raise RuntimeError(f"shared-memory collective: rank {q} (pid {self.pids[q]}) exited while this rank "
+                               f"waited for it") from None
+        except PermissionError:
+            pass
+        waited = time.monotonic() - self._since
+        if waited > self.timeout_s:
+            raise RuntimeError(f"shared-memory collective: rank {q} did not arrive within {waited:.0f} s "
+                               f"(the collective timeout, launch.timeout_s)")
+
+
+def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: dist.ReduceOp.RedOpType) -> None:
+    """`out` = parts[0] (op) parts[1] (op) ..., left to right, the same order on every rank."""
+    combine: Callable[..., torch.Tensor] = {dist.ReduceOp.MAX: torch.maximum,
+                                            dist.ReduceOp.MIN: torch.minimum}.get(op, torch.add)
+    if len(parts) == 1:
+        out.copy_(parts[0])
+    else:
+        combine(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            combine(out, part, out=out)
+    if op == dist.ReduceOp.AVG:
+        out.div_(len(parts))
+
+
+def _map_segment(group: dist.ProcessGroup | None, rank: int, nbytes: int) -> torch.Tensor:
+    """A segment of `nbytes` every rank of `group` maps; raises `Unavailable` on every rank if any cannot."""
+    name = [f"zerorun-{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else None]
+    dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    path = os.path.join(SHM_DIR, name[0])
+    segment, problem = None, None
+    try:
+        if rank == 0:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)  # reserved now: no SIGBUS from a full /dev/shm later
+            finally:
+                os.close(fd)
+    except OSError as err:
+        problem = f"cannot reserve {nbytes / 2**20:.0f} MiB in {SHM_DIR} ({err.strerror})"
+    problems = [problem]
+    dist.broadcast_object_list(problems, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    if problems[0] is None:
+        try:
+            if rank != 0:  # the file must already be there: from_file would create one on another host
+                os.close(os.open(path, os.O_RDWR))
+            segment = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            token = segment[-8:]  # in the slots, never in the meeting counters
+            if rank == 0:
+                token.copy_(torch.frombuffer(bytearray(name[0][-8:].encode()), dtype=torch.uint8))
+        except (OSError, RuntimeError) as err:
+            problem = f"cannot map {path} ({err})"
+    everyone: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, problems[0] or problem, group=group)
+    if all(p is None for p in everyone):  # rank 0's token read back everywhere: truly the same segment
+        seen = bytes(segment[-8:].tolist()) == name[0][-8:].encode()
+        everyone = [None] * len(everyone)
+        dist.all_gather_object(everyone, None if seen else "a different /dev/shm (another host or container)",
+                               group=group)
+    if rank == 0:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    failed = [f"rank {q}: {p}" for q, p in enumerate(everyone) if p is not None]
+    if failed:
+        raise Unavailable("; ".join(failed))
+    assert segment is not None
+    return segment
