@@ -25,6 +25,7 @@ SIZE = 3  # elements per parameter
 class _Handle:
     def __init__(self, comm: _FakeComm, then) -> None:
         self.comm, self.then, self.done = comm, then, False
+        self.ready = comm.finishes_at_once  # True: a transfer done before the call returned (shared memory)
         comm.outstanding += 1
 
     def wait(self) -> None:
@@ -37,9 +38,10 @@ class _Handle:
 class _FakeComm:
     rank, world_size = 0, 2
 
-    def __init__(self) -> None:
+    def __init__(self, finishes_at_once: bool = False) -> None:
         self.outstanding = 0
         self.kinds: list[str] = []
+        self.finishes_at_once = finishes_at_once
 
     def all_reduce(self, tensor: torch.Tensor) -> _Handle:
         self.kinds.append("all_reduce")
@@ -131,3 +133,49 @@ def test_a_gradient_outside_engine_backward_is_refused() -> None:
     t = _setup(Reduction.SCATTER_SHARD, LaunchOrder.LAYOUT)
     with pytest.raises(ZerorunError, match=r"call engine.backward\(loss\), not loss.backward\(\)"):
         t.weights[0].sum().backward()
+
+
+def _one_unit(sizes: list[int], finishes_at_once: bool = False):
+    torch.manual_seed(0)
+    weights = [nn.Parameter(torch.randn(n)) for n in sizes]
+    units = cut_units(0, weights, bucket_numel=10**6, world=2, dtype=torch.float32, flat_offset=0)
+    store = SimpleNamespace(units=units, group_numels=group_numels(units, 1), shard_rank=0)
+    comm, phase = _FakeComm(finishes_at_once), TrainingPhase()
+    reducer = GradReducer(store, comm, torch.float32, torch.device("cpu"), Reduction.SCATTER_SHARD,
+                          LaunchOrder.READY, True, phase)
+    return weights, reducer, phase
+
+
+def test_a_units_first_small_gradients_are_held_so_it_takes_a_staging_buffer_only_at_the_end() -> None:
+    weights, reducer, phase = _one_unit([10, 8, 1000])  # e.g. stage 3's root: a norm first, the embedding last
+    with phase.running(Phase.BACKWARD):
+        reducer.begin_backward(reduce=True)
+        for i in (0, 1):
+            (weights[i] * (i + 1)).sum().backward()
+        assert reducer.pool.allocated_bytes == 0 and not reducer._staging  # 18 of 1018 elements: held
+        (weights[2] * 3).sum().backward()  # completes the unit: staged with what was held, and reduced
+        reducer.end_backward()
+    piece = reducer.grad_pieces(0)[0]  # rank 0's half of the unit: the first 509 elements, summed over 2 ranks
+    assert piece[:10].tolist() == [2.0] * 10 and piece[10:18].tolist() == [4.0] * 8
+    assert piece[18:509].tolist() == [6.0] * 491
+
+
+def test_held_gradients_are_staged_once_they_make_up_half_the_unit() -> None:
+    weights, reducer, phase = _one_unit([10, 600, 400])
+    with phase.running(Phase.BACKWARD):
+        reducer.begin_backward(reduce=True)
+        weights[0].sum().backward()
+        assert not reducer._staging
+        weights[1].sum().backward()  # 610 of 1010 elements: staged now, before the unit is complete
+        assert list(reducer._staging) == [0]
+        weights[2].sum().backward()
+        reducer.end_backward()
+    assert set(reducer.grad_pieces(0)[0].tolist()) == {2.0}  # rank 0's half: parameters 0 and 1, summed
+
+
+def test_a_transfer_done_at_once_gives_its_staging_buffer_back_at_once_one_buffer_in_all() -> None:
+    t = _setup(Reduction.SCATTER_SHARD, LaunchOrder.READY)
+    t.comm.finishes_at_once = True
+    _backward(t, [3, 2, 1, 0])
+    assert t.reducer.pool.allocated_bytes == t.reducer.units[0].padded_numel * 4  # one buffer served all four
+    assert [_shard_values(t, k) for k in range(4)] == [[2.0 * (k + 1)] * SIZE for k in range(4)]

@@ -68,6 +68,11 @@ class Handle:
         self._started = time.perf_counter()
         self.done = False
 
+    @property
+    def ready(self) -> bool:
+        """The transfer has finished (`wait()` would not block on it; its follow-up may still be due)."""
+        return all(work is None or work.is_completed() for work in self._works)
+
     def wait(self) -> None:
         if self.done:
             return

@@ -38,7 +38,7 @@ from zerorun.runtime.deferred_publish import DeferredPublish
 from zerorun.runtime.dist import init_distributed
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
-from zerorun.runtime.memory import MemoryReport, tensor_bytes
+from zerorun.runtime.memory import MemoryReport, set_host_allocator, tensor_bytes
 from zerorun.runtime.module_units import describe as describe_plan
 from zerorun.runtime.module_units import plan_stage3, warn_if_nothing_sharded
 from zerorun.runtime.optimizer import ShardedAdamW, param_groups_from
@@ -65,6 +65,8 @@ class Engine:
         self.comm = Collectives(cpu=recipe.zero.cpu_collectives, timeout_s=recipe.launch.timeout_s)
         self.phase = TrainingPhase()
         self.placement = Placement.from_recipe(recipe, self.device, self.info.rank)
+        if recipe.zero.host_memory == "lean" or (self.stage == 3 and self.device.type == "cpu"):
+            set_host_allocator(recipe.zero.host_memory)  # stage 3 on CPU: fast avoids re-faulting every gather
         init_log = sharded_init.log_for(model)
         if init_log is not None and self.stage < 3:  # stages 0-2 hold whole parameters anyway
             init_log.replay(sharded_init.materialize, self.device)

@@ -12,7 +12,10 @@ continues (`overlap_comm`).
 | 2, 3  | `SCATTER_SHARD` | only its gradient shard            | every micro-step          | reduce-scatter into shard |
 
 `SCATTER_SHARD` copies each unit's gradients into a pooled staging buffer that lives only until the
-unit's reduce-scatter finishes, so no full-size gradient buffer exists.
+unit's reduce-scatter finishes, so no full-size gradient buffer exists. A unit's first gradients are
+held as they came until they make up half the unit: a unit whose parameters get gradients far apart
+in backward (stage 3's root: the final norm's first, the embedding's last) then takes a staging
+buffer for a moment at the end, not for the whole backward.
 
 Launch order (`LaunchOrder`): stages 0-2 launch strictly in layout order (a ready unit waits for
 the ones before it), so every rank issues the same collectives in the same order even if hooks fire
@@ -116,6 +119,7 @@ class GradReducer:
         self._reduce = reduce
         self._seen: list[set[int]] = [set() for _ in self.units]
         self._staging: dict[int, torch.Tensor] = {}
+        self._held: dict[int, dict[int, torch.Tensor]] = {}  # unit -> parameter index -> gradient not yet staged
         self._inflight: deque[tuple[int, Handle]] = deque()
         self._next_launch = 0
         self._launched: set[int] = set()
@@ -130,13 +134,15 @@ class GradReducer:
             raise ZerorunError(
                 f"parameter {tuple(param.shape)} received a second gradient after its bucket was reduced "
                 "(a parameter used in two re-entrant checkpoint regions?); set zero.overlap_comm: false.")
-        span = self.units[k].layout.spans[index]
-        region = self._grad_region(k)[span.offset:span.end]
-        if self.staged and index not in self._seen[k]:
-            region.copy_(grad.view(-1))  # a fresh staging buffer: the first gradient overwrites
-        else:
-            region.add_(grad.view(-1))
-        self._seen[k].add(index)
+        held = self._held.setdefault(k, {}) if self.staged and k not in self._staging else None
+        if held is not None and index not in held and not self._complete(k, index):
+            held[index] = grad
+            self._seen[k].add(index)
+            if 2 * sum(g.numel() for g in held.values()) < self.units[k].padded_numel:
+                return
+            self._grad_region(k)  # half the unit is here: stage it, with what was held
+        else:  # (a second gradient for a held parameter is added in the staging buffer, as any other)
+            self._accumulate(k, index, grad)
         if self.overlap and self._reduce:
             launched = len(self._launched)
             if self.order is LaunchOrder.LAYOUT:
@@ -145,8 +151,19 @@ class GradReducer:
                 self._launch(k)
             self.overlapped_launches += len(self._launched) - launched
 
-    def _complete(self, k: int) -> bool:
-        return len(self._seen[k]) == len(self.units[k].params)
+    def _accumulate(self, k: int, index: int, grad: torch.Tensor) -> None:
+        span = self.units[k].layout.spans[index]
+        region = self._grad_region(k)[span.offset:span.end]
+        if self.staged and index not in self._seen[k]:
+            region.copy_(grad.view(-1))  # a fresh staging buffer: the first gradient overwrites
+        else:
+            region.add_(grad.view(-1))
+        self._seen[k].add(index)
+
+    def _complete(self, k: int, arriving: int | None = None) -> bool:
+        """All of unit k's parameters have their gradient (counting `arriving`, one coming in now)."""
+        seen = self._seen[k] if arriving is None else self._seen[k] | {arriving}
+        return len(seen) == len(self.units[k].params)
 
     def _grad_region(self, k: int) -> torch.Tensor:
         """Where unit k's gradients accumulate during this backward."""
@@ -157,6 +174,9 @@ class GradReducer:
             staging = self.pool.get(unit.padded_numel)
             staging[unit.layout.numel:].zero_()  # padding; parameter regions are written by their first gradient
             self._staging[k] = staging
+            for index, grad in self._held.pop(k, {}).items():
+                span = unit.layout.spans[index]
+                staging[span.offset:span.end].copy_(grad.view(-1))
         return self._staging[k]
 
     def _launch_ready(self) -> None:
@@ -170,7 +190,8 @@ class GradReducer:
                 if index not in self._seen[k]:  # no gradient this backward (an unused parameter)
                     region[span.offset:span.end].zero_()
         self._inflight.append((k, self._collective(unit, region)))
-        while len(self._inflight) > MAX_INFLIGHT:  # bound staging memory: finish the oldest, recycle it
+        # bound staging memory: finish the oldest beyond the limit, and any already done (recycled at once)
+        while self._inflight and (len(self._inflight) > MAX_INFLIGHT or self._inflight[0][1].ready):
             self._finish(*self._inflight.popleft())
         self._launched.add(k)
         while self._next_launch in self._launched:

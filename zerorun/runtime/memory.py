@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -66,22 +65,32 @@ class MemoryReport:
         return dict(out)
 
 
-@functools.cache
-def retain_freed_host_memory() -> bool:
-    """Ask glibc to keep freed blocks of up to 32 MiB for reuse instead of returning them to the OS.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 
-    Stage 3 on CPU frees and re-allocates every gathered unit twice a step, and torch's CPU
-    allocator has no cache: with glibc's defaults each gather then faults in fresh pages (measured
-    on the 98M GPT: forward 1.28 s -> 0.88 s with this). Units are at most a bucket (or one
-    parameter) so they fit under glibc's 32 MiB mmap ceiling. RSS then follows the peak working set
-    rather than dropping between units. A no-op (False) where the C library is not glibc.
+
+def set_host_allocator(mode: str) -> bool:
+    """Tell glibc how to treat the host memory freed during training; False where the C library is not glibc.
+
+    fast: keep freed blocks of up to 32 MiB for reuse instead of returning them to the OS. Stage 3
+    on CPU frees and re-allocates every gathered unit twice a step, and torch's CPU allocator has no
+    cache: with glibc's defaults each gather faults in fresh pages (measured on the 98M GPT: forward
+    1.28 s -> 0.88 s with this). Units are at most a bucket, under glibc's 32 MiB mmap ceiling. RSS
+    then follows the heap's high-water mark, fragmentation included, not the live tensors.
+
+    lean: every block of 128 KiB or more is its own mapping, returned to the OS when freed, so RSS
+    follows the live tensors (stage 3 on the standard model: peak RSS 1406 MiB/rank against
+    1650-1870 with fast) at the price of a page fault for each page of every such block.
     """
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError):
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 32 * 2**20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+    if mode == "fast":
+        return bool(mallopt(M_MMAP_THRESHOLD, 32 * 2**20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
+    assert mode == "lean", mode
+    done = bool(mallopt(M_MMAP_THRESHOLD, 128 * 2**10)) and bool(mallopt(M_TRIM_THRESHOLD, 128 * 2**10))
+    malloc_trim(0)  # what the heap kept from before (building the model) goes back now
+    return done

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from zerorun.runtime.collectives import Collectives, Pending
-from zerorun.runtime.memory import MemoryReport, retain_freed_host_memory
+from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.module_units import ModuleUnit, Stage3Plan, UnitKind, UnitState
 from zerorun.runtime.param_shards import build_param_shard
 from zerorun.runtime.placement import Placement
@@ -34,8 +34,6 @@ class ShardedParams:
     def __init__(self, model: nn.Module, plan: Stage3Plan, placement: Placement, policy: PrecisionPolicy,
                  comm: Collectives, init_log: InitLog | None = None) -> None:
         self.policy, self.comm, self.device = policy, comm, placement.device
-        if self.device.type == "cpu":
-            retain_freed_host_memory()
         self.shard_world, self.shard_rank = comm.world_size, comm.rank
         self.plan, self.units, self.group_numels = plan, plan.units, plan.group_numels
         self.module_units, self.persistent = plan.module_units, plan.persistent
