@@ -17,8 +17,7 @@ doing that ourselves; its all-gather is slower than broadcasting each rank's sha
 
 CPU ranks that all share one host skip gloo's TCP loopback altogether (`zero.cpu_collectives`,
 default auto): every operation goes through a shared-memory segment (shm_collectives.py), at
-memory speed. Those operations complete before the call returns (on a CPU the rank's own thread
-would do the copying anyway); their handles only carry the follow-up.
+memory speed, on a worker thread of its own; the handle waits for it.
 
 Byte and call counts are kept per kind of collective. Time is measured from launch to the end
 of `wait()` on the host, so accounting never adds a synchronisation of its own.
@@ -29,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -125,6 +125,9 @@ class Collectives:
     def _on_shm(self, *tensors: torch.Tensor) -> bool:
         return self.shm is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
+    def _shm_handle(self, kind: str, operation: Callable[..., None], *args: object) -> Handle:
+        return Handle([_FutureWork(self.shm.submit(operation, *args))], None, self.stats, kind)
+
     def _record(self, kind: str, tensor: torch.Tensor) -> None:
         self.stats.calls[kind] += 1
         self.stats.bytes[kind] += tensor.numel() * tensor.element_size()
@@ -134,8 +137,7 @@ class Collectives:
         """Sum (or `op`) `tensor` across ranks, in place."""
         self._record("all_reduce", tensor)
         if self._on_shm(tensor) and self.shm.handles(op):
-            self.shm.all_reduce(tensor, op)
-            return Handle([], None, self.stats, "all_reduce")
+            return self._shm_handle("all_reduce", self.shm.all_reduce, tensor, op)
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
         return Handle([work], None, self.stats, "all_reduce")
 
@@ -149,8 +151,7 @@ class Collectives:
         if self.world_size == 1:
             return Handle([], lambda: _store(out, full, accumulate), self.stats, "reduce_scatter")
         if self._on_shm(full, out):
-            self.shm.reduce_scatter(full, out, accumulate)
-            return Handle([], None, self.stats, "reduce_scatter")
+            return self._shm_handle("reduce_scatter", self.shm.reduce_scatter, full, out, accumulate)
         if self.backend == "gloo":
             piece = full.view(self.world_size, -1)[self.rank]
             work = dist.all_reduce(full, group=self.group, async_op=True)
@@ -166,8 +167,7 @@ class Collectives:
         if self.world_size == 1:
             return Handle([], None, self.stats, "all_gather")
         if self._on_shm(full):
-            self.shm.all_gather(full)
-            return Handle([], None, self.stats, "all_gather")
+            return self._shm_handle("all_gather", self.shm.all_gather, full)
         pieces = full.view(self.world_size, -1)
         if self.backend == "gloo":
             works = [dist.broadcast(pieces[src], src=dist.get_global_rank(self.group, src) if self.group else src,
@@ -180,8 +180,7 @@ class Collectives:
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Handle:
         self._record("broadcast", tensor)
         if self._on_shm(tensor) and self.world_size > 1:
-            self.shm.broadcast(tensor, src)
-            return Handle([], None, self.stats, "broadcast")
+            return self._shm_handle("broadcast", self.shm.broadcast, tensor, src)
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
         return Handle([work], None, self.stats, "broadcast")
 
@@ -212,6 +211,19 @@ def _shared_memory(group: dist.ProcessGroup | None, rank: int, world_size: int, 
         if rank == 0:
             log.warning("zerorun: collectives go through gloo, not shared memory: %s", why)
         return None
+
+
+class _FutureWork:
+    """A shared-memory operation on its worker thread, seen as a process-group work."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def wait(self) -> None:
+        self.future.result()  # re-raises the operation's error (a peer gone, the timeout) here
+
+    def is_completed(self) -> bool:
+        return self.future.done()
 
 
 def _store(out: torch.Tensor, value: torch.Tensor, accumulate: bool) -> None:
