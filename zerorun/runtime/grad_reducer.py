@@ -67,6 +67,7 @@ class BufferPool:
     none does, at the largest unit's size for any unit over half of it, so that units of nearly equal
     size (cut at parameter boundaries) share buffers. Pooling by exact size kept a set per distinct
     unit size, most of them idle (148 MiB over the ZeRO formula at stage 2 on the standard model).
+    The pool never holds more buffers than were in use at one time, each at most the largest unit.
     """
 
     def __init__(self, dtype: torch.dtype, device: torch.device, slot_numel: int) -> None:
@@ -80,8 +81,13 @@ class BufferPool:
         if fits:
             buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         else:
+            # every free buffer is too small: drop them, so there are never more buffers than were in use at
+            # once (small ones kept beside new large ones made the total depend on the order transfers finish)
+            element = torch.empty((), dtype=self.dtype).element_size()
+            self.allocated_bytes -= sum(b.numel() for b in self._free) * element
+            self._free.clear()
             size = self.slot_numel if 2 * numel > self.slot_numel else numel
-            self.allocated_bytes += size * torch.empty((), dtype=self.dtype).element_size()
+            self.allocated_bytes += size * element
             buffer = torch.empty(size, dtype=self.dtype, device=self.device)
         return buffer[:numel]
 
