@@ -6,11 +6,14 @@ rank r takes blocks r*A .. r*A+A-1 (A: grad_accum_steps), so 2 ranks x 1 accumul
 x 2 accumulations train on the same samples, and a job that shrinks keeps its data.
 `--fail-rank R --fail-at S`: rank R fails before step S (SIGKILL by default, `--code N` to exit
 with N); with `--once FILE` only while FILE does not exist (it is created first).
+`--hold-at S --hold-world W`: while the job has W ranks, every rank waits before step S until it is
+stopped (so a test's kill lands before the job can finish; a shrunken job goes on).
 """
 
 import argparse
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +27,8 @@ parser.add_argument("--fail-rank", type=int, default=None)
 parser.add_argument("--fail-at", type=int, default=-1)
 parser.add_argument("--code", type=int, default=None)
 parser.add_argument("--once", default=None)
+parser.add_argument("--hold-at", type=int, default=-1)
+parser.add_argument("--hold-world", type=int, default=0)
 args = parser.parse_args()
 
 recipe = zerorun.recipe()
@@ -42,6 +47,10 @@ for step in range(engine.global_step, recipe.train.steps):
         if args.code is None:
             os.kill(os.getpid(), signal.SIGKILL)
         raise SystemExit(args.code)
+    if step == args.hold_at and dist.get_world_size() == args.hold_world:
+        print(f"rank {rank} holds before step {step}", flush=True)
+        while True:
+            time.sleep(0.1)
     losses = []
     for m in range(accum):
         data = torch.Generator().manual_seed(recipe.train.seed * 100_003 + step * 1009 + rank * accum + m)
