@@ -146,6 +146,7 @@ def test_the_root_failure_is_the_first_rank_that_was_not_waiting_for_the_others(
     from zerorun.launch.streams import RankExit
     from zerorun.launch.supervisor import Ending, Supervisor
     from zerorun.launch.transport import Transport
+    from zerorun.telemetry.state import Culprit
 
     class Idle(Transport):
         def start(self, node):  # noqa: ANN001, ANN202 - never started here
@@ -173,3 +174,15 @@ def test_the_root_failure_is_the_first_rank_that_was_not_waiting_for_the_others(
     assert outcome.cause == "rank 1 on b failed (killed by SIGKILL)"
     supervisor._failures = [RankExit("b", 1, None, 15), RankExit("a", 0, 1, None)]  # torchrun's SIGTERM came first
     assert supervisor._outcome_of_failure().rank == 0  # the rank that failed by itself, even while waiting
+
+    class Blaming(Witness):  # the telemetry says every failed rank waited for rank 0
+        def culprit(self, failed_rank: int) -> Culprit:
+            return Culprit(0, "a", "stopped making progress at step 4, in write_atomic", ("evidence",))
+
+    supervisor.witness = Blaming()
+    supervisor._failures = [RankExit("b", 1, None, 9)]
+    outcome = supervisor._outcome_of_failure()  # a SIGKILL is a cause, whatever its last sample said
+    assert (outcome.rank, outcome.cause) == (1, "rank 1 on b failed (killed by SIGKILL)")
+    supervisor._failures = [RankExit("b", 1, 1, None)]  # an exception while waiting: its peer is named
+    outcome = supervisor._outcome_of_failure()
+    assert outcome.rank == 0 and outcome.cause.endswith("rank 1 on b failed waiting for it (exit code 1)")

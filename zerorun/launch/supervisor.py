@@ -205,7 +205,10 @@ class Supervisor:
             lost = transport.lost_link(_LINK_SILENT_S) if transport.host != failure.host else None
             if lost is not None:  # (the failure's own exit record came over its host's link: that one works)
                 return Outcome(status, Ending.NODE_LOST, lost, host=transport.host, failure=failure, node=index)
-        culprit = self.witness.culprit(failure.rank) if self.witness is not None else None
+        # only a rank that may be a victim (an exception, not a signal or an exit code it chose) points elsewhere:
+        # a rank SIGKILLed while its last telemetry said "waiting" is still the cause, not the peer it waited for
+        victim = self._suspicion(failure) >= 2
+        culprit = self.witness.culprit(failure.rank) if self.witness is not None and victim else None
         if culprit is not None and culprit.rank != failure.rank:
             cause = (f"rank {culprit.rank} on {culprit.host} {culprit.why}; rank {failure.rank} on {failure.host} "
                      f"failed waiting for it ({failure.describe()})")
