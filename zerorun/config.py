@@ -81,7 +81,7 @@ class ZeroConfig:
     allgather_bucket_mb: float = _f(25.0, "Stage 3: the largest flat buffer a unit's parameters are all-gathered in "
                                           "(its gradients are reduce-scattered in the same pieces), MiB.", gt=0)
     cpu_collectives: Literal["auto", "shm", "gloo"] = _f(
-        "gloo", "CPU ranks: auto and shm carry collectives through a shared-memory segment when every rank is on "
+        "auto", "CPU ranks: auto and shm carry collectives through a shared-memory segment when every rank is on "
         "one host (memory speed; auto falls back to gloo where it cannot, shm refuses); gloo: always the process "
         "group's TCP loopback.")
     host_memory: Literal["fast", "lean"] = _f(

@@ -80,7 +80,8 @@ def _working_buffers(rank: int, world: int, collectives: str) -> dict:
             engine.step()
         largest_unit = max(u.padded_numel for u in engine.store.units) * 4
         largest_piece = max(u.shard_numel for u in engine.store.units) * 4
-        out[name] = (engine.reducer.pool.allocated_bytes, (MAX_INFLIGHT + 1) * largest_unit,
+        assert engine.reducer.pool.allocated_bytes == 0, name  # staging is held during a backward only
+        out[name] = (engine.reducer.pool.peak_bytes, (MAX_INFLIGHT + 1) * largest_unit,
                      engine.update.transfers.held_bytes(), largest_piece, len(engine.store.units))
         engine.reducer.remove_hooks()
     return out

@@ -177,5 +177,6 @@ def test_a_transfer_done_at_once_gives_its_staging_buffer_back_at_once_one_buffe
     t = _setup(Reduction.SCATTER_SHARD, LaunchOrder.READY)
     t.comm.finishes_at_once = True
     _backward(t, [3, 2, 1, 0])
-    assert t.reducer.pool.allocated_bytes == t.reducer.units[0].padded_numel * 4  # one buffer served all four
+    assert t.reducer.pool.peak_bytes == t.reducer.units[0].padded_numel * 4  # one buffer served all four
+    assert t.reducer.pool.allocated_bytes == 0  # and went back to the allocator at the end of the backward
     assert [_shard_values(t, k) for k in range(4)] == [[2.0 * (k + 1)] * SIZE for k in range(4)]
