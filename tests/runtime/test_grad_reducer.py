@@ -123,6 +123,22 @@ def test_stages_0_and_1_accumulate_locally_and_reduce_once_at_the_boundary(reduc
     assert [_shard_values(t, k) for k in range(4)] == [[3.0 * (k + 1)] * SIZE for k in range(4)]  # 2 x 1.5
 
 
+@pytest.mark.parametrize("reduction", list(Reduction))
+def test_a_new_window_overwrites_the_last_ones_gradients_and_an_unused_parameter_reads_zero(
+        reduction: Reduction) -> None:
+    """`zero()` clears nothing: the window's first write overwrites, and a parameter with no gradient in the
+    window is zeroed when its unit is reduced (the buffers still hold the last window's sums)."""
+    t = _setup(reduction, LaunchOrder.LAYOUT)
+    _backward(t, [3, 2, 1, 0])
+    t.reducer.zero()
+    _backward(t, [2, 1, 0], scale=0.5)
+    assert [_shard_values(t, k) for k in range(4)] == [[1.0 * (k + 1)] * SIZE for k in range(3)] + [[0.0] * SIZE]
+    t.reducer.zero()
+    _backward(t, [3], reduce=reduction is Reduction.SCATTER_SHARD)  # accumulation micro-steps, then the boundary
+    _backward(t, [3, 0])
+    assert [_shard_values(t, k) for k in (0, 1, 3)] == [[2.0] * SIZE, [0.0] * SIZE, [16.0] * SIZE]
+
+
 def test_reductions_in_flight_stay_bounded() -> None:
     t = _setup(Reduction.SCATTER_SHARD, LaunchOrder.READY, params=7)
     _backward(t, list(range(7)))
