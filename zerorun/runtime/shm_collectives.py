@@ -108,9 +108,11 @@ class ShmCollectives:
         for start in self._chunks(out.numel(), per):
             end = min(start + per, out.numel())
             slots = self._slots(full.dtype)[:, :self.world_size * (end - start)].view(self.world_size, self.world_size, -1)
-            slots[self.rank].copy_(pieces[:, start:end])
+            for q in range(self.world_size):  # the pieces the others read; this rank's own it reads in place
+                if q != self.rank:
+                    slots[self.rank, q].copy_(pieces[q, start:end])
             self._meet()
-            mine = [slots[q, self.rank] for q in range(self.world_size)]
+            mine = [slots[q, self.rank] if q != self.rank else pieces[q, start:end] for q in range(self.world_size)]
             if scratch is None:
                 _reduce_into(out[start:end], mine, dist.ReduceOp.SUM)
             else:
