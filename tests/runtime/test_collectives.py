@@ -85,6 +85,9 @@ def _both_transports(rank: int, world: int) -> dict:
             ("all_reduce_max", lambda c, t: c.all_reduce(t, op=dist.ReduceOp.MAX).wait() or t),
             ("reduce_scatter", lambda c, t: (o := torch.empty(3001, dtype=dtype), c.reduce_scatter(t, o).wait())[0]),
             ("reduce_scatter_acc", lambda c, t: (o := start.clone(), c.reduce_scatter(t, o, accumulate=True).wait())[0]),
+            # stage 1's form: `out` is this rank's own piece of the input
+            ("reduce_scatter_in_place", lambda c, t: (c.reduce_scatter(t, t.view(world, -1)[rank]).wait(),
+                                                      t.view(world, -1)[rank])[1]),
             ("all_gather", lambda c, t: c.all_gather(t).wait() or t),
             ("broadcast", lambda c, t: c.broadcast(t, src=world - 1).wait() or t),
         ]:
@@ -95,17 +98,18 @@ def _both_transports(rank: int, world: int) -> dict:
 @pytest.mark.parametrize("world", [2, 3])
 def test_shared_memory_gives_gloos_bits_with_two_ranks_and_one_answer_on_every_rank(world: int) -> None:
     results = run_ranks(_both_transports, world)
-    for key, (by_gloo, by_shm) in results[0].items():
+    for key in results[0]:
         for rank_result in results[1:]:  # every rank holds the same bits (replicas must not drift)
             if "reduce_scatter" not in key[1]:
-                assert rank_result[key][1] == by_shm, key
-        by_gloo, by_shm = torch.tensor(by_gloo), torch.tensor(by_shm)
+                assert rank_result[key][1] == results[0][key][1], key
+    for rank, key in ((rank, key) for rank in range(world) for key in results[rank]):  # each rank's own piece
+        by_gloo, by_shm = (torch.tensor(x) for x in results[rank][key])
         if world == 2 or key[1] in ("all_gather", "broadcast", "all_reduce_max"):
-            assert torch.equal(by_gloo, by_shm), key  # a + b is a + b in any order: gloo's very bits
+            assert torch.equal(by_gloo, by_shm), (rank, key)  # a + b is a + b in any order: gloo's very bits
         else:  # three summands: gloo's ring adds them in another order. Each of the two additions rounds
             # once (half a unit u of a result below 3 x 5 in magnitude, randn staying under 5 here), so
             # the two orders differ by at most 2 x 2 x u/2 x 15 (fp16 and bf16 also round the summands' sum)
-            assert torch.allclose(by_gloo, by_shm, rtol=0, atol=4 * _UNIT[key[0]] * 3 * 5), key
+            assert torch.allclose(by_gloo, by_shm, rtol=0, atol=4 * _UNIT[key[0]] * 3 * 5), (rank, key)
 
 
 _UNIT = {str(torch.float32): 2.0**-24, str(torch.bfloat16): 2.0**-8, str(torch.float16): 2.0**-11}

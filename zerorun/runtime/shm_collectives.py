@@ -108,11 +108,16 @@ class ShmCollectives:
         for start in self._chunks(out.numel(), per):
             end = min(start + per, out.numel())
             slots = self._slots(full.dtype)[:, :self.world_size * (end - start)].view(self.world_size, self.world_size, -1)
-            for q in range(self.world_size):  # the pieces the others read; this rank's own it reads in place
-                if q != self.rank:
+            # the pieces the others read go through the slot; this rank's own is read in place, unless `out`
+            # is that very piece (an in-place reduce-scatter) and the sum would overwrite it before reading it
+            # (summands from the third on are added into `out`)
+            in_place = self.rank >= 2 and out.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+            for q in range(self.world_size):
+                if q != self.rank or in_place:
                     slots[self.rank, q].copy_(pieces[q, start:end])
             self._meet()
-            mine = [slots[q, self.rank] if q != self.rank else pieces[q, start:end] for q in range(self.world_size)]
+            mine = [slots[q, self.rank] if q != self.rank or in_place else pieces[q, start:end]
+                    for q in range(self.world_size)]
             if scratch is None:
                 _reduce_into(out[start:end], mine, dist.ReduceOp.SUM)
             else:
