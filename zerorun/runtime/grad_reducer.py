@@ -171,15 +171,18 @@ class GradReducer:
     def _accumulate(self, k: int, index: int, grad: torch.Tensor) -> None:
         span = self.units[k].layout.spans[index]
         region = self._grad_region(k)[span.offset:span.end]
-        # the first gradient overwrites: a fresh staging buffer, or a full buffer not written since `zero`
-        first = index not in self._seen[k] if self.staged else (k, index) not in self._written_params
-        if first:
-            region.copy_(grad.view(-1))
-        else:
+        if self._written(k, index):
             region.add_(grad.view(-1))
+        else:  # the first gradient overwrites: a fresh staging buffer, or a full buffer not written since `zero`
+            region.copy_(grad.view(-1))
         self._seen[k].add(index)
         if not self.staged:
             self._written_params.add((k, index))
+
+    def _written(self, k: int, index: int) -> bool:
+        """Whether unit k's parameter `index` has its gradient in the region: this backward (staged, a fresh
+        buffer each backward) or since `zero` (full buffers, which accumulate across micro-steps)."""
+        return index in self._seen[k] if self.staged else (k, index) in self._written_params
 
     def _complete(self, k: int, arriving: int | None = None) -> bool:
         """All of unit k's parameters have their gradient (counting `arriving`, one coming in now)."""
@@ -207,8 +210,7 @@ class GradReducer:
     def _launch(self, k: int) -> None:
         unit, region = self.units[k], self._grad_region(k)
         for index, span in enumerate(unit.layout.spans):
-            # no gradient this backward (staged) or since `zero` (full): an unused parameter's is zero
-            if (index not in self._seen[k]) if self.staged else ((k, index) not in self._written_params):
+            if not self._written(k, index):  # an unused parameter's gradient is zero
                 region[span.offset:span.end].zero_()
         self._inflight.append((k, self._collective(k, region)))
         # bound staging memory: finish the oldest beyond the limit, and any already done (recycled at once)

@@ -105,13 +105,13 @@ class ShmCollectives:
         pieces = full.view(self.world_size, -1)
         per = self.slot_bytes // full.element_size() // self.world_size
         scratch = torch.empty(min(per, out.numel()), dtype=out.dtype) if accumulate else None
+        # the pieces the others read go through the slot; this rank's own is read in place, unless `out` is
+        # that very piece (an in-place reduce-scatter) and the sum would overwrite it before reading it
+        # (summands from the third on are added into `out`)
+        in_place = self.rank >= 2 and out.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
         for start in self._chunks(out.numel(), per):
             end = min(start + per, out.numel())
             slots = self._slots(full.dtype)[:, :self.world_size * (end - start)].view(self.world_size, self.world_size, -1)
-            # the pieces the others read go through the slot; this rank's own is read in place, unless `out`
-            # is that very piece (an in-place reduce-scatter) and the sum would overwrite it before reading it
-            # (summands from the third on are added into `out`)
-            in_place = self.rank >= 2 and out.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
             for q in range(self.world_size):
                 if q != self.rank or in_place:
                     slots[self.rank, q].copy_(pieces[q, start:end])
