@@ -147,13 +147,21 @@ def _one_rank_stays_away(rank: int, world: int) -> str:
     if rank == 1:
         time.sleep(6)  # alive but elsewhere: the timeout, not the exit check, must end rank 0's wait
         return "stayed away"
-    try:
-        comm.all_reduce(torch.ones(10)).wait()
-    except RuntimeError as err:
-        return str(err)
-    return "returned without rank 1"
+    first, queued = comm.all_reduce(torch.ones(10)), comm.all_reduce(torch.ones(10))
+    answers = []
+    for handle in (first, queued):
+        started = time.monotonic()
+        try:
+            handle.wait()
+            answers.append("returned without rank 1")
+        except RuntimeError as err:
+            answers.append(f"{err} after {time.monotonic() - started:.0f} s")
+    return "\n".join(answers)
 
 
 def test_a_rank_that_never_arrives_is_an_error_naming_it_after_the_timeout_not_a_hang() -> None:
-    answer = run_ranks(_one_rank_stays_away, 2)[0]
-    assert answer.startswith("shared-memory collective: rank 1 did not arrive within 2 s"), answer
+    first, queued = run_ranks(_one_rank_stays_away, 2)[0].split("\n")
+    assert first.startswith("shared-memory collective: rank 1 did not arrive within 2 s"), first
+    # the one queued behind it fails at once (it waited out another timeout before), naming the first failure
+    assert queued.startswith("shared-memory collective not run: an earlier one failed (shared-memory collective: "
+                             "rank 1 did not arrive within 2 s") and queued.endswith(" after 0 s"), queued

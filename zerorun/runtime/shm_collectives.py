@@ -73,10 +73,22 @@ class ShmCollectives:
         # one thread runs every operation, in the order they were issued (the same on every rank), so
         # the caller goes on computing while its rank waits for the others, as with gloo's own threads
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerorun-shm")
+        self._failed: str | None = None  # the first operation's error: the ranks' meetings are out of step since
 
     def submit(self, fn: Callable[..., None], *args: object) -> Future:
         """Run `fn(*args)` (one of the operations below) after every operation issued before it."""
-        return self._worker.submit(fn, *args)
+        return self._worker.submit(self._run, fn, *args)
+
+    def _run(self, fn: Callable[..., None], *args: object) -> None:
+        """Operations queued behind a failed one fail at once, naming it, instead of each waiting out the
+        timeout (which kept a failed rank alive, in the interpreter's exit, for a timeout per queued one)."""
+        if self._failed is not None:
+            raise RuntimeError(f"shared-memory collective not run: an earlier one failed ({self._failed})")
+        try:
+            fn(*args)
+        except Exception as err:
+            self._failed = str(err)
+            raise
 
     # -- the meeting and the slots ----------------------------------------------------------------
     def _slots(self, dtype: torch.dtype) -> torch.Tensor:
