@@ -38,7 +38,10 @@ def main() -> None:
     cfg = GPTConfig(args.layers, args.d_model, args.heads, args.vocab, args.seq_len,
                     checkpoint="non-reentrant" if recipe.train.activation_checkpointing else "none")
     torch.manual_seed(recipe.train.seed)
-    model = GPT(cfg)
+    # built where it will train: on a GPU, initialising billions of parameters there takes a moment,
+    # on the CPU minutes (the engine moves a CPU-built model anyway, and the batches too)
+    with torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"):
+        model = GPT(cfg)
     params = sum(p.numel() for p in model.parameters())  # before stage 3 shards them
     engine = zerorun.initialize(model)  # ZeRO stage, precision and AdamW from the recipe; resumes if it can
     rank, world = dist.get_rank(), dist.get_world_size()

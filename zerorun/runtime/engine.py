@@ -142,10 +142,9 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module; floating-point inputs are cast to the compute dtype."""
-        dtype = self.policy.param_dtype
-        if dtype != torch.float32:
-            args, kwargs = _cast_floats((args, kwargs), dtype)
+        """Run the module; tensor inputs move to the engine's device (as FSDP's root does), and
+        floating-point ones are cast to the compute dtype."""
+        args, kwargs = _place_inputs((args, kwargs), self.device, self.policy.param_dtype)
         self._window.count_inputs(args, kwargs, self.tokens_per_sample)
         with self.phase.running(Phase.FORWARD):
             out = self.module(*args, **kwargs)
@@ -348,11 +347,20 @@ def _to_device(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+def _place_inputs(obj: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """Tensors in (nested lists, tuples, dicts of) `obj` on `device`; floating ones in `dtype` unless it is fp32.
+
+    A batch built on the CPU (a data loader without `.to(device)`) would otherwise stop the first
+    forward on a GPU with torch's "Expected all tensors to be on the same device"."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(o, dtype) for o in obj)
+        cast = dtype if dtype != torch.float32 and obj.is_floating_point() else None
+        if obj.device == device and cast in (None, obj.dtype):
+            return obj
+        return obj.to(device=device, dtype=cast, non_blocking=obj.device.type == "cpu" and obj.is_pinned())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_place_inputs(o, device, dtype) for o in obj)
+    if isinstance(obj, tuple):  # a namedtuple
+        return type(obj)(*(_place_inputs(o, device, dtype) for o in obj))
     if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+        return {k: _place_inputs(v, device, dtype) for k, v in obj.items()}
     return obj
