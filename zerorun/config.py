@@ -27,6 +27,7 @@ import yaml
 from zerorun.errors import ConfigError
 
 RECIPE_ENV = "ZERORUN_RECIPE"  # the launcher passes the resolved recipe to workers as JSON
+BACKEND_ENV = "ZERORUN_BACKEND"  # launch.backend, for every process group a worker (or a test, a bench) makes
 
 
 def _f(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = None, **bounds: float) -> Any:
@@ -224,6 +225,10 @@ class LaunchConfig:
                 "allocation (SLURM_JOB_ID set) when no hostfile is given, else as local. local: localhost as a "
                 "local process, other hostfile hosts over SSH. ssh: every host over SSH, this machine included. "
                 "slurm: one srun step that starts a torchrun on every allocated node.")
+    backend: Literal["auto", "nccl", "gloo"] = _f(
+        "auto", "The process group's backend. auto: nccl on GPUs, gloo on CPUs. gloo on GPUs lets several ranks "
+                "share one GPU (nproc_per_node above the GPU count; slow, for tests and debugging), which NCCL "
+                "refuses. Exported to the workers as ZERORUN_BACKEND.")
     deepspeed_compat: bool = _f(False, "`import deepspeed` in the script gets zerorun's DeepSpeed-compatible API "
                                        "(zerorun.compat.deepspeed); on for a `zerorun launch script.py` command line.")
     deepspeed_local_rank: bool = _f(True, "With deepspeed_compat: append --local_rank=<local rank> to the script's "

@@ -51,3 +51,30 @@ def test_the_node_job_travels_as_one_json_line():
     line = job.header()
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     assert NodeJob.from_header(line) == job
+
+
+def test_nccl_takes_one_rank_per_gpu_and_gloo_lets_ranks_share_one():
+    import torch
+
+    from zerorun.errors import ZerorunError
+    from zerorun.runtime.dist import check_one_rank_per_gpu, choose_backend
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert choose_backend(cuda, "auto") == "nccl" and choose_backend(cpu, "auto") == "gloo"
+    assert choose_backend(cuda, "gloo") == "gloo" and choose_backend(cuda, " NCCL ") == "nccl"
+    with pytest.raises(ZerorunError, match="nccl needs CUDA devices"):
+        choose_backend(cpu, "nccl")
+    with pytest.raises(ZerorunError, match=r"ZERORUN_BACKEND=mpi \(launch.backend\): expected one of auto, nccl"):
+        choose_backend(cuda, "mpi")
+    check_one_rank_per_gpu(2, 2)
+    with pytest.raises(ZerorunError, match=r"2 ranks on this node but 1 GPU\(s\).*launch.backend: gloo"):
+        check_one_rank_per_gpu(2, 1)
+
+
+def test_launch_backend_reaches_every_worker_as_zerorun_backend():
+    from tests.launch.test_plan import CPU, TWO_LOCAL, recipe
+    from zerorun.launch.plan import plan
+
+    assert all("ZERORUN_BACKEND" not in n.env for n in plan(recipe(), TWO_LOCAL, "j", 1, CPU).nodes)
+    shared = plan(recipe(launch={"backend": "gloo"}), TWO_LOCAL, "j", 1, CPU)
+    assert all(n.env["ZERORUN_BACKEND"] == "gloo" for n in shared.nodes)

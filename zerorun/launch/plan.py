@@ -184,6 +184,8 @@ def node_env(recipe: Recipe, node: Node, job_id: str, recipe_json: str, facts: M
         # torchrun would otherwise force 1 thread per worker (with a warning); share the cores instead.
         env["OMP_NUM_THREADS"] = str(max(1, facts.cpu_count // node.nproc))
     env.update(recipe.env)
+    if recipe.launch.backend != "auto":
+        env[config.BACKEND_ENV] = recipe.launch.backend
     env[config.RECIPE_ENV] = recipe_json
     env[RECIPE_SOURCE_ENV] = recipe.source or ""
     env[JOB_ID_ENV] = job_id
