@@ -26,13 +26,30 @@ import torch
 
 @dataclass
 class TransferStats:
-    """Bytes and seconds per direction of offload traffic, and the time the step waited on it (cumulative)."""
+    """Bytes and seconds per direction of offload traffic, and the time the step waited on it (cumulative).
+
+    A copy's seconds are its own duration: on CUDA the time between two events around it on the
+    copy stream, counted once they have both passed (`settle`). The host-side time of an
+    asynchronous copy is only its launch, which once put 54.8 GiB of D2H at "950 GB/s" over PCIe.
+    """
 
     bytes: dict[str, int] = field(default_factory=lambda: {"d2h": 0, "h2d": 0})
     seconds: dict[str, float] = field(default_factory=lambda: {"d2h": 0.0, "h2d": 0.0})
     wait_s: float = 0.0
+    pending: list = field(default_factory=list)  # (direction, start event, end event) of copies in flight
+
+    def settle(self) -> None:
+        """Add the durations of the copies that have finished."""
+        still = []
+        for direction, start, end in self.pending:
+            if end.query():
+                self.seconds[direction] += start.elapsed_time(end) / 1e3
+            else:
+                still.append((direction, start, end))
+        self.pending = still
 
     def as_dict(self) -> dict[str, dict[str, float]]:
+        self.settle()
         out = {d: {"bytes": self.bytes[d], "seconds": self.seconds[d]} for d in self.bytes}
         out["wait"] = {"bytes": 0, "seconds": self.wait_s}
         return out
@@ -135,19 +152,21 @@ class StagingRing:
         self._launched = k
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> torch.cuda.Event | None:
-        """Copy on the side stream (an event marks its end), or at once on CPU."""
-        started = time.perf_counter()
-        event = None
-        if self.cuda:
-            with torch.cuda.stream(self._stream):
-                dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-        else:
-            dst.copy_(src)
-        self._stats.seconds[direction] += time.perf_counter() - started
+        """Copy on the side stream (an event marks its end, another its start for the statistics), or
+        at once on CPU."""
         self._stats.bytes[direction] += src.numel() * src.element_size()
-        return event
+        if not self.cuda:
+            started = time.perf_counter()
+            dst.copy_(src)
+            self._stats.seconds[direction] += time.perf_counter() - started
+            return None
+        with torch.cuda.stream(self._stream):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self._stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(self._stream)
+        self._stats.pending.append((direction, start, end))
+        return end
 
     def _wait(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
