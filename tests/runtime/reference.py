@@ -85,7 +85,8 @@ MISTAKES = ("no-world-division", "no-unscale", "skip-step-5")
 
 def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, seed: int = 0,
                   dtype: torch.dtype = torch.float32, loss_scale: float = 1.0, model_fn=make_model,
-                  eval_every: int = 0, mistake: str | None = None) -> Run:
+                  eval_every: int = 0, mistake: str | None = None, device: str = "cpu",
+                  fused: bool | None = None) -> Run:
     """DDP + torch AdamW.
 
     fp32: real DDP. A low-precision `dtype` follows zerorun's policy, which DDP cannot express
@@ -94,15 +95,17 @@ def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, 
     arithmetic zerorun's kernel implements: torch's default for-loop AdamW rounds differently in
     the last fp32 bit, and a compute copy rounded to bf16/fp16 turns such a bit into a whole
     low-precision ulp, see test_engine_precision.py); fp16 scales the loss by the static
-    `loss_scale`. `mistake` (one of MISTAKES) makes the reference deliberately wrong.
+    `loss_scale`. `mistake` (one of MISTAKES) makes the reference deliberately wrong. On a CUDA
+    `device`, the model and the batches live there (the default AdamW is then torch's foreach one);
+    `fused=True` takes torch's fused AdamW in fp32 too.
     """
     import torch.distributed as dist
 
     assert mistake is None or mistake in MISTAKES, f"unknown mistake {mistake!r}"
-    master = model_fn(seed)
+    master = model_fn(seed).to(device)
     compute = copy.deepcopy(master).to(dtype)  # the replicas that run forward/backward
     model = DDP(compute) if dtype == torch.float32 else compute
-    opt = torch.optim.AdamW(master.parameters(), **OPT, fused=True if dtype != torch.float32 else None)
+    opt = torch.optim.AdamW(master.parameters(), **OPT, fused=True if dtype != torch.float32 else fused)
     run = Run()
     trainable = [(m, c) for m, c in zip(master.parameters(), compute.parameters()) if m.requires_grad]
     micro = 0
@@ -110,7 +113,7 @@ def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, 
         for m, _c in trainable:
             m.grad = torch.zeros_like(m)
         for _a in range(accum):
-            loss = model(batch(seed, rank, micro))
+            loss = model(batch(seed, rank, micro).to(device))
             (loss * (loss_scale / accum)).backward()
             for m, c in trainable:
                 m.grad += c.grad.float()
@@ -133,7 +136,7 @@ def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, 
         if eval_every and len(run.grad_norms) % eval_every == 0:
             run.eval_losses.append(_eval(model, rank, micro))
     # frozen parameters are not stepped: they live in the compute dtype, as in the engine
-    run.params = {n: (m if m.requires_grad else c).detach().float().clone()
+    run.params = {n: (m if m.requires_grad else c).detach().float().cpu().clone()
                   for (n, m), c in zip(master.named_parameters(), compute.parameters())}
     return run
 
@@ -172,7 +175,7 @@ def engine_run(rank: int, steps: int, accum: int, recipe_overrides: list[str], c
             run.eval_losses.append(_eval(engine, rank, micro))
     if engine.scheduler is not None:  # stage 3: the parameters as gathered on every rank
         with engine.gathered():
-            run.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+            run.params = {n: p.detach().float().cpu().clone() for n, p in engine.module.named_parameters()}
     else:  # the fp32 master, not its low-precision copy (in fp32 without offload, the parameters themselves)
         run.params = engine_master_params(engine)
     return run, engine
@@ -194,5 +197,5 @@ def engine_master_params(engine) -> dict[str, torch.Tensor]:
         for span, param in zip(unit.layout.spans, unit.params):
             start = unit.flat_offset + span.offset
             by_param[param] = full[start:start + span.numel].view(param.shape)
-    return {n: by_param[p].clone() if p in by_param else p.detach().float().clone()
+    return {n: by_param[p].clone() if p in by_param else p.detach().float().cpu().clone()
             for n, p in engine.module.named_parameters()}
