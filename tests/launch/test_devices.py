@@ -78,3 +78,20 @@ def test_launch_backend_reaches_every_worker_as_zerorun_backend():
     assert all("ZERORUN_BACKEND" not in n.env for n in plan(recipe(), TWO_LOCAL, "j", 1, CPU).nodes)
     shared = plan(recipe(launch={"backend": "gloo"}), TWO_LOCAL, "j", 1, CPU)
     assert all(n.env["ZERORUN_BACKEND"] == "gloo" for n in shared.nodes)
+
+
+def test_with_launch_backend_gloo_slots_wrap_onto_the_gpus_the_node_has():
+    assert visible_devices("h", (0, 1), None, gpus=1, share=True) == "0"  # both ranks on GPU 0
+    assert visible_devices("h", (0, 1, 2), "4,6", gpus=2, share=True) == "4,6"  # ranks 0, 1, 2 on 4, 6, 4
+    assert visible_devices("h", (1,), None, gpus=2, share=True) == "1"
+    with pytest.raises(LaunchError, match="set launch.backend: gloo"):
+        visible_devices("h", (0, 1), None, gpus=1)
+
+
+def test_the_node_maps_slots_onto_a_shared_gpu_only_under_gloo(monkeypatch):
+    monkeypatch.setattr(devices, "gpu_count", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    shared = NodeJob(("torchrun",), {"ZERORUN_BACKEND": "gloo"}, "/", 1.0, slots=(0, 1))
+    assert node._with_devices(shared, "h")["CUDA_VISIBLE_DEVICES"] == "0"
+    with pytest.raises(LaunchError, match="slot 1 does not exist"):
+        node._with_devices(NodeJob(("torchrun",), {}, "/", 1.0, slots=(0, 1)), "h")

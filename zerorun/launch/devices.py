@@ -30,16 +30,23 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def visible_devices(host: str, slots: Sequence[int], visible: str | None, gpus: int) -> str | None:
+def visible_devices(host: str, slots: Sequence[int], visible: str | None, gpus: int,
+                    share: bool = False) -> str | None:
     """`CUDA_VISIBLE_DEVICES` for a node's `slots`: None where the node has no GPU (`gpus` is what
-    CUDA counts there, already narrowed by `visible`, the variable the node inherited)."""
+    CUDA counts there, already narrowed by `visible`, the variable the node inherited).
+
+    `share` (launch.backend: gloo): slots beyond the node's GPUs wrap around onto them, each GPU
+    listed once; a rank then takes GPU `local_rank % count` (`runtime.dist.pick_device`)."""
     if gpus == 0:
         return None
     devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(gpus)]
     devices = devices[:gpus]
+    if share:
+        return ",".join(dict.fromkeys(devices[slot % len(devices)] for slot in slots))
     missing = [slot for slot in slots if slot >= len(devices)]
     if missing:
         seen = f"{VISIBLE}={visible} leaves {len(devices)}" if visible else f"it has {len(devices)}"
         raise LaunchError(f"host {host}: slot {missing[0]} does not exist: {seen} GPU(s); use fewer slots (hostfile "
-                          f"slots=, --include/--exclude, --num-gpus) or widen {VISIBLE}.")
+                          f"slots=, --include/--exclude, --num-gpus, nproc_per_node) or widen {VISIBLE}. To run "
+                          f"several ranks on one GPU (tests, debugging), set launch.backend: gloo.")
     return ",".join(devices[slot] for slot in slots)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import IO, BinaryIO
 
 from zerorun import offload_files
+from zerorun.config import BACKEND_ENV
 from zerorun.errors import LaunchError
 from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV, devices, streams
 from zerorun.launch.processes import NodeProcesses
@@ -176,7 +177,8 @@ def _with_devices(job: NodeJob, host: str) -> dict[str, str]:
     env = dict(job.env)
     if job.slots is not None:
         visible = env.get(devices.VISIBLE, os.environ.get(devices.VISIBLE))
-        mapped = devices.visible_devices(host, job.slots, visible, devices.gpu_count())
+        share = env.get(BACKEND_ENV) == "gloo"  # launch.backend: gloo lets ranks share a GPU
+        mapped = devices.visible_devices(host, job.slots, visible, devices.gpu_count(), share)
         if mapped is not None:
             env[devices.VISIBLE] = mapped
     return env
