@@ -20,3 +20,21 @@ def test_quickstart_recipe_trains_through_the_launcher() -> None:
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, result.stdout  # it learns
     assert "[localhost:0] done: 12 steps" in result.stdout
     assert "ZeRO stage 2, bf16" in result.stdout
+
+
+def test_the_one_gpu_offload_recipe_and_its_profiler_run_scaled_down_on_a_cpu() -> None:
+    """recipes/offload_one_gpu.yaml and recipes/offload_profile.py are measured on a GPU (README: On a
+    GPU); here a tiny GPT goes through the same settings (bf16, CPU optimizer, stages 2 and 3)."""
+    tiny = 'args=[--layers,"2",--d-model,"32",--heads,"2",--vocab,"128",--seq-len,"16",--log-every,"1"]'
+    result = subprocess.run(
+        [sys.executable, "-m", "zerorun.cli", "launch", str(ROOT / "recipes/offload_one_gpu.yaml"), "--set", tiny,
+         "--set", "train.micro_batch_size=2", "--set", "zero.stage=3", "--set", "zero.offload_param=cpu"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ZeRO stage 3 (2 units), bf16" in result.stdout and "[localhost:0] done: 4 steps" in result.stdout
+    profile = subprocess.run(
+        [sys.executable, str(ROOT / "recipes/offload_profile.py"), "--layers", "2", "--d-model", "32", "--heads", "2",
+         "--seq-len", "16", "--micro-batch", "2", "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert profile.returncode == 0, profile.stdout + profile.stderr
+    assert re.search(r"ZeRO stage 2: forward [\d.]+ s \+ backward [\d.]+ s .* = [\d.]+ s a step", profile.stdout)
+    assert re.search(r"offload, all steps: D2H [\d.]+ GiB in [\d.]+ s, H2D", profile.stdout), profile.stdout
