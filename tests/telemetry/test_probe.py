@@ -186,3 +186,16 @@ def test_stage3_with_sharded_init_reports_the_whole_models_parameters_for_tflops
     for r in run_ranks(_stage3_params, 2):
         assert r["sent"] == r["whole"], r  # TFLOP/s = 6 x this x tokens / s
         assert r["module"] < r["whole"] / 10, r  # what the module holds: counting it made TFLOP/s ~2000x too low
+
+
+def test_once_the_script_has_ended_samples_no_longer_say_where_the_training_thread_is(tmp_path: Path):
+    """The worker's exit (printing a traceback) would otherwise read as "not in a collective" and
+    overwrite the launcher's last view of a rank that failed waiting for a peer."""
+    collector = Collector(tmp_path / "telemetry.jsonl")
+    probe = Probe(collector.start(), FAST, rank=0, host="h")
+    try:
+        assert probe._sample()["where"] is not None
+        probe.script_running = False
+        assert probe._sample()["where"] is None
+    finally:
+        collector.close()  # the probe's thread was never started

@@ -86,6 +86,17 @@ def stop(timeout: float = 2.0) -> None:
         _probe = None
 
 
+def script_ended() -> None:
+    """The script has returned or raised: samples stop saying where the training thread is.
+
+    From here on its frames are the worker's exit (printing a traceback, shutting down), which
+    would read as "not in a collective" and overwrite what the launcher last saw: a rank that
+    failed waiting for a hung peer then looked like a culprit itself, and the report could not
+    name the peer (seen in CI with shared-memory collectives)."""
+    if _probe is not None:
+        _probe.script_running = False
+
+
 def attach_engine(engine: Any) -> None:
     """Tell the running probe (if any) about the engine: memory figures and the model's FLOPs."""
     if _probe is not None:
@@ -117,6 +128,7 @@ class Probe:
         self.device = device
         self._process = psutil.Process()
         self._main_thread = threading.main_thread().ident
+        self.script_running = True  # False once the script has ended (`script_ended`): `where` is then None
         self._steps: deque[tuple[Any, Any]] = deque(maxlen=STEP_QUEUE)
         self._outbox: deque[bytes] = deque(maxlen=OUTBOX)
         self._dropped = 0
@@ -257,7 +269,7 @@ class Probe:
             record["io"] = _io_bytes(self._process)
         record["cuda"] = _cuda_memory(self.device)
         record["memory"] = _engine_memory(self.engine())
-        record["where"] = None if final else where(self._main_thread)
+        record["where"] = where(self._main_thread) if self.script_running and not final else None
         record["dropped"] = self._dropped
         return record
 
