@@ -77,7 +77,7 @@ def run_script(script: str, args: list[str]) -> int:
     sys.path.insert(0, os.path.dirname(script))
     namespace: dict[str, Any] = {}
     try:
-        namespace = _run_path(script, telemetry=stop_probe is not None)  # kept: the probe's last sample sees the engine
+        namespace = _run_path(script)  # kept: the probe's last sample sees the engine
         code = 0
     except SystemExit as exc:
         code = _exit_code(exc.code)
@@ -97,15 +97,14 @@ def run_script(script: str, args: list[str]) -> int:
     return code
 
 
-def _run_path(script: str, telemetry: bool) -> dict[str, Any]:
-    """Run the script as `__main__`; the moment it returns or raises, the probe stops reporting where it is."""
+def _run_path(script: str) -> dict[str, Any]:
+    """Run the script as `__main__`; the moment it returns or raises, the probe (if any) stops reporting where it is."""
+    from zerorun.telemetry import probe
+
     try:
         return runpy.run_path(script, run_name="__main__")
     finally:
-        if telemetry:
-            from zerorun.telemetry import probe
-
-            probe.script_ended()
+        probe.script_ended()
 
 
 def _start_probe(recipe: Any, info: Any) -> Callable[[], None] | None:
