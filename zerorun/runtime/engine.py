@@ -38,7 +38,7 @@ from zerorun.runtime.deferred_publish import DeferredPublish
 from zerorun.runtime.dist import init_distributed
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
-from zerorun.runtime.memory import MemoryReport, set_host_allocator, tensor_bytes
+from zerorun.runtime.memory import BlockCache, MemoryReport, set_host_allocator, tensor_bytes
 from zerorun.runtime.module_units import describe as describe_plan
 from zerorun.runtime.module_units import plan_stage3, warn_if_nothing_sharded
 from zerorun.runtime.optimizer import ShardedAdamW, param_groups_from
@@ -65,8 +65,10 @@ class Engine:
         self.comm = Collectives(cpu=recipe.zero.cpu_collectives, timeout_s=recipe.launch.timeout_s)
         self.phase = TrainingPhase()
         self.placement = Placement.from_recipe(recipe, self.device, self.info.rank)
-        if recipe.zero.host_memory == "lean" or (self.stage == 3 and self.device.type == "cpu"):
-            set_host_allocator(recipe.zero.host_memory)  # stage 3 on CPU: fast avoids re-faulting every gather
+        host_memory = recipe.zero.host_memory
+        tune_host = host_memory == "lean" or (self.stage == 3 and self.device.type == "cpu")
+        if tune_host:  # setup's one-off buffers (the whole model, sharded away) get mappings of their own, so
+            set_host_allocator("lean")  # they leave no holes in the heap that training would fault in again
         init_log = sharded_init.log_for(model)
         if init_log is not None and self.stage < 3:  # stages 0-2 hold whole parameters anyway
             init_log.replay(sharded_init.materialize, self.device)
@@ -99,6 +101,8 @@ class Engine:
         self.grad_norm: float | None = None
         self.tokens_per_sample: int | None = None  # set it when inputs are not (batch, seq) token ids
         self._window = StepWindow()
+        if tune_host:
+            set_host_allocator(host_memory)  # for training (fast: stage 3 on CPU re-gathers without page faults)
 
     # -- setup helpers ----------------------------------------------------------------------
     def _build_stage(self, model: nn.Module, groups: list[list[nn.Parameter]],
@@ -116,7 +120,9 @@ class Engine:
         if self.comm.rank == 0:
             print(describe_plan(plan), flush=True)
             warn_if_nothing_sharded(plan, zero.wrap, zero.param_persistence_threshold)
-        sharded = ShardedParams(model, plan, self.placement, self.policy, self.comm, init_log)
+        blocks = BlockCache() if self.device.type == "cpu" and zero.host_memory == "fast" and BlockCache.supported() \
+            else None  # on CUDA the caching allocator keeps freed blocks; lean wants RSS to follow live tensors
+        sharded = ShardedParams(model, plan, self.placement, self.policy, self.comm, init_log, blocks)
         scheduler = ParamScheduler(sharded, zero.prefetch_units, self.phase)
         # each unit's gradients are reduce-scattered as soon as backward completes it; then it is released
         reducer = GradReducer(sharded, self.comm, reduce_dtype, self.device, Reduction.SCATTER_SHARD,

@@ -7,7 +7,7 @@
 | it ends                              | released (not during backward: a forward then is checkpoint recomputation) |
 | gradients reach its outputs          | gathered again; the previous units in that order start gathering     |
 | the reducer launched its gradients   | released                                                              |
-| backward ends                        | everything but the persistent unit released                           |
+| backward ends                        | everything but the persistent unit released, idle blocks handed back  |
 | a step published (`overlap_comm`)    | the first `prefetch_units` of the order start gathering for the next forward |
 
 The execution order is recorded on the first pass and re-recorded when it changes (that unit is then
@@ -129,6 +129,7 @@ class ParamScheduler:
         for mu in self.store.module_units:
             if mu.kind is not UnitKind.PERSISTENT:
                 self.store.release_if_held(mu)
+        self.store.drop_idle_blocks()
 
     def remove(self) -> None:
         for hook in self._hooks:

@@ -1,8 +1,9 @@
 """Stage 3's parameter store: parameters live as this rank's shard and are gathered around their use.
 
-Each unit has a gathered buffer whose storage is resized to zero when released and back when
+Each unit has a gathered buffer whose storage is emptied when released and given memory again when
 gathered, so the module's parameters (views into it) and tensors autograd saved during forward
-stay valid across release and re-gather. A gather fills this rank's piece from the parameter shard
+stay valid across release and re-gather. The memory comes from a `BlockCache` (memory.py) on the
+host under `host_memory: fast`, from the allocator (`resize_`) otherwise. A gather fills this rank's piece from the parameter shard
 (`param_shards.py`: the master itself, a compute-dtype tensor, or NVMe files) and all-gathers the
 rest. The transitions of a module unit (module_units.py) are strict; `ensure_gathered`, `prefetch`
 and `release_if_held` are the forgiving forms the scheduler uses where more than one state is
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from zerorun.runtime.collectives import Collectives, Pending
-from zerorun.runtime.memory import MemoryReport
+from zerorun.runtime.memory import BlockCache, MemoryReport
 from zerorun.runtime.module_units import ModuleUnit, Stage3Plan, UnitKind, UnitState
 from zerorun.runtime.param_shards import build_param_shard
 from zerorun.runtime.placement import Placement
@@ -32,8 +33,9 @@ class ShardedParams:
     """The stage 3 `ParamStore`: a parameter shard per rank, unit buffers gathered on demand."""
 
     def __init__(self, model: nn.Module, plan: Stage3Plan, placement: Placement, policy: PrecisionPolicy,
-                 comm: Collectives, init_log: InitLog | None = None) -> None:
-        self.policy, self.comm, self.device = policy, comm, placement.device
+                 comm: Collectives, init_log: InitLog | None = None, blocks: BlockCache | None = None) -> None:
+        """`blocks`: where gathered buffers get their memory (None: the allocator, through `resize_`)."""
+        self.policy, self.comm, self.device, self.blocks = policy, comm, placement.device, blocks
         self.shard_world, self.shard_rank = comm.world_size, comm.rank
         self.plan, self.units, self.group_numels = plan, plan.units, plan.group_numels
         self.module_units, self.persistent = plan.module_units, plan.persistent
@@ -48,6 +50,7 @@ class ShardedParams:
         else:
             self._shard_from(model)
         for k in range(len(self.units)):
+            self.full[k].untyped_storage().resize_(0)  # never used: back to the allocator, not into `blocks`
             self._free(k)
         self.start_gather(self.persistent)
         self.finish_gather(self.persistent)
@@ -94,7 +97,7 @@ class ShardedParams:
         handles = []
         for k in mu.units:
             unit, full = self.units[k], self.full[k]
-            full.untyped_storage().resize_(full.numel() * full.element_size())
+            self._allocate(k)
             self.shard.fill(unit, unit.piece(full, self.shard_rank))
             handles.append(self.comm.all_gather(full))
             for param, view in zip(unit.params, self.views[k]):
@@ -115,8 +118,18 @@ class ShardedParams:
             self._free(k)
         mu.state = UnitState.RELEASED
 
+    def _allocate(self, k: int) -> None:
+        storage, nbytes = self.full[k].untyped_storage(), self.full[k].numel() * self.full[k].element_size()
+        if self.blocks is not None:
+            self.blocks.fill(storage, nbytes)
+        else:
+            storage.resize_(nbytes)
+
     def _free(self, k: int) -> None:
-        self.full[k].untyped_storage().resize_(0)
+        if self.blocks is not None:
+            self.blocks.take(self.full[k].untyped_storage())
+        else:
+            self.full[k].untyped_storage().resize_(0)
         # a stray read of a released parameter is then an empty tensor, not freed memory; tensors
         # autograd saved keep the resizable storage and see the data again once re-gathered
         for param in self.units[k].params:
@@ -141,6 +154,11 @@ class ShardedParams:
             self.finish_gather(mu)
         if mu.state is UnitState.GATHERED:
             self.release(mu)
+
+    def drop_idle_blocks(self) -> None:
+        """Hand back the memory of released units kept for re-gathers (at the end of a backward)."""
+        if self.blocks is not None:
+            self.blocks.drop_idle()
 
     # -- the ParamStore interface -------------------------------------------------------------------
     def update_targets(self, group: int) -> list[UpdateTarget]:
@@ -178,7 +196,8 @@ class ShardedParams:
         window = {k for mu in self.module_units if mu.kind is UnitKind.WRAPPED for k in mu.units}
         held = [(k in window, t.untyped_storage().nbytes()) for k, t in enumerate(self.full)]
         report.add("params", self.device.type, sum(n for in_window, n in held if not in_window))
-        report.add("gathered", self.device.type, sum(n for in_window, n in held if in_window))
+        idle = self.blocks.idle_bytes() if self.blocks is not None else 0  # released units' memory, kept for reuse
+        report.add("gathered", self.device.type, sum(n for in_window, n in held if in_window) + idle)
         self.shard.account(report)
         report.units = self.unit_count()
 
