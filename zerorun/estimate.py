@@ -197,13 +197,13 @@ def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload
     return out
 
 
-def offload_buffers(settings: Settings, offload_optimizer: str) -> float:
+def offload_buffers(settings: Settings, offload_optimizer: str, gpu: bool = True) -> float:
     """Host bytes of offload staging: two gradient and two update tiles of `offload_buffer_mb`
-    (pinned where CUDA exists), plus the NVMe store's ring of master + moment tiles."""
+    (pinned), one of each on a CPU-only machine, plus the NVMe store's ring of master + moment tiles."""
     if offload_optimizer == "none":
         return 0.0
     tile = settings.offload_buffer_mb * MIB
-    return 4 * tile + (NVME_RING_SLOTS * 3 * tile if offload_optimizer == "nvme" else 0)
+    return (4 if gpu else 2) * tile + (NVME_RING_SLOTS * 3 * tile if offload_optimizer == "nvme" else 0)
 
 
 def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, offload_optimizer: str,

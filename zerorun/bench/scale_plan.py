@@ -102,7 +102,7 @@ def predict(system: str, family: Family, rung: int, budget: Budget) -> Predictio
         offload = system.removeprefix("zero3-")
         placed = est.placed_states(shape, n, 3, "fp32", offload, offload)
         ram = (sum(placed["gpu"].values()) + sum(placed["cpu"].values()) + est.working_buffers(shape, 3, settings)
-               + est.offload_buffers(settings, offload))
+               + est.offload_buffers(settings, offload, gpu=False))
         if offload == "nvme":  # the parameter file: two bounce buffers of a unit's shard, the store's bounce
             ram += 2 * 4 * block / n + 3 * settings.offload_buffer_mb * MIB  # tile and two queued writes
         disk = round(sum(placed["nvme"].values()) * n)
