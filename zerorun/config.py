@@ -86,10 +86,11 @@ class ZeroConfig:
         "one host (memory speed; auto falls back to gloo where it cannot, shm refuses); gloo: always the process "
         "group's TCP loopback.")
     host_memory: Literal["fast", "lean"] = _f(
-        "fast", "How glibc treats host memory freed in training. fast: stage 3 on CPU keeps freed blocks (up to "
-        "32 MiB) for reuse, so re-gathering a unit faults in no pages; RSS grows to the heap's high-water mark. "
-        "lean: blocks of 128 KiB or more go back to the OS when freed, so RSS follows the live tensors, at the "
-        "price of page faults (README: Memory).")
+        "fast", "How glibc treats host memory freed in training (stage 3 on CPU re-gathers a unit into the memory "
+        "it released either way). fast: freed blocks of up to 32 MiB are kept for reuse, so activations and "
+        "gradients fault in no pages; RSS follows the heap's high-water mark, fragmentation included. lean: blocks "
+        "of 128 KiB or more go back to the OS when freed, so RSS follows the live tensors, at the price of page "
+        "faults (README: Memory).")
     prefetch_units: int = _f(1, "Stage 3: units gathered ahead of the one computing.", ge=0)
     param_persistence_threshold: int = _f(
         0, "Stage 3: parameters with fewer elements stay gathered (0: every parameter is sharded). A unit gathers "

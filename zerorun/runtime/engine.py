@@ -120,8 +120,8 @@ class Engine:
         if self.comm.rank == 0:
             print(describe_plan(plan), flush=True)
             warn_if_nothing_sharded(plan, zero.wrap, zero.param_persistence_threshold)
-        blocks = BlockCache() if self.device.type == "cpu" and zero.host_memory == "fast" and BlockCache.supported() \
-            else None  # on CUDA the caching allocator keeps freed blocks; lean wants RSS to follow live tensors
+        blocks = BlockCache() if self.device.type == "cpu" and BlockCache.supported() \
+            else None  # on CUDA the caching allocator keeps freed blocks
         sharded = ShardedParams(model, plan, self.placement, self.policy, self.comm, init_log, blocks)
         scheduler = ParamScheduler(sharded, zero.prefetch_units, self.phase)
         # each unit's gradients are reduce-scattered as soon as backward completes it; then it is released
