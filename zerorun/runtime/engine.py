@@ -102,7 +102,7 @@ class Engine:
         self.tokens_per_sample: int | None = None  # set it when inputs are not (batch, seq) token ids
         self._window = StepWindow()
         if tune_host:
-            set_host_allocator(host_memory)  # for training (fast: stage 3 on CPU re-gathers without page faults)
+            set_host_allocator(host_memory)  # for training (fast: a step's activations reuse the last one's pages)
 
     # -- setup helpers ----------------------------------------------------------------------
     def _build_stage(self, model: nn.Module, groups: list[list[nn.Parameter]],

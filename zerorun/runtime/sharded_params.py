@@ -3,9 +3,9 @@
 Each unit has a gathered buffer whose storage is emptied when released and given memory again when
 gathered, so the module's parameters (views into it) and tensors autograd saved during forward
 stay valid across release and re-gather. The memory comes from a `BlockCache` (memory.py) on the
-host, from the allocator (`resize_`) on CUDA, whose caching allocator keeps freed blocks itself. A gather fills this rank's piece from the parameter shard
-(`param_shards.py`: the master itself, a compute-dtype tensor, or NVMe files) and all-gathers the
-rest. The transitions of a module unit (module_units.py) are strict; `ensure_gathered`, `prefetch`
+host, and from the allocator (`resize_`) on CUDA, whose caching allocator keeps freed blocks
+itself. A gather fills this rank's piece from the parameter shard (`param_shards.py`: the master
+itself, a compute-dtype tensor, or NVMe files) and all-gathers the rest. The transitions of a module unit (module_units.py) are strict; `ensure_gathered`, `prefetch`
 and `release_if_held` are the forgiving forms the scheduler uses where more than one state is
 legitimate. When to call them is the scheduler's business (param_scheduler.py).
 """
