@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -351,6 +352,10 @@ def tune(
                           model, warmup, steps, overrides=tuple(set_ or ()),
                           launch_options={"hostfile": hostfile} if hostfile else {})
     err = Console(stderr=True, width=200)
+    # Ctrl-C ends the tuning as it ends a launch, even where SIGINT came ignored (a shell's background
+    # job): each trial's launcher handles SIGINT itself, so a tuner that ignored it would see its trial
+    # stop, record it as failed and go on to the next
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     result = output.run(recipe, options, live=err.is_terminal and not as_json, err=err)
     target = out or recipe.with_name(f"{recipe.stem}.tuned.yaml")
     tuned = output.write_tuned(result, target, options.nvme_path)
