@@ -72,12 +72,12 @@ def _stage3_blocks(rank: int, world: int) -> dict:
         x = torch.randn(8, 64)
         during = []
         engine.reducer.on_launch = _spy(engine.reducer.on_launch, lambda: during.append(
-            engine.store.blocks.idle_bytes() if engine.store.blocks is not None else None))
+            engine.store.blocks.idle_bytes()))
         for _ in range(2):
             engine.backward(engine(x).pow(2).mean())
             engine.step()
-        idle_after = engine.store.blocks.idle_bytes() if engine.store.blocks is not None else None
-        out[host_memory] = (engine.store.blocks is not None, max(during, key=lambda v: v or 0), idle_after)
+        idle_after = engine.store.blocks.idle_bytes()
+        out[host_memory] = (isinstance(engine.store.blocks, BlockCache), max(during), idle_after)
         engine.reducer.remove_hooks()
     return out
 

@@ -38,7 +38,7 @@ from zerorun.runtime.deferred_publish import DeferredPublish
 from zerorun.runtime.dist import init_distributed
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
-from zerorun.runtime.memory import BlockCache, MemoryReport, set_host_allocator, tensor_bytes
+from zerorun.runtime.memory import MemoryReport, set_host_allocator, tensor_bytes
 from zerorun.runtime.module_units import describe as describe_plan
 from zerorun.runtime.module_units import plan_stage3, warn_if_nothing_sharded
 from zerorun.runtime.optimizer import ShardedAdamW, param_groups_from
@@ -120,9 +120,7 @@ class Engine:
         if self.comm.rank == 0:
             print(describe_plan(plan), flush=True)
             warn_if_nothing_sharded(plan, zero.wrap, zero.param_persistence_threshold)
-        blocks = BlockCache() if self.device.type == "cpu" and BlockCache.supported() \
-            else None  # on CUDA the caching allocator keeps freed blocks
-        sharded = ShardedParams(model, plan, self.placement, self.policy, self.comm, init_log, blocks)
+        sharded = ShardedParams(model, plan, self.placement, self.policy, self.comm, init_log)
         scheduler = ParamScheduler(sharded, zero.prefetch_units, self.phase)
         # each unit's gradients are reduce-scattered as soon as backward completes it; then it is released
         reducer = GradReducer(sharded, self.comm, reduce_dtype, self.device, Reduction.SCATTER_SHARD,

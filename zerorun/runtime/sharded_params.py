@@ -5,9 +5,9 @@ gathered, so the module's parameters (views into it) and tensors autograd saved 
 stay valid across release and re-gather. The memory comes from a `BlockCache` (memory.py) on the
 host, and from the allocator (`resize_`) on CUDA, whose caching allocator keeps freed blocks
 itself. A gather fills this rank's piece from the parameter shard (`param_shards.py`: the master
-itself, a compute-dtype tensor, or NVMe files) and all-gathers the rest. The transitions of a module unit (module_units.py) are strict; `ensure_gathered`, `prefetch`
-and `release_if_held` are the forgiving forms the scheduler uses where more than one state is
-legitimate. When to call them is the scheduler's business (param_scheduler.py).
+itself, a compute-dtype tensor, or NVMe files) and all-gathers the rest. The transitions of a
+module unit (module_units.py) are strict; `ensure_gathered`, `prefetch` and `release_if_held` are
+the forgiving forms the scheduler uses where more than one state is legitimate. When to call them is the scheduler's business (param_scheduler.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from zerorun.runtime.collectives import Collectives, Pending
-from zerorun.runtime.memory import BlockCache, MemoryReport
+from zerorun.runtime.memory import MemoryReport, gather_blocks
 from zerorun.runtime.module_units import ModuleUnit, Stage3Plan, UnitKind, UnitState
 from zerorun.runtime.param_shards import build_param_shard
 from zerorun.runtime.placement import Placement
@@ -33,9 +33,9 @@ class ShardedParams:
     """The stage 3 `ParamStore`: a parameter shard per rank, unit buffers gathered on demand."""
 
     def __init__(self, model: nn.Module, plan: Stage3Plan, placement: Placement, policy: PrecisionPolicy,
-                 comm: Collectives, init_log: InitLog | None = None, blocks: BlockCache | None = None) -> None:
-        """`blocks`: where gathered buffers get their memory (None: the allocator, through `resize_`)."""
-        self.policy, self.comm, self.device, self.blocks = policy, comm, placement.device, blocks
+                 comm: Collectives, init_log: InitLog | None = None) -> None:
+        self.policy, self.comm, self.device = policy, comm, placement.device
+        self.blocks = gather_blocks(self.device)  # where gathered buffers get their memory
         self.shard_world, self.shard_rank = comm.world_size, comm.rank
         self.plan, self.units, self.group_numels = plan, plan.units, plan.group_numels
         self.module_units, self.persistent = plan.module_units, plan.persistent
@@ -119,17 +119,10 @@ class ShardedParams:
         mu.state = UnitState.RELEASED
 
     def _allocate(self, k: int) -> None:
-        storage, nbytes = self.full[k].untyped_storage(), self.full[k].numel() * self.full[k].element_size()
-        if self.blocks is not None:
-            self.blocks.fill(storage, nbytes)
-        else:
-            storage.resize_(nbytes)
+        self.blocks.fill(self.full[k].untyped_storage(), self.full[k].numel() * self.full[k].element_size())
 
     def _free(self, k: int) -> None:
-        if self.blocks is not None:
-            self.blocks.take(self.full[k].untyped_storage())
-        else:
-            self.full[k].untyped_storage().resize_(0)
+        self.blocks.take(self.full[k].untyped_storage())
         # a stray read of a released parameter is then an empty tensor, not freed memory; tensors
         # autograd saved keep the resizable storage and see the data again once re-gathered
         for param in self.units[k].params:
@@ -157,8 +150,7 @@ class ShardedParams:
 
     def drop_idle_blocks(self) -> None:
         """Hand back the memory of released units kept for re-gathers (at the end of a backward)."""
-        if self.blocks is not None:
-            self.blocks.drop_idle()
+        self.blocks.drop_idle()
 
     # -- the ParamStore interface -------------------------------------------------------------------
     def update_targets(self, group: int) -> list[UpdateTarget]:
@@ -196,7 +188,7 @@ class ShardedParams:
         window = {k for mu in self.module_units if mu.kind is UnitKind.WRAPPED for k in mu.units}
         held = [(k in window, t.untyped_storage().nbytes()) for k, t in enumerate(self.full)]
         report.add("params", self.device.type, sum(n for in_window, n in held if not in_window))
-        idle = self.blocks.idle_bytes() if self.blocks is not None else 0  # released units' memory, kept for reuse
+        idle = self.blocks.idle_bytes()  # released units' memory, kept for reuse
         report.add("gathered", self.device.type, sum(n for in_window, n in held if in_window) + idle)
         self.shard.account(report)
         report.units = self.unit_count()
