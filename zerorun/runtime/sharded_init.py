@@ -37,6 +37,9 @@ from zerorun.errors import ZerorunError
 # torch.nn.init does too (and is recorded whole: replaying it consumes the same random numbers)
 OVERWRITE = {"normal_", "uniform_", "zero_", "fill_", "bernoulli_", "exponential_", "random_", "log_normal_",
              "cauchy_", "geometric_", "copy_"}
+# in-place elementwise arithmetic an initialisation may apply after a fill (trunc_normal_'s, a rescale)
+ELEMENTWISE = {"mul_", "add_", "sub_", "div_", "clamp_", "clamp_min_", "clamp_max_", "erfinv_", "abs_", "neg_",
+               "exp_", "sqrt_", "pow_", "addcmul_", "addcdiv_", "lerp_", "sign_", "tanh_", "sigmoid_"}
 PURE = {"zero_", "fill_", "copy_", "zeros_", "ones_", "constant_", "eye_", "dirac_"}  # consume no randomness
 
 
@@ -150,29 +153,40 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        result = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if args:
             target, rest, options = args[0], args[1:], kwargs
         else:  # torch.nn.init functions dispatch with keywords: normal_(tensor=..., mean=..., std=...)
             target, rest = kwargs.get("tensor"), ()
             options = {k: v for k, v in kwargs.items() if k != "tensor"}
-        if not isinstance(target, torch.Tensor) or not target.is_meta:
-            return result
-        param = self.aliases.get(id(target))
-        if param is None and self.log.owns(target):
-            param = target
+        param = None
+        if isinstance(target, torch.Tensor) and target.is_meta:
+            param = self.aliases.get(id(target))
+            if param is None and self.log.owns(target):
+                param = target
         if param is None:
-            return result
+            return func(*args, **kwargs)
         if name.endswith("_") and not name.startswith("_"):  # in place: first, since it returns its target
             if target.shape != param.shape:
                 raise ZerorunError(f"sharded_init: {name} writes part of parameter {tuple(param.shape)} through a view; "
                                    "initialise whole parameters, or do it under engine.gathered(modify=True).")
             self.log.ops.append(_Op(param, name, _method(func), rest, options))
-        elif isinstance(result, torch.Tensor) and result.is_meta and (name == "__get__" or result._is_view()):
+            if _writes_values_only(func, name):
+                return target  # a meta tensor has no values to write (see _writes_values_only)
+            return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if isinstance(result, torch.Tensor) and result.is_meta and (name == "__get__" or result._is_view()):
             self.aliases[id(result)] = param  # `param.data`, or a view: writes through it reach the parameter
             self._keep.append(result)  # keep ids unique while recording
         return result
+
+
+def _writes_values_only(func: Any, name: str) -> bool:
+    """Whether in-place `func` only writes elements, leaving shape, strides and flags alone: on a meta
+    tensor it then does nothing, and is not run. Running some of them there is not free: the meta
+    kernels of `normal_`, `clamp_`, `erfinv_` (trunc_normal_) and others are Python references whose
+    first call imports torch._dynamo, sympy and FSDP, 40-65 MiB of RSS per rank for the whole job."""
+    return getattr(func, "__module__", "") == "torch.nn.init" or name in OVERWRITE or name in ELEMENTWISE
 
 
 def _method(func: Any) -> Callable[..., Any]:
