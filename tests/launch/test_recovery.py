@@ -93,6 +93,10 @@ def test_the_launcher_says_where_the_next_attempt_resumes(tmp_path):
     assert resume_point(recipe, rank_failed(step=2)) == (f"resuming from checkpoint step-4 in {tmp_path}; telemetry "
                                                         "last saw step 2, so it cannot say how far past step 4 the "
                                                         "job got")
+    # steps faster than the telemetry interval: the failure can come before the first report
+    assert resume_point(recipe, rank_failed(step=None)) == (f"resuming from checkpoint step-4 in {tmp_path}; "
+                                                           "telemetry saw no step, so it cannot say how far past "
+                                                           "step 4 the job got")
 
 
 def test_restart_settings_that_cannot_work_as_asked_are_warned_about_before_the_start():

@@ -226,6 +226,8 @@ def resume_point(recipe: Recipe, failure: recovery.Failure) -> str:
     if failure.step is not None and step.isdigit() and failure.step <= int(step):
         # telemetry arrives a moment after the step (and not at all from a rank killed first): it lags
         reached = f"; telemetry last saw step {failure.step}, so it cannot say how far past step {step} the job got"
+    elif failure.step is None:  # steps faster than the telemetry interval: the failure came before any report
+        reached = f"; telemetry saw no step, so it cannot say how far past step {step} the job got"
     lost = f"; steps {int(step) + 1}-{failure.step} run again" if failure.step and step.isdigit() and \
         failure.step > int(step) else ""
     return f"resuming from checkpoint {tag} in {directory}{reached}{lost}"

@@ -134,6 +134,7 @@ class Probe:
         self._dropped = 0
         self._engine: weakref.ReferenceType | None = None
         self._engine_record: dict[str, Any] | None = None
+        self._greeting = threading.Lock()  # the engine record goes out once: in the greeting or, once connected, queued
         self._flops: ModelFlops | None = None
         self._sock: socket.socket | None = None
         self._next_connect = 0.0
@@ -185,7 +186,9 @@ class Probe:
                                "flops_per_token": self._flops.per_token, "flops_per_sample": self._flops.per_sample,
                                "global_step": engine.global_step,  # after its auto-resume
                                "resumed_from": engine.resumed_from}
-        self._enqueue(dict(self._engine_record, t=time.time()))
+        with self._greeting:
+            if self._sock is not None:  # else the connection's greeting carries it
+                self._enqueue(dict(self._engine_record, t=time.time()))
 
     def stop(self, timeout: float = 2.0) -> None:
         if self._unsubscribe is not None:
@@ -300,12 +303,17 @@ class Probe:
         try:
             sock = socket.create_connection(self.address, timeout=SOCKET_TIMEOUT_S)
             sock.settimeout(SOCKET_TIMEOUT_S)
+        except OSError:
+            self._disconnect(retry=True)
+            return None
+        with self._greeting:  # an engine attached before this point is in the greeting, one after it is queued
             greeting = [self._hello()] + ([dict(self._engine_record, t=time.time())] if self._engine_record else [])
+            self._sock = sock
+        try:
             sock.sendall(b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in greeting))
         except OSError:
             self._disconnect(retry=True)
             return None
-        self._sock = sock
         self._backoff = 0.5
         return sock
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import zerorun
+from zerorun.telemetry import probe
 
 recipe = zerorun.recipe()
 torch.manual_seed(recipe.train.seed)
@@ -29,4 +30,5 @@ with engine.gathered():
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
 print(f"rank {rank} final loss {loss.item():.9e} checksum {checksum:.12e}", flush=True)
 dist.barrier()
+probe.stop()  # os._exit skips the worker's own stop: send the last steps' telemetry first (tests read it)
 os._exit(0)  # as train_tiny.py: skip the interpreter exit that a multi-rank CPU run sometimes aborts in

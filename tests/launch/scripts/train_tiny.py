@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import zerorun
+from zerorun.telemetry import probe
 
 
 class TinyRegression(torch.nn.Module):
@@ -37,4 +38,5 @@ print(f"rank {rank} of {dist.get_world_size()} final loss {loss.item():.9e} chec
 # Leave at once: a multi-rank CPU run of the engine sometimes aborts at interpreter exit ("terminate
 # called without an active exception"), a runtime problem that these launch tests are not about.
 dist.barrier()
+probe.stop()  # os._exit skips the worker's own stop: send the last steps' telemetry first (tests read it)
 os._exit(0)
