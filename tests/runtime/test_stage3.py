@@ -51,13 +51,19 @@ def _compare(rank: int, world: int, cases: list[tuple[str, int, list[str]]]) -> 
             diff = _param_diff(pname, run.params[pname], value)
             if diff > PARAM_ATOL:
                 problems.append(f"{name}: parameter {pname} differs by {diff:.2e}")
+        if ONE_PARAMETER_UNITS[0] in extra and engine.reducer.direct_launches == 0:
+            problems.append(f"{name}: no one-parameter unit was reduced from its own gradient")
         engine.scheduler.remove()
         engine.reducer.remove_hooks()
     return problems
 
 
+# every parameter a unit of its own: the weight matrices (no padding on 2 or 3 ranks) are reduce-scattered
+# from autograd's gradients directly, with no staging copy
+ONE_PARAMETER_UNITS = ["zero.allgather_bucket_mb=0.000001"]
 CASES = [("none", 2, []), ("reentrant", 2, []), ("non-reentrant", 1, []),
-         ("none", 2, ["zero.prefetch_units=0", "zero.overlap_comm=false"]), ("none", 1, ["zero.wrap=[]", "zero.bucket_mb=0.001"])]
+         ("none", 2, ["zero.prefetch_units=0", "zero.overlap_comm=false"]), ("none", 1, ["zero.wrap=[]", "zero.bucket_mb=0.001"]),
+         ("none", 2, ONE_PARAMETER_UNITS)]
 
 
 @pytest.mark.parametrize("world", [2, 3])

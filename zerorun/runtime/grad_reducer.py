@@ -12,7 +12,8 @@ continues (`overlap_comm`).
 | 2, 3  | `SCATTER_SHARD` | only its gradient shard            | every micro-step          | reduce-scatter into shard |
 
 `SCATTER_SHARD` copies each unit's gradients into a pooled staging buffer that lives only until the
-unit's reduce-scatter finishes, so no full-size gradient buffer exists. A unit's first gradients are
+unit's reduce-scatter finishes, so no full-size gradient buffer exists. A unit that is one parameter
+with no padding (an output head cut on its own) is reduce-scattered from autograd's gradient itself. A unit's first gradients are
 held as they came until they make up half the unit: a unit whose parameters get gradients far apart
 in backward (stage 3's root: the final norm's first, the embedding's last) then takes a staging
 buffer for a moment at the end, not for the whole backward.
@@ -126,6 +127,7 @@ class GradReducer:
         self._written_units: set[int] = set()  # staged: units whose shard piece holds this window's sum
         self._written_params: set[tuple[int, int]] = set()  # full: (unit, parameter) holding this window's gradient
         self.overlapped_launches = 0  # units whose reduction started while backward was still running
+        self.direct_launches = 0  # units reduced from autograd's gradient itself, with no staging copy
 
     # -- backward ---------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
@@ -136,6 +138,7 @@ class GradReducer:
         self._reduce = reduce
         self._seen: list[set[int]] = [set() for _ in self.units]
         self._staging: dict[int, torch.Tensor] = {}
+        self._direct: set[int] = set()  # units whose region is autograd's gradient itself, not a pooled buffer
         self._held: dict[int, dict[int, torch.Tensor]] = {}  # unit -> parameter index -> gradient not yet staged
         self._inflight: deque[tuple[int, Handle]] = deque()
         self._next_launch = 0
@@ -152,7 +155,11 @@ class GradReducer:
                 f"parameter {tuple(param.shape)} received a second gradient after its bucket was reduced "
                 "(a parameter used in two re-entrant checkpoint regions?); set zero.overlap_comm: false.")
         held = self._held.setdefault(k, {}) if self.staged and k not in self._staging else None
-        if held is not None and index not in held and not self._complete(k, index):
+        if held is not None and self._reducible_as_is(k, index, grad):
+            self._staging[k] = grad.view(-1)  # the gradient is the unit's whole region: reduced from where it is
+            self._direct.add(k)
+            self._seen[k].add(index)
+        elif held is not None and index not in held and not self._complete(k, index):
             held[index] = grad
             self._seen[k].add(index)
             if 2 * sum(g.numel() for g in held.values()) < self.units[k].padded_numel:
@@ -167,6 +174,15 @@ class GradReducer:
             elif self._complete(k):
                 self._launch(k)
             self.overlapped_launches += len(self._launched) - launched
+
+    def _reducible_as_is(self, k: int, index: int, grad: torch.Tensor) -> bool:
+        """Whether unit k is this one gradient, laid out as the unit's region (one parameter, no padding, the
+        reduce dtype), seen first now: it is then reduce-scattered from autograd's tensor, with no staging
+        copy (the output head of the standard model: 24 MiB less at the start of backward, its peak)."""
+        unit = self.units[k]
+        return (len(unit.params) == 1 and unit.padded_numel == grad.numel() and not self._held.get(k)
+                and grad.dtype == self.pool.dtype and grad.device == self.pool.device and grad.is_contiguous()
+                and index not in self._seen[k])
 
     def _accumulate(self, k: int, index: int, grad: torch.Tensor) -> None:
         span = self.units[k].layout.spans[index]
@@ -213,6 +229,7 @@ class GradReducer:
             if not self._written(k, index):  # an unused parameter's gradient is zero
                 region[span.offset:span.end].zero_()
         self._inflight.append((k, self._collective(k, region)))
+        self.direct_launches += k in self._direct
         # bound staging memory: finish the oldest beyond the limit, and any already done (recycled at once)
         while self._inflight and (len(self._inflight) > MAX_INFLIGHT or self._inflight[0][1].ready):
             self._finish(*self._inflight.popleft())
@@ -240,15 +257,16 @@ class GradReducer:
                     self._launch(k)
         while self._inflight:
             self._finish(*self._inflight.popleft())
-        for buffer in self._staging.values():  # units that were not reduced (accumulation-only micro-steps)
-            self.pool.put(buffer)
+        for k, buffer in self._staging.items():  # units that were not reduced (accumulation-only micro-steps)
+            if k not in self._direct:
+                self.pool.put(buffer)
         self.pool.release()
         self._reset_backward_state(reduce=False)
 
     def _finish(self, k: int, handle: Handle) -> None:
         handle.wait()
         staging = self._staging.pop(k, None)
-        if staging is not None:
+        if staging is not None and k not in self._direct:
             self.pool.put(staging)
 
     # -- optimizer side ---------------------------------------------------------------------
