@@ -195,3 +195,57 @@ def _quirky(rank: int, world: int) -> list[str]:
 def test_stage3_handles_repeated_units_changing_order_loose_submodules_and_buffers() -> None:
     problems = [p for r in run_ranks(_quirky, 2) for p in r]
     assert not problems, "\n".join(problems)
+
+
+class _IndexedPositions(nn.Module):
+    """A GPT (untied) whose forward reads the position table by indexing its weight, not by calling the module:
+    a use of a split unit's parameter outside that unit's forward."""
+
+    def __init__(self, indexed: bool) -> None:
+        super().__init__()
+        from zerorun.bench.gpt import GPT, GPTConfig
+
+        self.indexed = indexed
+        self.gpt = GPT(GPTConfig(layers=2, d_model=24, heads=2, vocab=37, seq_len=8))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        g, inputs, targets = self.gpt, tokens[:, :-1], tokens[:, 1:]
+        positions = g.pos.weight[:inputs.shape[1]] if self.indexed else g.pos(torch.arange(inputs.shape[1]))
+        x = g.tok(inputs) + positions
+        for block in g.blocks:
+            x = block(x)
+        return torch.nn.functional.cross_entropy(g.head(g.ln_f(x)).reshape(-1, 37), targets.reshape(-1))
+
+
+def indexed_positions(seed: int = 0, indexed: bool = True) -> nn.Module:
+    torch.manual_seed(seed)
+    return _IndexedPositions(indexed)
+
+
+def _split(rank: int, world: int, indexed: bool) -> tuple[list[str], list[str], list[str]]:
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    model_fn = functools.partial(indexed_positions, indexed=indexed)
+    ref = ddp_reference(rank, STEPS, 2, model_fn=model_fn, eval_every=3)
+    run, engine = engine_run(rank, STEPS, 2, BASE, model_fn=model_fn, eval_every=3)
+    problems = []
+    for what, ours, theirs in (("losses", run.losses, ref.losses), ("eval", run.eval_losses, ref.eval_losses)):
+        if not torch.allclose(torch.tensor(ours), torch.tensor(theirs), rtol=LOSS_RTOL, atol=0):
+            problems.append(f"rank {rank}: {what} {ours[:4]} vs DDP {theirs[:4]}")
+    for pname, value in ref.params.items():
+        if _param_diff(pname, run.params[pname], value) > PARAM_ATOL:
+            problems.append(f"rank {rank}: parameter {pname} differs")
+    split = [mu.name for mu in engine.store.module_units if mu.split]
+    return problems, split, engine.scheduler.kept_whole
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_modules_outside_every_unit_are_split_off_the_root_unless_used_outside_their_forward(indexed: bool) -> None:
+    # the embeddings and the head (untied) are split off the root and gathered around their use; a
+    # position table read through its weight stays gathered for the whole pass (released around its own
+    # forward, the indexing would read a released parameter), and both train exactly as DDP
+    for problems, split, kept_whole in run_ranks(_split, 3, (indexed,)):
+        assert not problems, "\n".join(problems)
+        assert split == ["gpt.tok", "gpt.pos", "gpt.head"], split
+        assert kept_whole == (["gpt.pos"] if indexed else []), kept_whole

@@ -20,6 +20,8 @@ coefficient in its kernel pass over the home's state; the store publishes the up
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import math
 from pathlib import Path
@@ -150,7 +152,8 @@ class Engine:
         floating-point ones are cast to the compute dtype."""
         args, kwargs = _place_inputs((args, kwargs), self.device, self.policy.param_dtype)
         self._window.count_inputs(args, kwargs, self.tokens_per_sample)
-        with self.phase.running(Phase.FORWARD):
+        watch = self.scheduler.watch_first_pass() if self.scheduler is not None else contextlib.nullcontext()
+        with self.phase.running(Phase.FORWARD), watch:
             out = self.module(*args, **kwargs)
         self.wait_published()  # a unit no module hook waited for (unused in this forward) is current from here on
         return out

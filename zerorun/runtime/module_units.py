@@ -5,8 +5,14 @@ The model is cut into *module units*, each gathered and released as a whole:
 | `UnitKind`   | parameters                                                         | gathered                       |
 |--------------|--------------------------------------------------------------------|--------------------------------|
 | `WRAPPED`    | one module of a `zero.wrap` class (with an empty list: a layer)    | around its forward, backward   |
+| `WRAPPED`, `split` | a module outside them of half a bucket or more (an embedding, an output head) | around its use, once the first pass saw its parameters used only inside it |
 | `ROOT`       | the rest, and parameters shared between units (a tied embedding)   | for all of forward and backward |
 | `PERSISTENT` | parameters under `zero.param_persistence_threshold` elements       | always                         |
+
+A split module is gathered for the whole pass, like the root, until the first forward has run
+under a watch (`ParamScheduler`): a parameter of it used outside its own forward (`self.pos.weight[:t]`
+in the model's forward, a weight tied by hand through a function) keeps it gathered for the whole
+pass from then on, so that use never meets a released parameter.
 
 Each module unit holds one or more `Unit`s (units.py) per param group, of at most
 `zero.allgather_bucket_mb`: each is one all-gather and one reduce-scatter. A module unit's
@@ -57,6 +63,8 @@ class ModuleUnit:
     units: list[int] = field(default_factory=list)  # indices into the store's units
     state: UnitState = UnitState.RELEASED
     pending: Pending | None = None  # the all-gather of a GATHERING unit
+    split: bool = False  # a module outside every wrapped one, split off the root (see the module docstring)
+    whole_pass: bool = False  # gathered for all of forward and backward, as the root: a split unit until its use is known
 
     def expect(self, *states: UnitState) -> None:
         assert self.state in states, (f"stage 3 unit {self.name}: expected {' or '.join(s.value for s in states)}, "
@@ -88,7 +96,12 @@ class Stage3Plan:
 def plan_stage3(model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[str], threshold: int,
                 auto_numel: int, chunk_numel: int, world: int, dtype: torch.dtype) -> Stage3Plan:
     """Module units for `model` (see the module docstring) and their units of at most `chunk_numel`."""
-    ordered = [ModuleUnit(name, mod, UnitKind.WRAPPED) for name, mod in wrapped_modules(model, wrap, auto_numel)]
+    wrapped = wrapped_modules(model, wrap, auto_numel)
+    split = split_modules(model, [mod for _, mod in wrapped], max(1, auto_numel // 2))
+    position = {mod: i for i, (_, mod) in enumerate(model.named_modules())}
+    ordered = sorted([ModuleUnit(name, mod, UnitKind.WRAPPED) for name, mod in wrapped]
+                     + [ModuleUnit(name, mod, UnitKind.WRAPPED, split=True, whole_pass=True) for name, mod in split],
+                     key=lambda mu: position[mu.module])
     root = ModuleUnit("<root>", model, UnitKind.ROOT)
     persistent = ModuleUnit("<persistent>", model, UnitKind.PERSISTENT)
     home = _param_units(model, groups, ordered, root, persistent, threshold)
@@ -156,6 +169,39 @@ def wrapped_modules(model: nn.Module, wrap: list[str], auto_numel: int) -> list[
     return visit("", model, layers=isinstance(model, CONTAINERS))
 
 
+def split_modules(model: nn.Module, wrapped: list[nn.Module], min_numel: int) -> list[tuple[str, nn.Module]]:
+    """Modules outside every wrapped one, holding none, with at least `min_numel` parameters (outermost
+    only, never a container, which has no forward to hook): split off the root unit (an embedding, an
+    output head), so that they are not gathered for the whole pass."""
+    inside = {sub for mod in wrapped for sub in mod.modules()}
+    holding = {up for mod in wrapped for up in _ancestors(model, mod)}
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            if child in inside:
+                continue
+            if child in holding or isinstance(child, CONTAINERS):
+                visit(f"{prefix}{name}.", child)
+            elif sum(p.numel() for p in child.parameters()) >= min_numel:
+                found.append((f"{prefix}{name}", child))
+
+    visit("", model)
+    return found
+
+
+def _ancestors(model: nn.Module, target: nn.Module) -> list[nn.Module]:
+    """The modules on the path from `model` down to `target` (both excluded)."""
+    for name, mod in model.named_modules():
+        if mod is target:
+            path, up = [], model
+            for part in name.split(".")[:-1]:
+                up = getattr(up, part)
+                path.append(up)
+            return path
+    return []
+
+
 def check_wrap_names(model: nn.Module, wrap: list[str]) -> None:
     """Every `zero.wrap` name must be the class of a module inside `model` (a typo would shard nothing)."""
     classes = sorted({type(mod).__name__ for mod in model.modules() if mod is not model})
@@ -174,11 +220,14 @@ def check_wrap_names(model: nn.Module, wrap: list[str]) -> None:
 
 def describe(plan: Stage3Plan) -> str:
     """One line: how stage 3 cut the model (what `zerorun.initialize` prints on rank 0)."""
-    gathered = plan.gathered_units()
+    gathered = [mu for mu in plan.gathered_units() if not mu.split]
+    split = [mu for mu in plan.gathered_units() if mu.split]
     classes = sorted({type(mu.module).__name__ for mu in gathered})
     sharded = sum(_numel(plan, mu) for mu in gathered)
+    apart = (f", {len(split)} split off the root ({', '.join(mu.name for mu in split)}; "
+             f"{sum(_numel(plan, mu) for mu in split):,} parameters)" if split else "")
     return (f"zerorun: stage 3: {len(gathered)} units ({', '.join(classes) or 'none'}; {sharded:,} parameters "
-            f"gathered around their use), {_numel(plan, plan.root):,} in the root unit, "
+            f"gathered around their use){apart}, {_numel(plan, plan.root):,} in the root unit, "
             f"{_numel(plan, plan.persistent):,} persistent")
 
 

@@ -2,23 +2,30 @@
 
 | moment                               | what happens                                                          |
 |--------------------------------------|-----------------------------------------------------------------------|
-| the root's forward starts            | the root unit is gathered (kept through backward when grad is on)     |
+| the root's forward starts            | the root unit, and split units kept whole, are gathered (kept through backward when grad is on) |
 | a wrapped module's forward starts    | its unit is gathered; the next `prefetch_units` in the recorded order start gathering |
-| it ends                              | released (not during backward: a forward then is checkpoint recomputation) |
+| it ends                              | released (not during backward: a forward then is checkpoint recomputation; not a split unit gathered for the whole pass, nor the split unit that ends the forward, which backward needs first) |
 | gradients reach its outputs          | gathered again; the previous units in that order start gathering     |
 | the reducer launched its gradients   | released                                                              |
 | backward ends                        | everything but the persistent unit released, idle blocks handed back  |
 | a step published (`overlap_comm`)    | the first `prefetch_units` of the order start gathering for the next forward |
 
 The execution order is recorded on the first pass and re-recorded when it changes (that unit is then
-gathered on demand). Whether backward is running is the engine's `phase`, read here and by the
+gathered on demand). The first forward runs under `watch_first_pass`: a split unit (module_units.py)
+whose parameters are used outside its own forward stays gathered for the whole pass, as the root.
+Whether backward is running is the engine's `phase`, read here and by the
 gradient reducer alike. The store's forgiving helpers are used where a unit may legitimately be in
 more than one state (a prefetched unit, a unit called twice); the strict ones elsewhere.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, Iterator
+
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from zerorun.runtime.module_units import ModuleUnit, UnitKind
@@ -36,7 +43,10 @@ class ParamScheduler:
         self._backward_seen: set[int] = set()
         self._reduced: set[int] = set()
         self._hooks: list[RemovableHandle] = []
+        self._inside: set[int] = set()  # module units whose forward is running now (the first pass's watch)
+        self._own_work = 0  # > 0 while a hook of this scheduler runs: its gathers are not the model's uses
         self.root = store.plan.root
+        self.kept_whole: list[str] = []  # split units the first pass saw used outside their forward
         for mu in store.plan.gathered_units():
             self._hook(mu.module, lambda mu=mu: self._before_forward(mu),
                        lambda out, mu=mu: self._after_forward(mu, out))
@@ -47,8 +57,15 @@ class ParamScheduler:
         self._hook(self.root.module, self._root_before, self._root_after)
 
     def _hook(self, module: torch.nn.Module, before, after) -> None:
-        self._hooks.append(module.register_forward_pre_hook(lambda m, args: before()))
-        self._hooks.append(module.register_forward_hook(lambda m, args, out: after(out)))
+        self._hooks.append(module.register_forward_pre_hook(lambda m, args: self._own(before)))
+        self._hooks.append(module.register_forward_hook(lambda m, args, out: self._own(after, out)))
+
+    def _own(self, fn, *args: object) -> None:
+        self._own_work += 1
+        try:
+            fn(*args)
+        finally:
+            self._own_work -= 1
 
     @property
     def _in_backward(self) -> bool:
@@ -58,7 +75,9 @@ class ParamScheduler:
     def _root_before(self) -> None:
         if not self._in_backward:
             self._observed = []
-        self.store.ensure_gathered(self.root)
+        for mu in self.store.module_units:  # the root, and split units gathered for the whole pass
+            if mu is self.root or mu.whole_pass:
+                self.store.ensure_gathered(mu)
 
     def _root_after(self, out: object) -> None:
         if self._in_backward:
@@ -68,10 +87,16 @@ class ParamScheduler:
         self._guard(self.root, out)
         keep_root = torch.is_grad_enabled()  # backward will need the root (and shared) parameters
         for mu in self.store.module_units:
-            if mu.kind is UnitKind.WRAPPED or (mu.kind is UnitKind.ROOT and not keep_root):
+            held = keep_root and (mu.whole_pass or self._first_in_backward(mu))
+            if (mu.kind is UnitKind.WRAPPED and not held) or (mu.kind is UnitKind.ROOT and not keep_root):
                 self.store.release_if_held(mu)  # prefetched ones too
 
+    def _first_in_backward(self, mu: ModuleUnit) -> bool:
+        """A split unit that ends the forward (an output head) stays for backward, which starts with it."""
+        return mu.split and torch.is_grad_enabled() and bool(self.order) and mu is self.order[-1]
+
     def _before_forward(self, mu: ModuleUnit) -> None:
+        self._inside.add(id(mu))
         if not self._in_backward:
             self._observed.append(mu)
         self.store.ensure_gathered(mu)  # a second call of the same unit, or one not prefetched
@@ -82,9 +107,28 @@ class ParamScheduler:
                     self.store.prefetch(nxt)
 
     def _after_forward(self, mu: ModuleUnit, out: object) -> None:
+        self._inside.discard(id(mu))
         self._guard(mu, out)
-        if not self._in_backward:  # during backward this is checkpoint recomputation: backward needs them
+        # during backward this is checkpoint recomputation: backward needs them
+        if not self._in_backward and not mu.whole_pass and not self._first_in_backward(mu):
             self.store.release(mu)
+
+    @contextlib.contextmanager
+    def watch_first_pass(self) -> Iterator[None]:
+        """Around the engine's forwards: the first one, while split units are still gathered for the whole
+        pass, notes which split units' parameters are used outside their own forward; the others are
+        gathered around their use from then on. A forward that raises decides nothing."""
+        split = [mu for mu in self.store.module_units if mu.split and mu.whole_pass]
+        if not split or self.order is not None:
+            yield
+            return
+        owner = {id(p): mu for mu in split for k in mu.units for p in self.store.units[k].params}
+        outside: set[int] = set()
+        with _UseWatch(self, owner, outside):
+            yield
+        for mu in split:
+            mu.whole_pass = id(mu) in outside
+        self.kept_whole = [mu.name for mu in split if mu.whole_pass]
 
     # -- backward -------------------------------------------------------------------------------
     def _guard(self, mu: ModuleUnit, out: object) -> None:
@@ -120,7 +164,7 @@ class ParamScheduler:
     def unit_reduced(self, k: int) -> None:
         """The reducer launched unit k's gradients: free its module unit once all its units have gone."""
         mu = self.store.plan.owner[k]
-        if mu.kind is UnitKind.WRAPPED and all(j in self._reduced for j in mu.units if j != k):
+        if mu.kind is UnitKind.WRAPPED and not mu.whole_pass and all(j in self._reduced for j in mu.units if j != k):
             self.store.release_if_held(mu)  # released already when unused in this pass (its zeros are reduced)
         self._reduced.add(k)
 
@@ -134,6 +178,23 @@ class ParamScheduler:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+class _UseWatch(TorchFunctionMode):
+    """Notes split units (`owner`: parameter id -> unit) whose parameters a torch function receives while
+    their own forward is not running and no scheduler hook is (`outside` gets their ids)."""
+
+    def __init__(self, scheduler: ParamScheduler, owner: dict[int, ModuleUnit], outside: set[int]) -> None:
+        super().__init__()
+        self.scheduler, self.owner, self.outside = scheduler, owner, outside
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if not self.scheduler._own_work:
+            for leaf in tree_leaves((args, kwargs or {})):
+                mu = self.owner.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+                if mu is not None and id(mu) not in self.scheduler._inside:
+                    self.outside.add(id(mu))
+        return func(*args, **(kwargs or {}))
 
 
 def _tensors(obj: object) -> list[torch.Tensor]:
