@@ -98,7 +98,9 @@ class ZeroConfig:
            "every parameter of a small model whole.", ge=0)
     wrap: list[str] = _f(doc="Stage 3: module class names that become their own unit (e.g. Block); an unknown name "
                              "is an error. []: the model's layers (the children of its ModuleLists/Sequentials) and "
-                             "any other child of at least a bucket.", factory=list)
+                             "any other child of at least a bucket. Outside them, a module of half a bucket or more "
+                             "(an embedding, an output head) is split off the root unit and gathered around its use, "
+                             "unless the first forward uses its parameters outside it.", factory=list)
     offload_optimizer: OffloadConfig = _f(doc="Offload of fp32 master weights and Adam moments.", factory=OffloadConfig)
     offload_param: OffloadConfig = _f(doc="Offload of parameters (stage 3 only).", factory=OffloadConfig)
     aio: AioConfig = _f(doc="NVMe I/O settings for offload.", factory=AioConfig)

@@ -37,7 +37,7 @@ class ModelShape:
 
     params: int  # trainable parameters (Psi)
     largest_unit: int = 0  # stage 3: the largest module unit gathered at once (a transformer block)
-    root: int = 0  # stage 3: parameters outside every unit (embeddings, head), gathered for the whole pass
+    root: int = 0  # stage 3: parameters outside every unit (shared ones, small modules), gathered for the whole pass
     persistent: int = 0  # stage 3: parameters under zero.param_persistence_threshold, kept whole
 
 
@@ -307,13 +307,15 @@ def build_on_meta(spec: str) -> nn.Module:
 
 def shape_of(model: nn.Module, wrap: list[str], persistence_threshold: int, bucket_mb: float) -> ModelShape:
     """Count a model's parameters the way stage 3 plans its units (`runtime/module_units.py`)."""
-    from zerorun.runtime.module_units import wrapped_modules
+    from zerorun.runtime.module_units import split_modules, wrapped_modules
 
     trainable = {p for p in model.parameters() if p.requires_grad}
     persistent = {p for p in trainable if p.numel() < persistence_threshold}
     sharded = trainable - persistent
-    units = [{p for p in mod.parameters() if p in sharded}
-             for _, mod in wrapped_modules(model, wrap, int(bucket_mb * MIB) // 4)]
+    bucket_numel = int(bucket_mb * MIB) // 4
+    modules = [mod for _, mod in wrapped_modules(model, wrap, bucket_numel)]
+    modules += [mod for _, mod in split_modules(model, modules, max(1, bucket_numel // 2))]  # as plan_stage3
+    units = [{p for p in mod.parameters() if p in sharded} for mod in modules]
     owners: dict[nn.Parameter, int] = {}
     for unit in units:
         for p in unit:

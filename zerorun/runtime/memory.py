@@ -145,8 +145,8 @@ def set_host_allocator(mode: str) -> bool:
     follows the live tensors at the price of a page fault for each page of every such block.
 
     Either way stage 3's gathered units, freed and made again twice a step, reuse their own memory
-    (`BlockCache`). Stage 3 on the standard model, 40 steps: fast 1.27 s and 1498 MiB/rank peak
-    (still creeping up, by fragmentation, from ~1436 after 4 steps), lean 1.36 s and 1410 (flat).
+    (`BlockCache`). Stage 3 on the standard model, 40 steps: fast 1.29 s and 1439 MiB/rank peak
+    (still creeping up, by fragmentation, from ~1400 after 4 steps), lean 1.41 s and 1373 (flat).
 
     Both modes hand the free memory the heap holds now back to the OS: the engine sets `lean` for
     its own setup (the model it shards away, one-off buffers) and the training mode after it.
