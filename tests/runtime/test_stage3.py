@@ -222,13 +222,18 @@ def indexed_positions(seed: int = 0, indexed: bool = True) -> nn.Module:
     return _IndexedPositions(indexed)
 
 
-def _split(rank: int, world: int, indexed: bool) -> tuple[list[str], list[str], list[str]]:
+def _split(rank: int, world: int, indexed: bool) -> tuple[list[str], list[str], list[str], str]:
+    import contextlib
+    import io
+
     from zerorun.runtime.dist import init_distributed
 
     init_distributed()
     model_fn = functools.partial(indexed_positions, indexed=indexed)
     ref = ddp_reference(rank, STEPS, 2, model_fn=model_fn, eval_every=3)
-    run, engine = engine_run(rank, STEPS, 2, BASE, model_fn=model_fn, eval_every=3)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run, engine = engine_run(rank, STEPS, 2, BASE, model_fn=model_fn, eval_every=3)
     problems = []
     for what, ours, theirs in (("losses", run.losses, ref.losses), ("eval", run.eval_losses, ref.eval_losses)):
         if not torch.allclose(torch.tensor(ours), torch.tensor(theirs), rtol=LOSS_RTOL, atol=0):
@@ -237,7 +242,7 @@ def _split(rank: int, world: int, indexed: bool) -> tuple[list[str], list[str], 
         if _param_diff(pname, run.params[pname], value) > PARAM_ATOL:
             problems.append(f"rank {rank}: parameter {pname} differs")
     split = [mu.name for mu in engine.store.module_units if mu.split]
-    return problems, split, engine.scheduler.kept_whole
+    return problems, split, engine.scheduler.kept_whole, printed.getvalue()
 
 
 @pytest.mark.parametrize("indexed", [False, True])
@@ -245,7 +250,9 @@ def test_modules_outside_every_unit_are_split_off_the_root_unless_used_outside_t
     # the embeddings and the head (untied) are split off the root and gathered around their use; a
     # position table read through its weight stays gathered for the whole pass (released around its own
     # forward, the indexing would read a released parameter), and both train exactly as DDP
-    for problems, split, kept_whole in run_ranks(_split, 3, (indexed,)):
+    for rank, (problems, split, kept_whole, printed) in enumerate(run_ranks(_split, 3, (indexed,))):
         assert not problems, "\n".join(problems)
         assert split == ["gpt.tok", "gpt.pos", "gpt.head"], split
         assert kept_whole == (["gpt.pos"] if indexed else []), kept_whole
+        told = "gpt.pos stays gathered for the whole pass" in printed  # rank 0 says so, once
+        assert told == (indexed and rank == 0) and printed.count("stays gathered") <= 1, printed

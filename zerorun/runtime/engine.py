@@ -123,7 +123,8 @@ class Engine:
             print(describe_plan(plan), flush=True)
             warn_if_nothing_sharded(plan, zero.wrap, zero.param_persistence_threshold)
         sharded = ShardedParams(model, plan, self.placement, self.policy, self.comm, init_log)
-        scheduler = ParamScheduler(sharded, zero.prefetch_units, self.phase)
+        say = (lambda text: print(text, flush=True)) if self.comm.rank == 0 else None
+        scheduler = ParamScheduler(sharded, zero.prefetch_units, self.phase, say)
         # each unit's gradients are reduce-scattered as soon as backward completes it; then it is released
         reducer = GradReducer(sharded, self.comm, reduce_dtype, self.device, Reduction.SCATTER_SHARD,
                               LaunchOrder.READY, zero.overlap_comm, self.phase, on_launch=scheduler.unit_reduced)

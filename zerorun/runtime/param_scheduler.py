@@ -21,7 +21,7 @@ more than one state (a prefetched unit, a unit called twice); the strict ones el
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -36,8 +36,10 @@ from zerorun.runtime.sharded_params import ShardedParams
 class ParamScheduler:
     """Module hooks that gather, prefetch and release units around forward and backward."""
 
-    def __init__(self, store: ShardedParams, prefetch: int, phase: TrainingPhase) -> None:
-        self.store, self.prefetch, self.phase = store, prefetch, phase
+    def __init__(self, store: ShardedParams, prefetch: int, phase: TrainingPhase,
+                 say: Callable[[str], None] | None = None) -> None:
+        """`say` tells the user (rank 0) which split units the first pass keeps whole, and why."""
+        self.store, self.prefetch, self.phase, self.say = store, prefetch, phase, say
         self.order: list[ModuleUnit] | None = None  # forward execution order, recorded on the first pass
         self._observed: list[ModuleUnit] = []
         self._backward_seen: set[int] = set()
@@ -129,6 +131,8 @@ class ParamScheduler:
         for mu in split:
             mu.whole_pass = id(mu) in outside
         self.kept_whole = [mu.name for mu in split if mu.whole_pass]
+        if self.kept_whole and self.say is not None:
+            self.say(kept_whole_message(self.kept_whole))
 
     # -- backward -------------------------------------------------------------------------------
     def _guard(self, mu: ModuleUnit, out: object) -> None:
@@ -178,6 +182,13 @@ class ParamScheduler:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def kept_whole_message(names: list[str]) -> str:
+    return (f"zerorun: stage 3: {', '.join(names)} stay{'s' if len(names) == 1 else ''} gathered for the whole pass, "
+            f"as the root unit: the first forward used {'its' if len(names) == 1 else 'their'} parameters outside "
+            f"{'its' if len(names) == 1 else 'their'} own forward (e.g. by indexing a weight), where a released "
+            "parameter would be read. Call the module instead to have it gathered around its use.")
 
 
 class _UseWatch(TorchFunctionMode):
