@@ -21,7 +21,6 @@ coefficient in its kernel pass over the home's state; the store publishes the up
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import math
 from pathlib import Path

@@ -13,10 +13,10 @@ continues (`overlap_comm`).
 
 `SCATTER_SHARD` copies each unit's gradients into a pooled staging buffer that lives only until the
 unit's reduce-scatter finishes, so no full-size gradient buffer exists. A unit that is one parameter
-with no padding (an output head cut on its own) is reduce-scattered from autograd's gradient itself. A unit's first gradients are
-held as they came until they make up half the unit: a unit whose parameters get gradients far apart
-in backward (stage 3's root: the final norm's first, the embedding's last) then takes a staging
-buffer for a moment at the end, not for the whole backward.
+with no padding (an output head cut on its own) is reduce-scattered from autograd's gradient itself.
+A unit's first gradients are held as they came until they make up half the unit: a unit whose
+parameters get gradients far apart in backward (stage 3's root: the final norm's first, the
+embedding's last) then takes a staging buffer for a moment at the end, not for the whole backward.
 
 Launch order (`LaunchOrder`): stages 0-2 launch strictly in layout order (a ready unit waits for
 the ones before it), so every rank issues the same collectives in the same order even if hooks fire
@@ -180,7 +180,7 @@ class GradReducer:
         reduce dtype), seen first now: it is then reduce-scattered from autograd's tensor, with no staging
         copy (the output head of the standard model: 24 MiB less at the start of backward, its peak)."""
         unit = self.units[k]
-        return (len(unit.params) == 1 and unit.padded_numel == grad.numel() and not self._held.get(k)
+        return (len(unit.params) == 1 and unit.padded_numel == grad.numel()
                 and grad.dtype == self.pool.dtype and grad.device == self.pool.device and grad.is_contiguous()
                 and index not in self._seen[k])
 

@@ -5,7 +5,7 @@ The model is cut into *module units*, each gathered and released as a whole:
 | `UnitKind`   | parameters                                                         | gathered                       |
 |--------------|--------------------------------------------------------------------|--------------------------------|
 | `WRAPPED`    | one module of a `zero.wrap` class (with an empty list: a layer)    | around its forward, backward   |
-| `WRAPPED`, `split` | a module outside them of half a bucket or more (an embedding, an output head) | around its use, once the first pass saw its parameters used only inside it |
+| `WRAPPED`, split | outside them, a module of half a bucket or more (an embedding, a head) | around its use, once the first pass allows |
 | `ROOT`       | the rest, and parameters shared between units (a tied embedding)   | for all of forward and backward |
 | `PERSISTENT` | parameters under `zero.param_persistence_threshold` elements       | always                         |
 
@@ -64,7 +64,7 @@ class ModuleUnit:
     state: UnitState = UnitState.RELEASED
     pending: Pending | None = None  # the all-gather of a GATHERING unit
     split: bool = False  # a module outside every wrapped one, split off the root (see the module docstring)
-    whole_pass: bool = False  # gathered for all of forward and backward, as the root: a split unit until its use is known
+    whole_pass: bool = False  # gathered all pass, as the root (a split unit, until its use is known)
 
     def expect(self, *states: UnitState) -> None:
         assert self.state in states, (f"stage 3 unit {self.name}: expected {' or '.join(s.value for s in states)}, "
@@ -173,33 +173,21 @@ def split_modules(model: nn.Module, wrapped: list[nn.Module], min_numel: int) ->
     """Modules outside every wrapped one, holding none, with at least `min_numel` parameters (outermost
     only, never a container, which has no forward to hook): split off the root unit (an embedding, an
     output head), so that they are not gathered for the whole pass."""
+    units = set(wrapped)
     inside = {sub for mod in wrapped for sub in mod.modules()}
-    holding = {up for mod in wrapped for up in _ancestors(model, mod)}
     found: list[tuple[str, nn.Module]] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             if child in inside:
                 continue
-            if child in holding or isinstance(child, CONTAINERS):
+            if isinstance(child, CONTAINERS) or any(sub in units for sub in child.modules()):
                 visit(f"{prefix}{name}.", child)
             elif sum(p.numel() for p in child.parameters()) >= min_numel:
                 found.append((f"{prefix}{name}", child))
 
     visit("", model)
     return found
-
-
-def _ancestors(model: nn.Module, target: nn.Module) -> list[nn.Module]:
-    """The modules on the path from `model` down to `target` (both excluded)."""
-    for name, mod in model.named_modules():
-        if mod is target:
-            path, up = [], model
-            for part in name.split(".")[:-1]:
-                up = getattr(up, part)
-                path.append(up)
-            return path
-    return []
 
 
 def check_wrap_names(model: nn.Module, wrap: list[str]) -> None:

@@ -2,9 +2,9 @@
 
 | moment                               | what happens                                                          |
 |--------------------------------------|-----------------------------------------------------------------------|
-| the root's forward starts            | the root unit, and split units kept whole, are gathered (kept through backward when grad is on) |
+| the root's forward starts            | the root unit and split units kept whole are gathered (kept through backward when grad is on) |
 | a wrapped module's forward starts    | its unit is gathered; the next `prefetch_units` in the recorded order start gathering |
-| it ends                              | released (not during backward: a forward then is checkpoint recomputation; not a split unit gathered for the whole pass, nor the split unit that ends the forward, which backward needs first) |
+| it ends                              | released (not in backward: recomputation; nor a split unit kept whole or ending the forward) |
 | gradients reach its outputs          | gathered again; the previous units in that order start gathering     |
 | the reducer launched its gradients   | released                                                              |
 | backward ends                        | everything but the persistent unit released, idle blocks handed back  |
@@ -45,7 +45,7 @@ class ParamScheduler:
         self._backward_seen: set[int] = set()
         self._reduced: set[int] = set()
         self._hooks: list[RemovableHandle] = []
-        self._inside: set[int] = set()  # module units whose forward is running now (the first pass's watch)
+        self._inside: set[ModuleUnit] = set()  # module units whose forward is running now (the first pass's watch)
         self._own_work = 0  # > 0 while a hook of this scheduler runs: its gathers are not the model's uses
         self.root = store.plan.root
         self.kept_whole: list[str] = []  # split units the first pass saw used outside their forward
@@ -98,7 +98,7 @@ class ParamScheduler:
         return mu.split and torch.is_grad_enabled() and bool(self.order) and mu is self.order[-1]
 
     def _before_forward(self, mu: ModuleUnit) -> None:
-        self._inside.add(id(mu))
+        self._inside.add(mu)
         if not self._in_backward:
             self._observed.append(mu)
         self.store.ensure_gathered(mu)  # a second call of the same unit, or one not prefetched
@@ -109,7 +109,7 @@ class ParamScheduler:
                     self.store.prefetch(nxt)
 
     def _after_forward(self, mu: ModuleUnit, out: object) -> None:
-        self._inside.discard(id(mu))
+        self._inside.discard(mu)
         self._guard(mu, out)
         # during backward this is checkpoint recomputation: backward needs them
         if not self._in_backward and not mu.whole_pass and not self._first_in_backward(mu):
@@ -120,16 +120,16 @@ class ParamScheduler:
         """Around the engine's forwards: the first one, while split units are still gathered for the whole
         pass, notes which split units' parameters are used outside their own forward; the others are
         gathered around their use from then on. A forward that raises decides nothing."""
-        split = [mu for mu in self.store.module_units if mu.split and mu.whole_pass]
-        if not split or self.order is not None:
+        split = [] if self.order is not None else [mu for mu in self.store.module_units if mu.split and mu.whole_pass]
+        if not split:
             yield
             return
         owner = {id(p): mu for mu in split for k in mu.units for p in self.store.units[k].params}
-        outside: set[int] = set()
+        outside: set[ModuleUnit] = set()
         with _UseWatch(self, owner, outside):
             yield
         for mu in split:
-            mu.whole_pass = id(mu) in outside
+            mu.whole_pass = mu in outside
         self.kept_whole = [mu.name for mu in split if mu.whole_pass]
         if self.kept_whole and self.say is not None:
             self.say(kept_whole_message(self.kept_whole))
@@ -193,9 +193,9 @@ def kept_whole_message(names: list[str]) -> str:
 
 class _UseWatch(TorchFunctionMode):
     """Notes split units (`owner`: parameter id -> unit) whose parameters a torch function receives while
-    their own forward is not running and no scheduler hook is (`outside` gets their ids)."""
+    their own forward is not running and no scheduler hook is (`outside` gets them)."""
 
-    def __init__(self, scheduler: ParamScheduler, owner: dict[int, ModuleUnit], outside: set[int]) -> None:
+    def __init__(self, scheduler: ParamScheduler, owner: dict[int, ModuleUnit], outside: set[ModuleUnit]) -> None:
         super().__init__()
         self.scheduler, self.owner, self.outside = scheduler, owner, outside
 
@@ -203,8 +203,8 @@ class _UseWatch(TorchFunctionMode):
         if not self.scheduler._own_work:
             for leaf in tree_leaves((args, kwargs or {})):
                 mu = self.owner.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
-                if mu is not None and id(mu) not in self.scheduler._inside:
-                    self.outside.add(id(mu))
+                if mu is not None and mu not in self.scheduler._inside:
+                    self.outside.add(mu)
         return func(*args, **(kwargs or {}))
 
 
