@@ -27,6 +27,7 @@ import yaml
 from zerorun.errors import ConfigError
 
 RECIPE_ENV = "ZERORUN_RECIPE"  # the launcher passes the resolved recipe to workers as JSON
+GIVEN_KEY = "_given"  # in `to_json`: the keys the user set (`Recipe.given`), so a worker can name them
 BACKEND_ENV = "ZERORUN_BACKEND"  # launch.backend, for every process group a worker (or a test, a bench) makes
 
 
@@ -281,6 +282,8 @@ class Recipe:
     checkpoint: CheckpointConfig = _f(doc="Checkpoints.", factory=CheckpointConfig)
     telemetry: TelemetryConfig = _f(doc="Telemetry.", factory=TelemetryConfig)
     source: str | None = field(default=None, metadata={"internal": True})  # the recipe file, for messages
+    # dotted key -> where the user gave it ("recipe.yaml:12", "--set ..."): keys left at their default are absent
+    given: dict[str, str] = field(default_factory=dict, metadata={"internal": True})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,8 +331,10 @@ def from_dict(data: Any, source: str = "<recipe>", lines: dict[str, int | str] |
         data = {}
     if isinstance(data, dict) and "script" not in data:
         raise ConfigError(f"{source}: script: missing; every recipe names its training script, e.g. `script: train.py`.")
+    given = data.pop(GIVEN_KEY, None) if isinstance(data, dict) else None
     recipe = _build(Recipe, data, "", ctx)
     _check_cross_fields(recipe, ctx)
+    recipe.given = dict(given) if isinstance(given, dict) else {k: _where(source, ctx.lines, k) for k in ctx.lines}
     return recipe
 
 
@@ -337,11 +342,18 @@ def to_dict(recipe: Recipe) -> dict[str, Any]:
     """Plain data, round-trippable through `from_dict` (used to hand the recipe to workers)."""
     data = dataclasses.asdict(recipe)
     data.pop("source")
+    data.pop("given")
     return data
 
 
 def to_json(recipe: Recipe) -> str:
-    return json.dumps(to_dict(recipe), sort_keys=True)
+    """The recipe for a worker: `to_dict` plus which keys the user gave, and where (`Recipe.given`)."""
+    return json.dumps({**to_dict(recipe), GIVEN_KEY: recipe.given}, sort_keys=True)
+
+
+def given_in(recipe: Recipe, section: str) -> dict[str, str]:
+    """The keys of `section` (e.g. "optimizer") the user set, each with where: file:line or the `--set`."""
+    return {k: where for k, where in recipe.given.items() if k == section or k.startswith(section + ".")}
 
 
 def from_env() -> Recipe | None:
