@@ -23,8 +23,7 @@ def test_quickstart_recipe_trains_through_the_launcher() -> None:
 
 
 def test_the_one_gpu_offload_recipe_and_its_profiler_run_scaled_down_on_a_cpu() -> None:
-    """recipes/offload_one_gpu.yaml and recipes/offload_profile.py are measured on a GPU (README: On a
-    GPU); here a tiny GPT goes through the same settings (bf16, CPU optimizer, stages 2 and 3)."""
+    """recipes/offload_one_gpu.yaml and recipes/offload_profile.py are measured on a GPU (docs/gpu.md); here a tiny GPT goes through the same settings (bf16, CPU optimizer, stages 2 and 3)."""
     tiny = 'args=[--layers,"2",--d-model,"32",--heads,"2",--vocab,"128",--seq-len,"16",--log-every,"1"]'
     result = subprocess.run(
         [sys.executable, "-m", "zerorun.cli", "launch", str(ROOT / "recipes/offload_one_gpu.yaml"), "--set", tiny,
