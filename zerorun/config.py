@@ -215,6 +215,12 @@ class TelemetryConfig:
                                   "telemetry stream, in the launcher (needs `pip install 'zerorun[tensorboard]'`).")
     csv: bool = _f(False, "Also write runs/<name>/csv/<job id>/steps.csv and samples.csv, from the telemetry "
                           "stream, in the launcher.")
+    wandb: bool = _f(False, "Also log to a Weights & Biases run (the recipe as its config), from the telemetry stream, "
+                            "in the launcher; W&B's own WANDB_MODE, WANDB_PROJECT, WANDB_DIR apply (needs "
+                            "`pip install 'zerorun[wandb]'`; a failure is a warning).")
+    mlflow: bool = _f(False, "Also log to an MLflow run (the recipe as its parameters), from the telemetry stream, in "
+                             "the launcher; MLFLOW_TRACKING_URI says where (needs `pip install 'zerorun[mlflow]'`; "
+                             "a failure is a warning).")
 
 
 @dataclass
