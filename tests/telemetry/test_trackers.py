@@ -176,3 +176,4 @@ def test_without_either_library_the_job_warns_once_per_tracker_and_exits_0(tmp_p
     assert "Weights & Biases (wandb is not installed: pip install 'zerorun[wandb]')" in warnings[0]
     assert "MLflow (mlflow is not installed: pip install 'zerorun[mlflow]')" in warnings[1]
     assert "6/6 steps" in result.stderr
+
