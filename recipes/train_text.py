@@ -91,7 +91,7 @@ def sample(engine: Engine, prompt: bytes, length: int, cfg: GPTConfig, seed: int
     return bytes(out)
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="a text file (read as bytes)")
     parser.add_argument("--layers", type=int, default=4)
@@ -103,46 +103,59 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--sample-bytes", type=int, default=200)
     parser.add_argument("--log-every", type=int, default=10)
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    recipe = zerorun.recipe()
-    data = torch.frombuffer(bytearray(args.text.read_bytes()), dtype=torch.uint8).long()
-    split = int(data.numel() * (1 - args.val_fraction))
-    train, val = data[:split], data[split:]
-    cfg = GPTConfig(args.layers, args.d_model, args.heads, 256, args.seq_len,
-                    checkpoint="non-reentrant" if recipe.train.activation_checkpointing else "none")
-    if val.numel() <= cfg.seq_len + 1 or train.numel() <= cfg.seq_len + 1:
-        raise ZerorunError(f"{args.text}: {data.numel()} bytes is too short for --seq-len {cfg.seq_len} "
-                           f"with --val-fraction {args.val_fraction}")
-    torch.manual_seed(recipe.train.seed)
-    engine = zerorun.initialize(TextGPT(cfg))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    entropy = unigram_entropy(train)
-    if rank == 0:
-        params = sum(p.numel() for p in engine.module.parameters()) if recipe.zero.stage < 3 else engine.num_parameters()
-        print(f"{args.text.name}: {train.numel():,} bytes to train on, {val.numel():,} held out; unigram entropy "
-              f"{entropy:.3f} nats/byte. GPT {params / 1e6:.2f}M params, {world} ranks, ZeRO stage "
-              f"{recipe.zero.stage}, {recipe.precision.dtype}", flush=True)
 
-    batch = recipe.train.micro_batch_size
-    first = engine.global_step
-    micro = first * recipe.train.grad_accum_steps
-    for step in range(first, recipe.train.steps):
+def report_validation(engine: Engine, val: torch.Tensor, cfg: GPTConfig, args: argparse.Namespace, step: int,
+                      entropy: float) -> float:
+    val_loss = validation_loss(engine, val, cfg, args.eval_batches, zerorun.recipe().train.micro_batch_size)
+    if dist.get_rank() == 0:
+        print(f"step {step:4d}  validation loss {val_loss:.4f} nats/byte ({val_loss / math.log(2):.3f} bits; "
+              f"unigram entropy {entropy:.3f})", flush=True)
+    return val_loss
+
+
+def train(engine: Engine, data: torch.Tensor, val: torch.Tensor, cfg: GPTConfig, args: argparse.Namespace,
+          entropy: float) -> None:
+    """From the engine's step (0, or where a checkpoint left off) to train.steps, evaluating on the way."""
+    recipe, rank = zerorun.recipe(), dist.get_rank()
+    micro = engine.global_step * recipe.train.grad_accum_steps
+    for step in range(engine.global_step, recipe.train.steps):
         start = time.perf_counter()
         for _ in range(recipe.train.grad_accum_steps):
             gen = torch.Generator().manual_seed(recipe.train.seed * 1_000_003 + rank * 10_007 + micro)
-            loss = engine(windows(train, batch, cfg.seq_len + 1, gen))
+            loss = engine(windows(data, recipe.train.micro_batch_size, cfg.seq_len + 1, gen))
             engine.backward(loss)
             engine.step()
             micro += 1
         if rank == 0 and (step % args.log_every == 0 or step == recipe.train.steps - 1):
             print(f"step {step:4d}  loss {loss.item():.4f}  grad-norm {engine.grad_norm:.3f}  "
                   f"{(time.perf_counter() - start) * 1e3:.0f} ms", flush=True)
-        if (step + 1) % args.eval_every == 0 or step == recipe.train.steps - 1:
-            val_loss = validation_loss(engine, val, cfg, args.eval_batches, batch)
-            if rank == 0:
-                print(f"step {step:4d}  validation loss {val_loss:.4f} nats/byte ({val_loss / math.log(2):.3f} bits; "
-                      f"unigram entropy {entropy:.3f})", flush=True)
+        if (step + 1) % args.eval_every == 0 and step < recipe.train.steps - 1:
+            report_validation(engine, val, cfg, args, step, entropy)
+
+
+def main() -> None:
+    args = arguments()
+    recipe = zerorun.recipe()
+    data = torch.frombuffer(bytearray(args.text.read_bytes()), dtype=torch.uint8).long()
+    split = int(data.numel() * (1 - args.val_fraction))
+    train_data, val = data[:split], data[split:]
+    cfg = GPTConfig(args.layers, args.d_model, args.heads, 256, args.seq_len,
+                    checkpoint="non-reentrant" if recipe.train.activation_checkpointing else "none")
+    if val.numel() <= cfg.seq_len + 1 or train_data.numel() <= cfg.seq_len + 1:
+        raise ZerorunError(f"{args.text}: {data.numel()} bytes is too short for --seq-len {cfg.seq_len} "
+                           f"with --val-fraction {args.val_fraction}")
+    torch.manual_seed(recipe.train.seed)
+    engine = zerorun.initialize(TextGPT(cfg))
+    rank, first = dist.get_rank(), engine.global_step
+    entropy = unigram_entropy(train_data)
+    if rank == 0:
+        print(f"{args.text.name}: {train_data.numel():,} bytes to train on, {val.numel():,} held out; unigram "
+              f"entropy {entropy:.3f} nats/byte. GPT {engine.num_parameters() / 1e6:.2f}M params, "
+              f"{dist.get_world_size()} ranks, ZeRO stage {recipe.zero.stage}, {recipe.precision.dtype}", flush=True)
+    train(engine, train_data, val, cfg, args, entropy)
+    val_loss = report_validation(engine, val, cfg, args, recipe.train.steps - 1, entropy)
     every = recipe.checkpoint.every_steps
     if recipe.checkpoint.dir and engine.global_step > first and (not every or engine.global_step % every):
         engine.save_checkpoint()
