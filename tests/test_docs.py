@@ -103,8 +103,9 @@ DATED = [
     (re.compile(r"\b(at|from|of) (a frozen copy of )?commit [0-9a-f]{7,40}\b"), "a commit a figure was measured at"),
     (re.compile(r"FIELD-NOTES|shared/gpu|gpu_check\.sh"), "a file outside the project"),
 ]
-# A measured figure in a docstring or comment: a time, rate or ratio with its unit.
-FIGURE = re.compile(r"\b\d+(\.\d+)? ?(ms\b|s a step|s per step|GB/s|MB/s|tokens/s|G params/s|TFLOP/s\b"
+# A measured figure in a docstring or comment: a step time, a rate or a ratio with its unit, or a
+# before -> after. (Plain durations are left alone: "waking every 100 ms" is a setting, not a result.)
+FIGURE = re.compile(r"\b\d+(\.\d+)? ?(s a step|s per step|GB/s|MB/s|tokens/s|G params/s|TFLOP/s\b"
                     r"|x DDP|x torch|x fast)|\b\d+(\.\d+)? -> \d+(\.\d+)? ?(MiB|GiB|s\b)")
 
 
