@@ -110,6 +110,10 @@ def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
             os.kill(_pid_of(job, "localhost:1"), sig)
         return fault
 
+    def kill_relay(job: LaunchedJob) -> None:  # the process torchrun started for rank 1: no exit record from it
+        _wait_steps(job)
+        psutil.Process(_pid_of(job, "localhost:1")).parent().kill()
+
     def signal_launcher(sig: int, again: bool = False, kill_after_s: float | None = None):
         def fault(job: LaunchedJob) -> None:
             job.wait_for("ready", count=2, timeout=120)
@@ -134,6 +138,9 @@ def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
                                      lambda job: job.wait_for("rank 1 line 24", timeout=120)),
         "rank SIGKILL": lambda: _run("rank SIGKILL", fresh("kill"), local(TINY, ["--step-delay", "0.05"], **slow),
                                      kill_rank(signal.SIGKILL)),
+        "rank SIGKILL with its relay (torchrun's child)": lambda: _run(
+            "rank SIGKILL with its relay (torchrun's child)", fresh("kill-relay"),
+            local(TINY, ["--step-delay", "0.05"], **slow), kill_relay),
         "rank hangs (collective timeout 10 s)": lambda: _run(
             "rank hangs (collective timeout 10 s)", fresh("hang"),
             local(TINY, ["--sleep-rank", "1", "--sleep-at", "3", "--sleep-s", "120"], nproc_per_node=2,

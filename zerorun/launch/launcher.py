@@ -168,7 +168,7 @@ def _policy(launch_plan: LaunchPlan) -> recovery.Policy:
 
 
 def _failure(outcome: Outcome, monitor: Monitor | None) -> recovery.Failure:
-    step = monitor.last_step(outcome.host, outcome.rank) if monitor is not None else None
+    step = monitor.last_step() if monitor is not None else None
     return recovery.Failure(outcome.ending, outcome.cause, outcome.exit_code, outcome.host, outcome.rank, step)
 
 
@@ -217,7 +217,7 @@ def replan(launch_plan: LaunchPlan, nodes: Sequence[Node], batch: recovery.Batch
 
 def resume_point(recipe: Recipe, failure: recovery.Failure) -> str:
     """Where the next attempt resumes: the checkpoint `latest` names (the engine's auto-resume loads it)."""
-    reached = f"; the job had reached step {failure.step}" if failure.step is not None else ""
+    reached = f"; telemetry last saw step {failure.step}" if failure.step is not None else ""
     directory = recipe.checkpoint.dir
     tag = _latest_tag(directory) if directory and recipe.checkpoint.resume == "auto" else None
     if tag is None:

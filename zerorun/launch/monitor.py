@@ -147,11 +147,11 @@ class Monitor(Output):
                 self._say(f"warning: telemetry: cannot write {what} ({reason}); {consequence}; the live view and "
                           "summary go on, and the job's exit code is the workers'")
 
-    def last_step(self, host: str | None, rank: int | None) -> int | None:
-        """The last step a culprit finished (a rank's, else the lowest of its host's ranks), if telemetry knows."""
+    def last_step(self) -> int | None:
+        """The furthest step any rank reported (telemetry lags the workers by up to a flush interval, and
+        a killed rank's last records never come: the culprit's own count may be far behind its peers')."""
         with self.collector.lock:
-            ranks = [r for r in self.state.ranks.values() if (r.rank == rank if rank is not None else r.host == host)]
-            return min((r.step for r in ranks), default=None)
+            return max((r.step for r in self.state.ranks.values() if r.steps_seen), default=None)
 
     def restarted(self, plan: LaunchPlan, attempt: int, cause: str, decision: str, failed_at: float,
                   torn_down_at: float) -> None:

@@ -42,6 +42,8 @@ BEAT_RECORD = b"\x1ezerorun-beat"  # the node supervisor is alive (every second,
 NOTE_RECORD = b"\x1ezerorun-note "  # the node supervisor says something the launcher always shows
 PIPE_BUF = 4096  # writes up to this size to a pipe are atomic (POSIX guarantees >= 512, Linux 4096)
 _PREFIX = re.compile(rb"^\[([^\]\s]+):(\d+)\] ")
+# torchrun's line when it sees a worker fail (this spelling since torch 1.9): "failed (exitcode: -9) local_rank: 1 (pid: N)"
+_TORCHRUN_FAILED = re.compile(rb"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid")
 _DRAIN_S = 1.0  # after the worker ended: how long to wait for output its own children still write
 
 
@@ -209,6 +211,7 @@ class RankExit:
     rank: int
     code: int | None
     signal: int | None
+    by_torchrun: bool = False  # no record of its own (its relay died with it): torchrun's line said how it ended
 
     @property
     def failed(self) -> bool:
@@ -226,7 +229,21 @@ class RankExit:
             name = signal.Signals(self.signal or 0).name
         except ValueError:
             name = f"signal {self.signal}"
-        return f"killed by {name}"
+        return f"killed by {name}" + ("; its output relay died with it, torchrun saw the exit" if self.by_torchrun else "")
+
+
+def torchrun_exit(line: bytes, host: str, first_rank: int) -> RankExit | None:
+    """The rank torchrun's own output says failed, and how, or None.
+
+    A rank's relay writes its exit record; a SIGKILL that takes the relay too (the process torchrun
+    started, or the whole process group) leaves none, and torchrun's line is the only witness.
+    """
+    match = _TORCHRUN_FAILED.search(line)
+    if match is None:
+        return None
+    code = int(match.group(1))
+    return RankExit(host, first_rank + int(match.group(2)), code if code >= 0 else None, -code if code < 0 else None,
+                    by_torchrun=True)
 
 
 @dataclass(frozen=True)
