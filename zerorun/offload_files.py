@@ -1,15 +1,17 @@
 """NVMe offload files: where a job keeps them, how a directory is checked, how they are found and removed.
 
-    <nvme_path>/<run name>/rank-<r>/...*.bin       one rank's files: the optimizer's state, and under
+    <nvme_path>/<job id>/rank-<r>/...*.bin         one rank's files: the optimizer's state, and under
                                                    params/ stage 3's parameter shard (offload_param: nvme)
+
+The directory is the launch's job id (`owner`), never the run name: two jobs of one name on one
+disk would otherwise truncate and overwrite each other's files (outside a launch: the run name).
 
 Both sides use this module (it needs only the standard library, so the launcher does not pay
 for importing torch):
 - the runtime checks a path before a rank preallocates its files (`check_nvme_path`). Inside a
   launch the free space is checked for *every rank of the node together*: the ranks of one node
   share the disk, and each rank alone fitting said nothing about all of them. Files already at
-  the node's own rank directories count as free, since the store truncates them (a previous run
-  of the same name that was killed left them there);
+  the node's own rank directories count as free, since the store truncates them;
 - the launcher checks each node's paths before any worker starts (`inspect_path`, through the
   preflight), and removes the node's rank directories however the job ends (`remove_rank_dirs`,
   run by the node supervisor on that node: the workers may be dead by then).
@@ -28,15 +30,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerorun.errors import ZerorunError
+from zerorun.launch import JOB_ID_ENV
 
 ALIGN = 4096  # O_DIRECT block and buffer alignment
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 PARAMS = "params"  # the parameter store's subdirectory of a rank directory
 
 
-def rank_dir(nvme_path: str | os.PathLike, run: str | None, rank: int) -> Path:
-    """`<nvme_path>/<run>/rank-<r>/`: one directory per rank, so ranks sharing a disk never collide."""
-    return Path(nvme_path) / (run or "zerorun") / f"rank-{rank}"
+def rank_dir(nvme_path: str | os.PathLike, owner: str | None, rank: int) -> Path:
+    """`<nvme_path>/<owner>/rank-<r>/`: one directory per job and rank, so nothing sharing a disk collides."""
+    return Path(nvme_path) / (owner or "zerorun") / f"rank-{rank}"
+
+
+def owner(run: str | None) -> str | None:
+    """Whose offload files a worker writes: its launch's job id, else (a script run by hand) the run name."""
+    return os.environ.get(JOB_ID_ENV) or run
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,7 @@ def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
         "NVMe offload, rank SIGKILL": lambda: nvme_case("NVMe offload, rank SIGKILL", kill_rank(signal.SIGKILL)),
     }
     table["runs/ disk full (tmpfs of 16 KiB)"] = lambda: _full_runs_disk(fresh("full"))
+    table["second job on a running job's checkpoint.dir"] = lambda: _second_job(fresh("second"))
     table.update(_ssh_cases(work_root, fresh))
     return table
 
@@ -187,6 +188,19 @@ def _full_runs_disk(work: Path) -> Row:
         return _run("runs/ disk full (tmpfs of 16 KiB), 40 steps succeed", work, start, lambda job: None)
     finally:
         subprocess.run(["umount", "-l", str(runs)])
+
+
+def _second_job(work: Path) -> Row:
+    """A job started on the checkpoint.dir (and run name) of a job that is running: the second one's ending."""
+    keys = {"name": "shared", "checkpoint": {"dir": str(work / "ckpt")}}
+    first = LaunchedJob.start(write_recipe(work, "stubborn.py", [], **keys), cwd=work)
+    try:
+        first.wait_for("ready", count=2, timeout=120)
+        (work / "second").mkdir()
+        start = lambda w: LaunchedJob.start(write_recipe(w, "stubborn.py", [], **keys), cwd=w)  # noqa: E731
+        return _run("second job on a running job's checkpoint.dir", work / "second", start, lambda job: None)
+    finally:
+        first.cleanup()
 
 
 def _ssh_cases(work_root: Path, fresh: Callable[[str], Path]) -> dict[str, Callable[[], Row]]:

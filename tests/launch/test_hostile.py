@@ -26,3 +26,63 @@ def test_a_recipe_over_128_kib_launches_through_a_private_file(launch, tmp_path:
     path = shown[0].rsplit(" at ", 1)[1]
     assert job.job_id in path and not Path(path).exists()  # the job's own place, removed at the end
     assert job.leftovers() == []
+
+
+def test_a_second_job_on_the_same_run_name_or_checkpoint_dir_is_refused_naming_the_first(launch, tmp_path: Path):
+    first = launch("stubborn.py", name="shared", checkpoint={"dir": str(tmp_path / "ckpt")})
+    first.wait_for("ready", count=2)
+    job_id = first.job_id
+    for keys in ({"name": "shared"}, {"name": "other", "checkpoint": {"dir": str(tmp_path / "ckpt")}}):
+        second = launch("stubborn.py", **keys)  # (before: both ran, mixing tags and one telemetry.jsonl)
+        assert second.wait(timeout=60) == 2, second.output
+        refused = "\n".join(second.stderr)
+        assert f"is in use by job {job_id} (launcher pid {first.proc.pid} on " in refused, second.output
+        assert "nothing was started" in refused and second.job_id is None
+    first.send(2)
+    assert first.wait() == 130
+    again = launch("stubborn.py", ["--fail-rank", "0"], name="shared", checkpoint={"dir": str(tmp_path / "ckpt")})
+    assert again.wait(timeout=120) != 2, again.output  # released at the end: the next job runs
+    assert not any("in use by" in line for line in again.stderr)
+
+
+def test_a_stale_lock_of_a_killed_launcher_is_named_and_taken_over(launch, tmp_path: Path):
+    first = launch("stubborn.py", name="stale")
+    first.wait_for("ready", count=2)
+    job_id = first.job_id
+    first.proc.kill()  # SIGKILL: the lock file still names the job, the kernel dropped its flock
+    first.wait()
+    second = launch("allreduce.py", name="stale")
+    assert second.wait(timeout=120) == 0, second.output
+    assert any(f"taking over the lock of job {job_id} (launcher pid {first.proc.pid} on " in line
+               for line in second.stderr), second.output
+
+
+def test_two_jobs_of_one_name_on_one_nvme_disk_keep_their_own_offload_files(tmp_path: Path, direct_io_dir: Path):
+    import signal
+
+    from tests.launch.launched import LaunchedJob, write_recipe
+
+    tiny = str(Path(__file__).resolve().parents[1] / "telemetry" / "scripts" / "tiny_train.py")
+    keys = {"name": "same", "nproc_per_node": 2, "train": {"steps": 100_000},
+            "zero": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(direct_io_dir)}}}
+    jobs = []
+    try:
+        for where in ("a", "b"):  # two working directories: two runs/ trees, one NVMe disk
+            (tmp_path / where).mkdir()
+            recipe = write_recipe(tmp_path / where, tiny, ["--step-delay", "0.05"], **keys)
+            jobs.append(LaunchedJob.start(recipe, cwd=tmp_path / where))
+        owners = lambda: sorted({p.relative_to(direct_io_dir).parts[0] for p in direct_io_dir.rglob("*.bin")})  # noqa: E731
+        jobs[0].wait_until(lambda: len(owners()) == 2 and len(list(direct_io_dir.rglob("*.bin"))) == 12,
+                           "both jobs' offload files", timeout=180)
+        assert owners() == sorted(job.job_id for job in jobs)  # (before: one directory, `same`, for both)
+        jobs[0].send(signal.SIGINT)
+        assert jobs[0].wait() == 130, jobs[0].output
+        left = [p for p in direct_io_dir.rglob("*.bin")]
+        assert len(left) == 6 and all(jobs[1].job_id in str(p) for p in left)  # the other job's are untouched
+        assert jobs[1].proc.poll() is None, jobs[1].output
+        jobs[1].send(signal.SIGINT)
+        assert jobs[1].wait() == 130, jobs[1].output
+        assert list(direct_io_dir.rglob("*.bin")) == []
+    finally:
+        for job in jobs:
+            job.cleanup()

@@ -274,3 +274,15 @@ def test_preflight_probes_many_hosts_with_bounded_concurrency(monkeypatch):
     checks = preflight._host_checks(launch_plan)
     assert [c.host for c in checks] == [n.host for n in nodes]
     assert most[0] <= preflight.SSH_CONCURRENCY  # (before: 300 threads and 300 ssh at once)
+
+
+def test_nvme_offload_directories_are_the_jobs_not_the_run_names():
+    from zerorun.hostfile import Node
+    from zerorun.launch.plan import MachineFacts, plan
+
+    recipe = config.from_dict({"script": "/x/t.py", "name": "same", "zero": {
+        "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}})
+    first = plan(recipe, [Node("a", (0, 1))], "same-1", 1, MachineFacts(2, "py"))
+    second = plan(recipe, [Node("a", (0, 1))], "same-2", 1, MachineFacts(2, "py"))
+    assert first.nodes[0].offload_dirs == ("/nvme/same-1/rank-0", "/nvme/same-1/rank-1")  # (before: /nvme/same/...)
+    assert set(first.nodes[0].offload_dirs).isdisjoint(second.nodes[0].offload_dirs)

@@ -8,7 +8,8 @@
 id, the working directory and its `.zerorun_env`) and hands them to the pure `plan.plan`; inside a
 Slurm allocation (unless a hostfile or `--launcher` says otherwise) the allocation's nodes go to
 `slurm.plan_step` instead, which plans one srun step for them all. `run`
-checks every node (`preflight`: SSH hosts, NVMe paths), picks a transport per node, starts the telemetry
+takes the job's directories (`ownership`: a second job on the same run name or checkpoint.dir is
+refused), checks every node (`preflight`: SSH hosts, NVMe paths), picks a transport per node, starts the telemetry
 monitor (collector, live view, stall watch) unless the recipe turned it off, tells the workers its
 address, and lets the supervisor drive the job.
 """
@@ -31,7 +32,7 @@ from zerorun import config, hostfile
 from zerorun.config import Recipe
 from zerorun.errors import HostfileError, LaunchError
 from zerorun.hostfile import Node
-from zerorun.launch import preflight, recovery, slurm
+from zerorun.launch import ownership, preflight, recovery, slurm
 from zerorun.launch.devices import gpu_count
 from zerorun.launch.plan import LaunchPlan, MachineFacts, NodeCommand, is_local, plan, render, with_env
 from zerorun.launch.ssh import SSHTransport
@@ -118,7 +119,17 @@ def run(launch_plan: LaunchPlan) -> int:
     return the launcher's exit code (the last attempt's)."""
     if importlib.util.find_spec("torch") is None:
         raise LaunchError(f"torch is not installed for {sys.executable}; zerorun runs workers with torchrun.")
-    preflight.check(launch_plan)
+    claim = ownership.claim_paths(launch_plan)  # runs/<name>/ and checkpoint.dir are this job's until it ends
+    try:
+        for note in claim.notes:
+            _say(f"warning: {note}")
+        preflight.check(launch_plan)
+        return _run_attempts(launch_plan)
+    finally:
+        claim.release()
+
+
+def _run_attempts(launch_plan: LaunchPlan) -> int:
     monitor = _start_monitor(launch_plan)
     policy = _policy(launch_plan)
     base_job_id = launch_plan.job_id  # attempt k runs as <base>-r<k>: its processes apart from the last one's

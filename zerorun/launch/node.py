@@ -44,7 +44,7 @@ from typing import IO, BinaryIO
 from zerorun import offload_files
 from zerorun.config import BACKEND_ENV, RECIPE_ENV, RECIPE_FILE_ENV
 from zerorun.errors import LaunchError
-from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV, devices, streams
+from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV, SHM_DIR, devices, shm_prefix, streams
 from zerorun.launch.processes import NodeProcesses
 
 HEARTBEAT_S = 1.0
@@ -170,6 +170,7 @@ def run_node(job: NodeJob, job_id: str, host: str, order: StopOrder, watch: Call
     for relay in relays:
         relay.join(timeout=2.0)
     _remove_offload_files(job.offload_dirs, host)
+    remove_shm_segments(job_id)
     shutil.rmtree(private, ignore_errors=True)
     beating.set()
     code = processes.poll()
@@ -191,6 +192,24 @@ def _with_devices(job: NodeJob, host: str) -> dict[str, str]:
         if mapped is not None:
             env[devices.VISIBLE] = mapped
     return env
+
+
+def remove_shm_segments(job_id: str, directory: str = SHM_DIR) -> list[str]:
+    """Delete the job's shared-memory segments still in `directory` (a rank killed while the ranks
+    mapped one); return their names."""
+    prefix = shm_prefix(job_id)
+    removed = []
+    try:
+        names = [name for name in os.listdir(directory) if name.startswith(prefix)]
+    except OSError:
+        return []
+    for name in names:
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            continue
+    return removed
 
 
 def _recipe_to_file(env: dict[str, str], directory: str) -> dict[str, str]:
