@@ -38,7 +38,7 @@ from zerorun.launch.plan import LaunchPlan, MachineFacts, NodeCommand, is_local,
 from zerorun.launch.ssh import SSHTransport
 from zerorun.launch.supervisor import Ending, Outcome, Supervisor
 from zerorun.launch.transport import LocalTransport, Transport
-from zerorun.telemetry import ADDRESS_ENV
+from zerorun.telemetry import ADDRESS_ENV, TOKEN_ENV
 
 if TYPE_CHECKING:
     from zerorun.launch.monitor import Monitor
@@ -161,7 +161,7 @@ def _attempt(launch_plan: LaunchPlan, monitor: Monitor | None) -> Outcome:
     if is_local(launch_plan.nodes[0].host):
         _check_port_free(launch_plan.master_addr, launch_plan.master_port)
     if monitor is not None:
-        launch_plan = with_env(launch_plan, {ADDRESS_ENV: monitor.address})
+        launch_plan = with_env(launch_plan, {ADDRESS_ENV: monitor.address, TOKEN_ENV: monitor.token})
     supervisor = Supervisor(launch_plan, transports, output=monitor, witness=monitor)
     supervisor.run()
     assert supervisor.outcome is not None

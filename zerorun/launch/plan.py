@@ -40,7 +40,7 @@ from zerorun import config, offload_files
 from zerorun.config import Recipe, SSHConfig, TelemetryConfig
 from zerorun.hostfile import Node
 from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV
-from zerorun.telemetry import ADDRESS_ENV, RUNS_DIR
+from zerorun.telemetry import ADDRESS_ENV, RUNS_DIR, TOKEN_ENV
 
 WORKER_MODULE = "zerorun.launch.worker"
 RECIPE_SOURCE_ENV = config.RECIPE_ENV + "_SOURCE"
@@ -255,6 +255,8 @@ def _heading(node: NodeCommand) -> str:
 
 
 def _shown_value(key: str, value: str) -> str:
+    if key == TOKEN_ENV:
+        return "<the job's telemetry secret>"
     if key == config.RECIPE_ENV:  # a long JSON blob: say what it is instead of flooding the screen
         return f"<the resolved recipe as JSON, {len(value)} bytes>"
     return shlex.quote(value)
