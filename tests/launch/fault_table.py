@@ -170,6 +170,20 @@ def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
     }
     table["runs/ disk full (tmpfs of 16 KiB)"] = lambda: _full_runs_disk(fresh("full"))
     table["second job on a running job's checkpoint.dir"] = lambda: _second_job(fresh("second"))
+    table["forged telemetry: a hello without the token, a bad record"] = lambda: _run(
+        "forged telemetry: a hello without the token, a bad record", fresh("forged"),
+        local(TINY, ["--step-delay", "0.05"], **slow), _forge_then_stop)
+    table["rank OOM-killed (a memory cgroup of 200 MB)"] = lambda: _oom_kill(fresh("oom"))
+    bomb = "d0: &d0 {" + ", ".join(f"k{j}: 1" for j in range(9)) + "}\n" + "".join(
+        f"d{i}: &d{i} {{" + ", ".join(f"k{j}: *d{i - 1}" for j in range(9)) + "}\n" for i in range(1, 9))
+    for case, extra, hosts in [("YAML alias bomb (under 1 KB)", bomb, None),
+                               ("tagged YAML (!!python/object/apply)", "x: !!python/object/apply:os.getpid []\n", None),
+                               ("env key 'A=B'", "env: {'A=B': c}\n", None),
+                               ("recipe of 150 KiB", "env: {" + ", ".join(f"P{i}: {'x' * 1000}" for i in range(150))
+                                + "}\n", None),
+                               ("hostfile line 'localhost: slots=2'", "", "localhost: slots=2\n"),
+                               ("hostfile host '-V'", "", "-V slots=1\n")]:
+        table[case] = lambda case=case, extra=extra, hosts=hosts: _bad_input(case, fresh(case[:12]), extra, hosts)
     table.update(_ssh_cases(work_root, fresh))
     return table
 
@@ -201,6 +215,47 @@ def _second_job(work: Path) -> Row:
         return _run("second job on a running job's checkpoint.dir", work / "second", start, lambda job: None)
     finally:
         first.cleanup()
+
+
+def _forge_then_stop(job: LaunchedJob) -> None:
+    """Speak to the job's collector as a stranger would: no token, then a record that breaks the schema."""
+    import socket
+
+    _wait_steps(job)
+    env = psutil.Process(_pid_of(job, "localhost:0")).environ()
+    host, port = env["ZERORUN_TELEMETRY"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b'{"type":"hello","rank":0,"t":1,"host":"innocent","pid":1,"pid_start":null}\n'
+                     b'{"type":"sample","rank":0,"t":1,"cuda":5}\n')
+    time.sleep(2.0)
+    job.send(signal.SIGINT)
+
+
+def _oom_kill(work: Path) -> Row:
+    """Rank 1 moves into a memory cgroup of 200 MB and allocates 600 MB: the kernel's OOM killer ends it."""
+    from tests.launch.test_hostile import OOM_SCRIPT, _memory_cgroup
+
+    group = _memory_cgroup(200 << 20)
+    if group is None:
+        return Row("rank OOM-killed", None, None, "(cannot make a memory cgroup here)", "-")
+    try:
+        (work / "oom.py").write_text(OOM_SCRIPT)
+        start = lambda w: LaunchedJob.start(write_recipe(w, str(w / "oom.py"), [str(group / "cgroup.procs")],  # noqa: E731
+                                                         telemetry={"interval_s": 0.2}), cwd=w)
+        return _run("rank OOM-killed (a memory cgroup of 200 MB)", work, start, lambda job: None)
+    finally:
+        group.rmdir()
+
+
+def _bad_input(case: str, work: Path, extra: str, hosts: str | None) -> Row:
+    """A launch of a recipe with `extra` appended (and a hostfile of `hosts`): how it is refused, or that it runs."""
+    recipe = write_recipe(work, "allreduce.py")
+    flags: list[str] = []
+    if hosts is not None:
+        (work / "hosts").write_text(hosts)
+        flags = ["--hostfile", str(work / "hosts")]
+    recipe.write_text(recipe.read_text() + extra)
+    return _run(case, work, lambda w: LaunchedJob.start(recipe, *flags, cwd=w), lambda job: None)
 
 
 def _ssh_cases(work_root: Path, fresh: Callable[[str], Path]) -> dict[str, Callable[[], Row]]:

@@ -86,3 +86,60 @@ def test_two_jobs_of_one_name_on_one_nvme_disk_keep_their_own_offload_files(tmp_
     finally:
         for job in jobs:
             job.cleanup()
+
+
+OOM_SCRIPT = """
+import os, sys, time
+import torch.distributed as dist
+rank = dist.get_rank()
+print(f"pid {os.getpid()}", flush=True)
+time.sleep(1.5)  # a telemetry sample or two (the rank's RSS)
+if rank == 1:
+    with open(sys.argv[1], "w") as procs:  # into a memory cgroup of 200 MB, then past it
+        procs.write(str(os.getpid()))
+    hog = b"x" * (600 << 20)
+dist.barrier()
+"""
+
+
+def _memory_cgroup(limit_bytes: int):
+    """A fresh memory cgroup under this process's own (v1 or v2), its `cgroup.procs`; None if none can be made."""
+    import os
+
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            base, limit = Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes"
+        elif controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            base, limit = Path("/sys/fs/cgroup") / path.lstrip("/"), "memory.max"
+        else:
+            continue
+        group = base / f"zerorun-test-oom-{os.getpid()}"
+        try:
+            group.mkdir()
+            (group / limit).write_text(str(limit_bytes))
+            return group
+        except OSError:
+            if group.exists():
+                group.rmdir()
+    return None
+
+
+def test_an_out_of_memory_kill_is_named_with_the_ranks_last_rss(launch, tmp_path: Path):
+    import pytest
+
+    group = _memory_cgroup(200 << 20)
+    if group is None:
+        pytest.skip("cannot make a memory cgroup here (needs root and a writable cgroup file system)")
+    try:
+        script = tmp_path / "oom.py"
+        script.write_text(OOM_SCRIPT)
+        job = launch(str(script), [str(group / "cgroup.procs")], nproc_per_node=2, telemetry={"interval_s": 0.2})
+        assert job.wait(timeout=120) == 137, job.output
+        final = next(line for line in reversed(job.stderr) if line.startswith(f"zerorun: job {job.job_id} stopped: "))
+        # (before: "rank 1 on localhost failed (killed by SIGKILL)")
+        assert "rank 1 on localhost failed (out of memory: killed by the kernel's OOM killer (SIGKILL); its last " \
+               "RSS was " in final, job.output
+        assert job.leftovers() == []
+    finally:
+        group.rmdir()

@@ -16,7 +16,8 @@ worker, with fds 1 and 2 `dup2`'d onto pipes, so C/C++ output (NCCL, gloo, kerne
 The parent (the relay) writes every complete line with its prefix to its own stdout/stderr (which
 are torchrun's, which are the launcher's pipes); one `write` of at most PIPE_BUF bytes is atomic,
 so lines of different ranks never interleave mid-line. When the worker has ended, the relay
-forwards what is left, appends an *exit record* (rank, exit code or signal) to stderr and exits
+forwards what is left, appends an *exit record* (rank, exit code or signal, and whether a SIGKILL was the kernel's OOM killer:
+`oom`) to stderr and exits
 with the same code (128 + N for signal N). From that record the launcher knows which rank failed
 first and how; torchrun itself only exits 1 on any worker failure.
 
@@ -65,6 +66,9 @@ def relay_from_child(host: str, rank: int | str, exit_record: bool) -> None:
     sys.stderr.flush()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    from zerorun.launch import oom
+
+    kills_before, started = oom.oom_kills(), time.monotonic()
     pid = os.fork()
     if pid == 0:
         os.dup2(out_w, 1)
@@ -80,7 +84,8 @@ def relay_from_child(host: str, rank: int | str, exit_record: bool) -> None:
     code = os.waitstatus_to_exitcode(status)
     if exit_record:
         record = {"host": host, "rank": int(rank), "code": code if code >= 0 else None,
-                  "signal": -code if code < 0 else None}
+                  "signal": -code if code < 0 else None,
+                  "oom": code == -signal.SIGKILL and oom.killed_by_oom(pid, kills_before, started)}
         _write(2, EXIT_RECORD + json.dumps(record).encode() + b"\n")
     # A signal death is reported as 128+N rather than re-raised: re-raising SIGSEGV would dump core twice.
     os._exit(code if code >= 0 else 128 - code)
@@ -212,6 +217,7 @@ class RankExit:
     code: int | None
     signal: int | None
     by_torchrun: bool = False  # no record of its own (its relay died with it): torchrun's line said how it ended
+    oom: bool = False  # SIGKILLed by the kernel's out-of-memory killer (see `oom`)
 
     @property
     def failed(self) -> bool:
@@ -229,6 +235,8 @@ class RankExit:
             name = signal.Signals(self.signal or 0).name
         except ValueError:
             name = f"signal {self.signal}"
+        if self.oom:
+            return f"out of memory: killed by the kernel's OOM killer ({name})"
         return f"killed by {name}" + ("; its output relay died with it, torchrun saw the exit" if self.by_torchrun else "")
 
 
@@ -276,7 +284,7 @@ def parse(line: bytes) -> RankLine | RankExit | NodeBeat | NodeNote | None:
     if line.startswith(EXIT_RECORD):
         try:
             data = json.loads(line[len(EXIT_RECORD):])
-            return RankExit(str(data["host"]), int(data["rank"]), data["code"], data["signal"])
+            return RankExit(str(data["host"]), int(data["rank"]), data["code"], data["signal"], oom=bool(data.get("oom")))
         except (ValueError, KeyError, TypeError):
             return None
     match = _PREFIX.match(line)

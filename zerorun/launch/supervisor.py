@@ -117,6 +117,9 @@ class Witness(Protocol):
     def culprit(self, failed_rank: int) -> Culprit | None:
         """The rank `failed_rank` was waiting for when it failed, with the evidence."""
 
+    def last_rss(self, rank: int) -> int | None:
+        """The rank's resident memory in its last sample, in bytes."""
+
 
 class Supervisor:
     """Runs `plan` through `transports` (one per node, in node order) and returns the exit code."""
@@ -217,8 +220,13 @@ class Supervisor:
                      f"failed waiting for it ({failure.describe()})")
             return Outcome(status, Ending.RANK_FAILED, cause, culprit.host, culprit.rank, tuple(culprit.evidence),
                            failure)
-        cause = f"rank {failure.rank} on {failure.host} failed ({failure.describe()})"
+        cause = f"rank {failure.rank} on {failure.host} failed ({failure.describe()}{self._memory_of(failure)})"
         return Outcome(status, Ending.RANK_FAILED, cause, failure.host, failure.rank, failure=failure)
+
+    def _memory_of(self, failure: RankExit) -> str:
+        """For an out-of-memory kill: the rank's last resident memory, as telemetry saw it."""
+        rss = self.witness.last_rss(failure.rank) if failure.oom and self.witness is not None else None
+        return f"; its last RSS was {rss / 2**30:.2f} GiB" if rss else ""
 
     def _root_failure(self) -> RankExit:
         """The failure most likely to be the cause: see `_suspicion`; the earliest among equals.
