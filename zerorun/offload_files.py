@@ -78,7 +78,7 @@ def describe(files: Sequence[FoundFile], limit: int = 4) -> str:
     for f in files:
         rank = next((p for p in f.path.parents if p.name.startswith("rank-")), f.path.parent)
         groups.setdefault(rank, []).append(f)
-    shown = [f"{d} ({len(fs)} file{'s' if len(fs) != 1 else ''}, {gib(sum(x.size for x in fs))})"
+    shown = [f"{d} ({len(fs)} file{'s' if len(fs) != 1 else ''}, {size_text(sum(x.size for x in fs))})"
              for d, fs in list(groups.items())[:limit]]
     more = f" and {len(groups) - limit} more" if len(groups) > limit else ""
     return ", ".join(shown) + more
@@ -148,11 +148,11 @@ def check_nvme_path(path: str | os.PathLike | None, key: str, need_bytes: int, s
     need = need_bytes * max(1, len(stores))
     if free + before >= need:
         return
-    who = f"the {len(stores)} ranks of this node need {gib(need)} ({gib(need_bytes)} each)" if len(stores) > 1 \
-        else f"this rank's offload files need {gib(need)}"
+    who = f"the {len(stores)} ranks of this node need {size_text(need)} ({size_text(need_bytes)} each)" if len(stores) > 1 \
+        else f"this rank's offload files need {size_text(need)}"
     stale = stale_files(path, keep=[d if d.name != PARAMS else d.parent for d in stores])
     found = f"; stale zerorun offload files there: {describe(stale)} (remove them if no job uses them)" if stale else ""
-    raise ZerorunError(f"{key}: {path} has {gib(free)} free, but {who}{found}; free space there or choose a larger "
+    raise ZerorunError(f"{key}: {path} has {size_text(free)} free, but {who}{found}; free space there or choose a larger "
                        "disk.")
 
 
@@ -217,5 +217,9 @@ def filesystem_type(path: Path) -> str:
     return kind
 
 
-def gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+def size_text(nbytes: int) -> str:
+    """A size in the unit that shows it: "0.00 GiB free ... need 0.00 GiB" said nothing on a small disk."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} bytes"
