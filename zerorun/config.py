@@ -205,6 +205,9 @@ class CheckpointConfig:
     every_steps: int = _f(0, "Save every N optimizer steps into checkpoint.dir (0: only when the script asks).",
                           ge=0)
     resume: str = _f("auto", "auto: resume from the latest checkpoint if any; never; or a tag to resume from.")
+    allow_changes: bool = _f(False, "Resume a checkpoint saved with another optimizer type (adam/adamw) or precision "
+                                    "(refused otherwise). Changed lr, weight decay, betas or eps are always allowed; "
+                                    "the checkpoint's values win and rank 0 says which.")
 
 
 @dataclass
