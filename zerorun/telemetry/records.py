@@ -142,9 +142,5 @@ def check(record: Any, world_size: int | None) -> str:
     if schema is FLAT:
         bad = next((key for key, value in record.items() if scalar(value)), None)
         return f"{kind}: {bad}: expected a plain value" if bad is not None else ""
-    for key, field_check in schema.items():
-        if key in record:
-            problem = field_check(record[key])
-            if problem:
-                return f"{kind}: {key}: {problem}"
-    return ""
+    problem = fields(schema)(record)
+    return f"{kind}: {problem}" if problem else ""
