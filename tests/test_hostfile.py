@@ -439,7 +439,7 @@ def test_a_host_name_that_is_not_one_is_refused_naming_the_line_and_the_grammar(
 
 
 def test_a_trailing_colon_gets_the_line_as_it_should_be_written() -> None:
-    with pytest.raises(HostfileError, match="write 'localhost slots=N'"):
+    with pytest.raises(HostfileError, match=r"\(DeepSpeed hostfile format\); did you mean 'localhost slots=2'\?$"):
         parse_hostfile_text("localhost: slots=2\n", "hosts")
 
 

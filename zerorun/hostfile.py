@@ -104,8 +104,9 @@ def _parse_entry(entry: str, where: str) -> tuple[str, int]:
     if host.startswith(_SLOTS):
         raise _line_error(where, entry, "the host name is missing")
     if not valid_host(host):
-        hint = f"; write '{host.rstrip(':')} slots=N'" if host.endswith(":") and valid_host(host.rstrip(":")) else ""
-        raise _line_error(where, entry, f"{host!r} is not {HOST_GRAMMAR}{hint}")
+        meant = " ".join([host.rstrip(":"), *rest])
+        hint = f"; did you mean {meant!r}?" if host.endswith(":") and valid_host(host.rstrip(":")) else ""
+        raise HostfileError(f"{str(_line_error(where, entry, f'{host!r} is not {HOST_GRAMMAR}'))}{hint}")
     if not rest:
         raise _line_error(where, entry, f"host {host!r} has no slot count")
     if not rest[0].startswith(_SLOTS):
