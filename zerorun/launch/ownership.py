@@ -35,6 +35,10 @@ from zerorun.telemetry import RUNS_DIR
 LOCK_NAME = ".zerorun-lock"
 
 
+class Unlockable(LaunchError):
+    """The directory cannot be created or locked from the launcher's machine (another job is not the problem)."""
+
+
 @dataclass(frozen=True)
 class Holder:
     """Who holds (or held) a directory."""
@@ -84,14 +88,14 @@ def lock_directory(directory: str | os.PathLike, what: str, job_id: str) -> Dire
         directory.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        raise LaunchError(f"{what}: cannot create {path} ({exc.strerror or exc}); nothing was started.") from None
+        raise Unlockable(f"{what}: cannot create {path} ({exc.strerror or exc}); nothing was started.") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         holder = Holder.read(_read_all(fd))
         os.close(fd)
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise LaunchError(f"{what}: cannot lock {path} ({exc.strerror or exc}); nothing was started.") from None
+            raise Unlockable(f"{what}: cannot lock {path} ({exc.strerror or exc}); nothing was started.") from None
         who = holder.describe() if holder else "another job"
         raise LaunchError(f"{what}: {directory} is in use by {who}; two jobs there would overwrite each other's "
                           "files. Wait for it to end or stop it, or give this job its own directory; nothing was "
@@ -117,7 +121,10 @@ class Claim:
 
 
 def claim_paths(launch_plan: LaunchPlan, runs_dir: str | os.PathLike = RUNS_DIR) -> Claim:
-    """Lock the job's `runs/<name>/` (when telemetry is on) and its `checkpoint.dir` (when set)."""
+    """Lock the job's `runs/<name>/` (when telemetry is on) and its `checkpoint.dir` (when set).
+
+    A `checkpoint.dir` the launcher's machine cannot create or lock (a path that exists only on the
+    nodes) is left unlocked, with a note: that is the nodes' business, and refusing the job would be wrong."""
     wanted: list[tuple[Path, str]] = []
     if launch_plan.telemetry.enabled:
         wanted.append((Path(runs_dir) / launch_plan.name, f"run name {launch_plan.name!r} (telemetry)"))
@@ -126,15 +133,22 @@ def claim_paths(launch_plan: LaunchPlan, runs_dir: str | os.PathLike = RUNS_DIR)
         cwd = launch_plan.inputs.facts.cwd if launch_plan.inputs is not None else "."
         wanted.append((Path(cwd) / recipe.checkpoint.dir, "checkpoint.dir"))
     locks: list[DirectoryLock] = []
+    notes: list[str] = []
     try:
         for directory, what in wanted:
-            locks.append(lock_directory(directory, what, launch_plan.job_id))
+            try:
+                locks.append(lock_directory(directory, what, launch_plan.job_id))
+            except Unlockable as exc:
+                if what != "checkpoint.dir":
+                    raise
+                notes.append(f"{str(exc).removesuffix(' nothing was started.')} not locked: another job using it "
+                             "would not be noticed")
     except LaunchError:
         for lock in locks:
             lock.release()
         raise
-    notes = [f"{lock.directory}: taking over the lock of {lock.stale.describe()}, which ended without releasing "
-             "it" for lock in locks if lock.stale is not None]
+    notes += [f"{lock.directory}: taking over the lock of {lock.stale.describe()}, which ended without releasing "
+              "it" for lock in locks if lock.stale is not None]
     return Claim(locks, notes)
 
 
