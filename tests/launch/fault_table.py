@@ -27,7 +27,8 @@ import psutil
 from tests.launch.launched import SCRIPTS, LaunchedJob, write_recipe
 
 TINY = str(Path(__file__).resolve().parents[1] / "telemetry" / "scripts" / "tiny_train.py")
-_CAUSE = re.compile(r"^(zerorun: (job \S+ stopped.*|lost contact.*|.*failed.*|error: .*|warning: .*)|\S*Error: .*)$")
+_CAUSE = re.compile(r"^(zerorun: (job \S+ stopped.*|lost contact.*|.*failed.*|error: .*|warning: .*)|\S*Error: .*|"
+                    r"\[\S+\] zerorun: error: .*)$")
 
 
 @dataclass
@@ -170,6 +171,7 @@ def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
     }
     table["runs/ disk full (tmpfs of 16 KiB)"] = lambda: _full_runs_disk(fresh("full"))
     table["second job on a running job's checkpoint.dir"] = lambda: _second_job(fresh("second"))
+    table["checkpoint disk full (tmpfs of 256 KiB, a save every step)"] = lambda: _full_checkpoint_disk(fresh("ckptfull"))
     table["forged telemetry: a hello without the token, a bad record"] = lambda: _run(
         "forged telemetry: a hello without the token, a bad record", fresh("forged"),
         local(TINY, ["--step-delay", "0.05"], **slow), _forge_then_stop)
@@ -202,6 +204,22 @@ def _full_runs_disk(work: Path) -> Row:
         return _run("runs/ disk full (tmpfs of 16 KiB), 40 steps succeed", work, start, lambda job: None)
     finally:
         subprocess.run(["umount", "-l", str(runs)])
+
+
+def _full_checkpoint_disk(work: Path) -> Row:
+    """A job saving every step into a 256 KiB file system: how the save that finds it full ends (needs root)."""
+    import subprocess
+
+    ckpt = work / "ckpt"
+    ckpt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(ckpt)]).returncode != 0:
+        return Row("checkpoint disk full", None, None, "(cannot mount here)", "-")
+    try:
+        start = lambda w: LaunchedJob.start(write_recipe(w, "train_checkpointed.py", [], train={"steps": 500},  # noqa: E731
+                                                         checkpoint={"dir": str(ckpt), "every_steps": 1}), cwd=w)
+        return _run("checkpoint disk full (tmpfs of 256 KiB, a save every step)", work, start, lambda job: None)
+    finally:
+        subprocess.run(["umount", "-l", str(ckpt)])
 
 
 def _second_job(work: Path) -> Row:
