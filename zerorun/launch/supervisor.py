@@ -62,6 +62,7 @@ _VICTIM_SETTLE_S = 2.0  # after an exception (maybe a victim's): how long a peer
 _TEARDOWN_SETTLE_S = 10.0  # after a SIGTERM torchrun sent: how long its node may take to exit (and say who failed)
 _LINK_SILENT_S = 3.0  # at a rank's failure: a node silent this long (it beats every second) lost its link
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_CONCURRENCY = 64  # nodes waited for at once while stopping (every node is asked first, all at once)
 
 
 class Ending(enum.Enum):
@@ -376,11 +377,14 @@ class Supervisor:
     # -- ending -----------------------------------------------------------------------------------
 
     def _stop_all(self) -> None:
-        """Stop every node at once; a signal meanwhile makes every node kill at once."""
+        """Stop every node at once (each is asked, then waited for `STOP_CONCURRENCY` at a time); a signal
+        meanwhile makes every node kill at once."""
         if not self.transports:
             return
         signals_before = len(self._signals)
-        with ThreadPoolExecutor(len(self.transports)) as pool:
+        for transport in self.transports:
+            transport.request_stop()
+        with ThreadPoolExecutor(min(len(self.transports), STOP_CONCURRENCY)) as pool:
             futures = [pool.submit(t.stop, self.plan.kill_grace_s) for t in self.transports]
             hurried = False
             while not all(f.done() for f in futures):
