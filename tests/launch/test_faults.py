@@ -223,15 +223,15 @@ class _Exited:
 
 
 def test_stopping_many_nodes_asks_every_node_at_once_and_waits_on_a_bounded_pool():
-    import threading
-
     from zerorun import config
     from zerorun.hostfile import Node
     from zerorun.launch import supervisor as module
     from zerorun.launch.plan import MachineFacts, plan
     from zerorun.launch.supervisor import Supervisor
 
-    lock, running, most, asked = threading.Lock(), [0], [0], []
+    from tests.harness import Concurrency
+
+    counter, asked = Concurrency(), []
 
     class Counting(_Exited):
         def request_stop(self) -> None:
@@ -239,16 +239,11 @@ def test_stopping_many_nodes_asks_every_node_at_once_and_waits_on_a_bounded_pool
 
         def stop(self, grace_s: float) -> int:
             assert len(asked) == 300  # every node heard "stop" before any is waited for
-            with lock:
-                running[0] += 1
-                most[0] = max(most[0], running[0])
-            time.sleep(0.01)
-            with lock:
-                running[0] -= 1
-            return 0
+            with counter:
+                return 0
 
     recipe = config.from_dict({"script": "/x/t.py"})
     nodes = [Node(f"n{i}", (0,)) for i in range(300)]
     launch_plan = plan(recipe, nodes, "j", 1, MachineFacts(2, "py"))
     Supervisor(launch_plan, [Counting(n.host, "j") for n in nodes])._stop_all()
-    assert 1 < most[0] <= module.STOP_CONCURRENCY  # (before: 300 threads at once)
+    assert 1 < counter.most <= module.STOP_CONCURRENCY  # (before: 300 threads at once)

@@ -249,9 +249,7 @@ def test_a_host_name_is_never_an_ssh_option():
 
 
 def test_preflight_probes_many_hosts_with_bounded_concurrency(monkeypatch):
-    import threading
-    import time
-
+    from tests.harness import Concurrency
     from zerorun.hostfile import Node
     from zerorun.launch import preflight
     from zerorun.launch.plan import MachineFacts, plan
@@ -259,21 +257,16 @@ def test_preflight_probes_many_hosts_with_bounded_concurrency(monkeypatch):
     recipe = config.from_dict({"script": "/x/t.py"})
     nodes = [Node(f"node-{i}", (0,)) for i in range(300)]
     launch_plan = plan(recipe, nodes, "j", 1, MachineFacts(2, "py"))
-    lock, running, most = threading.Lock(), [0], [0]
+    counter = Concurrency()
 
     def fake_check(launch_plan, node, script, expected, nvme_paths):  # noqa: ANN001, ANN202 - no ssh started
-        with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
-        time.sleep(0.01)
-        with lock:
-            running[0] -= 1
-        return preflight.HostCheck(node.host)
+        with counter:
+            return preflight.HostCheck(node.host)
 
     monkeypatch.setattr(preflight, "check_host", fake_check)
     checks = preflight._host_checks(launch_plan)
     assert [c.host for c in checks] == [n.host for n in nodes]
-    assert most[0] <= preflight.SSH_CONCURRENCY  # (before: 300 threads and 300 ssh at once)
+    assert 1 < counter.most <= preflight.SSH_CONCURRENCY  # (before: 300 threads and 300 ssh at once)
 
 
 def test_nvme_offload_directories_are_the_jobs_not_the_run_names():
