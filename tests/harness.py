@@ -20,3 +20,27 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
         return _run_ranks(fn, world_size, args, timeout)
     except RankFailure as exc:
         pytest.fail(str(exc), pytrace=False)
+
+
+class Concurrency:
+    """How many calls of a fake (standing in for ssh, a node) ran at once: `with counter: ...` in the fake."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self.running = 0
+        self.most = 0
+
+    def __enter__(self) -> Concurrency:
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import time
+
+        time.sleep(0.01)  # long enough for the others to pile up if nothing bounds them
+        with self._lock:
+            self.running -= 1

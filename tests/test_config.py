@@ -89,3 +89,51 @@ def test_load_resolves_script_relative_to_the_recipe_and_checks_it_exists(tmp_pa
 def test_every_shipped_recipe_is_valid() -> None:
     for path in Path(__file__).parents[1].joinpath("recipes").glob("*.yaml"):
         config.load(path)
+
+
+# --- hostile input: bounded parsing ---------------------------------------------------------------
+
+
+def _alias_bomb(levels: int) -> str:
+    """`d0` holds 9 keys; each next level holds 9 aliases of the one before: 9**(levels+1) values in ~1 KB."""
+    text = "script: t.py\nd0: &d0 {" + ", ".join(f"k{j}: 1" for j in range(9)) + "}\n"
+    for i in range(1, levels + 1):
+        text += f"d{i}: &d{i} {{" + ", ".join(f"k{j}: *d{i - 1}" for j in range(9)) + "}\n"
+    return text
+
+
+def test_a_yaml_alias_bomb_is_refused_quickly_with_its_line() -> None:
+    import time
+
+    bomb = _alias_bomb(8)  # ~9**9 = 387 million values, d4 (line 6) the first past the limit (before: MemoryError after gigabytes)
+    assert len(bomb) < 1000
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"^r\.yaml:6: this value expands to more than 100,000 YAML values"):
+        config.loads(bomb, "r.yaml")
+    assert time.monotonic() - started < 5.0
+    with pytest.raises(ConfigError, match=r"r\.yaml:2: an alias refers to the value that holds it"):
+        config.loads("script: t.py\nm: &m {a: *m}\n", "r.yaml")
+
+
+def test_a_moderate_alias_expansion_is_refused_too() -> None:
+    with pytest.raises(ConfigError, match="expands to more than"):  # ~9**6 = 531,441 values (before: accepted)
+        config.loads(_alias_bomb(5), "r.yaml")
+
+
+def test_tagged_yaml_is_refused_with_its_line_not_a_traceback() -> None:
+    with pytest.raises(ConfigError, match=r"^r\.yaml:3: not allowed in a recipe: could not determine a constructor "
+                                          r"for the tag 'tag:yaml.org,2002:python/object/apply:os.system'"):
+        config.loads("script: t.py\nname: x\nboom: !!python/object/apply:os.system ['true']\n", "r.yaml")
+
+
+def test_a_recipe_over_the_size_limit_is_refused_before_parsing(tmp_path: Path) -> None:
+    path = tmp_path / "huge.yaml"
+    path.write_text("script: t.py\n" + "# " + "x" * config.MAX_RECIPE_BYTES + "\n")
+    with pytest.raises(ConfigError, match=r"huge\.yaml: the recipe is over 1 MiB; a recipe holds settings"):
+        config.load(path)
+
+
+@pytest.mark.parametrize("key", ["A=B", "1ABC", "A B", ""])
+def test_an_env_key_that_is_no_variable_name_is_refused_at_load(key: str) -> None:
+    with pytest.raises(ConfigError, match=r"^r\.yaml:2: env\..*is not an environment variable name"):
+        config.loads(f"script: t.py\nenv: {{'{key}': x}}\n", "r.yaml")  # (before: accepted, failed at launch)

@@ -422,3 +422,27 @@ def test_module_imports_without_torch() -> None:
     # the launcher reads hostfiles before (and on machines without) a torch install
     code = "import sys, zerorun.hostfile; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("localhost: slots=2", "'localhost:' is not a host name"),
+    ("-V slots=1", "'-V' is not a host name"),
+    ("-oProxyCommand=x slots=1", "is not a host name"),
+    ("user@node slots=1", "is not a host name"),
+    ("node-1- slots=1", "is not a host name"),
+])
+def test_a_host_name_that_is_not_one_is_refused_naming_the_line_and_the_grammar(line: str, problem: str) -> None:
+    with pytest.raises(HostfileError) as err:  # (before: `localhost:` was accepted as a host named "localhost:")
+        parse_hostfile_text(f"worker-0 slots=1\n{line}\n", "hosts")
+    assert str(err.value).startswith("hosts:2: ") and problem in str(err.value)
+    assert "letters, digits" in str(err.value) and "HOSTNAME slots=N" in str(err.value)
+
+
+def test_a_trailing_colon_gets_the_line_as_it_should_be_written() -> None:
+    with pytest.raises(HostfileError, match=r"\(DeepSpeed hostfile format\); did you mean 'localhost slots=2'\?$"):
+        parse_hostfile_text("localhost: slots=2\n", "hosts")
+
+
+def test_host_names_and_addresses_that_are_valid_stay_valid() -> None:
+    text = "worker-0 slots=1\nnode_1.cluster.local slots=2\n10.0.0.7 slots=1\n::1 slots=1\nfe80::1%eth0 slots=1\n"
+    assert list(parse_hostfile_text(text)) == ["worker-0", "node_1.cluster.local", "10.0.0.7", "::1", "fe80::1%eth0"]

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import shlex
 import types
 import typing
@@ -28,6 +29,10 @@ from zerorun.errors import ConfigError
 
 RECIPE_ENV = "ZERORUN_RECIPE"  # the launcher passes the resolved recipe to workers as JSON
 GIVEN_KEY = "_given"  # in `to_json`: the keys the user set (`Recipe.given`), so a worker can name them
+RECIPE_FILE_ENV = "ZERORUN_RECIPE_FILE"  # ... which the node supervisor puts in a file of the job's (see launch.node)
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few hundred keys: a larger file is a mistake, and every rank reads it
+MAX_YAML_NODES = 100_000  # YAML values after alias expansion (`*name` repeats what `&name` holds)
+ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what a shell (and `env K=V`) accepts as a variable name
 BACKEND_ENV = "ZERORUN_BACKEND"  # launch.backend, for every process group a worker (or a test, a bench) makes
 
 
@@ -201,6 +206,9 @@ class CheckpointConfig:
     every_steps: int = _f(0, "Save every N optimizer steps into checkpoint.dir (0: only when the script asks).",
                           ge=0)
     resume: str = _f("auto", "auto: resume from the latest checkpoint if any; never; or a tag to resume from.")
+    allow_changes: bool = _f(False, "Resume a checkpoint saved with another optimizer type (adam/adamw) or precision "
+                                    "(refused otherwise). Changed lr, weight decay, betas or eps are always allowed; "
+                                    "the checkpoint's values win and rank 0 says which.")
 
 
 @dataclass
@@ -300,9 +308,15 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = (), check_sc
     """Read, override and validate a recipe file; `script` and `hostfile` become absolute paths."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as file:
+            raw = file.read(MAX_RECIPE_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the recipe ({exc.strerror or exc}).") from None
+    _check_size(len(raw), str(path))
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file ({exc.reason} at byte {exc.start}).") from None
     data, lines = _parse_yaml(text, str(path))
     _apply_overrides(data, lines, overrides)
     _read_deepspeed_config(data, lines, path.resolve().parent, str(path))
@@ -322,6 +336,7 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = (), check_sc
 
 def loads(text: str, source: str = "<recipe>", overrides: typing.Sequence[str] = ()) -> Recipe:
     """Validate a recipe given as YAML text (paths stay as written)."""
+    _check_size(len(text.encode()), source)
     data, lines = _parse_yaml(text, source)
     _apply_overrides(data, lines, overrides)
     _read_deepspeed_config(data, lines, Path.cwd(), source)
@@ -365,6 +380,9 @@ def given_in(recipe: Recipe, section: str) -> dict[str, str]:
 def from_env() -> Recipe | None:
     """The recipe the launcher injected into this worker, or None outside a zerorun launch."""
     blob = os.environ.get(RECIPE_ENV)
+    if os.environ.get(RECIPE_FILE_ENV):  # what a node supervisor hands its workers (see launch.node)
+        with open(os.environ[RECIPE_FILE_ENV]) as file:
+            blob = file.read()
     if not blob:
         return None
     recipe = from_dict(json.loads(blob), f"${RECIPE_ENV}")
@@ -422,23 +440,81 @@ def _merge_under(data: dict[str, Any], base: dict[str, Any], prefix: str) -> Non
 # YAML with line numbers
 
 
+def _check_size(size: int, source: str) -> None:
+    if size > MAX_RECIPE_BYTES:
+        raise ConfigError(f"{source}: the recipe is over {MAX_RECIPE_BYTES >> 20} MiB; a recipe holds settings, "
+                          "not data: keep large inputs in files the script reads, and name them in `args`.")
+
+
 def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[str, int | str]]:
-    """Parse YAML into plain data plus a dotted-key -> line table (for messages)."""
+    """Parse YAML into plain data plus a dotted-key -> line table (for messages).
+
+    Safe YAML only (a `!!python/...` tag is refused with its line), at most `MAX_YAML_NODES` values
+    once aliases are expanded (a 1 KB "billion laughs" would otherwise take gigabytes), no alias
+    inside itself."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{where}: not valid YAML: {problem}.") from None
+        raise ConfigError(f"{_yaml_where(exc, source)}: not valid YAML: {_yaml_problem(exc)}.") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: not valid YAML: nested too deeply.") from None
     if root is None:
         return {}, {}
     if not isinstance(root, yaml.MappingNode):
         raise ConfigError(f"{source}:{root.start_mark.line + 1}: a recipe is a mapping of keys (like `script: train.py`).")
+    _check_expansion(root, source)
     lines: dict[str, int] = {}
     _record_lines(root, "", lines, source)
-    data = yaml.SafeLoader(text).get_single_data()
+    try:
+        data = yaml.SafeLoader(text).get_single_data()
+    except yaml.YAMLError as exc:  # a tag safe YAML has no constructor for: `!!python/object:...`
+        raise ConfigError(f"{_yaml_where(exc, source)}: not allowed in a recipe: {_yaml_problem(exc)} (a recipe "
+                          "is plain YAML: mappings, lists, strings, numbers, booleans).") from None
     return data, lines
+
+
+def _yaml_where(exc: yaml.YAMLError, source: str) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    return f"{source}:{mark.line + 1}" if mark else source
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    return str(getattr(exc, "problem", None) or exc).split(" in \"")[0]
+
+
+def _check_expansion(root: yaml.Node, source: str) -> None:
+    """Refuse a document whose aliases expand past `MAX_YAML_NODES` values, or contain themselves."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        if id(node) in open_nodes:
+            raise ConfigError(f"{source}:{node.start_mark.line + 1}: an alias refers to the value that holds it "
+                              "(a recursive &anchor); write the value out.")
+        if id(node) not in sizes:
+            open_nodes.add(id(node))
+            children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
+                node.value if isinstance(node, yaml.SequenceNode) else []
+            sizes[id(node)] = min(MAX_YAML_NODES + 1, 1 + sum(size(child) for child in children))
+            open_nodes.discard(id(node))
+        return sizes[id(node)]
+
+    try:
+        if size(root) <= MAX_YAML_NODES:
+            return
+    except RecursionError:
+        raise ConfigError(f"{source}: not valid YAML: nested too deeply.") from None
+    node = root  # name the innermost value that is too large by itself: the top of the alias chain
+    while True:
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        big = [child for child in children if sizes.get(id(child), 0) > MAX_YAML_NODES]
+        if not big:
+            break
+        node = big[0]
+    raise ConfigError(f"{source}:{node.start_mark.line + 1}: this value expands to more than {MAX_YAML_NODES:,} "
+                      "YAML values through its aliases (*name repeats what &name holds); a recipe needs no such "
+                      "expansion: write the values out.")
 
 
 def _record_lines(node: yaml.Node, prefix: str, lines: dict[str, int | str], source: str) -> None:
@@ -678,6 +754,12 @@ def _check_cross_fields(recipe: Recipe, ctx: _Ctx) -> None:
     if recipe.checkpoint.every_steps and not recipe.checkpoint.dir:
         _fail(ctx, "checkpoint.every_steps", f"{recipe.checkpoint.every_steps} saves nothing without checkpoint.dir; "
               "set checkpoint.dir (a directory every node can write) or every_steps: 0.")
+    for key, value in recipe.env.items():
+        if not ENV_KEY.fullmatch(key):
+            _fail(ctx, f"env.{key}", "is not an environment variable name (letters, digits and '_', not starting "
+                  "with a digit); write `env: {NAME: value}`.")
+        if "\0" in value:
+            _fail(ctx, f"env.{key}", "a value cannot hold a NUL character.")
     if recipe.zero.aio.block_size % 4096:
         _fail(ctx, "zero.aio.block_size", f"must be a multiple of 4096 (O_DIRECT), got {recipe.zero.aio.block_size}.")
 

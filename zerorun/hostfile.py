@@ -19,6 +19,7 @@ Unlike DeepSpeed, `--num-gpus` above a host's slot count is an error rather than
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -30,6 +31,21 @@ _SLOTS = "slots="
 _EXPECTED_LINE = "expected 'HOSTNAME slots=N', e.g. 'worker-0 slots=4' (DeepSpeed hostfile format)"
 _EXPECTED_FILTER = "expected NAME[:SLOT[,SLOT...]] joined by '@', e.g. 'worker-0@worker-1:0,2'"
 _NUMBER = re.compile(r"[0-9]+")  # str.isdigit() would also accept '²'
+# A host name: letters, digits, '-', '_' and '.', starting and ending with a letter or digit (RFC 1123,
+# with '_' as ssh and DNS in practice allow it); or an IP address. Nothing ssh could read as an option.
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,251}[A-Za-z0-9_])?")
+HOST_GRAMMAR = "a host name (letters, digits, '-', '_', '.'; not starting with '-') or an IP address"
+
+
+def valid_host(host: str) -> bool:
+    """Whether `host` is a host name or an IP address (never an option, a user@, a port or a path)."""
+    if _HOST_NAME.fullmatch(host):
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -87,6 +103,10 @@ def _parse_entry(entry: str, where: str) -> tuple[str, int]:
     host, *rest = entry.split()
     if host.startswith(_SLOTS):
         raise _line_error(where, entry, "the host name is missing")
+    if not valid_host(host):
+        meant = " ".join([host.rstrip(":"), *rest])
+        hint = f"; did you mean {meant!r}?" if host.endswith(":") and valid_host(host.rstrip(":")) else ""
+        raise HostfileError(f"{str(_line_error(where, entry, f'{host!r} is not {HOST_GRAMMAR}'))}{hint}")
     if not rest:
         raise _line_error(where, entry, f"host {host!r} has no slot count")
     if not rest[0].startswith(_SLOTS):

@@ -1,15 +1,17 @@
 """NVMe offload files: where a job keeps them, how a directory is checked, how they are found and removed.
 
-    <nvme_path>/<run name>/rank-<r>/...*.bin       one rank's files: the optimizer's state, and under
+    <nvme_path>/<job id>/rank-<r>/...*.bin         one rank's files: the optimizer's state, and under
                                                    params/ stage 3's parameter shard (offload_param: nvme)
+
+The directory is the launch's job id (`owner`), never the run name: two jobs of one name on one
+disk would otherwise truncate and overwrite each other's files (outside a launch: the run name).
 
 Both sides use this module (it needs only the standard library, so the launcher does not pay
 for importing torch):
 - the runtime checks a path before a rank preallocates its files (`check_nvme_path`). Inside a
   launch the free space is checked for *every rank of the node together*: the ranks of one node
   share the disk, and each rank alone fitting said nothing about all of them. Files already at
-  the node's own rank directories count as free, since the store truncates them (a previous run
-  of the same name that was killed left them there);
+  the node's own rank directories count as free, since the store truncates them;
 - the launcher checks each node's paths before any worker starts (`inspect_path`, through the
   preflight), and removes the node's rank directories however the job ends (`remove_rank_dirs`,
   run by the node supervisor on that node: the workers may be dead by then).
@@ -28,15 +30,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerorun.errors import ZerorunError
+from zerorun.launch import JOB_ID_ENV
 
 ALIGN = 4096  # O_DIRECT block and buffer alignment
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 PARAMS = "params"  # the parameter store's subdirectory of a rank directory
 
 
-def rank_dir(nvme_path: str | os.PathLike, run: str | None, rank: int) -> Path:
-    """`<nvme_path>/<run>/rank-<r>/`: one directory per rank, so ranks sharing a disk never collide."""
-    return Path(nvme_path) / (run or "zerorun") / f"rank-{rank}"
+def rank_dir(nvme_path: str | os.PathLike, owner: str | None, rank: int) -> Path:
+    """`<nvme_path>/<owner>/rank-<r>/`: one directory per job and rank, so nothing sharing a disk collides."""
+    return Path(nvme_path) / (owner or "zerorun") / f"rank-{rank}"
+
+
+def owner(run: str | None) -> str | None:
+    """Whose offload files a worker writes: its launch's job id, else (a script run by hand) the run name."""
+    return os.environ.get(JOB_ID_ENV) or run
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,7 @@ def describe(files: Sequence[FoundFile], limit: int = 4) -> str:
     for f in files:
         rank = next((p for p in f.path.parents if p.name.startswith("rank-")), f.path.parent)
         groups.setdefault(rank, []).append(f)
-    shown = [f"{d} ({len(fs)} file{'s' if len(fs) != 1 else ''}, {gib(sum(x.size for x in fs))})"
+    shown = [f"{d} ({len(fs)} file{'s' if len(fs) != 1 else ''}, {size_text(sum(x.size for x in fs))})"
              for d, fs in list(groups.items())[:limit]]
     more = f" and {len(groups) - limit} more" if len(groups) > limit else ""
     return ", ".join(shown) + more
@@ -140,11 +148,11 @@ def check_nvme_path(path: str | os.PathLike | None, key: str, need_bytes: int, s
     need = need_bytes * max(1, len(stores))
     if free + before >= need:
         return
-    who = f"the {len(stores)} ranks of this node need {gib(need)} ({gib(need_bytes)} each)" if len(stores) > 1 \
-        else f"this rank's offload files need {gib(need)}"
+    who = f"the {len(stores)} ranks of this node need {size_text(need)} ({size_text(need_bytes)} each)" if len(stores) > 1 \
+        else f"this rank's offload files need {size_text(need)}"
     stale = stale_files(path, keep=[d if d.name != PARAMS else d.parent for d in stores])
     found = f"; stale zerorun offload files there: {describe(stale)} (remove them if no job uses them)" if stale else ""
-    raise ZerorunError(f"{key}: {path} has {gib(free)} free, but {who}{found}; free space there or choose a larger "
+    raise ZerorunError(f"{key}: {path} has {size_text(free)} free, but {who}{found}; free space there or choose a larger "
                        "disk.")
 
 
@@ -209,5 +217,9 @@ def filesystem_type(path: Path) -> str:
     return kind
 
 
-def gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+def size_text(nbytes: int) -> str:
+    """A size in the unit that shows it: "0.00 GiB free ... need 0.00 GiB" said nothing on a small disk."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} bytes"

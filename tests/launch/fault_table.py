@@ -27,7 +27,8 @@ import psutil
 from tests.launch.launched import SCRIPTS, LaunchedJob, write_recipe
 
 TINY = str(Path(__file__).resolve().parents[1] / "telemetry" / "scripts" / "tiny_train.py")
-_CAUSE = re.compile(r"^(zerorun: (job \S+ stopped.*|lost contact.*|.*failed.*|error: .*|warning: .*)|\S*Error: .*)$")
+_CAUSE = re.compile(r"^(zerorun: (job \S+ stopped.*|lost contact.*|.*failed.*|error: .*|warning: .*)|\S*Error: .*|"
+                    r"\[\S+\] zerorun: error: .*)$")
 
 
 @dataclass
@@ -110,6 +111,10 @@ def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
             os.kill(_pid_of(job, "localhost:1"), sig)
         return fault
 
+    def kill_relay(job: LaunchedJob) -> None:  # the process torchrun started for rank 1: no exit record from it
+        _wait_steps(job)
+        psutil.Process(_pid_of(job, "localhost:1")).parent().kill()
+
     def signal_launcher(sig: int, again: bool = False, kill_after_s: float | None = None):
         def fault(job: LaunchedJob) -> None:
             job.wait_for("ready", count=2, timeout=120)
@@ -134,6 +139,9 @@ def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
                                      lambda job: job.wait_for("rank 1 line 24", timeout=120)),
         "rank SIGKILL": lambda: _run("rank SIGKILL", fresh("kill"), local(TINY, ["--step-delay", "0.05"], **slow),
                                      kill_rank(signal.SIGKILL)),
+        "rank SIGKILL with its relay (torchrun's child)": lambda: _run(
+            "rank SIGKILL with its relay (torchrun's child)", fresh("kill-relay"),
+            local(TINY, ["--step-delay", "0.05"], **slow), kill_relay),
         "rank hangs (collective timeout 10 s)": lambda: _run(
             "rank hangs (collective timeout 10 s)", fresh("hang"),
             local(TINY, ["--sleep-rank", "1", "--sleep-at", "3", "--sleep-s", "120"], nproc_per_node=2,
@@ -162,6 +170,22 @@ def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
         "NVMe offload, rank SIGKILL": lambda: nvme_case("NVMe offload, rank SIGKILL", kill_rank(signal.SIGKILL)),
     }
     table["runs/ disk full (tmpfs of 16 KiB)"] = lambda: _full_runs_disk(fresh("full"))
+    table["second job on a running job's checkpoint.dir"] = lambda: _second_job(fresh("second"))
+    table["checkpoint disk full (tmpfs of 256 KiB, a save every step)"] = lambda: _full_checkpoint_disk(fresh("ckptfull"))
+    table["forged telemetry: a hello without the token, a bad record"] = lambda: _run(
+        "forged telemetry: a hello without the token, a bad record", fresh("forged"),
+        local(TINY, ["--step-delay", "0.05"], **slow), _forge_then_stop)
+    table["rank OOM-killed (a memory cgroup of 200 MB)"] = lambda: _oom_kill(fresh("oom"))
+    bomb = "d0: &d0 {" + ", ".join(f"k{j}: 1" for j in range(9)) + "}\n" + "".join(
+        f"d{i}: &d{i} {{" + ", ".join(f"k{j}: *d{i - 1}" for j in range(9)) + "}\n" for i in range(1, 9))
+    for case, extra, hosts in [("YAML alias bomb (under 1 KB)", bomb, None),
+                               ("tagged YAML (!!python/object/apply)", "x: !!python/object/apply:os.getpid []\n", None),
+                               ("env key 'A=B'", "env: {'A=B': c}\n", None),
+                               ("recipe of 150 KiB", "env: {" + ", ".join(f"P{i}: {'x' * 1000}" for i in range(150))
+                                + "}\n", None),
+                               ("hostfile line 'localhost: slots=2'", "", "localhost: slots=2\n"),
+                               ("hostfile host '-V'", "", "-V slots=1\n")]:
+        table[case] = lambda case=case, extra=extra, hosts=hosts: _bad_input(case, fresh(case[:12]), extra, hosts)
     table.update(_ssh_cases(work_root, fresh))
     return table
 
@@ -180,6 +204,76 @@ def _full_runs_disk(work: Path) -> Row:
         return _run("runs/ disk full (tmpfs of 16 KiB), 40 steps succeed", work, start, lambda job: None)
     finally:
         subprocess.run(["umount", "-l", str(runs)])
+
+
+def _full_checkpoint_disk(work: Path) -> Row:
+    """A job saving every step into a 256 KiB file system: how the save that finds it full ends (needs root)."""
+    import subprocess
+
+    ckpt = work / "ckpt"
+    ckpt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(ckpt)]).returncode != 0:
+        return Row("checkpoint disk full", None, None, "(cannot mount here)", "-")
+    try:
+        start = lambda w: LaunchedJob.start(write_recipe(w, "train_checkpointed.py", [], train={"steps": 500},  # noqa: E731
+                                                         checkpoint={"dir": str(ckpt), "every_steps": 1}), cwd=w)
+        return _run("checkpoint disk full (tmpfs of 256 KiB, a save every step)", work, start, lambda job: None)
+    finally:
+        subprocess.run(["umount", "-l", str(ckpt)])
+
+
+def _second_job(work: Path) -> Row:
+    """A job started on the checkpoint.dir (and run name) of a job that is running: the second one's ending."""
+    keys = {"name": "shared", "checkpoint": {"dir": str(work / "ckpt")}}
+    first = LaunchedJob.start(write_recipe(work, "stubborn.py", [], **keys), cwd=work)
+    try:
+        first.wait_for("ready", count=2, timeout=120)
+        (work / "second").mkdir()
+        start = lambda w: LaunchedJob.start(write_recipe(w, "stubborn.py", [], **keys), cwd=w)  # noqa: E731
+        return _run("second job on a running job's checkpoint.dir", work / "second", start, lambda job: None)
+    finally:
+        first.cleanup()
+
+
+def _forge_then_stop(job: LaunchedJob) -> None:
+    """Speak to the job's collector as a stranger would: no token, then a record that breaks the schema."""
+    import socket
+
+    _wait_steps(job)
+    env = psutil.Process(_pid_of(job, "localhost:0")).environ()
+    host, port = env["ZERORUN_TELEMETRY"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b'{"type":"hello","rank":0,"t":1,"host":"innocent","pid":1,"pid_start":null}\n'
+                     b'{"type":"sample","rank":0,"t":1,"cuda":5}\n')
+    time.sleep(2.0)
+    job.send(signal.SIGINT)
+
+
+def _oom_kill(work: Path) -> Row:
+    """Rank 1 moves into a memory cgroup of 200 MB and allocates 600 MB: the kernel's OOM killer ends it."""
+    from tests.launch.test_hostile import OOM_SCRIPT, _memory_cgroup
+
+    group = _memory_cgroup(200 << 20)
+    if group is None:
+        return Row("rank OOM-killed", None, None, "(cannot make a memory cgroup here)", "-")
+    try:
+        (work / "oom.py").write_text(OOM_SCRIPT)
+        start = lambda w: LaunchedJob.start(write_recipe(w, str(w / "oom.py"), [str(group / "cgroup.procs")],  # noqa: E731
+                                                         telemetry={"interval_s": 0.2}), cwd=w)
+        return _run("rank OOM-killed (a memory cgroup of 200 MB)", work, start, lambda job: None)
+    finally:
+        group.rmdir()
+
+
+def _bad_input(case: str, work: Path, extra: str, hosts: str | None) -> Row:
+    """A launch of a recipe with `extra` appended (and a hostfile of `hosts`): how it is refused, or that it runs."""
+    recipe = write_recipe(work, "allreduce.py")
+    flags: list[str] = []
+    if hosts is not None:
+        (work / "hosts").write_text(hosts)
+        flags = ["--hostfile", str(work / "hosts")]
+    recipe.write_text(recipe.read_text() + extra)
+    return _run(case, work, lambda w: LaunchedJob.start(recipe, *flags, cwd=w), lambda job: None)
 
 
 def _ssh_cases(work_root: Path, fresh: Callable[[str], Path]) -> dict[str, Callable[[], Row]]:

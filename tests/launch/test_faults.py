@@ -186,3 +186,64 @@ def test_the_root_failure_is_the_first_rank_that_was_not_waiting_for_the_others(
     supervisor._failures = [RankExit("b", 1, 1, None)]  # an exception while waiting: its peer is named
     outcome = supervisor._outcome_of_failure()
     assert outcome.rank == 0 and outcome.cause.endswith("rank 1 on b failed waiting for it (exit code 1)")
+
+
+def test_a_rank_whose_relay_was_killed_is_named_from_torchruns_line_not_the_peer_torchrun_sigtermed():
+    from zerorun import config
+    from zerorun.hostfile import Node
+    from zerorun.launch import streams
+    from zerorun.launch.plan import MachineFacts, plan
+    from zerorun.launch.streams import RankExit
+    from zerorun.launch.supervisor import Supervisor
+
+    line = b"E1126 12:56:39.840000 6636 api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 6660) of binary: py"
+    assert streams.torchrun_exit(line, "a", 2) == RankExit("a", 3, None, 9, by_torchrun=True)
+    assert streams.torchrun_exit(b"Sending process 6659 closing signal SIGTERM", "a", 0) is None
+    recipe = config.from_dict({"script": "/x/t.py"})
+    launch_plan = plan(recipe, [Node("a", (0, 1))], "j", 1, MachineFacts(2, "py"))
+    supervisor = Supervisor(launch_plan, [_Exited("a", "j")])
+    supervisor._failures = [RankExit("a", 0, None, 15)]  # torchrun's SIGTERM to the survivor: its own record
+    supervisor._handle(0, 2, line)  # the killed rank's only trace (before: rank 0 was blamed, exit code 143)
+    outcome = supervisor._outcome_of_failure()
+    assert (outcome.rank, outcome.exit_code) == (1, 137)
+    assert outcome.cause.startswith("rank 1 on a failed (killed by SIGKILL; its output relay died with it")
+
+
+class _Exited:
+    """A transport whose node has exited, its pipes closed."""
+
+    def __init__(self, host: str, job_id: str) -> None:
+        self.host, self.job_id = host, job_id
+
+    def poll(self) -> int:
+        return 1
+
+    def lost_link(self, silent_s: float) -> None:
+        return None
+
+
+def test_stopping_many_nodes_asks_every_node_at_once_and_waits_on_a_bounded_pool():
+    from zerorun import config
+    from zerorun.hostfile import Node
+    from zerorun.launch import supervisor as module
+    from zerorun.launch.plan import MachineFacts, plan
+    from zerorun.launch.supervisor import Supervisor
+
+    from tests.harness import Concurrency
+
+    counter, asked = Concurrency(), []
+
+    class Counting(_Exited):
+        def request_stop(self) -> None:
+            asked.append(self.host)
+
+        def stop(self, grace_s: float) -> int:
+            assert len(asked) == 300  # every node heard "stop" before any is waited for
+            with counter:
+                return 0
+
+    recipe = config.from_dict({"script": "/x/t.py"})
+    nodes = [Node(f"n{i}", (0,)) for i in range(300)]
+    launch_plan = plan(recipe, nodes, "j", 1, MachineFacts(2, "py"))
+    Supervisor(launch_plan, [Counting(n.host, "j") for n in nodes])._stop_all()
+    assert 1 < counter.most <= module.STOP_CONCURRENCY  # (before: 300 threads at once)

@@ -87,3 +87,15 @@ def test_the_node_removes_its_offload_files_however_the_job_ends(tmp_path: Path)
     notes = _notes(proc.stderr.read())
     assert any("removed 3 NVMe offload file(s) of this job on node-b" in note for note in notes), notes
     assert not (tmp_path / "nvme" / "run").exists() and (tmp_path / "nvme" / "keep.txt").exists()
+
+
+def test_the_node_removes_the_shared_memory_segments_its_job_left_and_no_others(tmp_path):
+    from zerorun.launch import shm_prefix
+    from zerorun.launch.node import remove_shm_segments
+
+    mine = [f"{shm_prefix('job-1')}{pid}-abc" for pid in (11, 12)]  # a rank killed while the ranks mapped it
+    others = [f"{shm_prefix('job-2')}13-abc", "zerorun-14-abc", "other"]
+    for name in mine + others:
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(remove_shm_segments("job-1", str(tmp_path))) == sorted(mine)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(others)

@@ -220,7 +220,7 @@ def test_env_file_is_read_from_the_working_directory_first(tmp_path: Path, monke
 def test_ssh_argv_puts_recipe_options_before_zerorun_defaults_so_they_win():
     ssh = config.SSHConfig(port=2222, user="ada", identity_file="~/.ssh/k", options=["ServerAliveInterval=1"])
     argv = ssh_argv(ssh, "worker-1", "exec true")
-    assert argv[:3] == ["ssh", "-T", "-x"] and argv[-3:] == ["worker-1", "--", "exec true"]
+    assert argv[:3] == ["ssh", "-T", "-x"] and argv[-3:] == ["--", "worker-1", "exec true"]
     assert argv[argv.index("-p") + 1] == "2222" and argv[argv.index("-l") + 1] == "ada"
     assert not argv[argv.index("-i") + 1].startswith("~")
     options = [argv[i + 1] for i, arg in enumerate(argv) if arg == "-o"]
@@ -236,3 +236,46 @@ def test_master_addr_and_port_options_override_the_recipe(recipe_file: Path):
 def test_job_ids_are_unique_and_readable():
     ids = {launcher.new_job_id("my run/1") for _ in range(100)}
     assert len(ids) == 100 and all(i.startswith("my_run_1-") for i in ids)
+
+
+def test_a_host_name_is_never_an_ssh_option():
+    from zerorun.errors import LaunchError
+
+    argv = ssh_argv(config.SSHConfig(), "::1", "exec true")
+    assert argv[-3:] == ["--", "::1", "exec true"]  # `--` first: whatever the host, ssh reads it as the host
+    for bad in ("-V", "-oProxyCommand=touch /tmp/x", "user@host", "host:22", "a b", ""):
+        with pytest.raises(LaunchError, match="is not a host name"):  # (before: `ssh ... -V -- cmd` ran ssh -V)
+            ssh_argv(config.SSHConfig(), bad, "exec true")
+
+
+def test_preflight_probes_many_hosts_with_bounded_concurrency(monkeypatch):
+    from tests.harness import Concurrency
+    from zerorun.hostfile import Node
+    from zerorun.launch import preflight
+    from zerorun.launch.plan import MachineFacts, plan
+
+    recipe = config.from_dict({"script": "/x/t.py"})
+    nodes = [Node(f"node-{i}", (0,)) for i in range(300)]
+    launch_plan = plan(recipe, nodes, "j", 1, MachineFacts(2, "py"))
+    counter = Concurrency()
+
+    def fake_check(launch_plan, node, script, expected, nvme_paths):  # noqa: ANN001, ANN202 - no ssh started
+        with counter:
+            return preflight.HostCheck(node.host)
+
+    monkeypatch.setattr(preflight, "check_host", fake_check)
+    checks = preflight._host_checks(launch_plan)
+    assert [c.host for c in checks] == [n.host for n in nodes]
+    assert 1 < counter.most <= preflight.SSH_CONCURRENCY  # (before: 300 threads and 300 ssh at once)
+
+
+def test_nvme_offload_directories_are_the_jobs_not_the_run_names():
+    from zerorun.hostfile import Node
+    from zerorun.launch.plan import MachineFacts, plan
+
+    recipe = config.from_dict({"script": "/x/t.py", "name": "same", "zero": {
+        "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}})
+    first = plan(recipe, [Node("a", (0, 1))], "same-1", 1, MachineFacts(2, "py"))
+    second = plan(recipe, [Node("a", (0, 1))], "same-2", 1, MachineFacts(2, "py"))
+    assert first.nodes[0].offload_dirs == ("/nvme/same-1/rank-0", "/nvme/same-1/rank-1")  # (before: /nvme/same/...)
+    assert set(first.nodes[0].offload_dirs).isdisjoint(second.nodes[0].offload_dirs)

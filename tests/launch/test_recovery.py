@@ -84,10 +84,10 @@ def test_the_launcher_says_where_the_next_attempt_resumes(tmp_path):
 
     recipe = config.from_dict({"script": "t.py", "checkpoint": {"dir": str(tmp_path)}})
     assert resume_point(recipe, rank_failed(step=7)) == ("no checkpoint to resume from: the job starts again from "
-                                                        "step 0 with the same seed; the job had reached step 7")
+                                                        "step 0 with the same seed; telemetry last saw step 7")
     (tmp_path / "latest").write_text("step-4\n")
-    assert resume_point(recipe, rank_failed(step=7)) == (f"resuming from checkpoint step-4 in {tmp_path}; the job "
-                                                        "had reached step 7; steps 5-7 run again")
+    assert resume_point(recipe, rank_failed(step=7)) == (f"resuming from checkpoint step-4 in {tmp_path}; telemetry "
+                                                        "last saw step 7; steps 5-7 run again")
     # telemetry lags the workers (and a SIGKILLed rank's last records never come): a step behind the
     # checkpoint is said to be what telemetry saw, never turned into a backwards range "steps 5-2"
     assert resume_point(recipe, rank_failed(step=2)) == (f"resuming from checkpoint step-4 in {tmp_path}; telemetry "

@@ -349,3 +349,31 @@ def test_a_same_tag_save_interrupted_between_its_renames_keeps_the_old_copy_and_
     checkpoint.clean_crashed_saves(ckpt)  # what the next save does first
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-10"]
     assert list(checkpoint.consolidate(ckpt)) == list(make_model().state_dict())
+
+
+def test_a_full_checkpoint_disk_names_the_path_and_the_checkpoint_kept(tmp_path: Path):
+    import subprocess
+
+    from zerorun.errors import ZerorunError
+    from zerorun.runtime.checkpoint_format import write_tensors
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        from zerorun.runtime.checkpoint_format import MANIFEST
+
+        for tag in ("step-1", "step-5"):
+            (root / tag).mkdir()
+            (root / tag / MANIFEST).write_text("{}")
+        (root / "latest").write_text("step-5\n")
+        (root / ".tmp-step-10").mkdir()
+        target = root / ".tmp-step-10" / "rank-00000.safetensors"
+        with pytest.raises(ZerorunError) as err:  # (before: safetensors' traceback, no path)
+            write_tensors(target, {"master.0": torch.zeros(1 << 20)})  # 4 MiB on a 1 MiB disk
+        assert str(err.value).startswith(f"{target}: no space left on the checkpoint disk (")
+        assert "the last complete checkpoint, step-5, is kept; tags there: step-1, step-5." in str(err.value)
+        assert not target.exists()  # the partial file gives its space back
+    finally:
+        subprocess.run(["umount", "-l", str(root)])

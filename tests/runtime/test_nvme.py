@@ -298,8 +298,8 @@ def test_missing_path_or_file_names_the_key(tmp_path: Path) -> None:
 
 def test_not_enough_free_space_says_how_much(direct_io_dir: Path) -> None:
     free = shutil.disk_usage(direct_io_dir).free
-    with pytest.raises(ZerorunError, match=rf"{KEY}: {direct_io_dir} has [\d.]+ GiB free, but this rank's offload "
-                                           r"files need [\d.]+ GiB"):
+    with pytest.raises(ZerorunError, match=rf"{KEY}: {direct_io_dir} has [\d.]+ (GiB|MiB|KiB) free, but this rank's offload "
+                                           r"files need [\d.]+ (GiB|MiB|KiB)"):
         check_nvme_path(str(direct_io_dir), KEY, need_bytes=free + 2**40)
 
 
@@ -348,3 +348,11 @@ def test_a_file_system_refusing_o_direct_is_named(direct_io_dir: Path, monkeypat
     monkeypatch.setattr(nvme.os, "open", no_direct)
     with pytest.raises(ZerorunError, match=f"{KEY}: {direct_io_dir} .* refuses O_DIRECT I/O.*real disk"):
         check_nvme_path(str(direct_io_dir), KEY, 1)
+
+
+def test_sizes_in_messages_use_a_unit_that_shows_them() -> None:
+    from zerorun.offload_files import size_text
+
+    # (before: "0.00 GiB free ... need 0.00 GiB" on a small disk)
+    assert [size_text(n) for n in (512, 3 * 2**10, 5 * 2**20 + 2**19, 3 * 2**30)] == \
+        ["512 bytes", "3.00 KiB", "5.50 MiB", "3.00 GiB"]

@@ -36,7 +36,9 @@ def test_two_ranks_stream_every_step_memory_equals_engine_memory_plain_summaries
     assert job.wait() == 0, job.output
     recs = records(tmp_path)
     assert recs[0]["type"] == "job" and recs[0]["world_size"] == 2 and recs[0]["steps"] == 5
-    assert recs[-1] == {"type": "end", "exit_code": 0, "t": recs[-1]["t"]}
+    assert recs[-1] == {"type": "end", "exit_code": 0, "t": recs[-1]["t"], "job_id": recs[0]["job_id"]}
+    assert all(r["job_id"] == recs[0]["job_id"] for r in recs)  # every record says its job: the report never mixes
+    assert not any("telemetry: dropped" in line or "did not prove" in line for line in job.stderr), job.output
     pids = set(job.worker_pids())
     for rank in (0, 1):
         (hello,) = of(recs, "hello", rank)

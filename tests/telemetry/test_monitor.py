@@ -82,3 +82,20 @@ def test_a_stall_is_reported_once_per_stall_s_and_never_signals_a_pid_that_is_no
     assert "zerorun: all ranks: rank 0 on localhost at step 4, in main (train.py:7)" in shown
     assert f"rank 0 on localhost: no stack: pid {os.getpid()} is a different process now" in shown
     assert "rank 1 on far-away: no stack: on another machine" in shown
+
+
+def test_the_stall_watch_signals_only_a_process_that_carries_the_jobs_id():
+    import os
+
+    import psutil
+
+    from zerorun.launch.monitor import verified_pid
+
+    me = psutil.Process()
+    assert verified_pid(os.getpid(), me.create_time(), "job-1") == f"pid {os.getpid()} is not a process of job job-1"
+    assert verified_pid(os.getpid(), me.create_time() - 100, "job-1").endswith("is a different process now")
+    from zerorun.launch.monitor import _signal_stack
+    from zerorun.telemetry.state import RankState
+
+    unverified = RankState(0, host="localhost", pid=os.getpid(), pid_start=None)  # (before: signalled unchecked)
+    assert _signal_stack(unverified, "job-1") == "it never said hello"

@@ -8,7 +8,8 @@
 id, the working directory and its `.zerorun_env`) and hands them to the pure `plan.plan`; inside a
 Slurm allocation (unless a hostfile or `--launcher` says otherwise) the allocation's nodes go to
 `slurm.plan_step` instead, which plans one srun step for them all. `run`
-checks every node (`preflight`: SSH hosts, NVMe paths), picks a transport per node, starts the telemetry
+takes the job's directories (`ownership`: a second job on the same run name or checkpoint.dir is
+refused), checks every node (`preflight`: SSH hosts, NVMe paths), picks a transport per node, starts the telemetry
 monitor (collector, live view, stall watch) unless the recipe turned it off, tells the workers its
 address, and lets the supervisor drive the job.
 """
@@ -31,13 +32,13 @@ from zerorun import config, hostfile
 from zerorun.config import Recipe
 from zerorun.errors import HostfileError, LaunchError
 from zerorun.hostfile import Node
-from zerorun.launch import preflight, recovery, slurm
+from zerorun.launch import ownership, preflight, recovery, slurm
 from zerorun.launch.devices import gpu_count
 from zerorun.launch.plan import LaunchPlan, MachineFacts, NodeCommand, is_local, plan, render, with_env
 from zerorun.launch.ssh import SSHTransport
 from zerorun.launch.supervisor import Ending, Outcome, Supervisor
 from zerorun.launch.transport import LocalTransport, Transport
-from zerorun.telemetry import ADDRESS_ENV
+from zerorun.telemetry import ADDRESS_ENV, TOKEN_ENV
 
 if TYPE_CHECKING:
     from zerorun.launch.monitor import Monitor
@@ -118,7 +119,17 @@ def run(launch_plan: LaunchPlan) -> int:
     return the launcher's exit code (the last attempt's)."""
     if importlib.util.find_spec("torch") is None:
         raise LaunchError(f"torch is not installed for {sys.executable}; zerorun runs workers with torchrun.")
-    preflight.check(launch_plan)
+    claim = ownership.claim_paths(launch_plan)  # runs/<name>/ and checkpoint.dir are this job's until it ends
+    try:
+        for note in claim.notes:
+            _say(f"warning: {note}")
+        preflight.check(launch_plan)
+        return _run_attempts(launch_plan)
+    finally:
+        claim.release()
+
+
+def _run_attempts(launch_plan: LaunchPlan) -> int:
     monitor = _start_monitor(launch_plan)
     policy = _policy(launch_plan)
     base_job_id = launch_plan.job_id  # attempt k runs as <base>-r<k>: its processes apart from the last one's
@@ -150,7 +161,7 @@ def _attempt(launch_plan: LaunchPlan, monitor: Monitor | None) -> Outcome:
     if is_local(launch_plan.nodes[0].host):
         _check_port_free(launch_plan.master_addr, launch_plan.master_port)
     if monitor is not None:
-        launch_plan = with_env(launch_plan, {ADDRESS_ENV: monitor.address})
+        launch_plan = with_env(launch_plan, {ADDRESS_ENV: monitor.address, TOKEN_ENV: monitor.token})
     supervisor = Supervisor(launch_plan, transports, output=monitor, witness=monitor)
     supervisor.run()
     assert supervisor.outcome is not None
@@ -168,7 +179,7 @@ def _policy(launch_plan: LaunchPlan) -> recovery.Policy:
 
 
 def _failure(outcome: Outcome, monitor: Monitor | None) -> recovery.Failure:
-    step = monitor.last_step(outcome.host, outcome.rank) if monitor is not None else None
+    step = monitor.last_step() if monitor is not None else None
     return recovery.Failure(outcome.ending, outcome.cause, outcome.exit_code, outcome.host, outcome.rank, step)
 
 
@@ -217,7 +228,7 @@ def replan(launch_plan: LaunchPlan, nodes: Sequence[Node], batch: recovery.Batch
 
 def resume_point(recipe: Recipe, failure: recovery.Failure) -> str:
     """Where the next attempt resumes: the checkpoint `latest` names (the engine's auto-resume loads it)."""
-    reached = f"; the job had reached step {failure.step}" if failure.step is not None else ""
+    reached = f"; telemetry last saw step {failure.step}" if failure.step is not None else ""
     directory = recipe.checkpoint.dir
     tag = _latest_tag(directory) if directory and recipe.checkpoint.resume == "auto" else None
     if tag is None:

@@ -17,7 +17,12 @@ monitor says which ranks are behind (the lowest step; at equal steps, the ranks 
 a collective) and sends SIGUSR1 to every rank's training process. The worker bootstrap registered
 `faulthandler` for SIGUSR1, so each prints all its threads' Python stacks on stderr, which the
 relay prefixes with `[host:rank]`. Only pids that a `hello` announced, on this machine, with the
-same process start time, are signalled. It repeats every `stall_s` while the stall lasts, and
+same process start time and this job's id in their environment, are signalled (`verified_pid`).
+
+The collector listens on loopback when every node is local; otherwise on the address this host's
+name resolves to (the one the workers are told), falling back to every interface only when that
+address is not one of this machine's. It accepts only connections that prove the job's token (a
+random secret per job, `TOKEN_ENV` in the workers' environment). It repeats every `stall_s` while the stall lasts, and
 stops watching once every rank has reached `train.steps`.
 """
 
@@ -25,7 +30,9 @@ from __future__ import annotations
 
 import io
 import json
+import ipaddress
 import os
+import secrets
 import signal
 import socket
 import time
@@ -38,6 +45,7 @@ from rich.live import Live
 from rich.text import Text
 
 from zerorun import config
+from zerorun.launch import JOB_ID_ENV
 from zerorun.launch.plan import LaunchPlan, is_local
 from zerorun.launch.supervisor import Output
 from zerorun.telemetry import RUNS_DIR, console
@@ -60,8 +68,10 @@ class Monitor(Output):
         self.telemetry = plan.telemetry
         self.path = Path(runs_dir) / plan.name / "telemetry.jsonl"
         local = all(is_local(node.host) for node in plan.nodes)
-        self.collector = Collector(self.path, bind_host="127.0.0.1" if local else "",
-                                   advertise_host="127.0.0.1" if local else socket.getfqdn())
+        self.token = secrets.token_hex(32)
+        advertise = "127.0.0.1" if local else socket.getfqdn()
+        self.collector = Collector(self.path, bind_host="127.0.0.1" if local else bind_address(advertise),
+                                   advertise_host=advertise, token=self.token, job_id=plan.job_id)
         self.state = self.collector.state
         self.live = _is_terminal(self.files[1], self.files[2]) if live is None else live
         self._width = width
@@ -71,7 +81,7 @@ class Monitor(Output):
         self._plain = (0, -1, 0.0)  # (step, tenth, time) of the last plain summary line
         self._stalled_at: float | None = None
         self.address: str | None = None  # host:port the workers report to, once started
-        self._warned: set[str] = set()  # files and sinks already warned about
+        self._warned: set[str] = set()  # files, sinks and dropped records already warned about
 
     def start(self) -> str:
         """Start the collector (and the live region); return the address workers report to."""
@@ -144,6 +154,14 @@ class Monitor(Output):
         problems = [(str(self.path), collector.write_error, f"it stops after about {collector.written} records")] \
             if collector.write_error else []
         problems += [(name, exc, "nothing more goes there") for name, exc in collector.sink_errors]
+        if collector.rejected and "records" not in self._warned:
+            self._warned.add("records")
+            self._say(f"warning: telemetry: dropped a record that does not match the telemetry schema "
+                      f"({collector.rejected_reason}); later ones are dropped without a word")
+        if collector.refused and "connections" not in self._warned:
+            self._warned.add("connections")
+            self._say("warning: telemetry: closed a connection that did not prove the job's token (not one of "
+                      "this job's workers)")
         for what, exc, consequence in problems:
             if what not in self._warned:
                 self._warned.add(what)
@@ -152,16 +170,17 @@ class Monitor(Output):
                 self._say(f"warning: telemetry: cannot write {what} ({reason}); {consequence}; the live view and "
                           "summary go on, and the job's exit code is the workers'")
 
-    def last_step(self, host: str | None, rank: int | None) -> int | None:
-        """The last step a culprit finished (a rank's, else the lowest of its host's ranks), if telemetry knows."""
+    def last_step(self) -> int | None:
+        """The furthest step any rank reported (telemetry lags the workers by up to a flush interval, and
+        a killed rank's last records never come: the culprit's own count may be far behind its peers')."""
         with self.collector.lock:
-            ranks = [r for r in self.state.ranks.values() if (r.rank == rank if rank is not None else r.host == host)]
-            return min((r.step for r in ranks), default=None)
+            return max((r.step for r in self.state.ranks.values() if r.steps_seen), default=None)
 
     def restarted(self, plan: LaunchPlan, attempt: int, cause: str, decision: str, failed_at: float,
                   torn_down_at: float) -> None:
         """A new attempt starts: say so in the stream (the state starts its ranks over) and watch it afresh."""
         self.plan = plan
+        self.collector.job_id = plan.job_id
         self.collector.record({"type": "restart", "attempt": attempt, "job_id": plan.job_id,
                                "world_size": plan.world_size, "cause": cause, "decision": decision,
                                "failed_at": failed_at, "torn_down_at": torn_down_at, "t": time.time()})
@@ -173,6 +192,12 @@ class Monitor(Output):
         with self.collector.lock:
             state = self.state.ranks.get(rank)
             return state is not None and state.waiting
+
+    def last_rss(self, rank: int) -> int | None:
+        """The supervisor's witness: the rank's resident memory in its last sample."""
+        with self.collector.lock:
+            state = self.state.ranks.get(rank)
+            return state.rss if state is not None else None
 
     def culprit(self, failed_rank: int) -> Culprit | None:
         """The supervisor's witness: the rank `failed_rank` was waiting for when it failed, if any."""
@@ -240,7 +265,7 @@ class Monitor(Output):
             self._say(line)
         self.collector.record(record)
         for r in ranks:
-            problem = _signal_stack(r)
+            problem = _signal_stack(r, self.plan.job_id)
             if problem:
                 self._say(f"rank {r.rank} on {r.host}: no stack: {problem}")
 
@@ -272,22 +297,51 @@ def _rank_spot(r: RankState) -> str:
     return f"rank {r.rank} on {r.host} at step {r.step}, {r.describe_where()}"
 
 
-def _signal_stack(r: RankState) -> str | None:
+def _signal_stack(r: RankState, job_id: str) -> str | None:
     """Ask one rank's training process for its stacks; a reason when it cannot be asked."""
-    if r.pid is None:
+    if r.pid is None or r.pid_start is None:
         return "it never said hello"
     if not is_local(r.host):
         return "on another machine (stacks come from this machine's workers only)"
     try:
-        proc = psutil.Process(r.pid)
-        if r.pid_start is not None and abs(proc.create_time() - r.pid_start) > 1.0:
-            return f"pid {r.pid} is a different process now"
-        proc.send_signal(STACK_SIGNAL)
+        problem = verified_pid(r.pid, r.pid_start, job_id)
+        if problem:
+            return problem
+        psutil.Process(r.pid).send_signal(STACK_SIGNAL)
     except psutil.NoSuchProcess:
         return f"pid {r.pid} has exited"
     except psutil.Error as exc:
         return str(exc)
     return None
+
+
+def verified_pid(pid: int, pid_start: float, job_id: str) -> str:
+    """Why `pid` must not be signalled as this job's worker ('' when it may): it must have started when its
+    `hello` said, and carry this job's id in its environment (which only the job's own processes do)."""
+    proc = psutil.Process(pid)
+    if abs(proc.create_time() - pid_start) > 1.0:
+        return f"pid {pid} is a different process now"
+    try:
+        env = proc.environ()
+    except psutil.AccessDenied:
+        return f"pid {pid}: its environment cannot be read, so it cannot be shown to be this job's"
+    if env.get(JOB_ID_ENV) != job_id:
+        return f"pid {pid} is not a process of job {job_id}"
+    return ""
+
+
+def bind_address(host: str) -> str:
+    """The address the collector listens on for workers told `host`: that address when it is this
+    machine's, else every interface ('')."""
+    try:
+        address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        if ipaddress.ip_address(address.split("%")[0]).is_loopback:  # 127.0.1.1 of /etc/hosts: not what others reach
+            return ""
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+            probe.bind((address, 0))
+    except (OSError, IndexError, ValueError):
+        return ""
+    return str(address)
 
 
 def _is_terminal(*streams: Any) -> bool:
@@ -333,4 +387,7 @@ class _TextStream:
 def _recipe_of(plan: LaunchPlan) -> dict[str, Any] | None:
     """The resolved recipe the workers get (the trackers' run config), from the first node's environment."""
     blob = plan.nodes[0].env.get(config.RECIPE_ENV) if plan.nodes else None
-    return json.loads(blob) if blob else None
+    data = json.loads(blob) if blob else None
+    if data is not None:
+        data.pop(config.GIVEN_KEY, None)  # where each key was set: for the workers' messages, not a run's config
+    return data

@@ -19,6 +19,9 @@ command, and a torchrun told to stop by SIGTERM leaves workers that ignore it ru
    connection), no heartbeat for `--heartbeat-timeout` seconds (a half-open connection), or
    SIGTERM/SIGINT/SIGHUP end the job the same way: SIGTERM to the job's processes on this node,
    SIGKILL after the grace period, every process carrying the job's id and this node's host.
+   The recipe (JSON in the job's environment) goes to the workers as a file, `recipe.json` (0600) in a
+   directory of the job's own (0700, under the temporary directory), named by ZERORUN_RECIPE_FILE:
+   one environment variable holds at most 128 KiB on Linux, and a large recipe failed to start.
 4. It removes the node's NVMe offload files (whatever the ending: the workers may be dead) and
    says so, then exits with torchrun's status (128+N when torchrun died of signal N).
 """
@@ -28,8 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -37,9 +42,9 @@ from dataclasses import dataclass
 from typing import IO, BinaryIO
 
 from zerorun import offload_files
-from zerorun.config import BACKEND_ENV
+from zerorun.config import BACKEND_ENV, RECIPE_ENV, RECIPE_FILE_ENV
 from zerorun.errors import LaunchError
-from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV, devices, streams
+from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV, SHM_DIR, devices, shm_prefix, streams
 from zerorun.launch.processes import NodeProcesses
 
 HEARTBEAT_S = 1.0
@@ -146,9 +151,12 @@ def run_node(job: NodeJob, job_id: str, host: str, order: StopOrder, watch: Call
     except LaunchError as exc:
         return _fail(str(exc))
     processes = NodeProcesses(host, job_id, hurry=order.at_once)
+    private = tempfile.mkdtemp(prefix=f"zerorun-{job_id}-")  # 0700, this user's: the job's own files
     try:
+        env = _recipe_to_file(env, private)
         out, err = processes.start(job.argv, env)
-    except LaunchError as exc:
+    except (LaunchError, OSError) as exc:
+        shutil.rmtree(private, ignore_errors=True)
         return _fail(str(exc))
     relays = [_copy_in_background(out, sys.stdout.buffer), _copy_in_background(err, sys.stderr.buffer)]
     beating = threading.Event()
@@ -162,6 +170,8 @@ def run_node(job: NodeJob, job_id: str, host: str, order: StopOrder, watch: Call
     for relay in relays:
         relay.join(timeout=2.0)
     _remove_offload_files(job.offload_dirs, host)
+    remove_shm_segments(job_id)
+    shutil.rmtree(private, ignore_errors=True)
     beating.set()
     code = processes.poll()
     if code is None:
@@ -182,6 +192,36 @@ def _with_devices(job: NodeJob, host: str) -> dict[str, str]:
         if mapped is not None:
             env[devices.VISIBLE] = mapped
     return env
+
+
+def remove_shm_segments(job_id: str, directory: str = SHM_DIR) -> list[str]:
+    """Delete the job's shared-memory segments still in `directory` (a rank killed while the ranks
+    mapped one); return their names."""
+    prefix = shm_prefix(job_id)
+    removed = []
+    try:
+        names = [name for name in os.listdir(directory) if name.startswith(prefix)]
+    except OSError:
+        return []
+    for name in names:
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            continue
+    return removed
+
+
+def _recipe_to_file(env: dict[str, str], directory: str) -> dict[str, str]:
+    """The environment with the recipe moved out of it into `directory`/recipe.json (0600)."""
+    recipe = env.pop(RECIPE_ENV, None)
+    if recipe is None:
+        return env
+    path = os.path.join(directory, "recipe.json")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(recipe)
+    return {**env, RECIPE_FILE_ENV: path}
 
 
 def _remove_offload_files(directories: tuple[str, ...], host: str) -> None:

@@ -40,7 +40,7 @@ from zerorun import config, offload_files
 from zerorun.config import Recipe, SSHConfig, TelemetryConfig
 from zerorun.hostfile import Node
 from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV
-from zerorun.telemetry import ADDRESS_ENV, RUNS_DIR
+from zerorun.telemetry import ADDRESS_ENV, RUNS_DIR, TOKEN_ENV
 
 WORKER_MODULE = "zerorun.launch.worker"
 RECIPE_SOURCE_ENV = config.RECIPE_ENV + "_SOURCE"
@@ -135,7 +135,7 @@ def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, f
         env = node_env(recipe, node, job_id, recipe_json, facts, over_ssh)
         ranks = range(first_rank, first_rank + node.nproc)
         commands.append(NodeCommand(node.host, node_rank, first_rank, node.nproc, argv, env, over_ssh, facts.cwd,
-                                    slots=node.slots, offload_dirs=offload_dirs(recipe, ranks)))
+                                    slots=node.slots, offload_dirs=offload_dirs(recipe, job_id, ranks)))
         first_rank += node.nproc
     return LaunchPlan(job_id=job_id, name=recipe.name or "job", master_addr=master_addr, master_port=master_port,
                       world_size=first_rank, kill_grace_s=recipe.launch.kill_grace_s, nodes=tuple(commands),
@@ -206,10 +206,10 @@ def nvme_paths(recipe: Recipe) -> dict[str, str]:
     return {key: off.nvme_path for key, off in offloads.items() if off.device == "nvme" and off.nvme_path}
 
 
-def offload_dirs(recipe: Recipe, ranks: range) -> tuple[str, ...]:
-    """The NVMe offload directories of these ranks (none unless the recipe offloads to NVMe)."""
+def offload_dirs(recipe: Recipe, job_id: str, ranks: range) -> tuple[str, ...]:
+    """The NVMe offload directories of these ranks in this job (none unless the recipe offloads to NVMe)."""
     paths = sorted(set(nvme_paths(recipe).values()))
-    return tuple(str(offload_files.rank_dir(path, recipe.name, rank)) for path in paths for rank in ranks)
+    return tuple(str(offload_files.rank_dir(path, job_id, rank)) for path in paths for rank in ranks)
 
 
 def runs_over_ssh(host: str, transport: str) -> bool:
@@ -255,6 +255,8 @@ def _heading(node: NodeCommand) -> str:
 
 
 def _shown_value(key: str, value: str) -> str:
+    if key == TOKEN_ENV:
+        return "<the job's telemetry secret>"
     if key == config.RECIPE_ENV:  # a long JSON blob: say what it is instead of flooding the screen
         return f"<the resolved recipe as JSON, {len(value)} bytes>"
     return shlex.quote(value)

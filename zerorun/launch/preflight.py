@@ -1,6 +1,6 @@
 """Preflight: before anything starts, check every node the way it will run.
 
-- **SSH hosts.** One `ssh host` per host, all at once, runs the node's Python in the job's working
+- **SSH hosts.** One `ssh host` per host, at most `SSH_CONCURRENCY` at once, runs the node's Python in the job's working
   directory with the propagated PATH/PYTHONPATH/virtualenv, and reports its Python, torch and
   zerorun versions, whether the training script is there, and what is wrong with each NVMe
   offload path there. The launcher compares them with its own and prints one table; any
@@ -32,6 +32,7 @@ from zerorun.launch.ssh import ssh_argv
 from zerorun.launch.transport import bootstrap_env
 
 TIMEOUT_S = 30.0
+SSH_CONCURRENCY = 32  # ssh probes at once (pdsh's default fan-out): 2,000 hosts are not 2,000 processes at once
 def version(module: str) -> str:
     """An installed package's version: from its metadata when there is some (importing torch takes
     seconds), else from the module itself. The probe runs this same function on every host."""
@@ -116,12 +117,12 @@ def check_hosts(launch_plan: LaunchPlan) -> None:
 
 
 def _host_checks(launch_plan: LaunchPlan) -> list[HostCheck]:
-    """Every SSH node of the plan, probed at once."""
+    """Every SSH node of the plan, probed `SSH_CONCURRENCY` at a time."""
     remote = [node for node in launch_plan.nodes if node.over_ssh]
     if not remote:
         return []
     script, expected = _script(launch_plan), local_facts()
-    with ThreadPoolExecutor(len(remote)) as pool:
+    with ThreadPoolExecutor(min(len(remote), SSH_CONCURRENCY)) as pool:
         return list(pool.map(lambda node: check_host(launch_plan, node, script, expected, launch_plan.nvme_paths),
                              remote))
 

@@ -44,7 +44,7 @@ class Failure:
     exit_code: int
     host: str | None = None  # the culprit's host (a rank's, or the lost node's)
     rank: int | None = None  # the culprit rank, when a rank
-    step: int | None = None  # the last step the culprit completed before it failed (telemetry), if known
+    step: int | None = None  # the furthest step any rank reported before the failure (telemetry), if known
 
 
 @dataclass(frozen=True)

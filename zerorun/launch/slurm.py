@@ -373,7 +373,7 @@ def run_on_node(command: Sequence[str], grace_s: float, env: Mapping[str, str], 
     argv = tuple(node_rank if arg == NODE_RANK else arg for arg in command)
     first = int(node_rank) * shape.ranks_per_node
     ranks = range(first, first + shape.ranks_per_node)
-    dirs = tuple(str(offload_files.rank_dir(path, shape.run_name, r))
+    dirs = tuple(str(offload_files.rank_dir(path, job_id, r))
                  for path in sorted(set(shape.nvme_paths.values())) for r in ranks)
     job = NodeJob(argv, {NODE_HOST_ENV: host}, os.getcwd(), grace_s, offload_dirs=dirs)
     order = StopOrder()

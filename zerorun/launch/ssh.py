@@ -1,6 +1,6 @@
 """SSH: the command line that reaches a host, and the transport that runs a node there.
 
-`ssh_argv` builds `ssh [options] host -- command` from the recipe's `ssh:` section. The recipe's
+`ssh_argv` builds `ssh [options] -- host command` from the recipe's `ssh:` section. The recipe's
 `options` come first because ssh keeps the *first* value it sees for each option, so they win
 over zerorun's defaults; `~/.ssh/config` is read by ssh itself and fills in whatever the command
 line leaves unset (port, user, key, jump hosts...). zerorun's defaults: `BatchMode=yes` (fail
@@ -22,6 +22,8 @@ import signal
 from collections.abc import Sequence
 
 from zerorun.config import SSHConfig
+from zerorun.errors import LaunchError
+from zerorun.hostfile import HOST_GRAMMAR, valid_host
 from zerorun.launch.node import HEARTBEAT_TIMEOUT_S, MODULE
 from zerorun.launch.plan import NodeCommand
 from zerorun.launch.transport import SupervisedTransport, bootstrap_env
@@ -31,7 +33,12 @@ SSH_FAILED = 255  # ssh's own status when the connection failed or closed
 
 
 def ssh_argv(ssh: SSHConfig, host: str, command: str) -> list[str]:
-    """`ssh ... host -- command`, with the recipe's settings before zerorun's defaults."""
+    """`ssh ... -- host command`, with the recipe's settings before zerorun's defaults.
+
+    `--` comes before the host: a host name starting with `-` is then a host, never an option (host
+    names are also checked against the hostfile's grammar, `hostfile.valid_host`)."""
+    if not valid_host(host):
+        raise LaunchError(f"host {host!r} is not {HOST_GRAMMAR}; not passing it to ssh.")
     argv = ["ssh", "-T", "-x"]
     if ssh.port is not None:
         argv += ["-p", str(ssh.port)]
@@ -41,7 +48,7 @@ def ssh_argv(ssh: SSHConfig, host: str, command: str) -> list[str]:
         argv += ["-i", os.path.expanduser(ssh.identity_file), "-o", "IdentitiesOnly=yes"]
     for option in (*ssh.options, *DEFAULT_OPTIONS):
         argv += ["-o", option]
-    return [*argv, host, "--", command]
+    return [*argv, "--", host, command]
 
 
 def remote_command(python: str, env: dict[str, str], module_args: Sequence[str]) -> str:

@@ -16,7 +16,8 @@ worker, with fds 1 and 2 `dup2`'d onto pipes, so C/C++ output (NCCL, gloo, kerne
 The parent (the relay) writes every complete line with its prefix to its own stdout/stderr (which
 are torchrun's, which are the launcher's pipes); one `write` of at most PIPE_BUF bytes is atomic,
 so lines of different ranks never interleave mid-line. When the worker has ended, the relay
-forwards what is left, appends an *exit record* (rank, exit code or signal) to stderr and exits
+forwards what is left, appends an *exit record* (rank, exit code or signal, and whether a SIGKILL was the kernel's OOM killer:
+`oom`) to stderr and exits
 with the same code (128 + N for signal N). From that record the launcher knows which rank failed
 first and how; torchrun itself only exits 1 on any worker failure.
 
@@ -42,6 +43,8 @@ BEAT_RECORD = b"\x1ezerorun-beat"  # the node supervisor is alive (every second,
 NOTE_RECORD = b"\x1ezerorun-note "  # the node supervisor says something the launcher always shows
 PIPE_BUF = 4096  # writes up to this size to a pipe are atomic (POSIX guarantees >= 512, Linux 4096)
 _PREFIX = re.compile(rb"^\[([^\]\s]+):(\d+)\] ")
+# torchrun's line when it sees a worker fail (this spelling since torch 1.9): "failed (exitcode: -9) local_rank: 1 (pid: N)"
+_TORCHRUN_FAILED = re.compile(rb"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid")
 _DRAIN_S = 1.0  # after the worker ended: how long to wait for output its own children still write
 
 
@@ -63,6 +66,9 @@ def relay_from_child(host: str, rank: int | str, exit_record: bool) -> None:
     sys.stderr.flush()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    from zerorun.launch import oom
+
+    kills_before, started = oom.oom_kills(), time.monotonic()
     pid = os.fork()
     if pid == 0:
         os.dup2(out_w, 1)
@@ -78,7 +84,8 @@ def relay_from_child(host: str, rank: int | str, exit_record: bool) -> None:
     code = os.waitstatus_to_exitcode(status)
     if exit_record:
         record = {"host": host, "rank": int(rank), "code": code if code >= 0 else None,
-                  "signal": -code if code < 0 else None}
+                  "signal": -code if code < 0 else None,
+                  "oom": code == -signal.SIGKILL and oom.killed_by_oom(pid, kills_before, started)}
         _write(2, EXIT_RECORD + json.dumps(record).encode() + b"\n")
     # A signal death is reported as 128+N rather than re-raised: re-raising SIGSEGV would dump core twice.
     os._exit(code if code >= 0 else 128 - code)
@@ -209,6 +216,8 @@ class RankExit:
     rank: int
     code: int | None
     signal: int | None
+    by_torchrun: bool = False  # no record of its own (its relay died with it): torchrun's line said how it ended
+    oom: bool = False  # SIGKILLed by the kernel's out-of-memory killer (see `oom`)
 
     @property
     def failed(self) -> bool:
@@ -226,7 +235,23 @@ class RankExit:
             name = signal.Signals(self.signal or 0).name
         except ValueError:
             name = f"signal {self.signal}"
-        return f"killed by {name}"
+        if self.oom:
+            return f"out of memory: killed by the kernel's OOM killer ({name})"
+        return f"killed by {name}" + ("; its output relay died with it, torchrun saw the exit" if self.by_torchrun else "")
+
+
+def torchrun_exit(line: bytes, host: str, first_rank: int) -> RankExit | None:
+    """The rank torchrun's own output says failed, and how, or None.
+
+    A rank's relay writes its exit record; a SIGKILL that takes the relay too (the process torchrun
+    started, or the whole process group) leaves none, and torchrun's line is the only witness.
+    """
+    match = _TORCHRUN_FAILED.search(line)
+    if match is None:
+        return None
+    code = int(match.group(1))
+    return RankExit(host, first_rank + int(match.group(2)), code if code >= 0 else None, -code if code < 0 else None,
+                    by_torchrun=True)
 
 
 @dataclass(frozen=True)
@@ -259,7 +284,7 @@ def parse(line: bytes) -> RankLine | RankExit | NodeBeat | NodeNote | None:
     if line.startswith(EXIT_RECORD):
         try:
             data = json.loads(line[len(EXIT_RECORD):])
-            return RankExit(str(data["host"]), int(data["rank"]), data["code"], data["signal"])
+            return RankExit(str(data["host"]), int(data["rank"]), data["code"], data["signal"], oom=bool(data.get("oom")))
         except (ValueError, KeyError, TypeError):
             return None
     match = _PREFIX.match(line)

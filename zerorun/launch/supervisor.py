@@ -59,8 +59,10 @@ ERROR_PREFIX = b"zerorun: error: "  # a ZerorunError a worker printed (see `work
 _SETTLE_S = 2.0  # after every node exited: how long to wait for their pipes to close
 _NODE_SETTLE_S = 1.0  # after a node exited with an error: how long its ranks' exit records may take
 _VICTIM_SETTLE_S = 2.0  # after an exception (maybe a victim's): how long a peer's exit record may take
+_TEARDOWN_SETTLE_S = 10.0  # after a SIGTERM torchrun sent: how long its node may take to exit (and say who failed)
 _LINK_SILENT_S = 3.0  # at a rank's failure: a node silent this long (it beats every second) lost its link
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_CONCURRENCY = 64  # nodes waited for at once while stopping (every node is asked first, all at once)
 
 
 class Ending(enum.Enum):
@@ -116,6 +118,9 @@ class Witness(Protocol):
     def culprit(self, failed_rank: int) -> Culprit | None:
         """The rank `failed_rank` was waiting for when it failed, with the evidence."""
 
+    def last_rss(self, rank: int) -> int | None:
+        """The rank's resident memory in its last sample, in bytes."""
+
 
 class Supervisor:
     """Runs `plan` through `transports` (one per node, in node order) and returns the exit code."""
@@ -132,6 +137,7 @@ class Supervisor:
         self._open_streams = [0] * len(transports)
         self._tails: dict[tuple[str, int | str], deque[bytes]] = defaultdict(lambda: deque(maxlen=TAIL_LINES))
         self._failures: list[RankExit] = []  # every rank that failed before the stop, in arrival order
+        self._torchrun_exits: dict[tuple[str, int], RankExit] = {}  # what torchrun said of failed ranks
         self._errors_shown: set[bytes] = set()
         self._signals: list[int] = []
         self._stopping = False
@@ -172,14 +178,15 @@ class Supervisor:
             lost = self._lost_node(HEARTBEAT_TIMEOUT_S)
             if lost is not None:
                 return lost
-            if self._failures:
+            if self._failures or self._torchrun_exits:
                 if self._settled(first_seen.setdefault(-1, now), now):
                     return self._outcome_of_failure()
             for index, transport in enumerate(self.transports):
                 code = transport.poll()
                 if code and now - first_seen.setdefault(index, now) > _NODE_SETTLE_S:
-                    self._handle_events(timeout=0)
-                    return self._outcome_of_failure() if self._failures else self._node_outcome(index)
+                    self._drain_node(index)
+                    failed = self._failures or self._torchrun_exits
+                    return self._outcome_of_failure() if failed else self._node_outcome(index)
             if all(t.poll() is not None for t in self.transports):
                 exited_at = exited_at or now
                 # Their exit records may still be in the pipes: read on until the pipes close.
@@ -214,12 +221,22 @@ class Supervisor:
                      f"failed waiting for it ({failure.describe()})")
             return Outcome(status, Ending.RANK_FAILED, cause, culprit.host, culprit.rank, tuple(culprit.evidence),
                            failure)
-        cause = f"rank {failure.rank} on {failure.host} failed ({failure.describe()})"
+        cause = f"rank {failure.rank} on {failure.host} failed ({failure.describe()}{self._memory_of(failure)})"
         return Outcome(status, Ending.RANK_FAILED, cause, failure.host, failure.rank, failure=failure)
 
+    def _memory_of(self, failure: RankExit) -> str:
+        """For an out-of-memory kill: the rank's last resident memory, as telemetry saw it."""
+        rss = self.witness.last_rss(failure.rank) if failure.oom and self.witness is not None else None
+        return f"; its last RSS was {rss / 2**30:.2f} GiB" if rss else ""
+
     def _root_failure(self) -> RankExit:
-        """The failure most likely to be the cause: see `_suspicion`; the earliest among equals."""
-        return min(self._failures, key=self._suspicion)  # min is stable: arrival order within a kind
+        """The failure most likely to be the cause: see `_suspicion`; the earliest among equals.
+
+        A rank with no exit record of its own (its relay was SIGKILLed with it) counts with what
+        torchrun said of it, after the ranks that reported themselves."""
+        reported = {(f.host, f.rank) for f in self._failures}
+        silent = [f for key, f in self._torchrun_exits.items() if key not in reported]
+        return min([*self._failures, *silent], key=self._suspicion)  # min is stable: arrival order within a kind
 
     def _suspicion(self, failure: RankExit) -> int:
         """0: killed by a signal (SIGKILL by the OOM killer, SIGSEGV...): never a victim. 1: an exit code
@@ -234,9 +251,31 @@ class Supervisor:
 
     def _settled(self, since: float, now: float) -> bool:
         """Whether the failures so far can be judged: the likeliest is a clear cause, or its peers' exit
-        records (a SIGKILLed rank's may come seconds after its peer's exception) had their time."""
-        clear = self._suspicion(self._root_failure()) <= 1 or self.plan.world_size == 1
-        return clear or now - since > _VICTIM_SETTLE_S
+        records (a SIGKILLed rank's may come seconds after its peer's exception) had their time.
+
+        A SIGTERM is torchrun's teardown after another rank of its node failed: that rank's record (or,
+        when its relay was killed too, torchrun's line about it) comes before the node exits, however
+        loaded the machine, so the judgement waits for the node (for at most `_TEARDOWN_SETTLE_S`)."""
+        root = self._root_failure()
+        suspicion = self._suspicion(root)
+        if suspicion <= 1 or self.plan.world_size == 1:
+            return True
+        if suspicion == 4:
+            node = self._node_of(root)
+            done = node is None or (self.transports[node].poll() is not None and self._open_streams[node] == 0)
+            return done or now - since > _TEARDOWN_SETTLE_S
+        return now - since > _VICTIM_SETTLE_S
+
+    def _node_of(self, failure: RankExit) -> int | None:
+        return next((i for i, n in enumerate(self.plan.nodes) if n.host == failure.host and failure.rank in n.ranks),
+                    None)
+
+    def _drain_node(self, index: int) -> None:
+        """Handle what node `index` still has in its pipes (it exited): for up to `_SETTLE_S`."""
+        deadline = time.monotonic() + _SETTLE_S
+        while self._open_streams[index] > 0 and time.monotonic() < deadline:
+            self._handle_events(timeout=0.05)
+        self._handle_events(timeout=0)
 
     def _waiting(self, rank: int) -> bool:
         return self.witness is not None and self.witness.waiting(rank)
@@ -252,7 +291,7 @@ class Supervisor:
 
     def _outcome_of_exits(self) -> Outcome:
         """Every node exited by itself: a rank's failure, else a node's failure, else success."""
-        if self._failures:
+        if self._failures or self._torchrun_exits:
             return self._outcome_of_failure()
         for index, transport in enumerate(self.transports):
             if transport.poll():
@@ -291,10 +330,19 @@ class Supervisor:
             if not self._repeated_error(item):
                 self._write(fd, line)
         else:  # torchrun's own output; once we are stopping it only narrates the teardown we started
+            self._note_torchrun_exit(node_index, line)
             line = streams.prefix(host, "torchrun") + line
             self._tails[(host, "torchrun")].append(line)
             if not self._stopping:
                 self._write(fd, line)
+
+    def _note_torchrun_exit(self, node_index: int, line: bytes) -> None:
+        node = self.plan.nodes[node_index]
+        if self._stopping or node.step_nodes:  # a Slurm step's lines do not say which node they come from
+            return
+        failure = streams.torchrun_exit(line, node.host, node.first_rank)
+        if failure is not None and failure.failed:
+            self._torchrun_exits.setdefault((failure.host, failure.rank), failure)
 
     def _repeated_error(self, item: RankLine) -> bool:
         """Whether this is a `zerorun: error:` line another rank already printed."""
@@ -329,11 +377,14 @@ class Supervisor:
     # -- ending -----------------------------------------------------------------------------------
 
     def _stop_all(self) -> None:
-        """Stop every node at once; a signal meanwhile makes every node kill at once."""
+        """Stop every node at once (each is asked, then waited for `STOP_CONCURRENCY` at a time); a signal
+        meanwhile makes every node kill at once."""
         if not self.transports:
             return
         signals_before = len(self._signals)
-        with ThreadPoolExecutor(len(self.transports)) as pool:
+        for transport in self.transports:
+            transport.request_stop()
+        with ThreadPoolExecutor(min(len(self.transports), STOP_CONCURRENCY)) as pool:
             futures = [pool.submit(t.stop, self.plan.kill_grace_s) for t in self.transports]
             hurried = False
             while not all(f.done() for f in futures):

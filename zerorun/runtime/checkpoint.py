@@ -37,6 +37,7 @@ from torch import nn
 
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
+from zerorun.runtime import resume_check
 from zerorun.runtime.checkpoint_format import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, VERSION, Checkpoint,
                                                as_entry, check_tag, clean_crashed_saves, fsync_dir, replace_dir, seal,
                                                shard_file, write_atomic, write_manifest, write_tensors)
@@ -184,6 +185,7 @@ def load(engine: Engine, directory: str | os.PathLike, tag: str | None = None) -
     ckpt = Checkpoint.open(root, tag)
     _verify_files(engine, ckpt)
     reads = _plan_reads(engine, ckpt)  # raises before anything is touched when the model differs
+    resume_check.check(engine, ckpt.manifest, ckpt.path)  # ... or its optimizer type or precision
     for kind in KINDS:
         for g, numel in enumerate(engine.store.group_numels):
             values = torch.zeros(numel, dtype=torch.float32)  # padding stays zero, as after initialisation

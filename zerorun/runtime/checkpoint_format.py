@@ -22,6 +22,7 @@ engine's save and load) builds on it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -315,10 +316,41 @@ def render(info: dict[str, Any]) -> Any:
 
 # -- writing (temporary names, fsync, rename) ------------------------------------------------------
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """Write and seal one file of a save in progress (`<root>/.tmp-<tag>/<file>`); a full disk is a
+    ZerorunError naming the path and what is kept, not safetensors' traceback (`write_atomic` too)."""
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata={"format": FORMAT})
-    return seal(path)
+    try:
+        save_file(tensors, str(path), metadata={"format": FORMAT})
+        return seal(path)
+    except Exception as exc:  # safetensors raises its own error type for the OSError underneath
+        if not _disk_full(exc):
+            raise
+        path.unlink(missing_ok=True)
+        raise ZerorunError(disk_full(path)) from None
+
+
+def _disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return "os error 28" in str(exc) or "No space left" in str(exc) or "os error 122" in str(exc)
+
+
+def disk_full(path: Path) -> str:
+    """What a save that found its disk full says: where, how much is free, which checkpoint is kept."""
+    from zerorun.offload_files import size_text
+
+    root = path.parent.parent if path.parent.name.startswith(".tmp-") else path.parent
+    try:
+        free = f"{size_text(shutil.disk_usage(root).free)} free"
+    except OSError:
+        free = "full"
+    kept = latest_tag(root)
+    there = tags(root)
+    older = f"; tags there: {', '.join(there)}" if there else ""
+    kept_text = f"the last complete checkpoint, {kept}, is kept" if kept else "no earlier checkpoint is there"
+    return (f"{path}: no space left on the checkpoint disk ({free}); this save is abandoned and {kept_text}{older}. "
+            "Free space in checkpoint.dir (remove tags you no longer need) or point it at a larger disk.")
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
@@ -348,10 +380,16 @@ def as_entry(sealed: tuple[int, int]) -> dict[str, int]:
 def write_atomic(path: Path, data: bytes) -> None:
     """Temporary name, fsync, rename, fsync the directory."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        if not _disk_full(exc):
+            raise
+        tmp.unlink(missing_ok=True)
+        raise ZerorunError(disk_full(path)) from None
     os.replace(tmp, path)
     fsync_dir(path.parent)
 

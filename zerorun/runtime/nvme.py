@@ -40,7 +40,7 @@ import torch
 
 from zerorun.errors import ZerorunError
 from zerorun.offload_files import MEMORY_FILESYSTEMS, check_nvme_path, filesystem_type  # noqa: F401 - re-exported
-from zerorun.offload_files import gib as _gib
+from zerorun.offload_files import size_text
 from zerorun.runtime.aio import ALIGN, AioEngine, AioError, open_engine
 
 RING_SLOTS = 3
@@ -166,7 +166,7 @@ class NvmeStore:
                     os.ftruncate(fd, size)
                     return fd
                 os.close(fd)
-                raise ZerorunError(f"{path}: no space left for {_gib(size)} of offloaded {name}; free space on "
+                raise ZerorunError(f"{path}: no space left for {size_text(size)} of offloaded {name}; free space on "
                                    f"{self.root} or choose a larger disk.") from None
         return fd
 

@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 
 from zerorun.config import AioConfig, OffloadConfig, Recipe
+from zerorun.offload_files import owner as offload_owner
 from zerorun.offload_files import rank_dir
 from zerorun.runtime.homes import Home, MemoryHome, NvmeHome
 from zerorun.runtime.transfers import Direct, StagingRing, Transfers
@@ -57,7 +58,7 @@ class Placement:
     aio: AioConfig
     optimizer_nvme: str | None  # `zero.offload_optimizer.nvme_path` (set when `optimizer` is NVME)
     params_nvme: str | None  # `zero.offload_param.nvme_path` (set when `params` is NVME)
-    run: str | None  # files go to `<nvme_path>/<run>/rank-<rank>/`
+    run: str | None  # files go to `<nvme_path>/<run>/rank-<rank>/`: the job id in a launch (`offload_files.owner`)
     rank: int
 
     @classmethod
@@ -65,7 +66,7 @@ class Placement:
         opt, param = recipe.zero.offload_optimizer, recipe.zero.offload_param
         return cls(device, Place.of(opt), Place.of(param), max(1024, int(opt.buffer_mb * 2**20) // 4),
                    opt.pin_memory, param.pin_memory, recipe.zero.aio, opt.nvme_path, param.nvme_path,
-                   recipe.name, rank)
+                   offload_owner(recipe.name), rank)
 
     @property
     def step_tile_numel(self) -> int:

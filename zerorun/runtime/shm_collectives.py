@@ -21,7 +21,8 @@ meeting is a gloo barrier (milliseconds, against microseconds). A rank that wait
 collective timeout, or sees a peer's process gone, raises naming that rank: never a hang.
 
 The segment lives in /dev/shm only while the ranks open it: once everyone has mapped it, rank 0
-unlinks it, so nothing is left behind whatever happens next. Space is reserved up front
+unlinks it, so nothing is left behind whatever happens next; a rank killed before that leaves it, and
+the node supervisor removes the job's segments by their name (`zerorun.launch.shm_prefix`: the job id). Space is reserved up front
 (`posix_fallocate`), so a full /dev/shm is a fallback to gloo at start, never a SIGBUS mid-step.
 """
 
@@ -38,7 +39,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-SHM_DIR = "/dev/shm"
+from zerorun.launch import JOB_ID_ENV, SHM_DIR, shm_prefix
+
 SLOT_BYTES = 2 * 2**20  # per rank and half: many times a meeting's cost, and 8 MiB in all for 2 ranks
 SEGMENT_BYTES = 32 * 2**20  # at most, whatever the rank count (Docker's default /dev/shm is 64 MiB)
 HEADER_BYTES = 64 * 2**10  # a 64-byte line per rank's meeting counter (up to 1024 ranks)
@@ -238,7 +240,7 @@ def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: dist.ReduceOp
 
 def _map_segment(group: dist.ProcessGroup | None, rank: int, nbytes: int) -> torch.Tensor:
     """A segment of `nbytes` every rank of `group` maps; raises `Unavailable` on every rank if any cannot."""
-    name = [f"zerorun-{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else None]
+    name = [f"{shm_prefix(os.environ.get(JOB_ID_ENV))}{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else None]
     dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group else 0, group=group)
     path = os.path.join(SHM_DIR, name[0])
     segment, problem = None, None

@@ -17,4 +17,5 @@ This `__init__` stays import-free: the worker bootstrap reads `ADDRESS_ENV` befo
 """
 
 ADDRESS_ENV = "ZERORUN_TELEMETRY"  # host:port of the launcher's collector, set in every worker's environment
+TOKEN_ENV = "ZERORUN_TELEMETRY_TOKEN"  # the job's secret: a worker proves it to the collector (`collector`)
 RUNS_DIR = "runs"  # runs/<name>/telemetry.jsonl, relative to where the launcher runs

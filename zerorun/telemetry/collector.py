@@ -1,9 +1,20 @@
 """The launcher's side of the wire: a TCP server that folds every rank's records into one `RunState`
 and appends each of them to `runs/<name>/telemetry.jsonl`.
 
-One thread serves every connection with a selector (no thread per rank). A line that is not a
-JSON object with a `type` is dropped; an unfinished line when a connection closes is dropped (a
-probe that lost its connection mid-send resends whole records). The JSONL file is append-only:
+One thread serves every connection with a selector (no thread per rank). Hostile input:
+- **Authentication.** Given the job's `token` (random per job, handed to workers in their
+  environment, never on a command line), the collector sends each new connection a random
+  challenge and reads nothing from it until its first line is the HMAC-SHA256 of that challenge
+  under the token (`prove`); a wrong or late answer closes the connection. At most
+  `MAX_UNPROVEN` connections may be waiting to prove themselves, for `PROVE_S` each, with at most
+  `MAX_PROOF_LINE` bytes; at most `MAX_CONNECTIONS` in all.
+- **Records** are checked against `records.SCHEMAS` (types, ranks within the world, bounded
+  sizes); a connection speaks for the rank of its first record only. A record that fails is
+  dropped and counted (`rejected`, the first reason in `rejected_reason`): the monitor warns
+  once; nothing a worker sends can stop this thread. A line over `MAX_LINE` closes its connection.
+  An unfinished line when a connection closes is dropped (a probe that lost its connection
+  mid-send resends whole records).
+- Each record is written with the job id it came under (`job_id`), so the file never mixes jobs. The JSONL file is append-only:
 the launcher writes a `job` record first and an `end` record last, so several runs of the same
 name follow one another in one file and `zerorun report` shows the last one.
 
@@ -18,25 +29,45 @@ the same rule: the first error of a sink is kept and the sink is dropped.
 
 from __future__ import annotations
 
+import hmac
 import json
+import secrets
 import selectors
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from zerorun.telemetry import records
+from zerorun.telemetry.records import prove
 from zerorun.telemetry.state import RunState
 
 MAX_LINE = 1 << 20  # a longer line is not a record: the connection is dropped
+MAX_CONNECTIONS = 4096  # a worker holds one (two while it reconnects)
+MAX_UNPROVEN = 64  # connections not yet authenticated
+MAX_PROOF_LINE = 256  # bytes an unauthenticated connection may send
+PROVE_S = 5.0  # seconds a new connection has to prove the token
 _WAKE = object()  # selector data of the wake-up socket
+
+
+@dataclass
+class _Peer:
+    """One connection: what it sent so far, whether it proved the token, which rank it speaks for."""
+
+    challenge: str
+    opened_at: float
+    proven: bool = False
+    rank: int | None = None
+    pending: bytearray = field(default_factory=bytearray)
 
 
 class Collector:
     """Accepts probes on `bind_host`, advertises `advertise_host:port` for the workers' environment."""
 
     def __init__(self, path: Path, state: RunState | None = None, bind_host: str = "127.0.0.1",
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, token: str | None = None, job_id: str | None = None) -> None:
         self.path = Path(path)
         self.state = state or RunState()
         self.lock = threading.Lock()
@@ -45,6 +76,11 @@ class Collector:
         self.write_error: OSError | None = None  # the first error writing the file; nothing more is written
         self.sinks: list[Sink] = []  # trackers (TensorBoard, CSV, W&B, MLflow), added before start
         self.sink_errors: list[tuple[str, Exception]] = []  # (sink name, its first error): that sink is dropped
+        self.token = token  # None: no authentication (tests that speak the protocol by hand)
+        self.job_id = job_id  # stamped on every worker record (a restart changes it)
+        self.rejected = 0  # worker records dropped: bad schema, or another rank than the connection's
+        self.rejected_reason = ""  # the first one's
+        self.refused = 0  # connections closed before proving the token
         self._bind_host = bind_host
         self._advertise_host = advertise_host or bind_host
         self._selector = selectors.DefaultSelector()
@@ -67,6 +103,8 @@ class Collector:
 
     def record(self, record: dict[str, Any]) -> None:
         """Add one of the launcher's own records (job, stall, end)."""
+        if self.job_id is not None:
+            record.setdefault("job_id", self.job_id)
         line = json.dumps(record, separators=(",", ":")).encode()
         with self.lock:
             self._accept(record, line, time.time())
@@ -108,26 +146,29 @@ class Collector:
     def _serve_once(self, timeout: float) -> None:
         try:
             self._handle_ready(timeout)
+            self._close_slow_provers(time.monotonic())
         except (OSError, ValueError):  # a closed selector at shutdown, a socket gone bad: serve on
+            time.sleep(timeout)
+        except Exception:  # noqa: BLE001 - nothing a peer sends may stop the collector
             time.sleep(timeout)
 
     def _handle_ready(self, timeout: float) -> None:
         ready = self._selector.select(timeout)
-        lines: list[bytes] = []
+        lines: list[tuple[_Peer, bytes]] = []
         for key, _ in ready:
             if key.data is None:
                 self._accept_connection()
             elif key.data is _WAKE:
                 continue
             else:
-                lines.extend(self._read(key))
+                lines.extend((key.data, line) for line in self._read(key))
         if lines:
             now = time.time()
             with self.lock:
-                for line in lines:
-                    record = _parse(line)
+                for peer, line in lines:
+                    record = self._check(peer, line)
                     if record is not None:
-                        self._accept(record, line, now)
+                        self._accept(record, None, now)
                 self._flush()
 
     def _accept_connection(self) -> None:
@@ -136,12 +177,24 @@ class Collector:
             conn, _ = self._server.accept()
         except OSError:
             return
+        peers = [key.data for key in self._selector.get_map().values() if isinstance(key.data, _Peer)]
+        if len(peers) >= MAX_CONNECTIONS or sum(not p.proven for p in peers) >= MAX_UNPROVEN:
+            self.refused += 1
+            conn.close()
+            return
         conn.setblocking(False)
-        self._selector.register(conn, selectors.EVENT_READ, data=bytearray())
+        peer = _Peer(secrets.token_hex(16), time.monotonic(), proven=self.token is None)
+        if self.token is not None:
+            try:
+                conn.send(json.dumps({"challenge": peer.challenge}).encode() + b"\n")  # a new socket's buffer is empty
+            except OSError:
+                conn.close()
+                return
+        self._selector.register(conn, selectors.EVENT_READ, data=peer)
 
     def _read(self, key: selectors.SelectorKey) -> list[bytes]:
         conn: socket.socket = key.fileobj  # type: ignore[assignment]
-        pending: bytearray = key.data
+        peer: _Peer = key.data
         try:
             chunk = conn.recv(65536)
         except (BlockingIOError, InterruptedError):
@@ -149,25 +202,76 @@ class Collector:
         except OSError:
             chunk = b""
         if not chunk:  # closed: an unfinished line is dropped
-            self._selector.unregister(conn)
-            conn.close()
+            self._drop(conn)
             return []
-        pending += chunk
-        *lines, rest = bytes(pending).split(b"\n")
-        pending[:] = rest
-        if len(pending) > MAX_LINE:
-            self._selector.unregister(conn)
-            conn.close()
+        peer.pending += chunk
+        if not peer.proven:
+            line, newline, rest = bytes(peer.pending).partition(b"\n")
+            if not newline:
+                if len(peer.pending) > MAX_PROOF_LINE:
+                    self._refuse(conn)
+                return []
+            if not self._proof_ok(peer, line):
+                self._refuse(conn)
+                return []
+            peer.proven, peer.pending[:] = True, rest
+        *lines, rest = bytes(peer.pending).split(b"\n")
+        peer.pending[:] = rest
+        if len(peer.pending) > MAX_LINE:
+            self._drop(conn)
         return [line for line in lines if line.strip()]
+
+    def _proof_ok(self, peer: _Peer, line: bytes) -> bool:
+        assert self.token is not None
+        try:
+            answer = json.loads(line).get("auth")
+        except (ValueError, AttributeError):
+            return False
+        return isinstance(answer, str) and hmac.compare_digest(answer, prove(self.token, peer.challenge))
+
+    def _close_slow_provers(self, now: float) -> None:
+        for key in list(self._selector.get_map().values()):
+            if isinstance(key.data, _Peer) and not key.data.proven and now - key.data.opened_at > PROVE_S:
+                self._refuse(key.fileobj)  # type: ignore[arg-type]
+
+    def _refuse(self, conn: socket.socket) -> None:
+        self.refused += 1
+        self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._selector.unregister(conn)
+        conn.close()
+
+    def _check(self, peer: _Peer, line: bytes) -> dict[str, Any] | None:
+        """The record on `line` if it may be read: valid JSON, its schema, the connection's own rank."""
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return self._reject("not JSON")
+        problem = records.check(record, self.state.job.get("world_size"))
+        if problem:
+            return self._reject(problem)
+        if peer.rank is None:
+            peer.rank = record["rank"]
+        elif record["rank"] != peer.rank:
+            return self._reject(f"rank {record['rank']} on the connection of rank {peer.rank}")
+        if self.job_id is not None:
+            record["job_id"] = self.job_id
+        return record
+
+    def _reject(self, why: str) -> None:
+        self.rejected += 1
+        self.rejected_reason = self.rejected_reason or why
+        return None
 
     # -- under the lock --------------------------------------------------------------------------
 
-    def _accept(self, record: dict[str, Any], line: bytes, now: float) -> None:
+    def _accept(self, record: dict[str, Any], line: bytes | None, now: float) -> None:
         self.state.ingest(record, now)
         self.records += 1
         if self._file is not None:
             try:
-                self._file.write(line.strip() + b"\n")
+                self._file.write((line or json.dumps(record, separators=(",", ":")).encode()) + b"\n")
                 self.written += 1
             except OSError as exc:  # a full disk must not take the launcher down; the live view goes on
                 self._failed(exc)
@@ -210,12 +314,3 @@ class Sink(Protocol):
 
     def close(self) -> None: ...
 
-
-def _parse(line: bytes) -> dict[str, Any] | None:
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(record, dict) or not isinstance(record.get("type"), str):
-        return None
-    return record

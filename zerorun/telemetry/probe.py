@@ -25,6 +25,8 @@ It must never slow or break training:
   so the probe never waits for later work nor makes the training stream wait.
 - Comm figures are the counters `runtime.collectives` keeps (bytes at launch, host time from launch
   to the end of `wait()`); reading them adds no synchronisation, so overlap is measured, not removed.
+- On connecting, the probe answers the collector's challenge with the job's token (TOKEN_ENV,
+  from its environment; see `collector`) before its first record.
 - The socket has a short timeout. A failed connect or send drops the connection and retries with
   backoff (up to 5 s); meanwhile records wait in a bounded deque (oldest dropped). Every failure
   inside the thread is swallowed: a dead launcher never ends a worker, the supervisor's teardown does.
@@ -47,7 +49,9 @@ from typing import Any
 import psutil
 
 from zerorun.config import TelemetryConfig
+from zerorun.telemetry import TOKEN_ENV
 from zerorun.telemetry.flops import ModelFlops, peak_tflops
+from zerorun.telemetry.records import prove
 
 log = logging.getLogger("zerorun")
 
@@ -126,6 +130,7 @@ class Probe:
         self.rank = rank
         self.host = host
         self.device = device
+        self.token = os.environ.get(TOKEN_ENV)
         self._process = psutil.Process()
         self._main_thread = threading.main_thread().ident
         self.script_running = True  # False once the script has ended (`script_ended`): `where` is then None
@@ -308,22 +313,39 @@ class Probe:
             return self._sock
         if time.monotonic() < self._next_connect:
             return None
+        sock = None
         try:
             sock = socket.create_connection(self.address, timeout=SOCKET_TIMEOUT_S)
             sock.settimeout(SOCKET_TIMEOUT_S)
-        except OSError:
+            proof = self._proof(sock)
+        except (OSError, ValueError, KeyError, TypeError):
+            if sock is not None:
+                sock.close()
             self._disconnect(retry=True)
             return None
         with self._greeting:  # an engine attached before this point is in the greeting, one after it is queued
             greeting = [self._hello()] + ([dict(self._engine_record, t=time.time())] if self._engine_record else [])
             self._sock = sock
         try:
-            sock.sendall(b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in greeting))
+            sock.sendall(proof + b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in greeting))
         except OSError:
             self._disconnect(retry=True)
             return None
         self._backoff = 0.5
         return sock
+
+    def _proof(self, sock: socket.socket) -> bytes:
+        """The line that answers the collector's challenge (nothing without a token)."""
+        if self.token is None:
+            return b""
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = sock.recv(256)
+            if not chunk or len(line) > 256:
+                raise OSError("no challenge from the collector")
+            line += chunk
+        challenge = json.loads(line)["challenge"]
+        return json.dumps({"auth": prove(self.token, str(challenge))}).encode() + b"\n"
 
     def _disconnect(self, retry: bool = False) -> None:
         if self._sock is not None:

@@ -9,6 +9,7 @@ record); the report shows the last one, or the one whose id is given. A job stil
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from zerorun.telemetry import console
 from zerorun.telemetry.state import RunState
 
 FILE_NAME = "telemetry.jsonl"
+_ATTEMPT = re.compile(r"-r\d+$")  # a restarted job's attempt k runs as <job id>-r<k>
 
 
 def load(path: str | Path, job_id: str | None = None) -> RunState:
@@ -77,8 +79,12 @@ def render(state: RunState) -> RenderableType:
 
 
 def _split_jobs(file: Path) -> list[list[dict[str, Any]]]:
-    """The file's records, grouped by job (records before any `job` record form a job of their own)."""
+    """The file's records, grouped by job (records before any `job` record form a job of their own).
+
+    A record that carries a `job_id` joins that job (a restart's attempts run as `<id>-r<k>`), wherever
+    it is in the file; one without (files from before job ids were written) joins the job above it."""
     jobs: list[list[dict[str, Any]]] = []
+    by_id: dict[str, list[dict[str, Any]]] = {}
     with open(file, "rb") as f:
         for raw in f:
             try:
@@ -87,7 +93,13 @@ def _split_jobs(file: Path) -> list[list[dict[str, Any]]]:
                 continue  # a line cut short by a crash
             if not isinstance(record, dict):
                 continue
+            job_id = record.get("job_id")
             if record.get("type") == "job" or not jobs:
                 jobs.append([])
-            jobs[-1].append(record)
+                if record.get("type") == "job" and isinstance(job_id, str):
+                    by_id[job_id] = jobs[-1]
+            group = jobs[-1]
+            if isinstance(job_id, str) and record.get("type") != "job":
+                group = by_id.get(job_id) or by_id.get(_ATTEMPT.sub("", job_id)) or group
+            group.append(record)
     return jobs

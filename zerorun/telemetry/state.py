@@ -16,6 +16,8 @@ from typing import Any
 
 from zerorun.telemetry.restarts import Restart
 
+MAX_STALLS = 100  # stall reports kept in memory
+
 
 @dataclass
 class RankState:
@@ -224,6 +226,7 @@ class RunState:
             return
         if kind == "stall":
             self.stalls.append(dict(record))
+            del self.stalls[:-MAX_STALLS]  # the latest ones: a job stalled for days keeps a bounded history
             return
         rank = record.get("rank")
         if not isinstance(rank, int):

@@ -1,0 +1,45 @@
+"""Directory locks on their own: taken, refused while held, released, stale ones named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zerorun.errors import LaunchError
+from zerorun.launch.ownership import LOCK_NAME, lock_directory
+
+
+def test_a_held_lock_refuses_a_second_taker_and_is_free_again_once_released(tmp_path: Path):
+    first = lock_directory(tmp_path / "ckpt", "checkpoint.dir", "job-1")
+    assert oct((tmp_path / "ckpt" / LOCK_NAME).stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(LaunchError, match=r"checkpoint.dir: \S+ckpt is in use by job job-1 \(launcher pid \d+ on "):
+        lock_directory(tmp_path / "ckpt", "checkpoint.dir", "job-2")
+    first.release()
+    second = lock_directory(tmp_path / "ckpt", "checkpoint.dir", "job-2")
+    assert second.stale is None  # released cleanly: nothing stale to name
+    second.release()
+
+
+def test_a_lock_file_left_by_a_dead_launcher_is_stale_and_named(tmp_path: Path):
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"job_id": "gone", "host": "h", "pid": 123, "since": 0.0}))
+    lock = lock_directory(tmp_path, "checkpoint.dir", "job-3")  # nobody holds its flock: the holder died
+    assert lock.stale is not None and lock.stale.describe().startswith("job gone (launcher pid 123 on h, since ")
+    lock.release()
+
+
+def test_a_checkpoint_dir_the_launcher_cannot_create_is_noted_not_refused(tmp_path: Path):
+    from zerorun import config
+    from zerorun.hostfile import Node
+    from zerorun.launch.ownership import claim_paths
+    from zerorun.launch.plan import MachineFacts, plan
+
+    recipe = config.from_dict({"script": "/x/t.py", "name": "n", "checkpoint": {"dir": "/proc/zerorun-no/ckpt"}})
+    claim = claim_paths(plan(recipe, [Node("a", (0,))], "job-4", 1, MachineFacts(2, "py")), runs_dir=tmp_path)
+    try:
+        assert [lock.directory for lock in claim.locks] == [tmp_path / "n"]  # runs/<name>/ is locked
+        assert claim.notes[0].startswith("checkpoint.dir: cannot create /proc/zerorun-no/ckpt/.zerorun-lock") and \
+            claim.notes[0].endswith("not locked: another job using it would not be noticed")
+    finally:
+        claim.release()
