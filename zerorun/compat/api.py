@@ -74,7 +74,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
               "is not (as in DeepSpeed).", file=sys.stderr)
     engine = zerorun.initialize(model, user_optimizer, recipe)
     schedule = _lr_scheduler(lr_scheduler, engine.optimizer, recipe)
-    facade = DeepSpeedEngine(engine, recipe, schedule)
+    facade = DeepSpeedEngine(engine, recipe, schedule, ds)
     loader = _dataloader(training_data, recipe, info, collate_fn, ds) if training_data is not None else None
     return facade, engine.optimizer, loader, schedule
 
