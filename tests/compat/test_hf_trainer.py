@@ -48,11 +48,12 @@ def _stage_config(tmp: Path, stage: int) -> Path:
     return path
 
 
-def _run(argv: list[str], cwd: Path) -> None:
+def _run(argv: list[str], cwd: Path) -> str:
     env = subprocess_env()
     env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result.stdout + result.stderr
 
 
 def _records(prefix: Path) -> list[dict]:
@@ -84,8 +85,9 @@ def _ddp(tmp: Path, name: str, *extra: str) -> list[dict]:
 
 
 def _zerorun(tmp: Path, name: str, ds: Path, optimizer: list[str], *extra: str) -> list[dict]:
-    _run([sys.executable, "-m", "zerorun.cli", "launch", "--num_gpus", str(WORLD),
-          *_script_args(tmp, name, optimizer), "--deepspeed", str(ds), *extra], tmp)
+    output = _run([sys.executable, "-m", "zerorun.cli", "launch", "--num_gpus", str(WORLD),
+                   *_script_args(tmp, name, optimizer), "--deepspeed", str(ds), *extra], tmp)
+    (tmp / f"{name}.log").write_text(output)
     return _records(tmp / name)
 
 
@@ -108,6 +110,17 @@ def test_trainer_script_with_its_own_optimizer_trains_as_ddp(workdir: Path, stag
                     *(SAVE_AT_2 if stage == 3 else ()))
     _assert_close(ours, reference, f"stage {stage}")
     assert ours[0]["lrs"] == reference[0]["lrs"] == pytest.approx([0.0, 5e-4, 1e-3, 5e-4])
+    if stage == 3:
+        assert "stage 3 units: GPT2Block" in (workdir / "stage3.log").read_text()  # _no_split_modules
+        model_bytes = sum(t.numel() * 4 for t in _pretrained(workdir).values())
+        for rank, record in enumerate(ours):  # loading never held the whole model on a rank
+            assert 0 < record["staged_peak_bytes"] < 0.75 * model_bytes, (rank, record["staged_peak_bytes"])
+
+
+def _pretrained(tmp: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(tmp / "model" / "model.safetensors")
 
 
 def test_trainer_resumes_from_its_checkpoint_exactly(workdir: Path) -> None:

@@ -6,7 +6,8 @@
 Nothing in it knows about zerorun: `--deepspeed ds.json` is transformers' own argument. The model
 comes from a `save_pretrained` directory (`--model_dir`, written by the test: no download), the data
 is synthetic token ids. Each rank writes its micro-step losses (what `training_step` returns) and
-the learning rate of each update to `<record>.rank<r>.json`.
+the learning rate of each update to `<record>.rank<r>.json` (and, under zerorun, the most parameter
+bytes it held while loading the model at stage 3).
 
 `--ds_schedule` makes the DDP reference run follow DeepSpeed's WarmupDecayLR (linear warmup from 0,
 linear decay to 0), stepped DeepSpeed's way: update k runs with the lr of iteration k - 1.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +84,13 @@ class RecordingTrainer(Trainer):
         return lr
 
 
+def staged_peak_bytes() -> int | None:
+    """The most parameter bytes this rank held between zero.Init and initialize under zerorun (a probe the
+    test reads; None where zerorun's DeepSpeed shim is not in use)."""
+    staged = sys.modules.get("zerorun.compat.staged_params")
+    return staged.peak_bytes() if staged is not None else None
+
+
 def main() -> None:
     script, args = HfArgumentParser((ScriptArguments, TrainingArguments)).parse_args_into_dataclasses()
     model = AutoModelForCausalLM.from_pretrained(script.model_dir, dtype=torch.float32)
@@ -91,7 +100,8 @@ def main() -> None:
     trainer.save_model(os.path.join(args.output_dir, "final"))
     rank = int(os.environ.get("RANK", "0"))
     with open(f"{script.record}.rank{rank}.json", "w") as file:
-        json.dump({"losses": trainer.losses, "lrs": trainer.lrs, "global_step": trainer.state.global_step}, file)
+        json.dump({"losses": trainer.losses, "lrs": trainer.lrs, "global_step": trainer.state.global_step,
+                   "staged_peak_bytes": staged_peak_bytes()}, file)
 
 
 if __name__ == "__main__":

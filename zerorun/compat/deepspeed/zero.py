@@ -8,28 +8,21 @@ weight initialisation and `resize_token_embeddings` use them.
         if rank == 0:
             load(params)                            # written back to every rank's shard on exit
 
-Before `deepspeed.initialize` there are no shards yet, and the parameters `Init` made stay meta
-tensors: as in DeepSpeed, where a partitioned parameter outside a gathering block is an empty
-tensor, a write to one there changes nothing (transformers relies on this: it re-initialises
-modules whose tied weight was loaded). The first gathering block replays the recorded
-initialisation once into staged values (so every rank holds the whole model until `initialize`);
-a block swaps its parameters' staged values in, and on exit with `modifier_rank` broadcasts that
-rank's values to the others, keeps them staged and swaps the meta tensors back. The staged values
-end the `Init` log as copies, so the engine's replay builds its shards from them. After
-`initialize`, the block is the engine's `gathered(params, modify=modifier_rank is not None,
-src=modifier_rank)`.
+Before `deepspeed.initialize` there are no shards yet: the parameters `Init` made stay meta tensors
+(a write to one outside a block changes nothing, as in DeepSpeed), and each rank keeps its piece
+of their values (`zerorun.compat.staged_params`); a block gathers them whole. After `initialize`,
+the block is the engine's `gathered(params, modify=modifier_rank is not None, src=modifier_rank)`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from zerorun.errors import ZerorunError
+from zerorun.compat import staged_params
 from zerorun.runtime import sharded_init
 
 
@@ -72,53 +65,7 @@ def GatheredParameters(params: Any, modifier_rank: int | None = None, fwd_module
     pending = [p for p in wanted if p.is_meta]
     if not pending:
         return contextlib.nullcontext()
-    return _gathered_before_initialize(pending, modifier_rank)
-
-
-_STAGED: dict[int, dict[Any, torch.Tensor]] = {}  # id(InitLog) -> {parameter: staged value}; logs live on in sharded_init
-
-
-def _staged_values(params: list[torch.Tensor]) -> dict[Any, torch.Tensor]:
-    """Each parameter's staged value, replaying (once) the `Init` logs that made them."""
-    logs = sharded_init.logs_owning(params)
-    found = {id(log): _STAGED.get(id(log)) for log in logs}
-    for log in logs:
-        if found[id(log)] is None:
-            staged = found[id(log)] = _STAGED[id(log)] = {}
-            log.replay(staged.__setitem__)
-            for param, value in staged.items():  # the log now ends with the staged values (see the module doc)
-                log.ops.append(sharded_init._Op(param, "copy_", torch.Tensor.copy_, (value,), {}))
-    values = {p: v for staged in found.values() for p, v in staged.items()}
-    missing = [p for p in params if p not in values]
-    if missing:
-        raise ZerorunError("deepspeed.zero.GatheredParameters: a parameter is still a meta tensor that no finished "
-                           "zero.Init block created; gather it after the `with deepspeed.zero.Init()` block.")
-    return values
-
-
-@contextlib.contextmanager
-def _gathered_before_initialize(params: list[torch.Tensor], modifier_rank: int | None) -> Iterator[None]:
-    values = _staged_values(params)
-    order = {p: i for i, p in enumerate(values)}  # creation order, the same on every rank (callers' may not be)
-    params = sorted(params, key=order.__getitem__)
-    for param in params:
-        _swap(param, torch.nn.Parameter(values[param], requires_grad=param.requires_grad))
-    try:
-        yield
-    finally:
-        for param in params:
-            value = param.data
-            if modifier_rank is not None and dist.is_initialized() and dist.get_world_size() > 1:
-                dist.broadcast(value, src=modifier_rank)
-            values[param].copy_(value) if value is not values[param] else None
-            _swap(param, torch.nn.Parameter(torch.empty_like(value, device="meta"), requires_grad=param.requires_grad))
-
-
-def _swap(param: torch.Tensor, other: torch.Tensor) -> None:
-    """Give `param` the contents of `other`, keeping its Python attributes (transformers' `_is_hf_initialized`)."""
-    attributes = dict(param.__dict__)
-    torch.utils.swap_tensors(param, other)
-    param.__dict__.update(attributes)
+    return staged_params.gathered(pending, modifier_rank)
 
 
 def __getattr__(name: str) -> Any:
