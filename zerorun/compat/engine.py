@@ -203,10 +203,17 @@ class DeepSpeedEngine:
         """The whole model's state dict on rank 0 in the model's dtype ({} on other ranks), as
         `trainer.save_model()` writes it; every rank must call it."""
         full = self.engine.state_dict()
-        frozen = {n for n, p in self.engine.module.named_parameters() if not p.requires_grad}
-        dtypes = {n: p.dtype for n, p in self.engine.module.named_parameters()}
-        return {name: value.to(dtypes.get(name, value.dtype)) for name, value in full.items()
-                if not (exclude_frozen_parameters and name in frozen)}
+        named = list(self.engine.module.named_parameters(remove_duplicate=False))
+        frozen = {n for n, p in named if not p.requires_grad}
+        dtypes = {n: p.dtype for n, p in named}
+        out = {name: value.to(dtypes.get(name, value.dtype)) for name, value in full.items()
+               if not (exclude_frozen_parameters and name in frozen)}
+        first: dict[int, str] = {}
+        for name, param in named:  # a tied weight is one tensor under each of its names, as in the model
+            owner = first.setdefault(id(param), name)
+            if owner != name and owner in out and name in out:
+                out[name] = out[owner]
+        return out
 
     # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
