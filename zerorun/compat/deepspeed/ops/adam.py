@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
+from zerorun.errors import ZerorunError
+
 
 def _adam(params: Iterable[Any], lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
           adamw_mode: bool, amsgrad: bool, bias_correction: bool) -> torch.optim.Optimizer:
     if amsgrad or not bias_correction:
-        raise NotImplementedError("deepspeed.ops.adam with amsgrad=True or bias_correction=False is not provided "
+        raise ZerorunError("deepspeed.ops.adam with amsgrad=True or bias_correction=False is not provided "
                                   "by zerorun: its Adam kernel always corrects the bias and has no AMSGrad.")
     cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
     return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
