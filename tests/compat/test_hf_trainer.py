@@ -153,6 +153,29 @@ def test_trainer_resumes_from_its_checkpoint_exactly(workdir: Path) -> None:
         assert after["losses"] == uninterrupted["losses"][4:]
 
 
+def test_consolidate_format_hf_writes_what_from_pretrained_loads(workdir: Path) -> None:
+    """`zerorun checkpoint consolidate --format hf` on the Trainer's step-2 checkpoint (zerorun's sharded
+    one inside it), sharded small: from_pretrained reads the Trainer's own save_model of that step."""
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from zerorun.cli import app
+
+    checkpoint = workdir / "out_stage3" / "checkpoint-2"
+    if not checkpoint.exists():
+        pytest.skip("needs the stage 3 run of test_trainer_script_with_its_own_optimizer_trains_as_ddp")
+    out = workdir / "consolidated"
+    result = CliRunner().invoke(app, ["checkpoint", "consolidate", str(checkpoint), "--format", "hf", "--out",
+                                      str(out), "--max-shard-mb", "0.05"])
+    assert result.exit_code == 0, result.output
+    assert (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
+    got = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    want = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()  # the Trainer's consolidated save
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
 def test_trainer_script_with_the_configs_auto_optimizer_and_scheduler_trains_as_ddp(workdir: Path) -> None:
     reference = _ddp(workdir, "ddp_ds_schedule", *DS_OPTIMIZER, "--ds_schedule")
     ours = _zerorun(workdir, "auto", HERE / "configs" / "hf_auto_stage2.json", DS_OPTIMIZER)
