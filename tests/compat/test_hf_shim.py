@@ -43,6 +43,23 @@ def test_availability_checks_find_zeroruns_shim_with_a_version_they_accept(insta
     assert packaging.parse(version) >= packaging.parse("0.16.4")  # accelerate's highest minimum
 
 
+def test_a_real_deepspeed_imported_before_the_shim_no_longer_answers() -> None:
+    import types
+
+    saved_modules = {k: v for k, v in sys.modules.items() if k == "deepspeed" or k.startswith("deepspeed.")}
+    saved_path = list(sys.meta_path)
+    sys.modules["deepspeed.pipe"] = types.ModuleType("deepspeed.pipe")  # as a real DeepSpeed leaves it
+    try:
+        shim.install(config.loads("script: t.py\nlaunch: {deepspeed_compat: true}\n"), [])
+        with pytest.raises(ModuleNotFoundError, match="deepspeed.pipe is not provided by zerorun"):
+            importlib.import_module("deepspeed.pipe")
+    finally:
+        for name in [k for k in sys.modules if k == "deepspeed" or k.startswith("deepspeed.")]:
+            del sys.modules[name]
+        sys.modules.update(saved_modules)
+        sys.meta_path[:] = saved_path
+
+
 def test_the_submodules_transformers_and_accelerate_import_are_zeroruns(installed_shim) -> None:
     from deepspeed import DeepSpeedEngine
     from deepspeed.checkpoint.utils import clone_tensors_for_torch_save

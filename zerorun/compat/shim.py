@@ -68,6 +68,8 @@ class _Shim(importlib.abc.MetaPathFinder):
 def install(recipe: Recipe, args: Sequence[str]) -> list[str]:
     """Register the shim as `deepspeed`; return the script's arguments (with --local_rank when asked)."""
     package = importlib.import_module(PACKAGE)
+    for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
+        del sys.modules[name]  # a real DeepSpeed imported earlier in this process: none of it may answer
     sys.modules["deepspeed"] = package
     for name in PROVIDED:
         sys.modules[f"deepspeed.{name}"] = importlib.import_module(f"{PACKAGE}.{name}")
