@@ -23,7 +23,7 @@ def test_the_family_starts_at_the_standard_model_and_grows_width_and_depth_toget
     assert family.shape(0) == (12, 768, 12)
     assert family.shape(5) == (22, 2048, 32)
     sizes = [gpt_params(*family.shape(r)[:2], family.vocab, family.seq_len)[0] for r in range(9)]
-    assert sizes[0] == 97_737_216  # the README's standard model
+    assert sizes[0] == 97_737_216  # the standard benchmark model (docs/benchmarks.md)
     assert all(b > 1.25 * a for a, b in zip(sizes, sizes[1:]))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,28 @@ def test_cli_sizes_the_recipes_own_world_unless_the_flags_say_otherwise() -> Non
     assert json.loads(result.output)["cluster"]["gpus_per_node"] == 2  # (before: 8, silently another job)
     result = CliRunner().invoke(app, ["estimate", recipe, "--params", "1e8", "--gpus-per-node", "4", "--json"])
     assert json.loads(result.output)["cluster"]["gpus_per_node"] == 4
+
+
+def test_model_factory_in_the_current_directory_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`zerorun estimate --model mymodel:build` beside mymodel.py: the console script's sys.path starts at its own
+    bin directory, not the working directory, so the module was not found (as `python -m` would find it)."""
+    (tmp_path / "mymodel_for_estimate.py").write_text("import torch\ndef build():\n    return torch.nn.Linear(4, 3)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert planner.build_on_meta("mymodel_for_estimate:build").weight.shape == (3, 4)
+
+
+def test_a_recommendation_keeps_headroom_or_warns() -> None:
+    """A 24 GiB GPU was told "stage 0 (22.51 GiB per GPU)", 94% of it before activations, with no warning."""
+    shape = planner.shape_from_size(1.4e9, None, None)  # stage 0 needs 23.5 GiB per GPU (98%)
+    roomy = planner.estimate(shape, planner.Cluster(1, 2, 24), planner.Settings("bf16"))
+    best = roomy.recommended
+    assert best is not None and best.gpu_total <= planner.HEADROOM * 24 * planner.GIB
+    assert any(r.fits and roomy.tight(r) and roomy.rows.index(r) < roomy.rows.index(best) for r in roomy.rows)
+    line = planner.summary(roomy)[0]
+    assert "activations not counted" in line and "% of 24 GiB" in line
+    smallest = min(r.gpu_total for r in roomy.rows if r.offload_optimizer == r.offload_param == "none") / 2**30
+    gpu = smallest / 0.95  # every configuration without offload needs more than 90% of it; the host has no room
+    tight = planner.estimate(shape, planner.Cluster(1, 2, gpu, 0.001), planner.Settings("bf16"))
+    assert tight.recommended is not None and tight.tight(tight.recommended)
+    assert any(line.startswith("Warning: no configuration leaves 10% of the GPU free") for line in planner.summary(tight))

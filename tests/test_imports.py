@@ -1,4 +1,4 @@
-"""No import cycles anywhere in zerorun/: dependencies point one way (README, "Architecture").
+"""No import cycles anywhere in zerorun/: dependencies point one way (docs/architecture.md).
 
 Modules must not import each other in a circle, and neither may subpackages (zerorun.runtime,
 zerorun.launch, ...) taken as wholes. Every `import` counts, wherever it is written: at module level, inside a function (a lazy import is

@@ -156,7 +156,7 @@ def test_misuse_is_a_value_error_naming_the_tensor(bad: str) -> None:
 
 
 def test_avx2_kernel_equals_torch_cpu_fused_adamw_bit_for_bit(cpu_kernel: None) -> None:
-    """What the README claims: adam.h follows torch's CPU fused AdamW operation for operation. A length
+    """What docs/kernels.md claims: adam.h follows torch's CPU fused AdamW operation for operation. A length
     of whole vectors (torch's scalar tail, which rounds differently, never runs), 10 steps, in place."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or ops.use_cpu_isa(1) != "avx2":
         pytest.skip("needs AVX2+FMA for both torch's kernel and ours")

@@ -23,8 +23,8 @@ def test_quickstart_recipe_trains_through_the_launcher() -> None:
 
 
 def test_the_one_gpu_offload_recipe_and_its_profiler_run_scaled_down_on_a_cpu() -> None:
-    """recipes/offload_one_gpu.yaml and recipes/offload_profile.py are measured on a GPU (README: On a
-    GPU); here a tiny GPT goes through the same settings (bf16, CPU optimizer, stages 2 and 3)."""
+    """recipes/offload_one_gpu.yaml and zerorun.bench.offload_profile are measured on a GPU (docs/gpu.md);
+    here a tiny GPT goes through the same settings (bf16, CPU optimizer, stages 2 and 3)."""
     tiny = 'args=[--layers,"2",--d-model,"32",--heads,"2",--vocab,"128",--seq-len,"16",--log-every,"1"]'
     result = subprocess.run(
         [sys.executable, "-m", "zerorun.cli", "launch", str(ROOT / "recipes/offload_one_gpu.yaml"), "--set", tiny,
@@ -33,7 +33,7 @@ def test_the_one_gpu_offload_recipe_and_its_profiler_run_scaled_down_on_a_cpu() 
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ZeRO stage 3 (2 units), bf16" in result.stdout and "[localhost:0] done: 4 steps" in result.stdout
     profile = subprocess.run(
-        [sys.executable, str(ROOT / "recipes/offload_profile.py"), "--layers", "2", "--d-model", "32", "--heads", "2",
+        [sys.executable, "-m", "zerorun.bench.offload_profile", "--layers", "2", "--d-model", "32", "--heads", "2",
          "--seq-len", "16", "--micro-batch", "2", "--steps", "2"], capture_output=True, text=True, timeout=300)
     assert profile.returncode == 0, profile.stdout + profile.stderr
     assert re.search(r"ZeRO stage 2: forward [\d.]+ s \+ backward [\d.]+ s .* = [\d.]+ s a step", profile.stdout)

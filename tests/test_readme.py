@@ -1,4 +1,4 @@
-"""The README cannot drift: its recipe reference, quick start and test command are checked."""
+"""The README and the guide cannot drift: the recipe reference, quick start and test command are checked."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ from zerorun import config
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
+RECIPES = (ROOT / "docs/recipes.md").read_text()
 TEST_COMMAND = "python -m pytest -q"
 
 
 def test_recipe_reference_equals_the_dataclasses() -> None:
-    section = re.search(r"<!-- recipe-reference:start -->\n(.*?)<!-- recipe-reference:end -->", README, re.S)
-    assert section, "README lost its recipe-reference markers"
+    section = re.search(r"<!-- recipe-reference:start -->\n(.*?)<!-- recipe-reference:end -->", RECIPES, re.S)
+    assert section, "docs/recipes.md lost its recipe-reference markers"
     assert section.group(1).strip() == config.reference_markdown().strip(), (
-        "README's recipe reference is stale: regenerate it with "
+        "docs/recipes.md's recipe reference is stale: regenerate it with "
         "python -c 'from zerorun import config; print(config.reference_markdown())'")
 
 
@@ -27,3 +28,7 @@ def test_quick_start_is_two_commands_and_ci_runs_the_readme_test_command() -> No
                         f'pip install ".[test]" && {TEST_COMMAND}']
     assert (ROOT / "recipes/quickstart.yaml").is_file()
     assert TEST_COMMAND in (ROOT / ".ci/run").read_text()
+
+
+def test_readme_is_a_front_page() -> None:
+    assert README.count("\n") <= 250, "README.md is the front page: move details into docs/"

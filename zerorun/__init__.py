@@ -38,16 +38,43 @@ def sharded_init() -> Any:
     return _sharded_init()
 
 
-def initialize(model: Any, optimizer: Any = None, config: Recipe | None = None) -> Engine:
-    """Wrap `model` (and optionally a torch Adam/AdamW whose param groups are taken over) in a ZeRO engine."""
-    from zerorun.runtime.engine import Engine
+def initialize(model: Any, optimizer: Any = None, config: Recipe | None = None, lr_scheduler: Any = None) -> Engine:
+    """Wrap `model` in a ZeRO engine.
 
-    engine = Engine(model, optimizer, config or recipe())
-    engine.resume()  # checkpoint.resume (auto: the latest in checkpoint.dir); see engine.resumed_from
-    try:  # the telemetry probe (when the launcher started one) reads memory and model FLOPs from it
-        from zerorun.telemetry import probe
+    `optimizer`: a torch Adam/AdamW whose param groups are taken over (None: the recipe's `optimizer`
+    section). `lr_scheduler`: a torch LR scheduler on that optimizer (or a function of the engine's
+    optimizer that builds one) that the engine steps after every applied update, as DeepSpeed's does;
+    without it the recipe's `scheduler` section, if any, is built and stepped the same way. Schedulers
+    the script builds and steps itself are found, saved with every checkpoint and restored on resume.
+    """
+    from zerorun.runtime.engine import Engine, start
 
-        probe.attach_engine(engine)
-    except Exception:  # noqa: BLE001 - telemetry never breaks initialize
-        pass
-    return engine
+    chosen = config or recipe()
+    lr_scheduler, source = _recipe_choices(chosen, optimizer, lr_scheduler)
+    return start(Engine(model, optimizer, chosen, lr_scheduler, source))
+
+
+def _recipe_choices(recipe: Recipe, optimizer: Any, lr_scheduler: Any) -> tuple[Any, str | None]:
+    """The scheduler the engine steps, and where the recipe asked for it; a conflict between the recipe's
+    `optimizer`/`scheduler` sections and what the script passes is refused, naming both."""
+    from zerorun import config
+    from zerorun.errors import ZerorunError
+
+    given = config.given_in(recipe, "optimizer")
+    if optimizer is not None and given:
+        keys = ", ".join(f"{k} ({where})" for k, where in given.items() if k != "optimizer") or f"optimizer " \
+                                                                                             f"({given['optimizer']})"
+        raise ZerorunError(
+            f"the recipe sets {keys}, but the script passes its own {type(optimizer).__name__} to "
+            f"zerorun.initialize, whose param groups and hyper-parameters the engine takes over: the recipe's "
+            f"values would be ignored. Remove them from the recipe, or call zerorun.initialize(model) without an "
+            f"optimizer to train with the recipe's.")
+    if recipe.scheduler.type == "none":
+        return lr_scheduler, None
+    where = config.given_in(recipe, "scheduler").get("scheduler.type", "the recipe")
+    if lr_scheduler is not None:
+        raise ZerorunError(f"the recipe's scheduler section ({where}: {recipe.scheduler.type}) and the script's "
+                           f"lr_scheduler= both ask to drive the learning rate; remove one of them.")
+    from zerorun.compat import schedulers
+
+    return (lambda opt: schedulers.build(recipe.scheduler, opt, recipe.train.steps)), f"scheduler.type at {where}"

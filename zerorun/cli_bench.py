@@ -15,7 +15,7 @@ import typer
 from zerorun.errors import ZerorunError
 
 bench_app = typer.Typer(help="Side-by-side measurements: step time against DDP/FSDP2, collectives, Adam kernels, "
-                             "NVMe I/O, the largest model this machine trains.",
+                             "NVMe I/O, the largest model this machine trains; and the GPU check.",
                         no_args_is_help=True)
 
 
@@ -179,3 +179,28 @@ def bench_scale(
     Console(width=240).print(scale.render(cfg, results))
     if json_out is not None:
         json_out.write_text(json.dumps(scale.as_json(cfg, results), indent=2))
+
+
+@bench_app.command("gpu")
+def bench_gpu(
+    steps: Annotated[str, typer.Option(help="Comma-separated subset of: environment, build, numerics, bandwidth, "
+                                            "pytest, launch (default: all).")] = "",
+    out: Annotated[Path | None, typer.Option(help="Write gpu_check.json here (a directory).")] = None,
+    max_numel: Annotated[int, typer.Option(help="Skip numerics cases with more elements than this.")] = 10**12,
+    timeout_s: Annotated[float, typer.Option(help="Limit for the CUDA tests and for each launch, seconds.")] = 300.0,
+) -> None:
+    """Check a GPU machine: CUDA environment, kernel build, numerics, bandwidth, CUDA tests, 1-GPU launches."""
+    from zerorun.bench import gpu
+
+    chosen = tuple(s.strip() for s in steps.split(",") if s.strip()) or gpu.STEPS
+    unknown = [s for s in chosen if s not in gpu.STEPS]
+    if unknown:
+        raise ZerorunError(f"--steps: unknown {', '.join(unknown)}; choose from {', '.join(gpu.STEPS)}.")
+    options = gpu.Options(steps=chosen, root=Path.cwd(), max_numel=max_numel, timeout_s=timeout_s)
+    results = gpu.run(options, report=lambda r: typer.echo(f"{r.status.value} {r.step}: {r.detail}"))
+    typer.echo(gpu.summary(results))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        gpu.write_json(results, out / "gpu_check.json")
+    if any(r.status is gpu.Status.FAIL for r in results):
+        raise typer.Exit(1)

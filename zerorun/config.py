@@ -5,7 +5,7 @@ A recipe is a YAML file (see `recipes/quickstart.yaml`). `load(path, overrides)`
 problem becomes one `ConfigError` naming the file, the line and the dotted key (or the `--set`
 that caused it) and what was expected, never a traceback.
 
-Each field's `doc` metadata is its documentation: the README's recipe reference is generated from
+Each field's `doc` metadata is its documentation: docs/recipes.md's recipe reference is generated from
 it (`reference_markdown()`), and a test keeps the two in step.
 """
 
@@ -27,6 +27,7 @@ import yaml
 from zerorun.errors import ConfigError
 
 RECIPE_ENV = "ZERORUN_RECIPE"  # the launcher passes the resolved recipe to workers as JSON
+GIVEN_KEY = "_given"  # in `to_json`: the keys the user set (`Recipe.given`), so a worker can name them
 BACKEND_ENV = "ZERORUN_BACKEND"  # launch.backend, for every process group a worker (or a test, a bench) makes
 
 
@@ -90,7 +91,7 @@ class ZeroConfig:
         "it released either way). fast: freed blocks of up to 32 MiB are kept for reuse, so activations and "
         "gradients fault in no pages; RSS follows the heap's high-water mark, fragmentation included. lean: blocks "
         "of 128 KiB or more go back to the OS when freed, so RSS follows the live tensors, at the price of page "
-        "faults (README: Memory).")
+        "faults (docs/stages-and-precision.md).")
     prefetch_units: int = _f(1, "Stage 3: units gathered ahead of the one computing.", ge=0)
     param_persistence_threshold: int = _f(
         0, "Stage 3: parameters with fewer elements stay gathered (0: every parameter is sharded). A unit gathers "
@@ -215,6 +216,12 @@ class TelemetryConfig:
                                   "telemetry stream, in the launcher (needs `pip install 'zerorun[tensorboard]'`).")
     csv: bool = _f(False, "Also write runs/<name>/csv/<job id>/steps.csv and samples.csv, from the telemetry "
                           "stream, in the launcher.")
+    wandb: bool = _f(False, "Also log to a Weights & Biases run (the recipe as its config), from the telemetry stream, "
+                            "in the launcher; W&B's own WANDB_MODE, WANDB_PROJECT, WANDB_DIR apply (needs "
+                            "`pip install 'zerorun[wandb]'`; a failure is a warning).")
+    mlflow: bool = _f(False, "Also log to an MLflow run (the recipe as its parameters), from the telemetry stream, in "
+                             "the launcher; MLFLOW_TRACKING_URI says where (needs `pip install 'zerorun[mlflow]'`; "
+                             "a failure is a warning).")
 
 
 @dataclass
@@ -270,7 +277,7 @@ class Recipe:
     master_port: int | None = _f(None, "Rendezvous port (default: a free port).", ge=1, le=65535)
     env: dict[str, str] = _f(doc="Extra environment variables for every worker.", factory=dict)
     deepspeed_config: str | None = _f(None, "A DeepSpeed JSON config read into this recipe (relative to the recipe "
-                                            "file); the recipe's own keys win over it. See 'Coming from DeepSpeed'.")
+                                            "file); the recipe's own keys win over it. See docs/deepspeed.md.")
     launch: LaunchConfig = _f(doc="Process lifecycle.", factory=LaunchConfig)
     ssh: SSHConfig = _f(doc="SSH to the other hosts of a multi-node job.", factory=SSHConfig)
     zero: ZeroConfig = _f(doc="ZeRO partitioning.", factory=ZeroConfig)
@@ -281,6 +288,8 @@ class Recipe:
     checkpoint: CheckpointConfig = _f(doc="Checkpoints.", factory=CheckpointConfig)
     telemetry: TelemetryConfig = _f(doc="Telemetry.", factory=TelemetryConfig)
     source: str | None = field(default=None, metadata={"internal": True})  # the recipe file, for messages
+    # dotted key -> where the user gave it ("recipe.yaml:12", "--set ..."): keys left at their default are absent
+    given: dict[str, str] = field(default_factory=dict, metadata={"internal": True})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,8 +337,10 @@ def from_dict(data: Any, source: str = "<recipe>", lines: dict[str, int | str] |
         data = {}
     if isinstance(data, dict) and "script" not in data:
         raise ConfigError(f"{source}: script: missing; every recipe names its training script, e.g. `script: train.py`.")
+    given = data.pop(GIVEN_KEY, None) if isinstance(data, dict) else None
     recipe = _build(Recipe, data, "", ctx)
     _check_cross_fields(recipe, ctx)
+    recipe.given = dict(given) if isinstance(given, dict) else {k: _where(source, ctx.lines, k) for k in ctx.lines}
     return recipe
 
 
@@ -337,11 +348,18 @@ def to_dict(recipe: Recipe) -> dict[str, Any]:
     """Plain data, round-trippable through `from_dict` (used to hand the recipe to workers)."""
     data = dataclasses.asdict(recipe)
     data.pop("source")
+    data.pop("given")
     return data
 
 
 def to_json(recipe: Recipe) -> str:
-    return json.dumps(to_dict(recipe), sort_keys=True)
+    """The recipe for a worker: `to_dict` plus which keys the user gave, and where (`Recipe.given`)."""
+    return json.dumps({**to_dict(recipe), GIVEN_KEY: recipe.given}, sort_keys=True)
+
+
+def given_in(recipe: Recipe, section: str) -> dict[str, str]:
+    """The keys of `section` (e.g. "optimizer") the user set, each with where: file:line or the `--set`."""
+    return {k: where for k, where in recipe.given.items() if k == section or k.startswith(section + ".")}
 
 
 def from_env() -> Recipe | None:
@@ -717,7 +735,7 @@ def reference_rows(cls: type = Recipe, prefix: str = "") -> list[tuple[str, str,
 
 
 def reference_markdown() -> str:
-    """The README's recipe reference table."""
+    """The recipe reference table of docs/recipes.md."""
     out = ["| key | type | default | meaning |", "|---|---|---|---|"]
     out += [f"| `{k}` | {t} | {d} | {doc} |" for k, t, d, doc in reference_rows()]
     return "\n".join(out) + "\n"

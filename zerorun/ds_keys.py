@@ -11,7 +11,7 @@ Each key (dotted, as in the JSON: `zero_optimization.offload_optimizer.device`) 
   when ignoring it would change what is trained (`optimizer.params.amsgrad: true`).
   Values in `harmless` (DeepSpeed's defaults, or "off") are always fine.
 
-A rule for a section (`tensorboard`) covers every key below it. The README's DeepSpeed key table is
+A rule for a section (`tensorboard`) covers every key below it. docs/deepspeed.md's DeepSpeed key table is
 generated from this one (`reference_markdown`), and a test keeps the two in step.
 """
 
@@ -291,7 +291,7 @@ def rule_for(key: str) -> tuple[str, Rule] | None:
 
 
 def reference_markdown() -> str:
-    """The README's table of DeepSpeed keys: what each becomes in zerorun."""
+    """docs/deepspeed.md's table of DeepSpeed keys: what each becomes in zerorun."""
     out = ["| DeepSpeed key | in zerorun | if not harmless |", "|---|---|---|"]
     for key, rule in RULES.items():
         shown = f"`{key}`" + (" (section)" if rule.section else "")

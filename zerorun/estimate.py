@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,7 @@ MIB = 2**20
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_K = 12  # bytes per parameter of mixed-precision Adam's state: fp32 master (4) + two moments (8)
 OFFLOADS = ("none", "cpu", "nvme")
+HEADROOM = 0.9  # the share of a GPU the recommendation may plan for: the rest is the CUDA context and fragmentation
 
 
 @dataclass(frozen=True)
@@ -251,7 +254,14 @@ class Estimate:
 
     @property
     def recommended(self) -> Placement | None:
-        return next((r for r in self.rows if r.fits), None)
+        """The fastest configuration that fits with `HEADROOM` to spare; else the fastest that fits at all."""
+        fitting = [r for r in self.rows if r.fits]
+        return next((r for r in fitting if not self.tight(r)), fitting[0] if fitting else None)
+
+    def tight(self, row: Placement) -> bool:
+        """More than `HEADROOM` of the GPU: the CUDA context, fragmentation and any uncounted activations
+        may not fit in what is left."""
+        return self.cluster.gpu_mem_gib is not None and row.gpu_total > HEADROOM * self.cluster.gpu_mem_gib * GIB
 
 
 def estimate(shape: ModelShape, cluster: Cluster, settings: Settings = Settings(),
@@ -281,6 +291,8 @@ def load_factory(spec: str) -> Any:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ZerorunError(f"--model {spec!r}: expected module:function, e.g. zerorun.bench.gpt:GPT.")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m`: a module beside you imports
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -371,7 +383,16 @@ def summary(est: Estimate) -> list[str]:
     elif best is None:
         lines = ["Nothing fits: add GPUs or nodes, enable activation checkpointing, or shrink the micro-batch."]
     else:
-        lines = [f"Recommended: {best.name} ({_gb(best.gpu_total)} GiB per GPU): the fastest configuration that fits."]
+        share = best.gpu_total / (est.cluster.gpu_mem_gib * GIB)
+        counted = "" if est.activations is not None else ", activations not counted"
+        lines = [f"Recommended: {best.name} ({_gb(best.gpu_total)} GiB per GPU, {share:.0%} of "
+                 f"{est.cluster.gpu_mem_gib:g} GiB{counted}): the fastest configuration that fits"
+                 + ("." if est.tight(best) else f" with {1 - HEADROOM:.0%} to spare.")]
+        if est.tight(best):
+            lines.append(f"Warning: no configuration leaves {1 - HEADROOM:.0%} of the GPU free; {best.name} uses "
+                         f"{share:.0%}, with little room for the CUDA context, fragmentation"
+                         f"{' and the activations' if est.activations is None else ''}: expect out-of-memory errors "
+                         "unless you add GPUs, offload, or shrink the micro-batch.")
     return lines + [f"Note: {n}" for n in est.notes]
 
 

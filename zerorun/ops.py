@@ -46,7 +46,7 @@ import torch
 
 from zerorun.toolchain import BuildError, cuda_home, cxx, first_error, preflight, torch_cuda_home
 
-_cuda_home = cuda_home  # the name shared/gpu/gpu_check.sh reads
+_cuda_home = cuda_home  # the name `zerorun bench gpu` reports
 
 KINDS = ("cpu_adam", "fused_adam", "aio")
 LOCK_TIMEOUT_S = 900.0  # a CUDA build on a busy node can take minutes; a hung one should not hang a job forever

@@ -182,20 +182,8 @@ def engine_run(rank: int, steps: int, accum: int, recipe_overrides: list[str], c
 
 
 def engine_master_params(engine) -> dict[str, torch.Tensor]:
-    """The fp32 master weights of stages 0-2 as full parameters: this rank's pieces all-gathered."""
-    import torch.distributed as dist
+    """The fp32 master weights of stages 0-2 as full parameters, by name (engine.state_dict() in fp32)."""
+    from zerorun.runtime.store import master_state_dict
 
-    store = engine.store
-    full = torch.zeros(sum(unit.padded_numel for unit in store.units), dtype=torch.float32)
-    for unit in store.units:
-        region = full[unit.flat_offset:unit.flat_offset + unit.padded_numel]
-        store.home.read(unit.group, "master", unit.piece(region, store.shard_rank), start=unit.state_offset)
-    if store.shard_world > 1:
-        dist.all_reduce(full)  # each rank contributes only its pieces; the rest are zeros
-    by_param = {}
-    for unit in store.units:
-        for span, param in zip(unit.layout.spans, unit.params):
-            start = unit.flat_offset + span.offset
-            by_param[param] = full[start:start + span.numel].view(param.shape)
-    return {n: by_param[p].clone() if p in by_param else p.detach().float().cpu().clone()
-            for n, p in engine.module.named_parameters()}
+    state = master_state_dict(engine.module, engine.store, every_rank=True)
+    return {n: state[n] for n, _ in engine.module.named_parameters()}

@@ -4,7 +4,7 @@ A machine with one GPU cannot run NCCL on two ranks, so the ranks share the GPU 
 (`launch.backend: gloo`, here `ZERORUN_BACKEND=gloo`): the engine's CUDA paths run for real
 (flat buffers and shards in device memory, our CUDA Adam kernel, the pinned side-stream tiles of
 CPU offload, the CPU Adam kernel behind them), only the wire is gloo's. DDP runs on the same GPU
-with the same batches. Skipped without CUDA (CI); `shared/gpu/gpu_check.sh`'s machine runs it.
+with the same batches. Skipped without CUDA (CI); `zerorun bench gpu` runs it on a GPU machine.
 
 Tolerance. On the GPU the reference's AdamW is torch's foreach implementation and ours is the
 fused arithmetic (`kernels/adam.h`), so parameters part by rounding in the last fp32 bit each

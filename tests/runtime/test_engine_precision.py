@@ -150,3 +150,32 @@ def test_fp16_overflow_on_one_rank_skips_exactly_that_step_on_every_rank() -> No
         assert r["skipped"] == 2, results
         assert r["unchanged_steps"] == [1, 5], results
         assert r["scale"] == 256.0, results  # two backoffs of 0.5 from 1024
+
+
+def _state_dicts(rank: int, world: int) -> dict[int, dict[str, tuple[str, float]]]:
+    """engine.state_dict() after 2 bf16 steps at each stage: every tensor's dtype and sum."""
+    from zerorun.runtime.dist import init_distributed
+    from tests.runtime.reference import engine_run
+
+    init_distributed()
+    out = {}
+    for stage in (0, 1, 2, 3):
+        extra = ["zero.wrap=[]"] if stage == 3 else []
+        _, engine = engine_run(rank, 2, 1, [f"zero.stage={stage}", "precision=bf16", *extra])
+        state = engine.state_dict()
+        out[stage] = {k: (str(v.dtype), float(v.double().sum())) for k, v in state.items()}
+        if engine.scheduler is not None:
+            engine.scheduler.remove()
+        engine.reducer.remove_hooks()
+    return out
+
+
+def test_state_dict_holds_fp32_master_weights_at_every_stage() -> None:
+    """In bf16, engine.state_dict() returned the bf16 compute copies at stages 0-2 and the fp32 master at stage 3;
+    now every stage returns the fp32 master, the same values on the same training."""
+    by_stage = run_ranks(_state_dicts, 2)[0]
+    assert by_stage[3]["embed.weight"][0] == "torch.float32" and by_stage[3]["frozen"][0] == "torch.bfloat16"
+    for stage, state in by_stage.items():  # frozen parameters and buffers stay as the module holds them
+        assert {k: dtype for k, (dtype, _) in state.items()} == {k: d for k, (d, _) in by_stage[3].items()}, stage
+        assert state == by_stage[3] or all(abs(state[k][1] - by_stage[3][k][1]) <= 1e-5 * max(1, abs(by_stage[3][k][1]))
+                                           for k in state), stage

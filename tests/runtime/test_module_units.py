@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
-from tests.runtime.reference import tied_gpt
+from tests.runtime.reference import OPT, VOCAB, ddp_reference, engine_run, tied_gpt
 from zerorun.runtime.module_units import UnitKind, UnitState, plan_stage3
 
 
@@ -90,3 +90,64 @@ def test_transitions_assert_their_starting_state_and_the_helpers_forgive() -> No
     assert refused == ["stage 3 unit blocks.0: expected gathering, but it is released",
                        "stage 3 unit blocks.0: expected gathered, but it is released",
                        "stage 3 unit blocks.0: expected released, but it is gathering"], refused
+
+
+class _EncoderModel(torch.nn.Module):
+    """An nn.TransformerEncoder inside a language model, as its users write it: the encoder's layers sit in a
+    ModuleList inside it. Returns the next-token loss, as the reference harness expects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.encoder(self.embed(tokens[:, :-1])))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _encoder_model(seed: int) -> _EncoderModel:
+    torch.manual_seed(seed)
+    return _EncoderModel()
+
+
+def test_automatic_units_descend_into_a_transformer_encoder_to_its_layers() -> None:
+    """zero.wrap: [] made the whole nn.TransformerEncoder one unit (gathered whole: no memory saved); its
+    repeated layers are the units now, as `wrap: [TransformerEncoderLayer]` would make them."""
+    model = _encoder_model(0)
+    groups = [[p for p in model.parameters() if p.requires_grad]]
+    plan = plan_stage3(model, groups, [], 0, auto_numel=100, chunk_numel=10**6, world=2, dtype=torch.float32)
+    names = [mu.name for mu in plan.gathered_units() if not mu.split]
+    assert names == ["embed", "encoder.layers.0", "encoder.layers.1", "encoder.layers.2", "head"], names
+
+
+def _encoder_parity(rank: int, world: int) -> list[str]:
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    ref = ddp_reference(rank, 6, 2, model_fn=_encoder_model)
+    run, engine = engine_run(rank, 6, 2, ["zero.stage=3", "zero.wrap=[]", "zero.param_persistence_threshold=0"],
+                             model_fn=_encoder_model)
+    problems = [] if len(engine.scheduler.store.plan.gathered_units()) >= 3 else ["the encoder's layers are no units"]
+    if not torch.allclose(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=1e-5, atol=0):
+        problems.append(f"losses {run.losses[:3]} vs DDP {ref.losses[:3]}")
+    for name, value in ref.params.items():
+        diff = (run.params[name] - value).abs()
+        if name.endswith("in_proj_bias"):
+            # The key part's true gradient is exactly zero (softmax ignores a constant shift of the scores): its
+            # gradient is rounding noise, which Adam turns into steps of up to ~lr each, in either direction. So
+            # only the query and value parts are compared; the key part just stays within 6 steps x lr of DDP's.
+            d = diff.numel() // 3
+            if diff[d:2 * d].max() > 6 * OPT["lr"]:
+                problems.append(f"{name}: key bias moved {diff[d:2 * d].max():.2e} from DDP's")
+            diff = torch.cat([diff[:d], diff[2 * d:]])
+        if diff.max() > 5e-7:
+            problems.append(f"{name} differs by {diff.max():.2e}")
+    return problems
+
+
+def test_stage3_with_automatic_units_in_a_transformer_encoder_trains_as_ddp() -> None:
+    problems = [p for rank_problems in run_ranks(_encoder_parity, 3) for p in rank_problems]
+    assert not problems, problems

@@ -34,7 +34,7 @@ MiB = 2**20
 BASELINE_BLOCK = 8 * MiB
 OPS = ("write", "read")
 BACKENDS = ("libaio", "threads", "python")
-GOAL = 0.9  # issue #5: ours reaches 90% of the best sequential baseline
+GOAL = 0.9  # ours should reach 90% of the best sequential baseline
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from zerorun import estimate as est
 
 MIB = 2**20
 GIB = 2**30
-BASELINE_RSS = 400 * MIB  # one idle rank: Python + torch + a gloo group (measured ~350-380 MiB here)
+BASELINE_RSS = 400 * MIB  # one idle rank: Python + torch + a gloo group, with a margin
 
 SYSTEMS = ("ddp", "zero3-cpu", "zero3-nvme")
 DESCRIPTIONS = {
@@ -96,7 +96,7 @@ def predict(system: str, family: Family, rung: int, budget: Budget) -> Predictio
     logits = 3 * budget.micro_batch * family.seq_len * family.vocab * 4  # logits, their fp32 copy, the gradient
     working = est.activation_bytes(acts, "fp32", settings.checkpointing) + logits + BASELINE_RSS
     if system == "ddp":
-        # 16 B/param of model states, plus DDP's own gradient buckets (4 B/param, FIELD-NOTES)
+        # 16 B/param of model states, plus DDP's own gradient buckets (4 B/param)
         ram, disk = sum(est.model_states(shape, n, 0, "fp32").values()) + 4 * params, 0
     else:
         offload = system.removeprefix("zero3-")

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-import zerorun
 from zerorun import config as recipes
 from zerorun import ds_config
 from zerorun.compat import schedulers
@@ -28,6 +27,7 @@ from zerorun.config import Recipe
 from zerorun.errors import ConfigError, ZerorunError
 from zerorun.runtime.dist import DistInfo
 from zerorun.runtime.dist import init_distributed as _init_distributed
+from zerorun.runtime.engine import Engine, start
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -73,8 +73,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if optimizer is not None and ds is not None and "optimizer" in ds and info.rank == 0:
         print("zerorun: warning: initialize(optimizer=...) is used and the DeepSpeed config's `optimizer` section "
               "is not (as in DeepSpeed).", file=sys.stderr)
-    engine = zerorun.initialize(model, user_optimizer, recipe)
-    schedule = _lr_scheduler(lr_scheduler, engine.optimizer, recipe)
+    # the engine steps the schedule after every applied update (DeepSpeed's contract), and so saves it in
+    # every checkpoint and restores it on resume as its own (runtime/lr_schedules.py)
+    engine = start(Engine(model, user_optimizer, recipe, lambda opt: _lr_scheduler(lr_scheduler, opt, recipe)))
+    schedule = engine.lr_schedules.owned
     facade = DeepSpeedEngine(engine, recipe, schedule, ds)
     loader = _dataloader(training_data, recipe, info, collate_fn, ds) if training_data is not None else None
     return facade, engine.optimizer, loader, schedule

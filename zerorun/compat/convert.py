@@ -45,7 +45,7 @@ def _refuse_without_world(ds_path: Any, batch: ds_config.Batch) -> None:
 def render(data: dict[str, Any], translation: ds_config.Translation, source: str) -> str:
     """YAML with a `# <DeepSpeed key>` comment on each mapped key and the unmapped keys listed at the end."""
     lines = [f"# Converted from {source} by `zerorun convert`; zerorun's defaults apply to every key not",
-             "# written here (see the README's recipe reference).", ""]
+             "# written here (see the recipe reference, docs/recipes.md).", ""]
     for key in ("script", "name"):
         lines.append(f"{key}: {json.dumps(data[key])}")
     lines += ["launch:", "  deepspeed_compat: true   # the script's `import deepspeed` gets zerorun's API", ""]

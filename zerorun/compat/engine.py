@@ -99,6 +99,9 @@ class DeepSpeedEngine:
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """A micro-step; at a boundary, the update and then (if it was applied) the lr schedule."""
+        if lr_kwargs:
+            raise ZerorunError("engine.step(lr_kwargs=...) is not supported: zerorun's engine steps the lr "
+                               "schedule itself, with no arguments, after every applied update.")
         boundary = self.engine.is_boundary
         skipped = self.engine.skipped_steps
         self.engine.step()
@@ -106,9 +109,7 @@ class DeepSpeedEngine:
             return
         self._step_applied = self.engine.skipped_steps == skipped
         self.optimizer.overflow = not self._step_applied
-        self.global_samples += self.train_batch_size()
-        if self._step_applied and self.lr_scheduler is not None:
-            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.global_samples += self.train_batch_size()  # the engine stepped the lr schedule (if it applied)
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()
@@ -227,10 +228,7 @@ class DeepSpeedEngine:
                                "saves frozen parameters with the model.")
         state = dict(client_state or {})
         assert COMPAT_STATE not in state, f"client_state may not use the key {COMPAT_STATE!r} (zerorun's own)"
-        own: dict[str, Any] = {"global_samples": self.global_samples}
-        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
-            own["lr_scheduler"] = self.lr_scheduler.state_dict()
-        state[COMPAT_STATE] = own
+        state[COMPAT_STATE] = {"global_samples": self.global_samples}  # the engine saves the lr schedule
         self.engine.save_checkpoint(str(save_dir), tag or f"global_step{self.global_steps}", state)
         return True
 
@@ -246,14 +244,15 @@ class DeepSpeedEngine:
             raise ZerorunError(f"load_checkpoint({', '.join(refused)}) is not supported: zerorun restores the whole "
                                "training state; for weights alone, `zerorun checkpoint consolidate` and "
                                "load_state_dict.")
+        kept = _schedule_state(self.lr_scheduler) if not load_lr_scheduler_states else None
         state = self.engine.load_checkpoint(str(load_dir), tag)
         if state is None:
             return None, None
+        if kept is not None:  # the engine restored the schedule with everything else: put the current one back
+            _set_schedule_state(self.lr_scheduler, kept)
         state = dict(state)
         own = state.pop(COMPAT_STATE, {})
         self.global_samples = own.get("global_samples", self.global_steps * self.train_batch_size())
-        if load_lr_scheduler_states and self.lr_scheduler is not None and "lr_scheduler" in own:
-            self.lr_scheduler.load_state_dict(own["lr_scheduler"])
         return str(Path(load_dir) / str(self.engine.resumed_from)), state
 
     def __getattr__(self, name: str) -> Any:
@@ -261,3 +260,16 @@ class DeepSpeedEngine:
             raise AttributeError(name)
         hint = INSTEAD.get(name, "zerorun's Engine is engine.engine (memory(), gathered(), state_dict(), ...)")
         raise AttributeError(f"DeepSpeedEngine.{name} is not provided by zerorun's DeepSpeed compatibility: {hint}.")
+
+
+def _schedule_state(scheduler: Any) -> tuple[dict[str, Any], list[float]] | None:
+    if scheduler is None:
+        return None
+    return scheduler.state_dict(), [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
+def _set_schedule_state(scheduler: Any, kept: tuple[dict[str, Any], list[float]]) -> None:
+    state, lrs = kept
+    scheduler.load_state_dict(state)
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr

@@ -35,6 +35,11 @@ class Schedule:
         if last_batch_iteration == -1:
             self._write()
 
+    @property
+    def last_epoch(self) -> int:
+        """torch's name for the step count (zerorun's engine reads it to track who stepped the schedule)."""
+        return self.last_batch_iteration
+
     def lrs(self) -> list[float]:
         """The lr of every param group at `last_batch_iteration`."""
         raise NotImplementedError

@@ -20,7 +20,7 @@ VISIBLE = "CUDA_VISIBLE_DEVICES"
 
 
 def gpu_count() -> int:
-    """CUDA (or ROCm) devices here; 0 without importing torch where no GPU driver is present (saves ~2 s)."""
+    """CUDA (or ROCm) devices here; 0 without importing torch where no GPU driver is present (that import takes seconds)."""
     if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd")) and not glob.glob("/dev/nvidia[0-9]*"):
         return 0
     try:

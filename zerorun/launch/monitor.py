@@ -24,6 +24,7 @@ stops watching once every rank has reached `train.steps`.
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import socket
@@ -36,11 +37,12 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from zerorun import config
 from zerorun.launch.plan import LaunchPlan, is_local
 from zerorun.launch.supervisor import Output
 from zerorun.telemetry import RUNS_DIR, console
 from zerorun.telemetry.collector import Collector
-from zerorun.telemetry.sinks import open_sinks
+from zerorun.telemetry.trackers import TrackerUnavailable, open_trackers
 from zerorun.telemetry.state import Culprit, RankState
 
 PLAIN_EVERY_S = 30.0
@@ -73,8 +75,10 @@ class Monitor(Output):
 
     def start(self) -> str:
         """Start the collector (and the live region); return the address workers report to."""
-        sinks, errors = open_sinks(self.telemetry, self.path.parent, self.plan.job_id, self.plan.world_size)
-        self.collector.sinks, self.collector.sink_errors = sinks, errors
+        trackers, errors = open_trackers(self.telemetry, self.path.parent, self.plan.job_id, self.plan.world_size,
+                                         _recipe_of(self.plan))
+        self.collector.sinks, self.collector.sink_errors = trackers, errors
+        self._warn_io()  # a tracker that cannot start says so now, once
         self.address = address = self.collector.start()
         self.collector.record({"type": "job", "job_id": self.plan.job_id, "name": self.plan.name,
                                "world_size": self.plan.world_size, "steps": self.plan.steps,
@@ -143,7 +147,8 @@ class Monitor(Output):
         for what, exc, consequence in problems:
             if what not in self._warned:
                 self._warned.add(what)
-                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+                    str(exc) if isinstance(exc, TrackerUnavailable) else repr(exc)
                 self._say(f"warning: telemetry: cannot write {what} ({reason}); {consequence}; the live view and "
                           "summary go on, and the job's exit code is the workers'")
 
@@ -323,3 +328,9 @@ class _TextStream:
 
     def isatty(self) -> bool:
         return True
+
+
+def _recipe_of(plan: LaunchPlan) -> dict[str, Any] | None:
+    """The resolved recipe the workers get (the trackers' run config), from the first node's environment."""
+    blob = plan.nodes[0].env.get(config.RECIPE_ENV) if plan.nodes else None
+    return json.loads(blob) if blob else None

@@ -70,6 +70,9 @@ def run_script(script: str, args: list[str]) -> int:
         from zerorun.compat import shim
 
         args = shim.install(recipe, args)
+    from zerorun.runtime import clip
+
+    clip.install()  # before the script imports clip_grad_norm_: its calls on the engine's parameters reach the engine
     script = os.path.abspath(script)
     sys.argv = [script, *args]
     # The script's directory comes first, as for `python script.py`; the entries after it stay, so

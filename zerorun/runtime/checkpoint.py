@@ -42,6 +42,7 @@ from zerorun.runtime.checkpoint_format import (CLIENT_STATE, EXTRAS, FORMAT, LAT
                                                shard_file, write_atomic, write_manifest, write_tensors)
 from zerorun.runtime.collectives import Collectives
 from zerorun.runtime.homes import KINDS
+from zerorun.runtime.lr_schedules import LrSchedules
 from zerorun.runtime.optimizer import ShardedAdamW
 from zerorun.runtime.partition import range_copies
 from zerorun.runtime.precision import LossScaler
@@ -68,6 +69,7 @@ class Engine(Protocol):
     skipped_steps: int
     micro_steps: int
     grad_accum_steps: int
+    lr_schedules: LrSchedules
 
 
 # -- this rank's flat state: the only two functions that touch master and moments ---------------
@@ -148,6 +150,7 @@ def _describe(engine: Engine, tag: str, rng: list[dict]) -> dict[str, Any]:
         "shards": store.shard_world, "group_numels": list(store.group_numels),
         "optimizer": {"decoupled": opt.decoupled, "steps": list(opt.steps), "param_groups": groups},
         "loss_scaler": engine.scaler.state_dict(),
+        "lr_schedulers": engine.lr_schedules.checkpoint_entries(engine.global_step),
         "params": params,
         "extras": {n: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)} for n, t in extras.items()},
         "keys": list(engine.module.state_dict(keep_vars=True)),
@@ -270,6 +273,7 @@ def _restore_counters(engine: Engine, m: dict[str, Any]) -> None:
     for group, saved in zip(opt.param_groups, m["optimizer"]["param_groups"]):
         group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
     opt.steps[:] = m["optimizer"]["steps"]
+    engine.lr_schedules.restore(m.get("lr_schedulers", []))  # (a checkpoint of an older zerorun has none)
     if engine.scaler.dynamic and m["precision"] == "fp16":
         engine.scaler.load_state_dict(m["loss_scaler"])
     if m["world_size"] == engine.comm.world_size:

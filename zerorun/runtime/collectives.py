@@ -4,13 +4,13 @@ Hooks and the optimizer decide *when* to communicate; this module decides *how*.
 run asynchronously and returns a `Handle`; finishing work that must follow the transfer (copying
 a reduced piece out of a bucket) is attached to the handle and runs in `wait()`.
 
-Per backend (2 ranks on loopback, 25 MiB fp32, median; reproduce with `zerorun bench comm`):
+Per backend (the gloo column is what `zerorun bench comm` measured fastest; docs/benchmarks.md):
 
-| operation      | nccl                          | gloo (measured)                                     |
-|----------------|-------------------------------|-----------------------------------------------------|
-| reduce-scatter | reduce_scatter_tensor         | all_reduce + keep own piece: 20 ms vs 28-43 ms       |
-| all-gather     | all_gather_into_tensor (in place) | one broadcast per owner: 9 ms vs 17-25 ms       |
-| all-reduce     | all_reduce                    | all_reduce                                          |
+| operation      | nccl                              | gloo                        |
+|----------------|-----------------------------------|-----------------------------|
+| reduce-scatter | reduce_scatter_tensor             | all_reduce + keep own piece |
+| all-gather     | all_gather_into_tensor (in place) | one broadcast per owner     |
+| all-reduce     | all_reduce                        | all_reduce                  |
 
 Gloo has a reduce-scatter, but it runs as a full all-reduce plus a copy and is slower than
 doing that ourselves; its all-gather is slower than broadcasting each rank's shard.

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import math
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,7 +32,10 @@ from torch import nn
 
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
-from zerorun.runtime import events, sharded_init
+from zerorun.runtime import clip, events, sharded_init
+from zerorun.runtime.accumulation import AccumulationWindow
+from zerorun.runtime.clip import ClipCall
+from zerorun.runtime.lr_schedules import LrSchedules
 from zerorun.runtime.events import StepWindow
 from zerorun.runtime.adam_step import AdamStep, Piece
 from zerorun.runtime.collectives import Collectives
@@ -56,7 +60,10 @@ log = logging.getLogger("zerorun")
 class Engine:
     """Wraps a model and its optimizer in ZeRO stage 0, 1, 2 or 3."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, recipe: Recipe) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, recipe: Recipe,
+                 lr_scheduler: Any = None, scheduler_source: str | None = None) -> None:
+        """`lr_scheduler`: stepped by the engine after every applied update (a scheduler, or a function of
+        the engine's optimizer that makes one); `scheduler_source` names where the recipe set it."""
         self.recipe = recipe
         self.info = init_distributed(recipe.launch.timeout_s)
         self.device = self.info.device
@@ -87,6 +94,9 @@ class Engine:
                          if 1 <= self.stage <= 2 and recipe.zero.overlap_publish and self.store.shard_world > 1
                          else None)
         self.optimizer = ShardedAdamW(groups, decoupled, handed_over=optimizer)
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            lr_scheduler = lr_scheduler(self.optimizer)
+        self.lr_schedules = LrSchedules(self.optimizer, optimizer, lr_scheduler, scheduler_source)
         largest_piece = max((u.shard_numel for u in self.store.units), default=1)
         self.update = AdamStep(self.optimizer, self.store.home, self.placement.transfers(largest_piece),
                                self.placement.step_tile_numel)
@@ -96,6 +106,8 @@ class Engine:
                         for g in range(len(groups))]
         self.grad_accum_steps = recipe.train.grad_accum_steps
         self.clip_grad_norm = recipe.train.clip_grad_norm
+        self.window = AccumulationWindow()
+        self._clip_call: ClipCall | None = None  # the script's clip_grad_norm_/clip_grad_value_ of this window
         self.micro_steps = 0
         self.global_step = 0
         self.skipped_steps = 0
@@ -103,6 +115,7 @@ class Engine:
         self._boundary: bool | None = None  # set_boundary's answer; None: every grad_accum_steps-th micro-step
         self.tokens_per_sample: int | None = None  # set it when inputs are not (batch, seq) token ids
         self._window = StepWindow()
+        clip.route_to(self)
         if tune_host:
             set_host_allocator(host_memory)  # for training (fast: a step's activations reuse the last one's pages)
 
@@ -151,6 +164,7 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module; tensor inputs move to the engine's device (as FSDP's root does), and
         floating-point ones are cast to the compute dtype."""
+        self.lr_schedules.engine_entered()
         args, kwargs = _place_inputs((args, kwargs), self.device, self.policy.param_dtype)
         self._window.count_inputs(args, kwargs, self.tokens_per_sample)
         watch = self.scheduler.watch_first_pass() if self.scheduler is not None else contextlib.nullcontext()
@@ -181,10 +195,16 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss / grad_accum_steps` (times the loss scale) and reduce gradients."""
+        self.lr_schedules.engine_entered()
+        reduce = self.is_boundary and not self.window.unsynced
+        self.window.check_backward(self.grad_accum_steps, self.stage, self.recipe.given.get("train.grad_accum_steps"))
         self._window.add_loss(loss)
         self.wait_published()  # the forward may have run on the module itself, outside the engine
+        self.window.backward_started(reduce or self.stage >= 2)
+        if self._clip_call is not None:
+            self._clip_call.norm = None  # a later backward changes the gradients it measured
         with self.phase.running(Phase.BACKWARD):
-            self.reducer.begin_backward(reduce=self.is_boundary)
+            self.reducer.begin_backward(reduce=reduce)
             if self.scheduler is not None:
                 self.scheduler.begin_backward()
             try:
@@ -196,32 +216,78 @@ class Engine:
 
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, update the parameters."""
+        self.lr_schedules.engine_entered()
         boundary = self.is_boundary
+        self.window.check_step(boundary, self.stage)
         self.micro_steps += 1
         if boundary:
             with self.phase.running(Phase.STEP):
                 found_inf, norm = self._optimizer_step()
             self.global_step += 1
+            if not found_inf:
+                self.lr_schedules.update_applied()
+            self.lr_schedules.update_ended()
             events.emit(self._window.close(self.global_step, norm, self.scaler.scale, found_inf, self.skipped_steps,
                                            self.comm.stats.as_dict(), self.update.stats()))
-            self._maybe_checkpoint()
+            with self.lr_schedules.saving_inside_step():
+                self._maybe_checkpoint()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside do not reduce gradients at stages 0-1 (they accumulate on this rank), as
+        DDP's `no_sync`: for a script that accumulates itself (`train.grad_accum_steps: 1`, several
+        `engine.backward()` per `engine.step()`). Stages 2-3 reduce-scatter every micro-batch regardless."""
+        self.window.unsynced = True
+        try:
+            yield
+        finally:
+            self.window.unsynced = False
+
+    def clip_grad_norm_(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the model's parameters, done by the engine (clip.py): the
+        update of this window is clipped to `max_norm` by the global norm over every shard. Returns that
+        norm (nan before the window's last backward, when it is not known yet)."""
+        self._clip_call = clip.check_call(self, self._clip_call, parameters, "clip_grad_norm_", norm_type)
+        self._clip_call.max_norm = float(max_norm)
+        if not self.window.complete(self.is_boundary):
+            return torch.tensor(clip.too_early(self.grad_accum_steps))
+        if self._clip_call.norm is None:
+            self._clip_call.norm = self._global_norm() / (self.comm.world_size * self.scaler.scale)
+        norm = self._clip_call.norm
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+                               "so it cannot be clipped.")
+        return torch.tensor(norm)
+
+    def clip_grad_value_(self, parameters: list[torch.Tensor], clip_value: float) -> None:
+        """`torch.nn.utils.clip_grad_value_` over the model's parameters: the window's averaged gradients are
+        clamped to [-clip_value, clip_value] before the update (and before its norm)."""
+        self._clip_call = clip.check_call(self, self._clip_call, parameters, "clip_grad_value_")
+        self._clip_call.value = float(clip_value)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (steps already do this; for loops that skip a step)."""
         self.reducer.zero()
+        self.window.reset()
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Update from the reduced gradients unless any rank overflowed; (skipped, global norm)."""
         self.wait_published()  # the update writes into the pieces the last publish sends
         sum_divisor = self.comm.world_size * self.scaler.scale  # reduced gradients are sums of scaled grads
-        norm = self._global_norm() / sum_divisor
+        call, self._clip_call = self._clip_call or ClipCall(), None
+        if call.value is not None:
+            for piece in (p.grad for group in self._pieces for p in group):
+                piece.clamp_(-call.value * sum_divisor, call.value * sum_divisor)
+        norm = call.norm if call.norm is not None and call.value is None else self._global_norm() / sum_divisor
         self.grad_norm = norm
         found_inf = not math.isfinite(norm)
         if found_inf:
             self.skipped_steps += 1
             log.warning("step %d skipped: inf/nan in gradients (loss scale %g)", self.global_step, self.scaler.scale)
         else:
-            coef = 1.0 if self.clip_grad_norm is None else min(1.0, self.clip_grad_norm / (norm + 1e-6))
+            max_norm = call.max_norm if call.max_norm is not None else self.clip_grad_norm
+            coef = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
             self.update.run(self._pieces, sum_divisor / coef)
             if self.deferred is not None:
                 self.deferred.start(self.store.publish_units)  # waited for by the next forward's hooks
@@ -232,6 +298,7 @@ class Engine:
         self.scaler.update(found_inf)
         self.optimizer.count_step()  # skipped or not, scheduler.step() after engine.step() is the right order
         self.reducer.zero()
+        self.window.reset()
         return found_inf, norm
 
     def _global_norm(self) -> float:
@@ -280,8 +347,9 @@ class Engine:
         return self.train(False)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full state dict: every rank in stages 0-2; stage 3 consolidates on rank 0 ({} elsewhere),
-        one unit at a time, in fp32."""
+        """The full state dict, trainable parameters in fp32 (the master weights) at every stage and
+        precision: on every rank at stages 0-2; stage 3 consolidates on rank 0 ({} elsewhere), one unit at a
+        time. Buffers and frozen parameters are as the module holds them."""
         self.wait_published()
         return self.store.full_state_dict(self.module)
 
@@ -344,6 +412,18 @@ class Engine:
         if dir is None:
             raise ZerorunError("no checkpoint directory: pass dir=... or set checkpoint.dir in the recipe.")
         return dir
+
+
+def start(engine: Engine) -> Engine:
+    """What every entry point does with a new engine: resume (`checkpoint.resume`), then attach telemetry."""
+    engine.resume()  # checkpoint.resume (auto: the latest in checkpoint.dir); see engine.resumed_from
+    try:  # the telemetry probe (when the launcher started one) reads memory and model FLOPs from it
+        from zerorun.telemetry import probe
+
+        probe.attach_engine(engine)
+    except Exception:  # noqa: BLE001 - telemetry never breaks initialize
+        pass
+    return engine
 
 
 def _numel(mib: float) -> int:

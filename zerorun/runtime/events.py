@@ -68,7 +68,10 @@ class StepWindow:
         self.tokens = 0
 
     def count_inputs(self, args: tuple, kwargs: dict, tokens_per_sample: int | None) -> None:
-        """Samples = the first tensor's batch dimension; tokens = its numel when it holds token ids."""
+        """Samples = the first tensor's batch dimension; tokens = its numel when it holds token ids.
+        A forward under no_grad (a validation pass, generation) is not training: it counts nothing."""
+        if not torch.is_grad_enabled():
+            return
         first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.ndim > 0), None)
         if first is None:
             return

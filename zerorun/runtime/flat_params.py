@@ -32,7 +32,7 @@ from zerorun.runtime.collectives import Collectives, Pending
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.placement import Place, Placement
 from zerorun.runtime.precision import PrecisionPolicy
-from zerorun.runtime.store import InMaster, ParamTensor, UpdateTarget, units_of
+from zerorun.runtime.store import InMaster, ParamTensor, UpdateTarget, master_state_dict, units_of
 from zerorun.runtime.units import Unit, cut_units, group_numels
 
 
@@ -111,7 +111,9 @@ class FlatParams:
         return contextlib.nullcontext()  # every rank holds whole parameters
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        return module.state_dict()
+        if self.buffer.dtype == torch.float32:  # the parameters equal their master
+            return module.state_dict()
+        return master_state_dict(module, self, every_rank=True)
 
     def unit_count(self) -> int:
         return 0  # no stage 3 units: parameters are never released

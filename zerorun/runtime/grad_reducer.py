@@ -67,11 +67,11 @@ class BufferPool:
     A unit gets (a view of) the smallest free buffer that holds it; a new buffer is made only when
     none does, at the largest unit's size for any unit over half of it, so that units of nearly equal
     size (cut at parameter boundaries) share buffers. Pooling by exact size kept a set per distinct
-    unit size, most of them idle (148 MiB over the ZeRO formula at stage 2 on the standard model).
+    unit size, most of them idle (the "live" column of `zerorun bench step` showed it).
     The pool never holds more buffers than were in use at one time, each at most the largest unit,
     and holds them only during a backward: `release` at its end hands them to the allocator (on CUDA
     its cache, on the host glibc's heap under `host_memory: fast`), so the optimizer step and the next
-    forward can use that memory (it was 66-83 MiB over the ZeRO formula on the standard model).
+    forward can use that memory (`zerorun bench step`'s "live" column counts what is left).
     """
 
     def __init__(self, dtype: torch.dtype, device: torch.device, slot_numel: int) -> None:
@@ -178,7 +178,7 @@ class GradReducer:
     def _reducible_as_is(self, k: int, index: int, grad: torch.Tensor) -> bool:
         """Whether unit k is this one gradient, laid out as the unit's region (one parameter, no padding, the
         reduce dtype), seen first now: it is then reduce-scattered from autograd's tensor, with no staging
-        copy (the output head of the standard model: 24 MiB less at the start of backward, its peak)."""
+        copy (the output head of a GPT: its gradient is not held twice at the start of backward)."""
         unit = self.units[k]
         return (len(unit.params) == 1 and unit.padded_numel == grad.numel()
                 and grad.dtype == self.pool.dtype and grad.device == self.pool.device and grad.is_contiguous()
@@ -282,8 +282,8 @@ class GradReducer:
 
     def zero(self) -> None:
         """Start a new accumulation window. Nothing is cleared: the window's first write to each gradient
-        overwrites instead of adding (a memset of the full gradients cost about 25 ms a step at stage 1
-        on the standard model), and a parameter with no gradient in the window is zeroed when reduced."""
+        overwrites instead of adding (a memset of the full gradients showed in stage 1's optimizer phase
+        in `zerorun bench step`), and a parameter with no gradient in the window is zeroed when reduced."""
         self._written_units.clear()
         self._written_params.clear()
 

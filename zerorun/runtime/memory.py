@@ -48,8 +48,7 @@ class BlockCache:
     as with `resize_`. Unlike `resize_`, which is `free` and `malloc` on the host (torch's CPU
     allocator keeps nothing), a released block waits here for the next gather of its size, so
     glibc's heap is not churned by blocks of up to 25 MiB between the activations, which fragmented
-    it (standard model, stage 3, with the setup trim of `set_host_allocator`: peak RSS 1739 -> 1493
-    MiB/rank, step time 0.95 -> 0.93x DDP-fused). `drop_idle` hands the idle blocks back at the end
+    it (stage 3's peak RSS in `zerorun bench step` fell with it, at no cost in step time). `drop_idle` hands the idle blocks back at the end
     of a backward, so nothing is held through the optimizer step.
     """
 
@@ -145,8 +144,8 @@ def set_host_allocator(mode: str) -> bool:
     follows the live tensors at the price of a page fault for each page of every such block.
 
     Either way stage 3's gathered units, freed and made again twice a step, reuse their own memory
-    (`BlockCache`). Stage 3 on the standard model, 40 steps: fast 1.29 s and 1439 MiB/rank peak
-    (still creeping up, by fragmentation, from ~1400 after 4 steps), lean 1.41 s and 1373 (flat).
+    (`BlockCache`). `zerorun bench step --systems zero3,zero3-lean --steps 40` measures the trade:
+    lean is slower by its page faults, fast's RSS creeps up by fragmentation over the first steps.
 
     Both modes hand the free memory the heap holds now back to the OS: the engine sets `lean` for
     its own setup (the model it shards away, one-off buffers) and the training mode after it.

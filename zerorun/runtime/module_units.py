@@ -145,8 +145,9 @@ def _param_units(model: nn.Module, groups: list[list[nn.Parameter]], wrapped: li
 
 def wrapped_modules(model: nn.Module, wrap: list[str], auto_numel: int) -> list[tuple[str, nn.Module]]:
     """Modules that become units: those of the classes in `wrap`; with no names, the model's layers
-    (each child of a ModuleList, Sequential or ModuleDict, the model itself included) and any other
-    child with at least `auto_numel` parameters. Outermost matches only: a unit never nests in another."""
+    (each child of a ModuleList, Sequential or ModuleDict, the model itself included, found also inside
+    a child that holds them, such as an nn.TransformerEncoder) and any other child with at least
+    `auto_numel` parameters. Outermost matches only: a unit never nests in another."""
     if wrap:
         check_wrap_names(model, wrap)
         found, inside = [], set()
@@ -162,11 +163,24 @@ def wrapped_modules(model: nn.Module, wrap: list[str], auto_numel: int) -> list[
             size = sum(p.numel() for p in child.parameters())
             if isinstance(child, CONTAINERS):
                 out += visit(f"{prefix}{name}.", child, layers=True)
+            elif size and not layers and holds_repeated_layers(child):  # nn.TransformerEncoder, a HF backbone
+                out += visit(f"{prefix}{name}.", child, layers=False)
             elif size and (layers or size >= auto_numel):
                 out.append((f"{prefix}{name}", child))
         return out
 
     return visit("", model, layers=isinstance(model, CONTAINERS))
+
+
+def holds_repeated_layers(module: nn.Module) -> bool:
+    """Whether a container somewhere inside `module` holds two or more modules of one class (its layers):
+    then those layers are the units, not `module` whole."""
+    for sub in module.modules():
+        if sub is not module and isinstance(sub, CONTAINERS):
+            classes = [type(layer) for layer in sub.children()]
+            if len(classes) > len(set(classes)):
+                return True
+    return False
 
 
 def split_modules(model: nn.Module, wrapped: list[nn.Module], min_numel: int) -> list[tuple[str, nn.Module]]:

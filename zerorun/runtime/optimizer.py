@@ -114,7 +114,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             raise ZerorunError("zerorun lays parameters out once, at zerorun.initialize: add every param group to "
                                "the optimizer before handing it over.")
         # torch's add_param_group is wrapped in torch._disable_dynamo, whose first call imports torch._dynamo
-        # (and sympy, inductor, FSDP): 40-65 MiB of RSS per rank that nothing else in the runtime needs
+        # (and sympy, inductor, FSDP): tens of MiB of RSS per rank that nothing else in the runtime needs
         add = torch.optim.Optimizer.add_param_group
         getattr(add, "__wrapped__", add)(self, param_group)
 

@@ -190,7 +190,7 @@ def _writes_values_only(func: Any, name: str) -> bool:
     """Whether in-place `func` only writes elements, leaving shape, strides and flags alone: on a meta
     tensor it then does nothing, and is not run. Running some of them there is not free: the meta
     kernels of `normal_`, `clamp_`, `erfinv_` (trunc_normal_) and others are Python references whose
-    first call imports torch._dynamo, sympy and FSDP, 40-65 MiB of RSS per rank for the whole job."""
+    first call imports torch._dynamo, sympy and FSDP: tens of MiB of RSS per rank for the whole job."""
     return getattr(func, "__module__", "") == "torch.nn.init" or name in OVERWRITE or name in ELEMENTWISE
 
 

@@ -25,7 +25,7 @@ from zerorun.runtime.param_shards import build_param_shard
 from zerorun.runtime.placement import Placement
 from zerorun.runtime.precision import PrecisionPolicy
 from zerorun.runtime.sharded_init import InitLog, materialize
-from zerorun.runtime.store import UpdateTarget, units_of
+from zerorun.runtime.store import UpdateTarget, master_state_dict, units_of
 from zerorun.runtime.units import Unit
 
 
@@ -176,7 +176,7 @@ class ShardedParams:
         return _gathered(self, params, modify, src)
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        return _full_state_dict(module, self)
+        return master_state_dict(module, self, every_rank=False)
 
     def unit_count(self) -> int:
         return len(self.plan.gathered_units())
@@ -214,23 +214,3 @@ def _gathered(store: ShardedParams, params: Iterable[nn.Parameter] | None, modif
                 store.set_piece(store.units[k], store.units[k].piece(store.full[k], store.shard_rank))
         for mu in released:
             store.release(mu)
-
-
-def _full_state_dict(module: nn.Module, store: ShardedParams) -> dict[str, torch.Tensor]:
-    """The consolidated fp32 state dict on rank 0 ({} elsewhere), gathering one unit's master at a time."""
-    names: dict[nn.Parameter, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(param, []).append(name)
-    values: dict[str, torch.Tensor] = {}
-    for unit in store.units:
-        full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=store.device)
-        store.home.read(unit.group, "master", unit.piece(full, store.shard_rank), start=unit.state_offset)
-        store.comm.all_gather(full).wait()
-        if store.shard_rank == 0:
-            for span, param, shape in zip(unit.layout.spans, unit.params, unit.shapes):
-                for name in names[param]:
-                    values[name] = full[span.offset:span.end].view(shape).cpu().clone()
-    if store.shard_rank != 0:
-        return {}
-    return {key: values[key] if key in values else value.detach().cpu().clone()
-            for key, value in module.state_dict(keep_vars=True).items()}

@@ -17,7 +17,7 @@ and, with 2 ranks, the same bits as gloo's sum.
 The meeting is a counter per rank in the segment's header: a rank publishes how many meetings it
 has reached and sleeps on each peer's counter (a futex) until it has too. x86 keeps stores in
 order, so data written before a counter is visible to whoever sees the counter; elsewhere the
-meeting is a gloo barrier (0.3-2 ms, against microseconds). A rank that waits longer than the
+meeting is a gloo barrier (milliseconds, against microseconds). A rank that waits longer than the
 collective timeout, or sees a peer's process gone, raises naming that rank: never a hang.
 
 The segment lives in /dev/shm only while the ranks open it: once everyone has mapped it, rank 0
@@ -177,7 +177,7 @@ class _Meeting:
 
     A rank counts its arrival and wakes whoever sleeps on its counter; then, for each peer not there
     yet, it sleeps in the kernel on that peer's counter (a futex on shared memory: no core spent
-    waiting, woken within microseconds of the peer's arrival), waking every 100 ms to see whether
+    waiting, woken within microseconds of the peer's arrival), waking now and then to see whether
     the peer's process is gone or the collective timeout has passed.
     """
 

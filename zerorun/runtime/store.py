@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from zerorun.runtime.collectives import Pending
+from zerorun.runtime.collectives import Collectives, Pending
 from zerorun.runtime.homes import Home
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.transfers import Transfers
@@ -88,6 +88,8 @@ class ParamStore(Protocol):
     shard_world: int  # ranks the state is sharded over (1 at stage 0)
     shard_rank: int
     home: Home  # this rank's master weights and moments
+    comm: Collectives
+    device: torch.device
 
     def update_targets(self, group: int) -> list[UpdateTarget]:
         """Where each of `group`'s units (in state order) gets its updated piece."""
@@ -103,7 +105,8 @@ class ParamStore(Protocol):
         """Full parameters inside the block; with `modify`, rank `src`'s values are written back."""
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """The model's state dict (stage 3: consolidated in fp32 on rank 0, {} elsewhere)."""
+        """The model's state dict, trainable parameters in fp32 at every precision (their master): on every
+        rank at stages 0-2; stage 3 consolidates on rank 0 ({} elsewhere)."""
 
     def unit_count(self) -> int:
         """Stage 3's module units that are gathered and released around their use (0: never released)."""
@@ -115,3 +118,25 @@ class ParamStore(Protocol):
 def units_of(units: list[Unit], group: int) -> list[Unit]:
     """`group`'s units in state order."""
     return [u for u in units if u.group == group]
+
+
+def master_state_dict(module: nn.Module, store: ParamStore, every_rank: bool) -> dict[str, torch.Tensor]:
+    """The model's state dict with every trainable parameter as its fp32 master, gathered one unit at a time
+    (on every rank, or on rank 0 with {} elsewhere); buffers and frozen parameters as they are."""
+    names: dict[nn.Parameter, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(param, []).append(name)
+    values: dict[str, torch.Tensor] = {}
+    for unit in store.units:
+        full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=store.device)
+        store.home.read(unit.group, "master", unit.piece(full, store.shard_rank), start=unit.state_offset)
+        if store.shard_world > 1:
+            store.comm.all_gather(full).wait()
+        if every_rank or store.shard_rank == 0:
+            for span, param, shape in zip(unit.layout.spans, unit.params, unit.shapes):
+                for name in names[param]:
+                    values[name] = full[span.offset:span.end].view(shape).cpu().clone()
+    if not (every_rank or store.shard_rank == 0):
+        return {}
+    return {key: values[key] if key in values else value.detach().cpu().clone()
+            for key, value in module.state_dict(keep_vars=True).items()}

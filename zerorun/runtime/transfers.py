@@ -30,7 +30,7 @@ class TransferStats:
 
     A copy's seconds are its own duration: on CUDA the time between two events around it on the
     copy stream, counted once they have both passed (`settle`). The host-side time of an
-    asynchronous copy is only its launch, which once put 54.8 GiB of D2H at "950 GB/s" over PCIe.
+    asynchronous copy is only its launch, which would report rates many times PCIe's.
     """
 
     bytes: dict[str, int] = field(default_factory=lambda: {"d2h": 0, "h2d": 0})
@@ -113,8 +113,8 @@ class StagingRing:
     On CUDA, `fetch(k)` returns tile k's gradient on the host having started tile k+1's copy first,
     and `send(dest, staged)` copies an updated host tile (the last `out_slot`) to the device and
     returns at once: two slots each way. On a CPU-only machine every copy is over when it returns,
-    so one slot each way does as much (standard model, stage 2 with the optimizer "offloaded" on
-    CPU ranks: the live tensors after a backward went from 5.2% over the ZeRO formula to 2.9%).
+    so one slot each way does as much, and holds less (`zerorun bench step --systems zero2-offload`,
+    its "live" column).
     """
 
     CUDA_SLOTS = 2  # per direction: one copying, one in use by the optimizer

@@ -6,7 +6,7 @@
   appends every record to `runs/<name>/telemetry.jsonl`.
 - `console` renders that state (live table, plain summary lines, final summary); `report`
   re-renders a JSONL file, and `plots` draws it as PNGs; `series` flattens records into the rows
-  that CSV, TensorBoard (`sinks`, written live by the launcher) and the plots share.
+  that CSV, TensorBoard (`trackers`, written live by the launcher) and the plots share.
 - `zerorun.launch.monitor` plugs collector, console and stall detection into the supervisor
   (telemetry knows nothing of launching; the launcher composes it).
 

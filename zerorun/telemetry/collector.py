@@ -43,7 +43,7 @@ class Collector:
         self.records = 0
         self.written = 0  # records that reached the file
         self.write_error: OSError | None = None  # the first error writing the file; nothing more is written
-        self.sinks: list[Sink] = []  # more places each record goes (TensorBoard, CSV), added before start
+        self.sinks: list[Sink] = []  # trackers (TensorBoard, CSV, W&B, MLflow), added before start
         self.sink_errors: list[tuple[str, Exception]] = []  # (sink name, its first error): that sink is dropped
         self._bind_host = bind_host
         self._advertise_host = advertise_host or bind_host
@@ -201,7 +201,7 @@ class Collector:
 
 
 class Sink(Protocol):
-    """Another place records go, written from the collector's thread (`zerorun.telemetry.sinks`)."""
+    """Another place records go, written from the collector's thread (`zerorun.telemetry.trackers`)."""
 
     name: str
     directory: Path

@@ -2,7 +2,8 @@
 
     paths = write_plots(records, Path("runs/gpt/plots/<job id>"))
 
-- `loss.png`: loss and tokens/s per step, one line per rank;
+- `loss.png`: loss and tokens/s per step, one line per rank and attempt: a restart is a dotted
+  line where the next attempt resumed, and the attempt before it is faded where its steps ran again;
 - `memory.png`: each rank's device memory over time (CUDA's allocated bytes, or on CPU what the
   engine holds) with its ZeRO model states (params + grads + master + optimizer) dashed, and its RSS;
 - `time.png`: where a step's time goes, per rank, as means over the steps after each rank's first:
@@ -61,13 +62,37 @@ def _label(rank: int, hosts: dict[int, str]) -> str:
     return f"rank {rank} ({hosts.get(rank, '?')})"
 
 
+def attempts(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A rank's step rows cut where the step goes back (a restart that resumed from a checkpoint)."""
+    out: list[list[dict[str, Any]]] = []
+    for row in rows:
+        if not out or (row["step"] is not None and out[-1][-1]["step"] is not None and row["step"] <= out[-1][-1]["step"]):
+            out.append([])
+        out[-1].append(row)
+    return out
+
+
 def _loss(fig: Any, steps: dict, _samples: dict, hosts: dict[int, str], _t0: float) -> str | None:
     subtitle = "loss and throughput per step"
     loss_ax, speed_ax = fig.subplots(2, 1, sharex=True)
-    for rank, rows in steps.items():
-        xs = [row["step"] for row in rows]
-        loss_ax.plot(xs, [row["loss"] for row in rows], label=_label(rank, hosts))
-        speed_ax.plot(xs, [row["tokens_per_s"] for row in rows], label=_label(rank, hosts))
+    restarts: list[int] = []
+    for index, (rank, rows) in enumerate(steps.items()):
+        runs = attempts(rows)
+        for n, run in enumerate(runs):  # each attempt its own line; the steps a restart ran again, faded
+            xs = [row["step"] for row in run]
+            again = n + 1 < len(runs) and runs[n + 1][0]["step"] is not None
+            style = dict(color=f"C{index % 10}", label=_label(rank, hosts) if n == 0 else None)
+            for ax, key in ((loss_ax, "loss"), (speed_ax, "tokens_per_s")):
+                ax.plot(xs, [row[key] for row in run], **style, alpha=0.35 if again else 1.0)
+            if n and index == 0:
+                restarts.append(run[0]["step"])
+    for n, step in enumerate(restarts, 1):
+        for ax in (loss_ax, speed_ax):
+            ax.axvline(step, color="grey", linestyle=":", linewidth=1)
+        loss_ax.annotate(f"restart {n}: resumed at step {step}", (step, 1), xycoords=("data", "axes fraction"),
+                         rotation=90, ha="right", va="top", fontsize="small", color="grey")
+    if restarts:
+        subtitle += f" ({len(restarts)} restart{'s' if len(restarts) > 1 else ''}: earlier attempts faded)"
     loss_ax.set_ylabel("loss")
     speed_ax.set_ylabel("tokens/s")
     speed_ax.set_xlabel("step")

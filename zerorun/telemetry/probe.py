@@ -8,7 +8,7 @@
 Records (one JSON object per line; every one has `type`, `rank` and `t`, the worker's wall clock):
 - `hello`  on every (re)connection: host, pid, pid_start (its create time), local_rank, device.
 - `engine` once an engine exists: params, stage, dtype, device_name, peak_tflops, flops_per_token.
-- `step`   per optimizer step, from the engine's `events.StepStats`: step, loss, grad_norm,
+- `step`   per optimizer step, from the engine's `events.StepStats`: step, loss, lr, grad_norm,
            loss_scale, skipped, skipped_total, step_time_s, samples, tokens, samples_per_s,
            tokens_per_s, flops, tflops, mfu, comm (cumulative bytes/calls/seconds per collective).
 - `sample` every `telemetry.interval_s`: rss, cpu_percent, cuda (allocated/reserved/peak) or null,
@@ -129,7 +129,7 @@ class Probe:
         self._process = psutil.Process()
         self._main_thread = threading.main_thread().ident
         self.script_running = True  # False once the script has ended (`script_ended`): `where` is then None
-        self._steps: deque[tuple[Any, Any]] = deque(maxlen=STEP_QUEUE)
+        self._steps: deque[tuple[Any, Any, float | None]] = deque(maxlen=STEP_QUEUE)
         self._outbox: deque[bytes] = deque(maxlen=OUTBOX)
         self._dropped = 0
         self._engine: weakref.ReferenceType | None = None
@@ -164,7 +164,15 @@ class Probe:
             ready.record(torch.cuda.current_stream(loss.device))  # behind the loss, on the training stream
         if len(self._steps) == self._steps.maxlen:
             self._dropped += 1
-        self._steps.append((stats, ready))
+        self._steps.append((stats, ready, self._lr()))
+
+    def _lr(self) -> float | None:
+        """The learning rate the step just used (the first param group's): read in the step listener,
+        before the script's scheduler moves it for the next step."""
+        try:
+            return _finite(float(self.engine().optimizer.param_groups[0]["lr"]))
+        except Exception:  # noqa: BLE001 - no engine, no groups, an lr that is a tensor: no lr in the record
+            return None
 
     def engine(self) -> Any:
         """The attached engine, while it lives (the probe holds only a weak reference)."""
@@ -226,13 +234,13 @@ class Probe:
     def _take_steps(self, wait: bool) -> None:
         """Turn queued StepStats into records, in order; a CUDA loss not computed yet waits a round."""
         while self._steps:
-            stats, ready = self._steps[0]
+            stats, ready, lr = self._steps[0]
             if ready is not None and not ready.query():
                 if not wait:
                     return
                 ready.synchronize()
             self._steps.popleft()
-            self._enqueue(self._step_record(stats, self._loss_value(stats.loss)))
+            self._enqueue(self._step_record(stats, self._loss_value(stats.loss)) | {"lr": lr})
 
     def _loss_value(self, loss: Any) -> float | None:
         if loss is None:

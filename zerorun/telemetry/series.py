@@ -11,8 +11,8 @@ from typing import Any
 
 from zerorun.telemetry.state import held_bytes, model_state_bytes
 
-STEP_COLUMNS = ("rank", "step", "t", "loss", "grad_norm", "loss_scale", "skipped", "step_time_s", "samples", "tokens",
-                "samples_per_s", "tokens_per_s", "tflops", "mfu", "comm_waited_s", "comm_in_flight_s",
+STEP_COLUMNS = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "step_time_s", "samples",
+                "tokens", "samples_per_s", "tokens_per_s", "tflops", "mfu", "comm_waited_s", "comm_in_flight_s",
                 "comm_bytes", "offload_waited_s", "offload_bytes")
 SAMPLE_COLUMNS = ("rank", "t", "rss", "cpu_percent", "device_bytes", "model_state_bytes", "nvme_bytes",
                   "io_read_bytes", "io_write_bytes")

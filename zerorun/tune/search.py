@@ -21,8 +21,8 @@ instead of sweeping it. The walk relies on what each knob is known to do:
 
 Throughout, the best so far is measured again after every `RECHECK_EVERY` other runs
 (`next_recheck`): a shared machine's load moves, and a best measured in a quiet minute would
-otherwise stop every later trial as "slower" (seen here: a first trial at 186 tokens/s, its
-repeats 56-103 once other jobs started, and the sweep's best stopped early against the 186).
+otherwise stop every later trial as "slower" (a first trial's repeats can fall to a third of it
+once other jobs start, and every later trial would then be stopped early against it).
 
 Early stopping (a trial that cannot beat the best so far is ended after two measured steps) is the
 tuner's; this module only orders the work.

@@ -7,16 +7,15 @@ No search and no early stopping: every candidate the estimate lets through (the 
 same budget, the same trial runner and measurement as the tuner) runs `rounds` times, each round in
 its own shuffled order (seeded: the same order on every run), and is ranked by its median.
 
-A shared machine drifts. Measured here, one round of 96 candidates of the standard GPT while other
-jobs moved the load average between 7 and 15: the same stage 2 configuration measured 65 tokens/s
-first and its neighbours 30-50 an hour later, and blocks of consecutive trials rose and fell together
-by 2-3x. So the recipe's own configuration is run again every `REFERENCE_EVERY` candidates and each
+A shared machine drifts: over a sweep of the standard GPT while other jobs move the load, the same
+configuration can measure half as fast an hour later, and blocks of consecutive trials rise and fall
+together by 2-3x. So the recipe's own configuration is run again every `REFERENCE_EVERY` candidates and each
 trial is scaled by the reference's median over its level at that time (interpolated between the
 reference runs around it), as `zerorun bench step` reports ratios to DDP within a round. The table
 shows the corrected and the raw medians.
 
 Then the tuner's winner, as the sweep measured it, is compared with the sweep's best: the tuner did
-its job if the ratio is close to 1 (the issue's bar: within 5%).
+its job if the ratio is close to 1 (the bar: within 5%).
 """
 
 from __future__ import annotations

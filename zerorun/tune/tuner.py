@@ -143,7 +143,7 @@ def prepare(recipe_path: str | Path, options: TuneOptions, kind: str = "tune") -
                       candidates, kept, rejected, TrialRunner(setup))
     if space.CHECKPOINTING_KEY not in honours:
         session.notes.append(f"{space.CHECKPOINTING_KEY} is not varied: {Path(recipe.script).name} does not declare "
-                             f"{space.HONOURS_NAME} = [\"{space.CHECKPOINTING_KEY}\"] (README: Tuning).")
+                             f"{space.HONOURS_NAME} = [\"{space.CHECKPOINTING_KEY}\"] (docs/tune.md).")
     return session
 
 

@@ -34,5 +34,5 @@ _INSTEAD = {
 
 
 def __getattr__(name: str) -> Any:
-    hint = _INSTEAD.get(name, "see the README's 'Coming from DeepSpeed' for what the compatibility covers")
+    hint = _INSTEAD.get(name, "see docs/deepspeed.md for what the compatibility covers")
     raise AttributeError(f"deepspeed.{name} is not provided by zerorun's DeepSpeed compatibility: {hint}.")

@@ -1,7 +1,7 @@
 """Where one ZeRO-Offload step goes on one GPU: forward, backward and optimizer, each timed to its end.
 
-    python recipes/offload_profile.py --layers 39 --d-model 4096 --heads 32            # stage 2, optimizer on the CPU
-    python recipes/offload_profile.py --layers 42 --d-model 4096 --heads 32 --stage 3 --set zero.offload_param=cpu
+    python -m zerorun.bench.offload_profile --layers 39 --d-model 4096 --heads 32            # stage 2, optimizer on the CPU
+    python -m zerorun.bench.offload_profile --layers 42 --d-model 4096 --heads 32 --stage 3 --set zero.offload_param=cpu
 
 A single process (world size 1, no launcher): the GPT of `recipes/offload_one_gpu.yaml` built on the
 GPU, bf16, activation checkpointing, the fp32 master weights and Adam moments in pinned host memory.
