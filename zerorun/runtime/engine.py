@@ -197,7 +197,9 @@ class Engine:
         """Backpropagate `loss / grad_accum_steps` (times the loss scale) and reduce gradients."""
         self.lr_schedules.engine_entered()
         reduce = self.is_boundary and not self.window.unsynced
-        self.window.check_backward(self.grad_accum_steps, self.stage, self.recipe.given.get("train.grad_accum_steps"))
+        # with set_boundary the loop counts its window itself (accelerate: backward per micro-batch, one step)
+        accum = self.grad_accum_steps if self._boundary is None else 1
+        self.window.check_backward(accum, self.stage, self.recipe.given.get("train.grad_accum_steps"))
         self._window.add_loss(loss)
         self.wait_published()  # the forward may have run on the module itself, outside the engine
         self.window.backward_started(reduce or self.stage >= 2)
