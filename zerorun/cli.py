@@ -428,13 +428,28 @@ def checkpoint_upgrade(
 @checkpoint_app.command("consolidate")
 def checkpoint_consolidate(
     directory: Annotated[Path, typer.Argument(help="A checkpoint directory (checkpoint.dir).", show_default=False)],
-    out: Annotated[Path, typer.Option(help="model.safetensors or model.pt: the full fp32 state dict.")],
+    out: Annotated[Path, typer.Option(help="model.safetensors or model.pt: the full fp32 state dict; with "
+                                           "--format hf, the model directory to write.")],
     tag: Annotated[str | None, typer.Option(help="The checkpoint to consolidate (default: the latest).")] = None,
+    format: Annotated[str, typer.Option(help="state-dict: one file; hf: a Hugging Face model directory "
+                                             "(safetensors, sharded past --max-shard-mb, config.json).")] = "state-dict",
+    config: Annotated[Path | None, typer.Option(help="--format hf: the model's config.json (or its directory); "
+                                                     "default: the one beside the checkpoint.")] = None,
+    max_shard_mb: Annotated[float, typer.Option(help="--format hf: the most MiB per safetensors file.")] = 5120,
 ) -> None:
-    """Write the full fp32 state dict, loadable with the plain model's load_state_dict(strict=True)."""
+    """Write the full fp32 state dict, loadable with the plain model's load_state_dict(strict=True), or a
+    Hugging Face model directory that from_pretrained loads."""
     from zerorun.runtime import checkpoint_format as checkpoint
 
+    if format not in ("state-dict", "hf"):
+        raise ZerorunError(f"--format {format}: choose state-dict or hf.")
     state = checkpoint.consolidate(directory, tag)
+    if format == "hf":
+        from zerorun.compat import hf_export
+
+        files = hf_export.write(state, out, hf_export.find_config(directory, config), int(max_shard_mb * 2**20))
+        typer.echo(f"{out}: {len(files)} safetensors file(s), config.json; {len(state)} tensors")
+        return
     checkpoint.write_state_dict(state, out)
     typer.echo(f"{out}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} elements")
 

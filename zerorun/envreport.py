@@ -30,7 +30,26 @@ def collect() -> Report:
         "compilers": {name: _tool_version(name, flag) for name, flag in
                       (("gcc", "--version"), ("g++", "--version"), ("nvcc", "--version"), ("ninja", "--version"))},
         "kernels": _kernels(),
+        "deepspeed compatibility": _deepspeed_compat(),
     }
+
+
+def _deepspeed_compat() -> dict[str, Any]:
+    """What `import deepspeed` gives a launched script: zerorun's shim, and the libraries that reach it."""
+    from importlib import metadata
+
+    from zerorun.compat.deepspeed import __version__ as shim_version
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {"shim": f"deepspeed {shim_version}: zerorun's shim (zerorun.compat.deepspeed), not DeepSpeed; "
+                    "scripts get it under `zerorun launch script.py` or launch.deepspeed_compat",
+            "real deepspeed": installed("deepspeed"), "transformers": installed("transformers"),
+            "accelerate": installed("accelerate")}
 
 
 def _system() -> dict[str, Any]:

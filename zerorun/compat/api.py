@@ -68,6 +68,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     info = _init_distributed(launched.launch.timeout_s if launched else 300.0)
     recipe, ds = recipe_for(source, launched, info.world_size, info.rank)
     recipes.check_global_batch(recipe, info.world_size)
+    _wrap_model_blocks(recipe, model, info.rank)
     user_optimizer = _client_optimizer(optimizer, model_parameters, model, recipe, ds)
     if optimizer is not None and ds is not None and "optimizer" in ds and info.rank == 0:
         print("zerorun: warning: initialize(optimizer=...) is used and the DeepSpeed config's `optimizer` section "
@@ -76,9 +77,22 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     # every checkpoint and restores it on resume as its own (runtime/lr_schedules.py)
     engine = start(Engine(model, user_optimizer, recipe, lambda opt: _lr_scheduler(lr_scheduler, opt, recipe)))
     schedule = engine.lr_schedules.owned
-    facade = DeepSpeedEngine(engine, recipe, schedule)
+    facade = DeepSpeedEngine(engine, recipe, schedule, ds)
     loader = _dataloader(training_data, recipe, info, collate_fn, ds) if training_data is not None else None
     return facade, engine.optimizer, loader, schedule
+
+
+def _wrap_model_blocks(recipe: Recipe, model: torch.nn.Module, rank: int) -> None:
+    """Stage 3 with no `zero.wrap`: a transformers model's `_no_split_modules` (its repeated blocks) become
+    the units, as DeepSpeed shards every layer of such a model; without units nothing would be sharded."""
+    blocks = getattr(model, "_no_split_modules", None)
+    if recipe.zero.stage != 3 or recipe.zero.wrap or not blocks:
+        return
+    present = {type(m).__name__ for m in model.modules()}
+    recipe.zero.wrap = [name for name in blocks if name in present]
+    if rank == 0 and recipe.zero.wrap:
+        print(f"zerorun: stage 3 units: {', '.join(recipe.zero.wrap)} (the model's _no_split_modules; set "
+              "zero.wrap to choose others)", file=sys.stderr)
 
 
 def _launched_recipe() -> Recipe | None:

@@ -2,11 +2,13 @@
 
     deepspeed     --num_gpus 2 train.py --deepspeed --deepspeed_config ds.json
     zerorun launch --num_gpus 2 train.py --deepspeed --deepspeed_config ds.json
+    zerorun launch --num_gpus 2 train.py --deepspeed ds.json      # transformers' TrainingArguments form
 
 Everything after the `.py` belongs to the script, as with DeepSpeed's launcher (`split_script_args`).
 The command line becomes a recipe file, kept as `runs/<script name>/launch-recipe.yaml` so the run
 can be repeated or edited (`script_recipe`): the script and its arguments, the `--deepspeed_config`
-among them as the recipe's `deepspeed_config`, and `launch.deepspeed_compat: true`.
+(or transformers' `--deepspeed ds.json`) among them as the recipe's `deepspeed_config`, and
+`launch.deepspeed_compat: true`.
 
 A DeepSpeed config that gives `train_batch_size` needs the world size to split it into micro-batch
 and accumulation. The launcher knows the world size once it has chosen the nodes; `batch_overrides`
@@ -27,6 +29,7 @@ from zerorun.errors import ConfigError
 
 RECIPE_NAME = "launch-recipe.yaml"
 CONFIG_FLAGS = ("--deepspeed_config", "--deepscale_config")
+HF_FLAG = "--deepspeed"  # transformers' TrainingArguments.deepspeed: a path right after it (DeepSpeed's is a flag)
 
 
 def split_script_args(args: Sequence[str], value_options: Collection[str]) -> tuple[list[str], list[str]]:
@@ -44,13 +47,19 @@ def split_script_args(args: Sequence[str], value_options: Collection[str]) -> tu
 
 
 def deepspeed_config_arg(script_args: Sequence[str]) -> str | None:
-    """The value of `--deepspeed_config X` / `--deepspeed_config=X` among the script's arguments."""
+    """The value of `--deepspeed_config X` / `--deepspeed_config=X` among the script's arguments, or
+    transformers' `--deepspeed X.json` / `--deepspeed=X.json`."""
     for i, arg in enumerate(script_args):
+        following = script_args[i + 1] if i + 1 < len(script_args) else None
         for flag in CONFIG_FLAGS:
-            if arg == flag and i + 1 < len(script_args):
-                return script_args[i + 1]
+            if arg == flag and following is not None:
+                return following
             if arg.startswith(flag + "="):
                 return arg.split("=", 1)[1]
+        if arg == HF_FLAG and following is not None and following.lower().endswith(".json"):
+            return following
+        if arg.startswith(HF_FLAG + "=") and arg.lower().endswith(".json"):
+            return arg.split("=", 1)[1]
     return None
 
 

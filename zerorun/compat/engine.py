@@ -16,8 +16,12 @@ names it and says what to use instead.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
@@ -27,7 +31,6 @@ COMPAT_STATE = "_deepspeed_compat"  # the facade's own entry in the checkpoint's
 # DeepSpeed engine members a script may reach for, with what zerorun offers instead.
 INSTEAD = {
     "no_sync": "zerorun reduces gradients only at accumulation boundaries already; drop the context manager",
-    "set_gradient_accumulation_boundary": "the boundary follows train.grad_accum_steps",
     "save_16bit_model": "engine.module.state_dict() (stages 0-2), engine.state_dict(), or `zerorun checkpoint "
                         "consolidate`",
     "save_fp16_model": "engine.state_dict(), or `zerorun checkpoint consolidate`",
@@ -36,14 +39,28 @@ INSTEAD = {
 }
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every facade built in this process, for engine_owning
+
+
+def engine_owning(params: Iterable[torch.Tensor]) -> Any:
+    """The zerorun Engine whose model holds any of `params` (None: none does, e.g. before initialize)."""
+    wanted = {id(p) for p in params}
+    for facade in list(_LIVE):
+        if any(id(p) in wanted for p in facade.engine.module.parameters()):
+            return facade.engine
+    return None
+
+
 class DeepSpeedEngine:
     """The engine `deepspeed.initialize` returns, backed by a zerorun Engine."""
 
-    def __init__(self, engine: Any, recipe: Recipe, lr_scheduler: Any = None) -> None:
+    def __init__(self, engine: Any, recipe: Recipe, lr_scheduler: Any = None,
+                 ds: Mapping[str, Any] | None = None) -> None:
         self.engine = engine  # the zerorun Engine, for zerorun's own API (memory(), gathered(), ...)
         self.recipe = recipe
-        self.module = engine.module
+        self.config = dict(ds or {})  # the DeepSpeed config as trained (transformers reads it)
         self.optimizer = engine.optimizer
+        self.optimizer.overflow = False  # DeepSpeed's optimizers say so after each step (accelerate reads it)
         self.lr_scheduler = lr_scheduler
         self.global_samples = 0
         self._step_applied = False
@@ -51,6 +68,13 @@ class DeepSpeedEngine:
         self.local_rank, self.global_rank, self.world_size = info.local_rank, info.rank, info.world_size
         self.dp_world_size = info.world_size
         self.device = engine.device
+        _LIVE.add(self)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model, its parameters current (a deferred publish of the last step is waited for)."""
+        self.engine.wait_published()
+        return self.engine.module
 
     # -- training loop ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -60,15 +84,18 @@ class DeepSpeedEngine:
         return self.engine(*args, **kwargs)
 
     def backward(self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
-        """Backpropagate loss / gradient_accumulation_steps (zerorun always scales so) and reduce."""
+        """Backpropagate loss / gradient_accumulation_steps (or the loss as it is with scale_wrt_gas=False:
+        transformers' Trainer divides it itself) and reduce at a boundary."""
         if retain_graph:
             raise ZerorunError("engine.backward(retain_graph=True) is not supported by zerorun: its gradient "
                                "hooks reduce once per backward.")
-        if not scale_wrt_gas:
-            raise ZerorunError("engine.backward(scale_wrt_gas=False) is not supported by zerorun: it always "
-                               "divides the loss by train.grad_accum_steps; divide your loss up instead.")
-        self.engine.backward(loss)
+        # zerorun's engine always divides by train.grad_accum_steps: undo it for a loss already divided
+        self.engine.backward(loss if scale_wrt_gas else loss * self.gradient_accumulation_steps())
         return loss
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """accelerate's loop: backward every micro-step, step() only where `is_boundary` (sync_gradients)."""
+        self.engine.set_boundary(bool(is_boundary))
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """A micro-step; at a boundary, the update and then (if it was applied) the lr schedule."""
@@ -81,6 +108,7 @@ class DeepSpeedEngine:
         if not boundary:
             return
         self._step_applied = self.engine.skipped_steps == skipped
+        self.optimizer.overflow = not self._step_applied
         self.global_samples += self.train_batch_size()  # the engine stepped the lr schedule (if it applied)
 
     def zero_grad(self) -> None:
@@ -98,6 +126,14 @@ class DeepSpeedEngine:
 
     def eval(self) -> DeepSpeedEngine:
         return self.train(False)
+
+    @property
+    def _modules(self) -> dict[str, torch.nn.Module]:
+        """As DeepSpeed's engine, an nn.Module whose one child is the model (accelerate looks inside)."""
+        return {"module": self.module}
+
+    def modules(self) -> Any:
+        return self.module.modules()
 
     def parameters(self, recurse: bool = True) -> Any:
         return self.module.parameters(recurse)
@@ -156,6 +192,29 @@ class DeepSpeedEngine:
 
     def bfloat16_enabled(self) -> bool:
         return self.recipe.precision.dtype == "bf16"
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's `stage3_gather_16bit_weights_on_model_save` (DeepSpeed's default false): whether
+        `save_model` may consolidate stage 3's weights (zerorun can; the config decides, as in DeepSpeed)."""
+        zero = self.config.get("zero_optimization") or {}
+        return bool(zero.get("stage3_gather_16bit_weights_on_model_save",
+                             zero.get("gather_16bit_weights_on_model_save", False)))
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The whole model's state dict on rank 0 in the model's dtype ({} on other ranks), as
+        `trainer.save_model()` writes it; every rank must call it."""
+        full = self.engine.state_dict()
+        named = list(self.engine.module.named_parameters(remove_duplicate=False))
+        frozen = {n for n, p in named if not p.requires_grad}
+        dtypes = {n: p.dtype for n, p in named}
+        out = {name: value.to(dtypes.get(name, value.dtype)) for name, value in full.items()
+               if not (exclude_frozen_parameters and name in frozen)}
+        first: dict[int, str] = {}
+        for name, param in named:  # a tied weight is one tensor under each of its names, as in the model
+            owner = first.setdefault(id(param), name)
+            if owner != name and owner in out and name in out:
+                out[name] = out[owner]
+        return out
 
     # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,

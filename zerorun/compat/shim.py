@@ -1,30 +1,55 @@
 """`launch.deepspeed_compat`: make `import deepspeed` in the user's script resolve to zerorun's API.
 
 The worker calls `install(args)` before it runs the script. `deepspeed` and its submodules that
-zerorun provides (`deepspeed.accelerator`, `deepspeed.comm`, `deepspeed.zero`) become
-`zerorun.compat.deepspeed[...]`, ahead of a real DeepSpeed installed in the same environment; any other `deepspeed.*` import fails
-with a message naming it. As DeepSpeed's launcher does, the script gets `--local_rank=<local
-rank>` before its own arguments unless `launch.deepspeed_local_rank` is false.
+zerorun provides (`PROVIDED`) become `zerorun.compat.deepspeed[...]`, ahead of a real DeepSpeed
+installed in the same environment; any other `deepspeed.*` import fails with a message naming it.
+As DeepSpeed's launcher does, the script gets `--local_rank=<local rank>` before its own arguments
+unless `launch.deepspeed_local_rank` is false.
+
+transformers and accelerate decide whether DeepSpeed is there from the module spec and from the
+installed distribution's metadata (`importlib.metadata.version("deepspeed")`, checked against their
+minimum versions). The finder installed here answers both: the spec is the shim's, and the
+distribution `deepspeed` has version `API_VERSION+zerorun.<zerorun's version>`: the DeepSpeed
+release whose API the shim follows, marked as zerorun's (PEP 440 local version).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.metadata
 import importlib.util
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+from zerorun.compat import accelerate_cpu
 from zerorun.config import Recipe
 
 PACKAGE = "zerorun.compat.deepspeed"
-PROVIDED = ("accelerator", "comm", "zero")
+PROVIDED = ("accelerator", "comm", "zero", "utils", "ops", "ops.adam", "runtime", "runtime.lr_schedules",
+            "runtime.engine", "runtime.zero", "runtime.zero.partition_parameters", "checkpoint", "checkpoint.utils")
 
 
-class _RefuseMissing(importlib.abc.MetaPathFinder):
-    """Turns the import of a `deepspeed.*` module zerorun does not provide into an error that names it."""
+class ShimDistribution(importlib.metadata.Distribution):
+    """The `deepspeed` distribution metadata zerorun's shim stands for (no files of its own)."""
+
+    def read_text(self, filename: str) -> str | None:
+        from zerorun.compat.deepspeed import __version__
+
+        if filename == "METADATA":
+            return (f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {__version__}\n"
+                    "Summary: zerorun's DeepSpeed compatibility layer (zerorun.compat.deepspeed), not DeepSpeed\n"
+                    "Author: zerorun\n")
+        return None
+
+    def locate_file(self, path: Any) -> Any:
+        return os.path.join(os.path.dirname(importlib.import_module(PACKAGE).__file__ or ""), str(path))
+
+
+class _Shim(importlib.abc.MetaPathFinder):
+    """Refuses `deepspeed.*` modules zerorun does not provide, naming them; answers for the distribution."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname.startswith("deepspeed.") and fullname not in sys.modules:
@@ -34,15 +59,23 @@ class _RefuseMissing(importlib.abc.MetaPathFinder):
                                       name=fullname)
         return None
 
+    def find_distributions(self, context: Any = importlib.metadata.DistributionFinder.Context()) -> Iterator[Any]:
+        name = getattr(context, "name", None)
+        if name is None or name.replace("_", "-").lower() == "deepspeed":
+            yield ShimDistribution()
+
 
 def install(recipe: Recipe, args: Sequence[str]) -> list[str]:
     """Register the shim as `deepspeed`; return the script's arguments (with --local_rank when asked)."""
     package = importlib.import_module(PACKAGE)
+    for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
+        del sys.modules[name]  # a real DeepSpeed imported earlier in this process: none of it may answer
     sys.modules["deepspeed"] = package
     for name in PROVIDED:
         sys.modules[f"deepspeed.{name}"] = importlib.import_module(f"{PACKAGE}.{name}")
-    if not any(isinstance(finder, _RefuseMissing) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _RefuseMissing())
+    if not any(isinstance(finder, _Shim) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _Shim())
+    accelerate_cpu.install()  # accelerate's DeepSpeed mode on gloo CPU ranks
     args = list(args)
     if recipe.launch.deepspeed_local_rank and not any(a.startswith("--local_rank") for a in args):
         args.insert(0, f"--local_rank={os.environ.get('LOCAL_RANK', '0')}")  # where DeepSpeed's launcher puts it

@@ -112,6 +112,7 @@ class Engine:
         self.global_step = 0
         self.skipped_steps = 0
         self.grad_norm: float | None = None
+        self._boundary: bool | None = None  # set_boundary's answer; None: every grad_accum_steps-th micro-step
         self.tokens_per_sample: int | None = None  # set it when inputs are not (batch, seq) token ids
         self._window = StepWindow()
         clip.route_to(self)
@@ -182,13 +183,23 @@ class Engine:
     @property
     def is_boundary(self) -> bool:
         """True when the current micro-step ends an accumulation window (the next step() updates)."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.grad_accum_steps == 0
+
+    def set_boundary(self, boundary: bool | None) -> None:
+        """Whether the coming backward and step end an accumulation window, for loops that decide it
+        themselves (accelerate's `sync_gradients`: backward every micro-step, step() at the boundary only);
+        None returns to every `grad_accum_steps`-th micro-step. The loss is still divided by grad_accum_steps."""
+        self._boundary = boundary
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss / grad_accum_steps` (times the loss scale) and reduce gradients."""
         self.lr_schedules.engine_entered()
         reduce = self.is_boundary and not self.window.unsynced
-        self.window.check_backward(self.grad_accum_steps, self.stage, self.recipe.given.get("train.grad_accum_steps"))
+        # with set_boundary the loop counts its window itself (accelerate: backward per micro-batch, one step)
+        accum = self.grad_accum_steps if self._boundary is None else 1
+        self.window.check_backward(accum, self.stage, self.recipe.given.get("train.grad_accum_steps"))
         self._window.add_loss(loss)
         self.wait_published()  # the forward may have run on the module itself, outside the engine
         self.window.backward_started(reduce or self.stage >= 2)

@@ -142,6 +142,11 @@ def log_for(module: nn.Module) -> InitLog | None:
     return None
 
 
+def logs_owning(params: list[nn.Parameter]) -> list[InitLog]:
+    """The finished logs that created any of `params` (meta parameters)."""
+    return [log for log in _logs if any(p.is_meta and log.owns(p) for p in params)]
+
+
 class _Recorder(TorchFunctionMode):
     """Records in-place ops on the block's meta parameters (directly or through `.data`)."""
 

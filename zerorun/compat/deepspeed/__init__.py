@@ -15,18 +15,19 @@ from __future__ import annotations
 from typing import Any
 
 from zerorun import __version__ as _zerorun_version
-from zerorun.compat.deepspeed import accelerator, comm, zero
+from zerorun.compat.deepspeed import accelerator, checkpoint, comm, ops, runtime, utils, zero
 from zerorun.compat.api import add_config_arguments, init_distributed, initialize
 from zerorun.compat.engine import DeepSpeedEngine
 
-__version__ = f"0.0.0+zerorun.{_zerorun_version}"  # PEP 440, and never mistaken for a DeepSpeed release
+API_VERSION = "0.19.8"  # the DeepSpeed release whose API this follows (transformers and accelerate check it)
+__version__ = f"{API_VERSION}+zerorun.{_zerorun_version}"  # PEP 440: a local version marks it as zerorun's
 
-__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "init_distributed", "initialize", "zero"]
+__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpoint", "comm", "init_distributed",
+           "initialize", "ops", "runtime", "utils", "zero"]
 
 _INSTEAD = {
     "init_inference": "zerorun trains; for inference use engine.module (or engine.state_dict()) directly",
     "checkpointing": "torch.utils.checkpoint (zerorun supports it at every stage)",
-    "ops": "zerorun picks its own fused and CPU Adam kernels (recipe optimizer.*)",
     "pipe": "zerorun has no pipeline parallelism",
     "moe": "zerorun has no expert parallelism",
 }

@@ -1,0 +1,1 @@
+"""`deepspeed.runtime`: `lr_schedules`, `engine` and the `zero.partition_parameters` hooks transformers reaches."""

@@ -1,0 +1,16 @@
+"""`deepspeed.runtime.lr_schedules`: DeepSpeed's schedules with its formulas (zerorun.compat.schedulers).
+
+accelerate reads `VALID_LR_SCHEDULES` to tell a DeepSpeed schedule (handed to `deepspeed.initialize`)
+from a torch one (stepped by accelerate itself).
+"""
+
+from __future__ import annotations
+
+from zerorun.compat.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zerorun.ds_config import SCHEDULERS
+
+LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR = (
+    "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+VALID_LR_SCHEDULES = list(SCHEDULERS)
+
+__all__ = ["LRRangeTest", "OneCycle", "VALID_LR_SCHEDULES", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR"]
