@@ -200,6 +200,14 @@ class CheckpointConfig:
     every_steps: int = _f(0, "Save every N optimizer steps into checkpoint.dir (0: only when the script asks).",
                           ge=0)
     resume: str = _f("auto", "auto: resume from the latest checkpoint if any; never; or a tag to resume from.")
+    async_save: bool = _f(True, "Save in the background: a save copies this rank's state into host memory (or, on "
+                                "NVMe, streams it before the next optimizer step changes it) and training goes on "
+                                "while the files are written; `latest` moves only when every rank's files are "
+                                "durable. false: the save writes everything before training continues.")
+    every_minutes: float = _f(0.0, "Also save when this many minutes have passed since the last save (0: never by "
+                                   "time). Costs one scalar all-reduce per optimizer step, so ranks agree.", ge=0)
+    keep_last: int = _f(0, "After each save, delete all but the newest N checkpoints in checkpoint.dir (0: keep "
+                           "all).", ge=0)
 
 
 @dataclass
@@ -657,9 +665,11 @@ def _check_cross_fields(recipe: Recipe, ctx: _Ctx) -> None:
               "parameters, so offload it first (e.g. offload_optimizer: cpu).")
     if recipe.zero.offload_optimizer.device != "none" and recipe.zero.stage == 0:
         _fail(ctx, "zero.offload_optimizer.device", "optimizer offload needs zero.stage >= 1.")
-    if recipe.checkpoint.every_steps and not recipe.checkpoint.dir:
-        _fail(ctx, "checkpoint.every_steps", f"{recipe.checkpoint.every_steps} saves nothing without checkpoint.dir; "
-              "set checkpoint.dir (a directory every node can write) or every_steps: 0.")
+    for key in ("every_steps", "every_minutes"):
+        value = getattr(recipe.checkpoint, key)
+        if value and not recipe.checkpoint.dir:
+            _fail(ctx, f"checkpoint.{key}", f"{value} saves nothing without checkpoint.dir; "
+                  f"set checkpoint.dir (a directory every node can write) or {key}: 0.")
     if recipe.zero.aio.block_size % 4096:
         _fail(ctx, "zero.aio.block_size", f"must be a multiple of 4096 (O_DIRECT), got {recipe.zero.aio.block_size}.")
 

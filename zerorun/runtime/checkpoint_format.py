@@ -29,14 +29,16 @@ import zlib
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from zerorun.errors import ZerorunError
+from zerorun.runtime import safetensors_writer
 from zerorun.runtime.checkpoint_manifest import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, STATE_KINDS,
                                                  UNSEALED_VERSION, VERSION, check_integrity, sealed, shard_file,
                                                  validate)
+from zerorun.runtime.safetensors_writer import Source
 
 # safetensors' names of the dtypes a checkpoint holds (others are not compared)
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
@@ -314,11 +316,11 @@ def render(info: dict[str, Any]) -> Any:
 
 
 # -- writing (temporary names, fsync, rename) ------------------------------------------------------
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path), metadata={"format": FORMAT})
-    return seal(path)
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor] | list[Source],
+                  pace: Callable[[], None] | None = None) -> tuple[int, int]:
+    """A safetensors file of `tensors` (or streamed `Source`s), fsynced; its size and CRC32."""
+    sources = [Source.of(n, t) for n, t in tensors.items()] if isinstance(tensors, dict) else tensors
+    return safetensors_writer.write(path, sources, {"format": FORMAT}, pace)
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
@@ -376,6 +378,18 @@ def clean_crashed_saves(root: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(old, final)
+
+
+def prune(root: Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints in `root`, never the one `latest` names
+    (`keep` 0: delete nothing); the tags deleted."""
+    if keep <= 0:
+        return []
+    latest = latest_tag(root)
+    old = [tag for tag in tags(root)[:-keep] if tag != latest]
+    for tag in old:
+        shutil.rmtree(root / tag, ignore_errors=True)
+    return old
 
 
 def fsync_dir(path: Path) -> None:

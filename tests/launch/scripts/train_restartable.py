@@ -64,5 +64,6 @@ with engine.gathered():
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
 print(f"rank {rank} checksum {checksum:.12e}", flush=True)
 dist.barrier()
+engine.wait_checkpoint()  # os._exit skips the worker's wait for the save still being written
 probe.stop()  # os._exit skips the worker's own stop: send the last steps' telemetry first (the test reads it)
 os._exit(0)  # as train_tiny.py: skip the interpreter exit that a multi-rank CPU run sometimes aborts in
