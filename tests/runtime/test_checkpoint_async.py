@@ -97,3 +97,76 @@ def test_async_checkpoint_equals_the_synchronous_one_byte_for_byte_while_trainin
         # the snapshot: the whole flat state in host memory, or one streaming chunk for NVMe
         expected = 0 if not r["shard"] else 4 * min(r["numels"], 1 << 24) if r["nvme"] else 12 * r["numels"]
         assert r["snapshot"] == expected
+
+
+# -- one save in flight, telemetry, keep_last, every_minutes ---------------------------------------------
+def _cadence_case(rank: int, world: int, root: str) -> dict:
+    from zerorun.runtime import events
+
+    records: list = []
+    events.subscribe_checkpoints(records.append)
+    engine = _engine(["zero.stage=2", f"checkpoint.dir={root}", "checkpoint.every_steps=2", "checkpoint.keep_last=2"])
+    os.environ[SLOW_ENV] = "0.3"  # step-2's save is still writing when step 4 asks for the next one
+    _train(engine, rank, 0, 2)
+    del os.environ[SLOW_ENV]
+    _train(engine, rank, 2, 6)  # saves step-4 (after waiting for step-2), step-6, step-8
+    engine.wait_checkpoint()
+    engine.recipe.checkpoint.every_steps, engine.recipe.checkpoint.every_minutes = 0, 60.0
+    if rank == 0:  # one rank's clock says an hour has passed: every rank saves at the next step
+        engine.checkpoints.last_save -= 3600
+    _train(engine, rank, 8, 2)  # step 9 saves, step 10 does not
+    engine.wait_checkpoint()
+    return {"records": [vars(r) for r in records], "memory": engine.memory().total("snapshot"),
+            "numels": sum(engine.store.group_numels)}
+
+
+def test_one_save_in_flight_keep_last_every_minutes_and_a_record_per_save(tmp_path):
+    results = run_ranks(_cadence_case, 2, (str(tmp_path),))
+    assert tags(tmp_path) == ["step-8", "step-9"]  # keep_last: 2
+    assert (tmp_path / "latest").read_text() == "step-9\n"
+    for r in results:
+        records = {rec["tag"]: rec for rec in r["records"]}
+        assert list(records) == ["step-2", "step-4", "step-6", "step-8", "step-9"]
+        assert records["step-4"]["waited_s"] > 0.2, "step-4 waited for step-2 (0.3 s per tensor written)"
+        assert records["step-4"]["stall_s"] >= records["step-4"]["waited_s"]
+        assert records["step-2"]["write_s"] > 0.5 and records["step-2"]["waited_s"] == 0
+        for rec in r["records"]:
+            assert rec["mode"] == "async" and rec["bytes"] > 0 and rec["snapshot_bytes"] == 12 * r["numels"]
+            assert set(rec) == {"tag", "step", "mode", "stall_s", "waited_s", "write_s", "bytes", "snapshot_bytes"}
+        assert r["memory"] == 12 * r["numels"]
+
+
+# -- the host cannot hold a snapshot: synchronous, one warning --------------------------------------------
+def _small_host_case(rank: int, world: int, root: str) -> dict:
+    import logging
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from zerorun.runtime import events
+
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage()) if record.levelno >= logging.WARNING else None
+    logging.getLogger("zerorun").addHandler(handler)
+    records: list = []
+    events.subscribe_checkpoints(records.append)
+    engine = _engine(["zero.stage=1", f"checkpoint.dir={root}"])
+    _train(engine, rank, 0, 1)
+    available = 1000 if rank == 1 else 1 << 40  # only rank 1 lacks memory; both must save the same way
+    with mock.patch("zerorun.runtime.checkpoint_async.psutil.virtual_memory",
+                    return_value=SimpleNamespace(available=available)):
+        engine.save_checkpoint()
+        _train(engine, rank, 1, 1)
+        engine.save_checkpoint()
+    return {"modes": [r.mode for r in records], "warnings": warnings, "snapshot": engine.memory().total("snapshot")}
+
+
+def test_a_host_too_small_for_the_snapshot_saves_synchronously_with_one_warning_naming_the_numbers(tmp_path):
+    results = run_ranks(_small_host_case, 2, (str(tmp_path),))
+    assert tags(tmp_path) == ["step-1", "step-2"]
+    for rank, r in enumerate(results):
+        assert r["modes"] == ["sync-fallback", "sync-fallback"] and r["snapshot"] == 0
+        shown = [w for w in r["warnings"] if "snapshot needs" in w]
+        assert len(shown) == (1 if rank == 1 else 0), r["warnings"]
+    assert "GiB of host memory and 0.00 GiB are available" in [w for w in results[1]["warnings"]
+                                                                 if "snapshot needs" in w][0]

@@ -22,6 +22,7 @@ NVMe) is the home's business, not a question this module asks.
 from __future__ import annotations
 
 import base64
+import errno
 import io
 import json
 import logging
@@ -115,11 +116,21 @@ def begin(engine: Engine, directory: str | os.PathLike, tag: str) -> tuple[Path,
     root = Path(directory)
     tmp = root / f".tmp-{tag}"
     if engine.comm.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        clean_crashed_saves(root)
-        tmp.mkdir()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            clean_crashed_saves(root)
+            tmp.mkdir()
+        except OSError as exc:
+            raise ZerorunError(f"rank 0: checkpoint {tag} not saved: making {tmp} failed: {os_error(exc)}.") from None
     _barrier(engine)
     return root, tmp
+
+
+def os_error(exc: OSError) -> str:
+    """An OSError as `strerror (ENAME, errno N)`, the way checkpoint errors name it."""
+    if exc.errno is None:
+        return str(exc)
+    return f"{exc.strerror} ({errno.errorcode.get(exc.errno, '?')}, errno {exc.errno})"
 
 
 def commit(root: Path, tmp: Path, manifest: dict[str, Any], files: dict[str, dict[str, int]],

@@ -33,7 +33,6 @@ a killed rank leaves `.tmp-<tag>`, which rank 0 removes at the next save or star
 
 from __future__ import annotations
 
-import errno as errno_codes
 import json
 import logging
 import os
@@ -324,9 +323,8 @@ def _describe_failure(rank: int, save: Save, exc: BaseException) -> str:
         return f"checkpoint {save.tag} not saved: {exc}"
     where = f"rank {rank}: checkpoint {save.tag} not saved (the previous checkpoint stays `latest`): writing " \
             f"{save.file or save.tmp} failed"
-    if isinstance(exc, OSError) and exc.errno is not None:
-        name = errno_codes.errorcode.get(exc.errno, str(exc.errno))
-        return f"{where}: {exc.strerror} ({name}, errno {exc.errno})."
+    if isinstance(exc, OSError):
+        return f"{where}: {checkpoint.os_error(exc)}."
     return f"{where}: {type(exc).__name__}: {exc}"
 
 
