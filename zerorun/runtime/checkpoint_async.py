@@ -38,7 +38,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -57,7 +56,9 @@ log = logging.getLogger("zerorun")
 
 SLOW_ENV = "ZERORUN_CHECKPOINT_SLOW_WRITE_S"  # tests only: seconds the writer sleeps per written chunk
 HOST_HEADROOM = 0.8  # a snapshot may take at most this share of the host memory available at the first save
-_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+# Checkpointers whose last save no `wait()` has seen yet, in the order of their saves: the same on every
+# rank (every rank saves and waits at the same points), so `wait_all`'s collectives match across ranks
+_pending: list[Checkpointer] = []
 
 
 class SaveState(Enum):
@@ -99,7 +100,6 @@ class Checkpointer:
         self.current: Save | None = None
         self.last_save = time.monotonic()
         self._reported = True
-        _live.add(self)
 
     # -- cadence ------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -133,6 +133,8 @@ class Checkpointer:
         job = _Job(self, save, checkpoint.describe(self.engine, tag, rng), checkpoint.extras_of(self.engine.module,
                    copy=True), checkpoint.client_payload(client_state), self.state.ready_event())
         self.current, self._reported = save, False
+        if self not in _pending:
+            _pending.append(self)
         threading.Thread(target=job.run, name=f"zerorun-checkpoint-{tag}", daemon=False).start()
         save.stall_s = time.perf_counter() - started
         if block:
@@ -154,21 +156,28 @@ class Checkpointer:
             self._finish(save)
 
     def wait(self) -> None:
-        """Wait until the save in flight is committed (rank 0) or this rank's part is durable; raise its error."""
+        """Wait until the save in flight is committed; raise its error on every rank. A collective: every
+        rank calls it (only rank 0 knows when the commit is done)."""
         save = self.current
         if save is not None:
             save.finished.wait()
+        failed = torch.tensor([float(save is not None and save.error is not None)], device=self.engine.device)
+        if self.engine.comm.world_size > 1:
+            self.engine.comm.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, async_op=False).wait()
+        if self in _pending:
+            _pending.remove(self)
+        if save is not None:
             self._finish(save)
+        if failed.item():
+            raise ZerorunError(f"checkpoint {save.tag if save else ''} not saved: another rank's write failed (its "
+                               "error says where); `latest` names the previous checkpoint.")
 
     def _wait_previous(self, tag: str) -> float:
-        save = self.current
-        if save is None or save.finished.is_set():
-            self.wait()
-            return 0.0
-        started = time.perf_counter()
+        save, started = self.current, time.perf_counter()
+        busy = save is not None and not save.finished.is_set()  # rank 0 finishes last: it commits
         self.wait()
         waited = time.perf_counter() - started
-        if self.rank == 0:
+        if busy and self.rank == 0:
             log.warning("zerorun: checkpoint %s waited %.2f s for %s to finish writing (at most one save is in "
                         "flight; save less often or on faster storage)", tag, waited, save.tag)
         return waited
@@ -331,6 +340,6 @@ def _describe_failure(rank: int, save: Save, exc: BaseException) -> str:
 def wait_all(but: Checkpointer | None = None) -> None:
     """Wait for every engine's save in flight (the worker calls this when the script ends, a load before
     it reads); raise the first error."""
-    for checkpointer in list(_live):
+    for checkpointer in list(_pending):
         if checkpointer is not but:
             checkpointer.wait()
