@@ -30,6 +30,15 @@ from zerorun.runtime.safetensors_writer import Source
 STREAM_CHUNK = 1 << 24  # fp32 elements per NVMe read (64 MiB), a multiple of the 4096-byte O_DIRECT block
 
 
+def snapshot_bytes(numels: list[int], streamed: bool) -> int:
+    """Host bytes a background save keeps for a rank whose flat state has `numels` elements per group:
+    the whole state (3 fp32 tensors per group), or one streaming chunk when it is `streamed` from NVMe
+    (`zerorun estimate` counts the same)."""
+    if streamed:
+        return 4 * max(1, min(STREAM_CHUNK, max(numels, default=1)))
+    return len(KINDS) * 4 * sum(numels)
+
+
 def _names(numels: list[int]) -> list[tuple[str, int, str, int]]:
     """(tensor name, group, kind, numel) in the rank file's order."""
     return [(f"{kind}.{g}", g, kind, n) for g, n in enumerate(numels) for kind in KINDS]
@@ -65,7 +74,7 @@ class HostSnapshot(RankState):
 
     @staticmethod
     def bytes_for(numels: list[int]) -> int:
-        return len(KINDS) * 4 * sum(numels)
+        return snapshot_bytes(numels, streamed=False)
 
     def ready_event(self) -> Any:
         if self.side is None:
@@ -95,12 +104,12 @@ class StreamedState(RankState):
 
     def __init__(self, home: Home, numels: list[int]) -> None:
         self.home, self.numels = home, numels
-        self.buffer = aligned_empty(max(1, min(STREAM_CHUNK, max(numels, default=1))), torch.float32)
-        self.nbytes = self.buffer.numel() * 4
+        self.nbytes = self.bytes_for(numels)
+        self.buffer = aligned_empty(self.nbytes // 4, torch.float32)
 
     @staticmethod
     def bytes_for(numels: list[int]) -> int:
-        return 4 * max(1, min(STREAM_CHUNK, max(numels, default=1)))
+        return snapshot_bytes(numels, streamed=True)
 
     def sources(self) -> list[Source]:
         return [Source(name, torch.float32, [n], lambda g=g, kind=kind, n=n: self._chunks(g, kind, n))
