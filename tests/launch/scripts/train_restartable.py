@@ -40,8 +40,8 @@ print(f"pid {os.getpid()}", flush=True)
 if engine.resumed_from is not None:
     print(f"rank {rank} resumed from {engine.resumed_from} at step {engine.global_step}", flush=True)
 for step in range(engine.global_step, recipe.train.steps):
-    if step == args.fail_at:  # every rank: the failure comes once the background save before it is committed
-        engine.wait_checkpoint()
+    if step in (args.fail_at, args.hold_at):  # every rank: the fault comes once the background save before it
+        engine.wait_checkpoint()  # is committed
     if rank == args.fail_rank and step == args.fail_at and not (args.once and Path(args.once).exists()):
         if args.once:
             Path(args.once).touch()
