@@ -49,6 +49,19 @@ def test_offload_moves_optimizer_states_off_the_gpu_and_param_offload_the_shards
     assert nvme.nvme_per_rank == 14 * shape.params / 4 and nvme.cpu_per_rank < cpu.cpu_per_rank
 
 
+def test_a_background_checkpoints_host_snapshot_is_the_shards_state_or_one_nvme_chunk_and_counts_for_fits() -> None:
+    shape, cluster = planner.ModelShape(params=10**9, largest_unit=10**7), planner.Cluster(1, 4, 80)
+    snapshot = {(stage, offload): planner.place(shape, cluster, planner.Settings("bf16"), stage, offload, "none",
+                                                None).snapshot_per_rank
+                for stage, offload in ((0, "none"), (2, "none"), (2, "cpu"), (2, "nvme"))}
+    assert snapshot == {(0, "none"): 12 * 10**9, (2, "none"): 3 * 10**9, (2, "cpu"): 3 * 10**9, (2, "nvme"): 64 * 2**20}
+    off = planner.place(shape, cluster, planner.Settings("bf16", async_checkpoints=False), 2, "none", "none", None)
+    assert off.snapshot_per_rank == 0
+    host = planner.Cluster(1, 4, 80, cpu_mem_gib=10)  # 4 ranks x 3 GB of snapshot do not fit in 10 GiB
+    assert not planner.place(shape, host, planner.Settings("bf16"), 2, "none", "none", None).fits
+    assert planner.place(shape, host, planner.Settings("bf16", async_checkpoints=False), 2, "none", "none", None).fits
+
+
 def test_recommendation_is_the_fastest_configuration_that_fits() -> None:
     shape = planner.shape_from_size(7e9, None, 4096)
     roomy = planner.estimate(shape, planner.Cluster(8, 8, 80), planner.Settings("bf16"))

@@ -277,7 +277,8 @@ def estimate(
         shape = planner.shape_from_size(params, largest_layer, hidden)
     shape_args = (micro_batch, seq_len, hidden, layers)
     activations = planner.Activations(*shape_args) if all(a is not None for a in shape_args) else None
-    settings = planner.Settings(dtype, zero.bucket_mb, zero.allgather_bucket_mb, zero.prefetch_units, checkpointing)
+    settings = planner.Settings(dtype, zero.bucket_mb, zero.allgather_bucket_mb, zero.prefetch_units, checkpointing,
+                                async_checkpoints=loaded.checkpoint.async_save)
     per_node = gpus_per_node or loaded.nproc_per_node or 8
     origin = "--gpus-per-node" if gpus_per_node else "the recipe's nproc_per_node" if loaded.nproc_per_node else \
         "the default; set --gpus-per-node"

@@ -204,3 +204,46 @@ def bench_gpu(
         gpu.write_json(results, out / "gpu_check.json")
     if any(r.status is gpu.Status.FAIL for r in results):
         raise typer.Exit(1)
+
+
+@bench_app.command("ckpt")
+def bench_ckpt(
+    layers: Annotated[int, typer.Option(help="GPT layers.")] = 12,
+    d_model: Annotated[int, typer.Option(help="GPT width.")] = 768,
+    heads: Annotated[int, typer.Option(help="Attention heads.")] = 12,
+    vocab: Annotated[int, typer.Option(help="Vocabulary size.")] = 8192,
+    seq_len: Annotated[int, typer.Option(help="Sequence length.")] = 128,
+    micro_batch: Annotated[int, typer.Option(help="Micro-batch per rank.")] = 2,
+    ranks: Annotated[int, typer.Option(help="Ranks (local processes, gloo).")] = 2,
+    stage: Annotated[int, typer.Option(min=0, max=3, help="ZeRO stage.")] = 2,
+    steps: Annotated[int, typer.Option(min=1, help="Timed optimizer steps per mode, after one warm-up step.")] = 12,
+    every: Annotated[int, typer.Option(min=1, help="Save every N optimizer steps.")] = 4,
+    modes: Annotated[str, typer.Option(help="Comma-separated, run in this order: none, sync, async.")] =
+        "none,sync,async",
+    directory: Annotated[str | None, typer.Option("--dir", help="Where checkpoints are written (a fresh "
+                                                                 "directory per mode, removed after it; default "
+                                                                 "/var/tmp).")] = None,
+    nvme_path: Annotated[str | None, typer.Option(help="Offload the optimizer state to NVMe here.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
+) -> None:
+    """What a checkpoint every N steps costs training: no checkpoint, synchronous and background saves."""
+    from rich.console import Console
+
+    from zerorun.bench import ckpt
+    from zerorun.bench.gpt import GPTConfig
+
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    unknown = [m for m in chosen if m not in ckpt.MODES]
+    if unknown or not chosen:
+        raise ZerorunError(f"--modes: unknown {', '.join(unknown) or '(none given)'}; choose from "
+                           f"{', '.join(ckpt.MODES)}.")
+    if nvme_path is not None and stage == 0:
+        raise ZerorunError("--nvme-path: optimizer offload needs --stage 1 or more.")
+    cfg = ckpt.CkptBenchConfig(GPTConfig(layers, d_model, heads, vocab, seq_len), micro_batch, ranks, 1, stage, steps,
+                               every, directory or ckpt.default_directory(), nvme_path, chosen)
+    results = ckpt.run(cfg, progress=lambda line: typer.echo(line, err=True))
+    Console(width=200).print(ckpt.render(cfg, results))
+    for key, value in ckpt.summary(results).items():
+        typer.echo(f"{key}: {value}")
+    if json_out is not None:
+        json_out.write_text(json.dumps(ckpt.as_json(cfg, results), indent=2))

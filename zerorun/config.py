@@ -209,6 +209,14 @@ class CheckpointConfig:
     allow_changes: bool = _f(False, "Resume a checkpoint saved with another optimizer type (adam/adamw) or precision "
                                     "(refused otherwise). Changed lr, weight decay, betas or eps are always allowed; "
                                     "the checkpoint's values win and rank 0 says which.")
+    async_save: bool = _f(True, "Save in the background: a save copies this rank's state into host memory (or, on "
+                                "NVMe, streams it before the next optimizer step changes it) and training goes on "
+                                "while the files are written; `latest` moves only when every rank's files are "
+                                "durable. false: the save writes everything before training continues.")
+    every_minutes: float = _f(0.0, "Also save when this many minutes have passed since the last save (0: never by "
+                                   "time). Costs one scalar all-reduce per optimizer step, so ranks agree.", ge=0)
+    keep_last: int = _f(0, "After each save, delete all but the newest N checkpoints in checkpoint.dir (0: keep "
+                           "all).", ge=0)
 
 
 @dataclass
@@ -751,9 +759,11 @@ def _check_cross_fields(recipe: Recipe, ctx: _Ctx) -> None:
               "parameters, so offload it first (e.g. offload_optimizer: cpu).")
     if recipe.zero.offload_optimizer.device != "none" and recipe.zero.stage == 0:
         _fail(ctx, "zero.offload_optimizer.device", "optimizer offload needs zero.stage >= 1.")
-    if recipe.checkpoint.every_steps and not recipe.checkpoint.dir:
-        _fail(ctx, "checkpoint.every_steps", f"{recipe.checkpoint.every_steps} saves nothing without checkpoint.dir; "
-              "set checkpoint.dir (a directory every node can write) or every_steps: 0.")
+    for key in ("every_steps", "every_minutes"):
+        value = getattr(recipe.checkpoint, key)
+        if value and not recipe.checkpoint.dir:
+            _fail(ctx, f"checkpoint.{key}", f"{value} saves nothing without checkpoint.dir; "
+                  f"set checkpoint.dir (a directory every node can write) or {key}: 0.")
     for key, value in recipe.env.items():
         if not ENV_KEY.fullmatch(key):
             _fail(ctx, f"env.{key}", "is not an environment variable name (letters, digits and '_', not starting "

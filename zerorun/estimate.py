@@ -64,6 +64,7 @@ class Settings:
     prefetch_units: int = 1
     checkpointing: bool = False
     offload_buffer_mb: float = 64.0  # zero.offload_optimizer.buffer_mb
+    async_checkpoints: bool = True  # checkpoint.async_save: a host snapshot of the rank's state between saves
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class Placement:
     gpu: dict[str, int] = field(default_factory=dict)  # params, grads, master, moments, buffers, activations
     cpu_per_rank: int = 0
     nvme_per_rank: int = 0
+    snapshot_per_rank: int = 0  # host memory a background checkpoint keeps (counted in `fits`, not in cpu_per_rank)
     paper_model_states: int = 0  # per GPU, the ZeRO paper's 2-byte-gradient figure (no offload)
     fits: bool | None = None
 
@@ -209,6 +211,15 @@ def offload_buffers(settings: Settings, offload_optimizer: str, gpu: bool = True
     return (4 if gpu else 2) * tile + (NVME_RING_SLOTS * 3 * tile if offload_optimizer == "nvme" else 0)
 
 
+def checkpoint_snapshot(psi: float, n: int, stage: int, offload_optimizer: str) -> int:
+    """Host bytes of a background checkpoint's snapshot on the rank holding the most state: the fp32
+    master and moments of its shard (stage 0: all of them, on rank 0), or one chunk when they stream from NVMe."""
+    from zerorun.runtime.checkpoint_snapshot import snapshot_bytes
+
+    numel = int(psi) if stage == 0 else -(-int(psi) // n)
+    return snapshot_bytes([numel], streamed=offload_optimizer == "nvme")
+
+
 def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, offload_optimizer: str,
           offload_param: str, activations: Activations | None) -> Placement:
     """One configuration's bytes: model states split between GPU, CPU and NVMe (per rank), plus the
@@ -223,9 +234,12 @@ def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, o
     out.gpu = {k: round(v) for k, v in gpu.items()}
     out.cpu_per_rank = round(sum(placed["cpu"].values()) + offload_buffers(settings, offload_optimizer))
     out.nvme_per_rank = round(sum(placed["nvme"].values()))
+    if settings.async_checkpoints:
+        out.snapshot_per_rank = checkpoint_snapshot(psi, n, stage, offload_optimizer)
+    host = (out.cpu_per_rank + out.snapshot_per_rank) * cluster.gpus_per_node
     if cluster.gpu_mem_gib is not None:
         out.fits = out.gpu_total <= cluster.gpu_mem_gib * GIB and (
-            cluster.cpu_mem_gib is None or out.cpu_per_rank * cluster.gpus_per_node <= cluster.cpu_mem_gib * GIB)
+            cluster.cpu_mem_gib is None or host <= cluster.cpu_mem_gib * GIB)
     return out
 
 
@@ -363,7 +377,7 @@ def render(est: Estimate, paper: bool = False) -> Any:
              f"{c.gpus_per_node} GPU(s) (GiB per GPU, per node)")
     table = Table(title=title)
     for col in ("configuration", "params", "grads", "master", "moments", "buffers", "activations", "GPU total",
-                *(["paper states"] if paper else []), "CPU/node", "NVMe/node", "fits"):
+                *(["paper states"] if paper else []), "CPU/node", "ckpt snapshot/node", "NVMe/node", "fits"):
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for r in est.rows:
         fits = "?" if r.fits is None else ("yes" if r.fits else "no")
@@ -371,7 +385,8 @@ def render(est: Estimate, paper: bool = False) -> Any:
         kinds = ("params", "grads", "master", "moments", "buffers", "activations")
         table.add_row(name, *(_gb(r.gpu[k]) for k in kinds),
                       _gb(r.gpu_total), *([_gb(r.paper_model_states)] if paper else []),
-                      _gb(r.cpu_per_rank * c.gpus_per_node), _gb(r.nvme_per_rank * c.gpus_per_node), fits)
+                      _gb(r.cpu_per_rank * c.gpus_per_node), _gb(r.snapshot_per_rank * c.gpus_per_node),
+                      _gb(r.nvme_per_rank * c.gpus_per_node), fits)
     return table
 
 
@@ -406,5 +421,6 @@ def as_json(est: Estimate) -> dict[str, Any]:
                                 "paper_model_states_bytes": r.paper_model_states,
                                 "cpu_bytes_per_node": r.cpu_per_rank * est.cluster.gpus_per_node,
                                 "nvme_bytes_per_node": r.nvme_per_rank * est.cluster.gpus_per_node,
+                                "checkpoint_snapshot_bytes_per_node": r.snapshot_per_rank * est.cluster.gpus_per_node,
                                 "fits": r.fits} for r in est.rows],
             "recommended": best.name if best else None, "notes": est.notes}

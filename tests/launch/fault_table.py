@@ -169,6 +169,7 @@ def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
                                                                                       job.send(signal.SIGINT))),
         "NVMe offload, rank SIGKILL": lambda: nvme_case("NVMe offload, rank SIGKILL", kill_rank(signal.SIGKILL)),
     }
+    table["rank SIGKILL in a background checkpoint write"] = lambda: _killed_writer(fresh("ckpt-kill"), local)
     table["runs/ disk full (tmpfs of 16 KiB)"] = lambda: _full_runs_disk(fresh("full"))
     table["second job on a running job's checkpoint.dir"] = lambda: _second_job(fresh("second"))
     table["checkpoint disk full (tmpfs of 256 KiB, a save every step)"] = lambda: _full_checkpoint_disk(fresh("ckptfull"))
@@ -188,6 +189,21 @@ def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
         table[case] = lambda case=case, extra=extra, hosts=hosts: _bad_input(case, fresh(case[:12]), extra, hosts)
     table.update(_ssh_cases(work_root, fresh))
     return table
+
+
+def _killed_writer(work: Path, local: Callable[..., Callable[[Path], LaunchedJob]]) -> Row:
+    """Rank 1 SIGKILLs itself in its checkpoint writer thread while training goes on (the test hook
+    of runtime/checkpoint.py); the row's leftovers add whether `latest` still names the save before."""
+    from zerorun.runtime.checkpoint import CRASH_ENV
+
+    ckpt = work / "ckpt"
+    row = _run("rank SIGKILL in a background checkpoint write", work,
+               local("train_checkpointed.py", nproc_per_node=2, train={"steps": 6, "seed": 3}, zero={"stage": 2},
+                     checkpoint={"dir": str(ckpt), "every_steps": 2}, env={CRASH_ENV: "1:shard:step-4"},
+                     launch={"kill_grace_s": 1.0}), lambda job: None)
+    latest = (ckpt / "latest").read_text().strip() if (ckpt / "latest").is_file() else "none"
+    row.leftovers += f"; latest {latest}"
+    return row
 
 
 def _full_runs_disk(work: Path) -> Row:

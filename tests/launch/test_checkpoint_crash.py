@@ -1,6 +1,7 @@
 """A worker killed in the middle of a checkpoint save leaves the previous checkpoint intact.
 
-Real 2-worker launches of `scripts/train_checkpointed.py` (a checkpoint every 2 steps). The test-only
+Real 2-worker launches of `scripts/train_checkpointed.py` (a checkpoint every 2 steps; background saves,
+where the kill hits the writer thread while training goes on, and synchronous ones). The test-only
 variable ZERORUN_CHECKPOINT_CRASH makes one rank SIGKILL itself at a point inside the save of
 step 4: after writing its shard (the other rank may be writing too), or after rank 0 wrote the
 manifest but before the checkpoint was renamed into place. The job must end with no process left,
@@ -18,20 +19,21 @@ from zerorun.runtime import checkpoint_format
 from zerorun.runtime.checkpoint import CRASH_ENV
 
 
-def _keys(ckpt_dir, **env):
-    return dict(train={"steps": 6, "seed": 3}, zero={"stage": 2}, env=env,
-                checkpoint={"dir": str(ckpt_dir), "every_steps": 2}, launch={"kill_grace_s": 1.0})
+def _keys(ckpt_dir, async_save=True, **env):
+    return dict(train={"steps": 6, "seed": 3}, zero={"stage": 2}, env=env, launch={"kill_grace_s": 1.0},
+                checkpoint={"dir": str(ckpt_dir), "every_steps": 2, "async_save": async_save})
 
 
 def _final(job) -> list[str]:
     return sorted(re.findall(r"rank \d final loss \S+ checksum \S+", "\n".join(job.stdout)))
 
 
-@pytest.mark.parametrize("rank,point", [(1, "shard"), (0, "manifest")])
+@pytest.mark.parametrize("rank,point,async_save", [(1, "shard", True), (0, "manifest", True), (1, "shard", False),
+                                                   (0, "manifest", False)])
 def test_worker_killed_during_a_save_leaves_the_previous_checkpoint_loadable_and_latest(launch, tmp_path, rank,
-                                                                                          point):
+                                                                                          point, async_save):
     ckpt = tmp_path / "ckpt"
-    crashed = launch("train_checkpointed.py", **_keys(ckpt, **{CRASH_ENV: f"{rank}:{point}:step-4"}))
+    crashed = launch("train_checkpointed.py", **_keys(ckpt, async_save, **{CRASH_ENV: f"{rank}:{point}:step-4"}))
     assert crashed.wait() == 137, crashed.output  # the SIGKILLed worker's status
     assert crashed.leftovers() == []
     assert (ckpt / "latest").read_text() == "step-2\n"
@@ -40,10 +42,10 @@ def test_worker_killed_during_a_save_leaves_the_previous_checkpoint_loadable_and
     assert len(checkpoint_format.consolidate(ckpt)) == 4  # the previous checkpoint loads: two Linear layers
     if point != "shard":
         return
-    resumed = launch("train_checkpointed.py", **_keys(ckpt))
+    resumed = launch("train_checkpointed.py", **_keys(ckpt, async_save))
     assert resumed.wait() == 0, resumed.output
     assert "[localhost:0] rank 0 resumed from step-2 at step 2" in resumed.stdout
     assert not (ckpt / ".tmp-step-4").exists() and (ckpt / "latest").read_text() == "step-6\n"
-    whole = launch("train_checkpointed.py", **_keys(tmp_path / "uninterrupted"))
+    whole = launch("train_checkpointed.py", **_keys(tmp_path / "uninterrupted", async_save))
     assert whole.wait() == 0, whole.output
     assert _final(resumed) == _final(whole) and len(_final(whole)) == 2, resumed.output + whole.output

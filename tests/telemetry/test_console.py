@@ -221,3 +221,20 @@ def test_a_restart_starts_the_ranks_over_and_times_the_gap_from_the_failure_to_t
     shown = text(console.summary_table(state))
     assert "steps 3-3 of 10 (1 run, resumed after step 2)" in shown and "1 restart (below)" in shown
     assert "[restart 1]" in text(console.live_view(state, now=121.0))
+
+
+def test_checkpoint_records_show_saves_stall_write_time_and_bytes_live_and_in_the_report(tmp_path: Path):
+    from zerorun.runtime.events import CheckpointStats
+
+    records = job_records()
+    for step, stall in ((2, 0.25), (4, 0.5)):
+        for r in range(2):
+            stats = CheckpointStats(f"step-{step}", step, "async", stall + r / 10, 0.0, 3.0, 100 * MiB, 300 * MiB)
+            records.insert(-3, {"type": "checkpoint", "rank": r, "t": 105.0 + step, **vars(stats)})
+    state = fold(records)
+    line = "checkpoints: 2 saved; step-4 (async): training waited 600 ms, written in 3.00 s, 200.0 MiB; " \
+           "training waited 950 ms for all of them"
+    assert console.checkpoint_line(state) == line  # the slowest rank's times, both ranks' bytes
+    assert line in text(console.live_view(state, now=107.0), width=300)
+    assert line in text(report.render(state), width=300)
+    assert console.checkpoint_line(fold(job_records())) is None

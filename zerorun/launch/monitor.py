@@ -134,6 +134,7 @@ class Monitor(Output):
             ranks = bool(self.state.ranks)
             view = console.live_view(self.state)
             table = console.summary_table(self.state) if ranks else None
+            checkpoints = console.checkpoint_line(self.state)
         if self._live is not None:
             self._flush_pending()
             self._live.update(view, refresh=True)
@@ -141,6 +142,8 @@ class Monitor(Output):
         elif table is not None:
             for line in _plain_text(table, self._width or 160).splitlines():
                 super().write(2, line.rstrip().encode())
+        if checkpoints is not None and self._live is None:  # the live view shows it already
+            self._say(checkpoints)
         for restart in self.state.restarts:
             self._say(restart.describe())
         if ranks and self.collector.write_error is None:

@@ -11,7 +11,9 @@
 4. Run the user's script as `__main__` with `runpy`, with `sys.argv` and `sys.path[0]` as
    `python script.py args` would set them. Nothing is seeded: that is the script's (or the
    engine's) business.
-5. Stop the probe (a last sample and what is still queued, for at most 2 s). Destroy the process
+5. Wait for a checkpoint still being written in the background (`checkpoint_async.wait_all`):
+   the job ends once it is committed, or with its error.
+6. Stop the probe (a last sample and what is still queued, for at most 2 s). Destroy the process
    group on a clean exit. After a failure it is left alone: tearing down a communicator whose
    peers are gone can block, and the process is about to end anyway.
 
@@ -104,8 +106,12 @@ def _run_path(script: str) -> dict[str, Any]:
     """Run the script as `__main__`; the moment it returns or raises, the probe (if any) stops reporting where it is."""
     from zerorun.telemetry import probe
 
+    from zerorun.runtime import checkpoint_async
+
     try:
-        return runpy.run_path(script, run_name="__main__")
+        namespace = runpy.run_path(script, run_name="__main__")
+        checkpoint_async.wait_all()  # a background save commits before the job ends, or its error ends it
+        return namespace
     finally:
         probe.script_ended()
 

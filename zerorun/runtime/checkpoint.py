@@ -22,6 +22,8 @@ NVMe) is the home's business, not a question this module asks.
 from __future__ import annotations
 
 import base64
+import errno
+import io
 import json
 import logging
 import os
@@ -39,8 +41,9 @@ from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
 from zerorun.runtime import resume_check
 from zerorun.runtime.checkpoint_format import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, VERSION, Checkpoint,
-                                               as_entry, check_tag, clean_crashed_saves, fsync_dir, replace_dir, seal,
-                                               shard_file, write_atomic, write_manifest, write_tensors)
+                                               as_entry, check_tag, clean_crashed_saves, fsync_dir, prune, replace_dir,
+                                               os_error, seal, shard_file, write_atomic, write_manifest,
+                                               write_tensors)
 from zerorun.runtime.collectives import Collectives
 from zerorun.runtime.homes import KINDS
 from zerorun.runtime.lr_schedules import LrSchedules
@@ -90,45 +93,85 @@ def _restore_rank_state(engine: Engine, kind: str, group: int, values: torch.Ten
 # -- save -----------------------------------------------------------------------------------------
 def save(engine: Engine, directory: str | os.PathLike, tag: str, client_state: dict | None) -> Path:
     """Write a checkpoint of `engine` as `directory/tag` (every rank calls this) and point `latest` at it."""
+    root, tmp = begin(engine, directory, tag)
+    rank, world, shards = engine.comm.rank, engine.comm.world_size, engine.store.shard_world
+    sealed = torch.zeros(world, 2, dtype=torch.int64, device=engine.device)
+    if rank < shards:  # stage 0: one copy of the state, rank 0's
+        sealed[rank] = torch.tensor(write_tensors(tmp / shard_file(rank), _rank_state(engine)))
+    crash_point("shard", rank, tag)
+    engine.comm.all_reduce(sealed, async_op=False).wait()  # every shard is on disk: rank 0 may commit
+    rng = gather_rng(engine)
+    if rank == 0:
+        files = {shard_file(r): {"bytes": int(n), "crc32": int(c)} for r, (n, c) in enumerate(sealed[:shards].tolist())}
+        commit(root, tmp, describe(engine, tag, rng), files, extras_of(engine.module), client_payload(client_state),
+               engine.recipe.checkpoint.keep_last)
+    _barrier(engine)
+    return root / tag
+
+
+def begin(engine: Engine, directory: str | os.PathLike, tag: str) -> tuple[Path, Path]:
+    """Check that a save may happen now; rank 0 removes crashed saves and makes the temporary directory,
+    which every rank may write into once this returns. (checkpoint root, temporary directory)."""
     check_tag(tag)
     if engine.micro_steps % engine.grad_accum_steps:
         raise ZerorunError(f"save_checkpoint at micro-step {engine.micro_steps}: call it after the engine.step() "
                            f"that ends an accumulation window (every {engine.grad_accum_steps} micro-steps), "
                            "or the gradients accumulated so far would be lost.")
-    root, rank, world = Path(directory), engine.comm.rank, engine.comm.world_size
+    root = Path(directory)
     tmp = root / f".tmp-{tag}"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        clean_crashed_saves(root)
-        tmp.mkdir()
+    if engine.comm.rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            clean_crashed_saves(root)
+            tmp.mkdir()
+        except OSError as exc:
+            raise ZerorunError(f"rank 0: checkpoint {tag} not saved: making {tmp} failed: {os_error(exc)}.") from None
     _barrier(engine)
-    shards = engine.store.shard_world  # stage 0: one copy of the state, rank 0's
-    sealed = torch.zeros(world, 2, dtype=torch.int64, device=engine.device)
-    if rank < shards:
-        sealed[rank] = torch.tensor(write_tensors(tmp / shard_file(rank), _rank_state(engine)))
-    _crash_point("shard", rank, tag)
-    engine.comm.all_reduce(sealed, async_op=False).wait()  # every shard is on disk: rank 0 may commit
-    rng = _gather_json(engine, _rng_state())
-    if rank == 0:
-        files = {shard_file(r): {"bytes": int(n), "crc32": int(c)} for r, (n, c) in enumerate(sealed[:shards].tolist())}
-        for name, entry in files.items():
-            if not (tmp / name).is_file() or (tmp / name).stat().st_size != entry["bytes"]:
-                raise ZerorunError(f"{tmp / name}: written by another rank but not visible here: checkpoint.dir "
-                                   "must be on a file system every node shares.")
-        manifest = _describe(engine, tag, rng)
-        extras = {name: t.detach().to("cpu").contiguous() for name, t in _extras(engine.module).items()}
-        files[EXTRAS] = as_entry(write_tensors(tmp / EXTRAS, extras))
-        manifest.update(_client_entry(client_state, tmp, files), files=files)
-        write_manifest(tmp / MANIFEST, manifest)  # with its checksum: an edit or damage is refused on load
-        fsync_dir(tmp)
-        _crash_point("manifest", rank, tag)
-        replace_dir(tmp, root / tag)
-        write_atomic(root / LATEST, f"{tag}\n".encode())
-    _barrier(engine)
-    return root / tag
+    return root, tmp
 
 
-def _describe(engine: Engine, tag: str, rng: list[dict]) -> dict[str, Any]:
+def commit(root: Path, tmp: Path, manifest: dict[str, Any], files: dict[str, dict[str, int]],
+           extras: dict[str, torch.Tensor], client: dict | bytes | None, keep_last: int = 0) -> None:
+    """Rank 0, once every rank's shard file in `tmp` is durable (`files`: their sizes and CRC32s): write
+    the extras, the client state and the manifest, rename `tmp` into place, replace `latest`, then
+    delete all but the newest `keep_last` checkpoints (0: none)."""
+    for name, entry in files.items():
+        if not (tmp / name).is_file() or (tmp / name).stat().st_size != entry["bytes"]:
+            raise ZerorunError(f"{tmp / name}: written by another rank but not visible here: checkpoint.dir "
+                               "must be on a file system every node shares.")
+    tag = manifest["tag"]
+    files[EXTRAS] = as_entry(write_tensors(tmp / EXTRAS, extras))
+    if isinstance(client, bytes):
+        write_atomic(tmp / CLIENT_STATE, client)
+        files[CLIENT_STATE] = as_entry(seal(tmp / CLIENT_STATE))
+        manifest["client_state_file"] = CLIENT_STATE
+    else:
+        manifest["client_state"] = client
+    manifest["files"] = files
+    write_manifest(tmp / MANIFEST, manifest)  # with its checksum: an edit or damage is refused on load
+    fsync_dir(tmp)
+    crash_point("manifest", 0, tag)
+    replace_dir(tmp, root / tag)
+    write_atomic(root / LATEST, f"{tag}\n".encode())
+    prune(root, keep_last)
+
+
+def client_payload(client_state: dict | None) -> dict | bytes | None:
+    """`client_state` as it is now: a copy of it when it is JSON (it goes into the manifest), else the
+    bytes of client_state.pt (tensors and plain types), so that later changes by the script do not count."""
+    if client_state is None or _jsonable(client_state):
+        return json.loads(json.dumps(client_state))
+    buffer = io.BytesIO()
+    torch.save(client_state, buffer)
+    return buffer.getvalue()
+
+
+def extras_of(module: nn.Module, copy: bool = False) -> dict[str, torch.Tensor]:
+    """Buffers and frozen parameters as host tensors to save (`copy`: never the live tensors themselves)."""
+    return {name: t.detach().to("cpu", copy=copy).contiguous() for name, t in _extras(module).items()}
+
+
+def describe(engine: Engine, tag: str, rng: list[dict]) -> dict[str, Any]:
     """The manifest, less its files: what the state is and where each parameter's pieces lie."""
     store, names = engine.store, _first_names(engine.module)
     params = {}
@@ -160,16 +203,7 @@ def _describe(engine: Engine, tag: str, rng: list[dict]) -> dict[str, Any]:
     }
 
 
-def _client_entry(client_state: dict | None, tmp: Path, files: dict) -> dict[str, Any]:
-    """client_state goes into the manifest when it is JSON, else into client_state.pt (tensors and plain types)."""
-    if client_state is None or _jsonable(client_state):
-        return {"client_state": client_state}
-    torch.save(client_state, tmp / CLIENT_STATE)
-    files[CLIENT_STATE] = as_entry(seal(tmp / CLIENT_STATE))
-    return {"client_state_file": CLIENT_STATE}
-
-
-def _crash_point(point: str, rank: int, tag: str) -> None:
+def crash_point(point: str, rank: int, tag: str) -> None:
     """Tests kill a worker in the middle of a save here (tests/launch/test_checkpoint_crash.py)."""
     if os.environ.get(CRASH_ENV) == f"{rank}:{point}:{tag}":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -318,6 +352,11 @@ def _aliases(module: torch.nn.Module) -> dict[str, str]:
 
 def _barrier(engine: Engine) -> None:
     engine.comm.all_reduce(torch.zeros(1, device=engine.device), async_op=False).wait()
+
+
+def gather_rng(engine: Engine) -> list[dict[str, Any]]:
+    """Every rank's RNG states, on every rank (a collective: all ranks call it)."""
+    return _gather_json(engine, _rng_state())
 
 
 def _gather_json(engine: Engine, value: Any) -> list[Any]:

@@ -30,14 +30,16 @@ import zlib
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from zerorun.errors import ZerorunError
+from zerorun.runtime import safetensors_writer
 from zerorun.runtime.checkpoint_manifest import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, STATE_KINDS,
                                                  UNSEALED_VERSION, VERSION, check_integrity, sealed, shard_file,
                                                  validate)
+from zerorun.runtime.safetensors_writer import Source
 
 # safetensors' names of the dtypes a checkpoint holds (others are not compared)
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
@@ -315,19 +317,25 @@ def render(info: dict[str, Any]) -> Any:
 
 
 # -- writing (temporary names, fsync, rename) ------------------------------------------------------
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
-    """Write and seal one file of a save in progress (`<root>/.tmp-<tag>/<file>`); a full disk is a
-    ZerorunError naming the path and what is kept, not safetensors' traceback (`write_atomic` too)."""
-    from safetensors.torch import save_file
-
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor] | list[Source],
+                  pace: Callable[[], None] | None = None) -> tuple[int, int]:
+    """A safetensors file of `tensors` (or streamed `Source`s), fsynced; its size and CRC32. A full disk is
+    a ZerorunError naming the path, the errno and what is kept, not a traceback (`write_atomic` too)."""
+    sources = [Source.of(n, t) for n, t in tensors.items()] if isinstance(tensors, dict) else tensors
     try:
-        save_file(tensors, str(path), metadata={"format": FORMAT})
-        return seal(path)
-    except Exception as exc:  # safetensors raises its own error type for the OSError underneath
+        return safetensors_writer.write(path, sources, {"format": FORMAT}, pace)
+    except Exception as exc:
         if not _disk_full(exc):
             raise
         path.unlink(missing_ok=True)
-        raise ZerorunError(disk_full(path)) from None
+        raise ZerorunError(disk_full(path, exc)) from None
+
+
+def os_error(exc: OSError) -> str:
+    """An OSError as `strerror (ENAME, errno N)`, the way checkpoint errors name it."""
+    if exc.errno is None:
+        return str(exc)
+    return f"{exc.strerror} ({errno.errorcode.get(exc.errno, '?')}, errno {exc.errno})"
 
 
 def _disk_full(exc: BaseException) -> bool:
@@ -336,7 +344,7 @@ def _disk_full(exc: BaseException) -> bool:
     return "os error 28" in str(exc) or "No space left" in str(exc) or "os error 122" in str(exc)
 
 
-def disk_full(path: Path) -> str:
+def disk_full(path: Path, exc: BaseException | None = None) -> str:
     """What a save that found its disk full says: where, how much is free, which checkpoint is kept."""
     from zerorun.offload_files import size_text
 
@@ -345,6 +353,8 @@ def disk_full(path: Path) -> str:
         free = f"{size_text(shutil.disk_usage(root).free)} free"
     except OSError:
         free = "full"
+    if isinstance(exc, OSError) and exc.errno is not None:
+        free = f"{os_error(exc)}; {free}"
     kept = latest_tag(root)
     there = tags(root)
     older = f"; tags there: {', '.join(there)}" if there else ""
@@ -414,6 +424,18 @@ def clean_crashed_saves(root: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(old, final)
+
+
+def prune(root: Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints in `root`, never the one `latest` names
+    (`keep` 0: delete nothing); the tags deleted."""
+    if keep <= 0:
+        return []
+    latest = latest_tag(root)
+    old = [tag for tag in tags(root)[:-keep] if tag != latest]
+    for tag in old:
+        shutil.rmtree(root / tag, ignore_errors=True)
+    return old
 
 
 def fsync_dir(path: Path) -> None:

@@ -32,12 +32,13 @@ from torch import nn
 
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
-from zerorun.runtime import clip, events, sharded_init
+from zerorun.runtime import checkpoint_async, clip, events, sharded_init
 from zerorun.runtime.accumulation import AccumulationWindow
 from zerorun.runtime.clip import ClipCall
 from zerorun.runtime.lr_schedules import LrSchedules
 from zerorun.runtime.events import StepWindow
 from zerorun.runtime.adam_step import AdamStep, Piece
+from zerorun.runtime.checkpoint_async import Checkpointer
 from zerorun.runtime.collectives import Collectives
 from zerorun.runtime.deferred_publish import DeferredPublish
 from zerorun.runtime.dist import init_distributed
@@ -116,6 +117,8 @@ class Engine:
         self.tokens_per_sample: int | None = None  # set it when inputs are not (batch, seq) token ids
         self._window = StepWindow()
         clip.route_to(self)
+        self.checkpoints = Checkpointer(self)  # saves: in the background, at most one in flight
+        self.checkpoints.clean_start()
         if tune_host:
             set_host_allocator(host_memory)  # for training (fast: a step's activations reuse the last one's pages)
 
@@ -231,8 +234,10 @@ class Engine:
             self.lr_schedules.update_ended()
             events.emit(self._window.close(self.global_step, norm, self.scaler.scale, found_inf, self.skipped_steps,
                                            self.comm.stats.as_dict(), self.update.stats()))
-            with self.lr_schedules.saving_inside_step():
-                self._maybe_checkpoint()
+            if self.checkpoints.due(self.global_step):
+                with self.lr_schedules.saving_inside_step():
+                    self.save_checkpoint()
+            self.checkpoints.poll()  # a background save's failure ends training here
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -276,6 +281,7 @@ class Engine:
     def _optimizer_step(self) -> tuple[bool, float]:
         """Update from the reduced gradients unless any rank overflowed; (skipped, global norm)."""
         self.wait_published()  # the update writes into the pieces the last publish sends
+        self.checkpoints.before_update()  # a background save must have captured the state it changes
         sum_divisor = self.comm.world_size * self.scaler.scale  # reduced gradients are sums of scaled grads
         call, self._clip_call = self._clip_call or ClipCall(), None
         if call.value is not None:
@@ -334,6 +340,7 @@ class Engine:
         report.add("buffers", place, tensor_bytes(list(self.module.buffers())))
         report.add("comm", place, self.reducer.pool.peak_bytes)  # reduce staging, held during a backward only
         self.update.account(report)
+        self.checkpoints.account(report)
         report.units = self.store.unit_count()
         return report
 
@@ -361,6 +368,8 @@ class Engine:
         With `modify=True`, rank `src`'s values are written back to every rank's shard on exit.
         """
         self.wait_published()
+        if modify:
+            self.checkpoints.before_update()
         return self.store.gathered(params, modify, src)
 
     # -- checkpoints (runtime/checkpoint.py) -------------------------------------------------
@@ -376,20 +385,27 @@ class Engine:
     def client_state(self, value: dict) -> None:
         self._client_state = value
 
-    def save_checkpoint(self, dir: str | None = None, tag: str | None = None,
-                        client_state: dict | None = None) -> Path:
-        """Save the whole training state, sharded (every rank calls it); `tag` defaults to `step-<global_step>`."""
-        from zerorun.runtime import checkpoint
+    def save_checkpoint(self, dir: str | None = None, tag: str | None = None, client_state: dict | None = None,
+                        block: bool = False) -> Path:
+        """Save the whole training state, sharded (every rank calls it); `tag` defaults to `step-<global_step>`.
 
+        With `checkpoint.async_save` (the default) it returns once the state is snapshotted and the files
+        are written in the background; `latest` moves when every rank's files are durable. `block=True`
+        (or `wait_checkpoint()`) waits for that."""
         self.wait_published()
         state = self.client_state if client_state is None else client_state
-        return checkpoint.save(self, self._checkpoint_dir(dir), tag or f"step-{self.global_step}", state)
+        return self.checkpoints.save(self._checkpoint_dir(dir), tag or f"step-{self.global_step}", state, block)
+
+    def wait_checkpoint(self) -> None:
+        """Wait until the save in flight (if any) is committed; raise its error, if it failed."""
+        self.checkpoints.wait()
 
     def load_checkpoint(self, dir: str | None = None, tag: str | None = None) -> dict | None:
         """Restore from `tag` (default: the latest); returns its client_state, or None when there is no checkpoint."""
         from zerorun.runtime import checkpoint
 
         self.wait_published()  # loading writes the pieces an unfinished publish may still be sending
+        checkpoint_async.wait_all()  # and the state a save in flight reads; `latest` is final once it commits
         loaded = checkpoint.load(self, self._checkpoint_dir(dir), tag)
         if loaded is None:
             return None
@@ -403,11 +419,6 @@ class Engine:
         if cfg.resume == "never" or (cfg.dir is None and cfg.resume == "auto"):
             return
         self.load_checkpoint(tag=None if cfg.resume == "auto" else cfg.resume)
-
-    def _maybe_checkpoint(self) -> None:
-        cfg = self.recipe.checkpoint
-        if cfg.dir is not None and cfg.every_steps and self.global_step % cfg.every_steps == 0:
-            self.save_checkpoint()
 
     def _checkpoint_dir(self, dir: str | None) -> str:
         dir = dir or self.recipe.checkpoint.dir

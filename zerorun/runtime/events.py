@@ -37,22 +37,54 @@ class StepStats:
     offload: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
+@dataclass
+class CheckpointStats:
+    """What one checkpoint save cost this rank (telemetry's `checkpoint` record: these fields, flat)."""
+
+    tag: str
+    step: int  # global step saved
+    mode: str  # "async", "sync", or "sync-fallback" (the host could not hold the snapshot)
+    stall_s: float  # seconds the training loop waited for this save (the previous one's wait included)
+    waited_s: float  # of which: seconds it waited for the previous save to commit
+    write_s: float  # seconds the background write took (0 for a synchronous save: it is all stall)
+    bytes: int  # bytes this rank wrote
+    snapshot_bytes: int  # host memory the snapshot holds (kept between saves)
+
+
 _listeners: list[Callable[[StepStats], None]] = []
+_checkpoint_listeners: list[Callable[[CheckpointStats], None]] = []
 
 
 def subscribe(listener: Callable[[StepStats], None]) -> Callable[[], None]:
     """Call `listener` after every optimizer step; returns a function that unsubscribes."""
-    _listeners.append(listener)
-    return lambda: _listeners.remove(listener) if listener in _listeners else None
+    return _add(_listeners, listener)
+
+
+def subscribe_checkpoints(listener: Callable[[CheckpointStats], None]) -> Callable[[], None]:
+    """Call `listener` once per checkpoint save, when it is committed (on the training thread)."""
+    return _add(_checkpoint_listeners, listener)
 
 
 def emit(stats: StepStats) -> None:
-    for listener in list(_listeners):
+    _notify(_listeners, stats)
+
+
+def emit_checkpoint(stats: CheckpointStats) -> None:
+    _notify(_checkpoint_listeners, stats)
+
+
+def _add(listeners: list, listener: Callable) -> Callable[[], None]:
+    listeners.append(listener)
+    return lambda: listeners.remove(listener) if listener in listeners else None
+
+
+def _notify(listeners: list, value: object) -> None:
+    for listener in list(listeners):
         try:
-            listener(stats)
+            listener(value)
         except Exception:  # noqa: BLE001 - telemetry must never break training
-            log.exception("zerorun: step listener %r failed and was removed", listener)
-            _listeners.remove(listener)
+            log.exception("zerorun: listener %r failed and was removed", listener)
+            listeners.remove(listener)
 
 
 class StepWindow:

@@ -36,7 +36,23 @@ _SUMMARY_COLUMNS = ("host", "rank", "steps", "samples/s", "tokens/s", "TFLOP/s",
 def live_view(state: RunState, now: float | None = None) -> RenderableType:
     """Progress bar and per-rank table."""
     now = time.time() if now is None else now
-    return Group(progress(state, now), rank_table(state))
+    line = checkpoint_line(state)
+    return Group(progress(state, now), rank_table(state), *([Text(line)] if line else []))
+
+
+def checkpoint_line(state: RunState) -> str | None:
+    """The job's checkpoints: how many, the latest one's stall, write time and bytes (slowest rank's
+    times, all ranks' bytes), and the training time they cost in all (the rank that waited longest)."""
+    ranks = [r for r in state.sorted_ranks() if r.checkpoint_last is not None]
+    if not ranks:
+        return None
+    last = max(r.checkpoint_last["step"] for r in ranks)
+    latest = [r.checkpoint_last for r in ranks if r.checkpoint_last["step"] == last]
+    modes = sorted({str(c.get("mode")) for c in latest})
+    return (f"checkpoints: {max(r.checkpoints for r in ranks)} saved; {latest[0].get('tag')} ({', '.join(modes)}): "
+            f"training waited {seconds(max(c['stall_s'] for c in latest))}, written in "
+            f"{seconds(max(c['write_s'] for c in latest))}, {nbytes(sum(c['bytes'] for c in latest))}; "
+            f"training waited {seconds(max(r.checkpoint_stall_s for r in ranks))} for all of them")
 
 
 def progress(state: RunState, now: float) -> RenderableType:

@@ -15,6 +15,8 @@ Records (one JSON object per line; every one has `type`, `rank` and `t`, the wor
            memory (`engine.memory().as_dict()`), io (the process's block-device bytes read and
            written: NVMe offload and checkpoints), where (the training thread's innermost frame,
            and whether it waits in a collective), dropped (records lost to a full queue).
+- `checkpoint` per checkpoint save, when it is committed (`events.CheckpointStats`, flat): tag, step,
+           mode (async, sync, sync-fallback), stall_s, waited_s, write_s, bytes, snapshot_bytes.
 - `bye`    when the worker's script has ended.
 
 It must never slow or break training:
@@ -34,6 +36,7 @@ It must never slow or break training:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -147,6 +150,7 @@ class Probe:
         self._side_stream: Any = None
         self._stopping = threading.Event()
         self._unsubscribe: Any = None
+        self._unsubscribe_checkpoints: Any = None
         self._thread = threading.Thread(target=self._run, name="zerorun-telemetry", daemon=True)
 
     # -- training thread ------------------------------------------------------------------------
@@ -156,6 +160,7 @@ class Probe:
 
         self._process.cpu_percent(None)  # the first call only starts the measurement
         self._unsubscribe = events.subscribe(self._on_step)
+        self._unsubscribe_checkpoints = events.subscribe_checkpoints(self._on_checkpoint)
         self._thread.start()
 
     def _on_step(self, stats: Any) -> None:
@@ -178,6 +183,10 @@ class Probe:
             return _finite(float(self.engine().optimizer.param_groups[0]["lr"]))
         except Exception:  # noqa: BLE001 - no engine, no groups, an lr that is a tensor: no lr in the record
             return None
+
+    def _on_checkpoint(self, stats: Any) -> None:
+        """The engine's checkpoint listener: one small record per save (a few per run)."""
+        self._enqueue({"type": "checkpoint", "rank": self.rank, "t": time.time(), **dataclasses.asdict(stats)})
 
     def engine(self) -> Any:
         """The attached engine, while it lives (the probe holds only a weak reference)."""
@@ -204,8 +213,9 @@ class Probe:
                 self._enqueue(dict(self._engine_record, t=time.time()))
 
     def stop(self, timeout: float = 2.0) -> None:
-        if self._unsubscribe is not None:
-            self._unsubscribe()
+        for unsubscribe in (self._unsubscribe, self._unsubscribe_checkpoints):
+            if unsubscribe is not None:
+                unsubscribe()
         self._stopping.set()
         self._thread.join(timeout)
 

@@ -71,6 +71,9 @@ def plot(path: str | Path, job_id: str | None = None) -> str:
 def render(state: RunState) -> RenderableType:
     """The summary table, with the stall reports the job had."""
     parts: list[RenderableType] = [console.summary_table(state)]
+    line = console.checkpoint_line(state)
+    if line:
+        parts.append(Text(line))
     for stall in state.stalls:
         behind = ", ".join(f"rank {r}" for r in stall.get("behind", [])) or "no rank in particular"
         parts.append(Text(f"stall after {stall.get('quiet_s', 0):.0f} s without a step; behind: {behind}"))

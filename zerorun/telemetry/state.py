@@ -56,6 +56,9 @@ class RankState:
     io_bytes: int = 0  # since the first sample
     where: dict[str, Any] | None = None
     last_sample_at: float | None = None
+    checkpoints: int = 0  # saves committed (`checkpoint` records)
+    checkpoint_stall_s: float = 0.0  # seconds the training loop waited for them, in all
+    checkpoint_last: dict[str, Any] | None = None  # the latest `checkpoint` record
     first_step: int | None = None  # the step number of the first step this job reported (after a resume: > 1)
     # totals over steps after the first
     steps_seen: int = 0
@@ -78,6 +81,10 @@ class RankState:
             self._step(record)
         elif kind == "sample":
             self._sample(record, now)
+        elif kind == "checkpoint":
+            self.checkpoints += 1
+            self.checkpoint_stall_s += float(record.get("stall_s") or 0.0)
+            self.checkpoint_last = record
         elif kind == "bye":
             self.finished = True
 

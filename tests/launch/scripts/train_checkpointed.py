@@ -30,5 +30,6 @@ with engine.gathered():
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
 print(f"rank {rank} final loss {loss.item():.9e} checksum {checksum:.12e}", flush=True)
 dist.barrier()
+engine.wait_checkpoint()  # os._exit skips the worker's wait for the save still being written
 probe.stop()  # os._exit skips the worker's own stop: send the last steps' telemetry first (tests read it)
 os._exit(0)  # as train_tiny.py: skip the interpreter exit that a multi-rank CPU run sometimes aborts in

@@ -40,6 +40,8 @@ print(f"pid {os.getpid()}", flush=True)
 if engine.resumed_from is not None:
     print(f"rank {rank} resumed from {engine.resumed_from} at step {engine.global_step}", flush=True)
 for step in range(engine.global_step, recipe.train.steps):
+    if step in (args.fail_at, args.hold_at):  # every rank: the fault comes once the background save before it
+        engine.wait_checkpoint()  # is committed
     if rank == args.fail_rank and step == args.fail_at and not (args.once and Path(args.once).exists()):
         if args.once:
             Path(args.once).touch()
@@ -64,5 +66,6 @@ with engine.gathered():
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
 print(f"rank {rank} checksum {checksum:.12e}", flush=True)
 dist.barrier()
+engine.wait_checkpoint()  # os._exit skips the worker's wait for the save still being written
 probe.stop()  # os._exit skips the worker's own stop: send the last steps' telemetry first (the test reads it)
 os._exit(0)  # as train_tiny.py: skip the interpreter exit that a multi-rank CPU run sometimes aborts in

@@ -1,0 +1,123 @@
+"""What a background checkpoint writes for this rank: its flat state, captured off the training path.
+
+Two ways to capture, chosen by where the state lives (`checkpoint_async.py` picks):
+
+| class           | home            | capture                                          | host memory           |
+|-----------------|-----------------|--------------------------------------------------|-----------------------|
+| `HostSnapshot`  | device or host  | copy every `<kind>.<group>` into host buffers    | the whole state, kept |
+| `StreamedState` | NVMe            | the writer reads the files chunk by chunk         | one chunk             |
+
+`HostSnapshot` copies on a side stream into pinned buffers on CUDA, after an event the training
+thread recorded at the save (so the copy sees the finished step and the compute stream never
+waits for it); on the CPU the same code copies with memcpy. The buffers are allocated once and
+reused by every save: at most one save is in flight, so one snapshot is enough.
+
+The tensors come out in the order and under the names of the synchronous save
+(`checkpoint._rank_state`), so both write the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from zerorun.runtime.homes import KINDS, Home
+from zerorun.runtime.nvme import aligned_empty
+from zerorun.runtime.safetensors_writer import Source
+
+STREAM_CHUNK = 1 << 24  # fp32 elements per NVMe read (64 MiB), a multiple of the 4096-byte O_DIRECT block
+
+
+def snapshot_bytes(numels: list[int], streamed: bool) -> int:
+    """Host bytes a background save keeps for a rank whose flat state has `numels` elements per group:
+    the whole state (3 fp32 tensors per group), or one streaming chunk when it is `streamed` from NVMe
+    (`zerorun estimate` counts the same)."""
+    if streamed:
+        return 4 * max(1, min(STREAM_CHUNK, max(numels, default=1)))
+    return len(KINDS) * 4 * sum(numels)
+
+
+def _names(numels: list[int]) -> list[tuple[str, int, str, int]]:
+    """(tensor name, group, kind, numel) in the rank file's order."""
+    return [(f"{kind}.{g}", g, kind, n) for g, n in enumerate(numels) for kind in KINDS]
+
+
+class RankState:
+    """A rank that writes no state (stage 0 keeps one copy, on rank 0): nothing to capture."""
+
+    streams = False  # True: the capture happens while the file is written
+    nbytes = 0  # host bytes held between saves
+
+    def ready_event(self) -> Any:
+        """Recorded on the training thread at the save; the capture starts after it (CUDA only)."""
+        return None
+
+    def capture(self, ready: Any) -> None:
+        """On the writer thread: take the state as it was at `ready`."""
+
+    def sources(self) -> list[Source]:
+        return []
+
+
+class HostSnapshot(RankState):
+    """A host copy of this rank's master weights and moments, per group and kind."""
+
+    def __init__(self, home: Home, numels: list[int], device: torch.device) -> None:
+        self.home = home
+        pin = device.type == "cuda" and torch.cuda.is_available()
+        self.buffers = {name: torch.empty(n, dtype=torch.float32, pin_memory=pin) for name, _, _, n in _names(numels)}
+        self._where = {name: (g, kind) for name, g, kind, _ in _names(numels)}
+        self.side = torch.cuda.Stream(device) if pin else None
+        self.nbytes = self.bytes_for(numels)
+
+    @staticmethod
+    def bytes_for(numels: list[int]) -> int:
+        return snapshot_bytes(numels, streamed=False)
+
+    def ready_event(self) -> Any:
+        if self.side is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def capture(self, ready: Any) -> None:
+        with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
+            if ready is not None:
+                self.side.wait_event(ready)
+            for name, buffer in self.buffers.items():
+                group, kind = self._where[name]
+                self.home.read(group, kind, buffer)
+            if self.side is not None:
+                self.side.synchronize()
+
+    def sources(self) -> list[Source]:
+        return [Source.of(name, buffer) for name, buffer in self.buffers.items()]
+
+
+class StreamedState(RankState):
+    """An NVMe home's state, read into the rank file one chunk at a time by the writer."""
+
+    streams = True
+
+    def __init__(self, home: Home, numels: list[int]) -> None:
+        self.home, self.numels = home, numels
+        self.nbytes = self.bytes_for(numels)
+        self.buffer = aligned_empty(self.nbytes // 4, torch.float32)
+
+    @staticmethod
+    def bytes_for(numels: list[int]) -> int:
+        return snapshot_bytes(numels, streamed=True)
+
+    def sources(self) -> list[Source]:
+        return [Source(name, torch.float32, [n], lambda g=g, kind=kind, n=n: self._chunks(g, kind, n))
+                for name, g, kind, n in _names(self.numels)]
+
+    def _chunks(self, group: int, kind: str, numel: int) -> Iterator[torch.Tensor]:
+        step = self.buffer.numel()
+        for lo in range(0, numel, step):
+            view = self.buffer[:min(numel, lo + step) - lo]
+            self.home.read(group, kind, view, start=lo)
+            yield view  # written before the next read reuses the buffer
