@@ -6,8 +6,9 @@
         cluster.measure_links()              # each link's delivered throughput, by a socket benchmark
 
 Every node is a holder process (`sleep infinity`) started in a fresh network namespace, with
-`unshare --uts --mount`: its own hostname and a private tmpfs on /dev/shm, so shared memory works
-within a node and never across. Anything run through `exec_argv` (`nsenter` into the holder) is on
+`unshare --uts --mount`: its own hostname (which its /etc/hosts resolves to its address, as a
+cluster's DNS would; gloo picks its address that way) and a private tmpfs on /dev/shm, so shared
+memory works within a node and never across. Anything run through `exec_argv` (`nsenter` into the holder) is on
 that node. Two nodes are joined by a veth pair; more hang off a bridge in a switch namespace of
 their own (a star). Nothing is added to the machine's own network namespace, and traffic only ever
 goes to the addresses inside these namespaces.
@@ -17,13 +18,14 @@ unless its bucket holds several of veth's 64 KiB offload segments at that rate, 
 the rate times BURST_S (at least 256 KiB); the queue holds QUEUE_S of traffic, enough for TCP's
 window to fill the link without bufferbloat. `measure_links` reports what each link delivers.
 
-Names carry this process's pid (`zrc<pid>n0`, `zrc<pid>sw`): `sweep_stale()` removes the namespaces,
+Names carry this process's pid and a count (`zrc<pid>-0n0`, `zrc<pid>-0sw`): `sweep_stale()` removes the namespaces,
 processes and mounts of clusters whose owner has died (a killed test run), and never anyone else's.
 `stop()` tears everything down and is safe to call after any failure, any number of times.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -31,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +47,8 @@ BURST_S = 0.008  # tbf's bucket: 8 ms of traffic (1 MB at 1 Gbit/s)
 QUEUE_S = 0.020  # tbf's queue: 20 ms of traffic
 SHM_SIZE = "4g"
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-_NAME = re.compile(rf"^{PREFIX}(\d+)(n\d+|sw)$")
+_NAME = re.compile(rf"^{PREFIX}(\d+)-\d+(n\d+|sw)$")
+_built = itertools.count()
 
 
 class ClusterUnavailable(ZerorunError):
@@ -104,9 +108,11 @@ class EmulatedCluster:
     def __init__(self, count: int, rate_bps: float) -> None:
         self.owner = os.getpid()
         self.rate_bps = rate_bps
-        self.namespaces = [f"{PREFIX}{self.owner}n{i}" for i in range(count)]
-        self.switch = f"{PREFIX}{self.owner}sw" if count > 2 else None
+        name = f"{PREFIX}{self.owner}-{next(_built)}"
+        self.namespaces = [f"{name}n{i}" for i in range(count)]
+        self.switch = f"{name}sw" if count > 2 else None
         self.nodes: list[Node] = []
+        self.directory = Path(tempfile.mkdtemp(prefix=f"{name}-"))
         self._holders: list[subprocess.Popen[bytes]] = []
 
     @classmethod
@@ -162,6 +168,7 @@ class EmulatedCluster:
         self._holders = []
         for namespace in [*self.namespaces, *([self.switch] if self.switch else [])]:
             remove_namespace(namespace)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
     # -- building ---------------------------------------------------------------------------------
 
@@ -182,6 +189,9 @@ class EmulatedCluster:
                 _ip(["-n", self.switch, "link", "set", port, "master", "br0"])
                 _ip(["-n", self.switch, "link", "set", port, "up"])
                 shape(self.switch, port, self.rate_bps)  # the switch's side of node i's link
+        hosts = self.directory / "hosts"  # every node's name resolves to its address, as a cluster's DNS does
+        hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{SUBNET}.{i + 1} node{i}\n"
+                                                           for i in range(len(self.namespaces))))
         for i, namespace in enumerate(self.namespaces):
             _ip(["-n", namespace, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", IFACE])
             _ip(["-n", namespace, "link", "set", IFACE, "up"])
@@ -191,7 +201,7 @@ class EmulatedCluster:
     def _start_holder(self, index: int, namespace: str) -> Node:
         hostname = f"node{index}"
         script = (f"hostname {hostname} && mount -t tmpfs -o size={SHM_SIZE},mode=1777 {PREFIX}shm /dev/shm "
-                  "&& echo ready && exec sleep infinity")
+                  f"&& mount --bind {self.directory / 'hosts'} /etc/hosts && echo ready && exec sleep infinity")
         holder = subprocess.Popen(["ip", "netns", "exec", namespace, "unshare", "--uts", "--mount",
                                    "--propagation", "private", "sh", "-c", script],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -229,7 +239,7 @@ def remove_namespace(namespace: str) -> None:
 
 
 def sweep_stale() -> list[str]:
-    """Remove the namespaces of emulated clusters whose owning process is gone; return their names."""
+    """Remove the namespaces (and files) of emulated clusters whose owning process is gone; return their names."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
     stale = []
     for name in (line.split()[0] for line in listed if line.strip()):
@@ -237,6 +247,10 @@ def sweep_stale() -> list[str]:
         if match and not Path(f"/proc/{match.group(1)}").exists():
             remove_namespace(name)
             stale.append(name)
+    for directory in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*-*"):
+        owner = re.match(rf"^{PREFIX}(\d+)-", directory.name)
+        if owner and not Path(f"/proc/{owner.group(1)}").exists():
+            shutil.rmtree(directory, ignore_errors=True)
     return stale
 
 
