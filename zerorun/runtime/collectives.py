@@ -8,12 +8,15 @@ Per backend (2 ranks on loopback, 25 MiB fp32, median; reproduce with `zerorun b
 
 | operation      | nccl                          | gloo (measured)                                     |
 |----------------|-------------------------------|-----------------------------------------------------|
-| reduce-scatter | reduce_scatter_tensor         | all_reduce + keep own piece: 20 ms vs 28-43 ms       |
+| reduce-scatter | reduce_scatter_tensor         | pairwise send/recv, summed in rank order             |
 | all-gather     | all_gather_into_tensor (in place) | one broadcast per owner: 9 ms vs 17-25 ms       |
 | all-reduce     | all_reduce                    | all_reduce                                          |
 
-Gloo has a reduce-scatter, but it runs as a full all-reduce plus a copy and is slower than
-doing that ourselves; its all-gather is slower than broadcasting each rank's shard.
+Gloo's reduce-scatter runs as a full all-reduce plus a copy, and so would an all-reduce that keeps
+one piece: either sends every byte twice, which is what costs over a real link (`zerorun bench comm
+--cluster 2x1`). Pairwise, each rank sends every other rank that rank's piece and adds what it
+receives, so each byte crosses the network once ((n-1)/n of the buffer per rank). Its all-gather is
+slower than broadcasting each rank's shard, which also sends each byte once.
 
 CPU ranks that all share one host skip gloo's TCP loopback altogether (`zero.cpu_collectives`,
 default auto): every operation goes through a shared-memory segment (shm_collectives.py), at
@@ -121,6 +124,7 @@ class Collectives:
         self.stats = CommStats()
         self.shm = _shared_memory(group, self.rank, self.world_size, self.backend, cpu, timeout_s)
         self.transport = "shared memory" if self.shm else self.backend
+        self._tag = 0
 
     def _on_shm(self, *tensors: torch.Tensor) -> bool:
         return self.shm is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
@@ -153,13 +157,38 @@ class Collectives:
         if self._on_shm(full, out):
             return self._shm_handle("reduce_scatter", self.shm.reduce_scatter, full, out, accumulate)
         if self.backend == "gloo":
-            piece = full.view(self.world_size, -1)[self.rank]
-            work = dist.all_reduce(full, group=self.group, async_op=True)
-            return Handle([work], lambda: _store(out, piece, accumulate), self.stats, "reduce_scatter")
+            return self._pairwise_reduce_scatter(full, out, accumulate)
         target = torch.empty_like(out) if accumulate else out
         work = dist.reduce_scatter_tensor(target, full, group=self.group, async_op=True)
         then = (lambda: out.add_(target)) if accumulate else None
         return Handle([work], then, self.stats, "reduce_scatter")
+
+    def _pairwise_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool) -> Handle:
+        """Send each peer its piece of `full`, receive theirs of mine, sum in rank order (the same bits on every
+        rank, shared memory's, and gloo's own with 2 ranks), then store the sum in `out`."""
+        pieces = full.view(self.world_size, -1)
+        peers = [(self.rank + step) % self.world_size for step in range(1, self.world_size)]  # no one first in line
+        received = torch.empty((self.world_size - 1, pieces.shape[1]), dtype=full.dtype)
+        tag = self._next_tag()
+        works = [dist.irecv(received[i], src=self._global(peer), group=self.group, tag=tag)
+                 for i, peer in enumerate(peers)]
+        works += [dist.isend(pieces[peer], dst=self._global(peer), group=self.group, tag=tag) for peer in peers]
+
+        def then() -> None:
+            parts = [pieces[self.rank] if r == self.rank else received[peers.index(r)] for r in range(self.world_size)]
+            total = torch.add(parts[0], parts[1], out=parts[1])  # never into a summand still to come
+            for part in parts[2:]:
+                total.add_(part)
+            _store(out, total, accumulate)
+        return Handle(works, then, self.stats, "reduce_scatter")
+
+    def _next_tag(self) -> int:
+        """A tag per point-to-point operation: every rank issues them in the same order, so tags match."""
+        self._tag += 1
+        return self._tag
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     def all_gather(self, full: torch.Tensor) -> Handle:
         """Fill `full` from every rank's piece; this rank's piece is already in place in `full`."""
