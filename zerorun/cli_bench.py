@@ -90,14 +90,28 @@ def bench_step(
 def bench_comm(
     sizes: Annotated[str, typer.Option(help="Comma-separated buffer sizes in MiB.")] = "25,100",
     ranks: Annotated[int, typer.Option(help="Ranks (local processes, gloo).")] = 2,
+    cluster: Annotated[str | None, typer.Option(help="Across an emulated cluster of NODESxRANKS (e.g. 2x1), "
+                                                     "not loopback (root).")] = None,
+    link: Annotated[str, typer.Option(help="The emulated cluster's link rate per node.")] = "1gbit",
 ) -> None:
     """The backend's collectives against the implementations zerorun picks for it."""
     from rich.console import Console
 
     from zerorun.bench import comm
+    from zerorun.bench.cluster import EmulatedCluster, parse_rate, parse_shape
 
     sizes_mib = [float(s) for s in sizes.split(",") if s.strip()]
-    Console(width=200).print(comm.render(comm.run(sizes_mib, ranks), ranks))
+    if cluster is None:
+        Console(width=200).print(comm.render(comm.run(sizes_mib, ranks), ranks))
+        return
+    from zerorun.bench.cluster_spawn import run_ranks_on
+
+    (nodes, per_node), rate = parse_shape(cluster), parse_rate(link)
+    with EmulatedCluster.start(nodes, rate) as built:
+        measured = ", ".join(f"{x.source}->{x.destination} {x.gbit_s:.2f}" for x in built.measure_links())
+        results = comm.run(sizes_mib, spawn=lambda fn, args: run_ranks_on(built, per_node, fn, args))
+    Console(width=200).print(comm.render(results, nodes * per_node,
+                                         where=f" on {cluster} nodes, link {link} (measured Gbit/s: {measured})"))
 
 
 @bench_app.command("adam")
