@@ -49,7 +49,8 @@ def _exercise(rank: int, world: int, cpu: str = "gloo") -> dict:
     pending.wait()
     handle.wait()
     out["then_once"] = calls == ["then"] and pending.done and handle.done
-    out["stats"] = {kind: (entry["calls"], entry["bytes"]) for kind, entry in comm.stats.as_dict().items()}
+    level = "node_bytes" if comm.transport == "shared memory" else "network_bytes"
+    out["stats"] = {kind: (entry["calls"], entry[level]) for kind, entry in comm.stats.as_dict().items()}
     return out
 
 

@@ -54,10 +54,13 @@ class CommStats:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # in flight: launch to wait()
     # blocked inside wait(): the communication compute did not hide (on CUDA the host rarely blocks: a lower bound)
     waited: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    # where the bytes go: "node" (shared memory, never leaving the host) or "network" (the backend's transport:
+    # across nodes, the link); reported as <level>_bytes beside each kind's total
+    level: str = "network"
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         return {kind: {"bytes": self.bytes[kind], "calls": self.calls[kind], "seconds": self.seconds[kind],
-                       "waited": self.waited[kind]} for kind in self.calls}
+                       "waited": self.waited[kind], f"{self.level}_bytes": self.bytes[kind]} for kind in self.calls}
 
 
 class Handle:
@@ -124,6 +127,7 @@ class Collectives:
         self.stats = CommStats()
         self.shm = _shared_memory(group, self.rank, self.world_size, self.backend, cpu, timeout_s)
         self.transport = "shared memory" if self.shm else self.backend
+        self.stats.level = "node" if self.shm else "network"
         self._tag = 0
 
     def _on_shm(self, *tensors: torch.Tensor) -> bool:
