@@ -32,7 +32,8 @@ def bench_step(
     threads: Annotated[int, typer.Option(help="CPU threads per rank.")] = 1,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds (each system once per round).")] = 3,
     steps: Annotated[int, typer.Option(help="Timed steps per round, after one warm-up step.")] = 3,
-    systems: Annotated[str, typer.Option(help="Comma-separated: ddp, ddp-fused, fsdp2, deepspeed2, deepspeed3, zero0-3, zero1-offload, "
+    systems: Annotated[str, typer.Option(help="Comma-separated: ddp, ddp-fused, fsdp2, deepspeed2, deepspeed3, "
+                                               "zero0-3, zero1-offload, "
                                                "zero2-offload, zero3-offload (CPU), zero2-nvme, zero3-nvme.")] =
         "ddp,fsdp2,zero1,zero2,zero3",
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 for zerorun's stages.")] = "fp32",

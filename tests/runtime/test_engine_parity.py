@@ -16,7 +16,8 @@ LOSS_RTOL = 1e-5
 PARAM_ATOL = 5e-7
 
 
-def _compare(rank: int, world: int, cases: list[tuple[int, int, float | None]], extra: tuple[str, ...] = ()) -> list[str]:
+def _compare(rank: int, world: int, cases: list[tuple[int, int, float | None]],
+             extra: tuple[str, ...] = ()) -> list[str]:
     """Run every (stage, accum, clip) case and DDP on this rank; return mismatch descriptions."""
     import torch.distributed as dist
 
