@@ -123,3 +123,10 @@ def test_global_batch_size_is_checked_against_the_world_size() -> None:
     with pytest.raises(ConfigError, match=r"global_batch_size: 12 != micro_batch_size 2 x grad_accum_steps 3 x "
                                           r"world size 3 = 18"):
         config.check_global_batch(recipe, 3)
+
+
+def test_zero_quantized_gradients_maps_to_qgz() -> None:
+    t = ds_config.translate({"train_micro_batch_size_per_gpu": 1,
+                             "zero_optimization": {"stage": 2, "zero_quantized_gradients": True}})
+    assert t.data["zero"]["quantized_gradients"] is True and t.data["zero"]["stage"] == 2
+    assert "zero_optimization.zero_quantized_gradients" not in _notes(t, Level.ERROR)

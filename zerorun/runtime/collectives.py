@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
+from zerorun.runtime.quantize import Quantized, dequantize_add, quantize
 from zerorun.runtime.shm_collectives import ShmCollectives, Unavailable
 
 log = logging.getLogger("zerorun")
@@ -119,7 +120,7 @@ class Collectives:
     """Collectives over one process group (the data-parallel group)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, cpu: CpuCollectives = "gloo",
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, quantized_gradients: bool = False) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -129,6 +130,10 @@ class Collectives:
         self.transport = "shared memory" if self.shm else self.backend
         self.stats.level = "node" if self.shm else "network"
         self._tag = 0
+        if quantized_gradients and self.backend != "gloo":
+            raise ZerorunError(f"zero.quantized_gradients: implemented for gloo (CPU ranks); this job's backend is "
+                               f"{self.backend}. Leave it off.")
+        self.quantized_gradients = quantized_gradients  # reduce-scatters over the network send block int8
 
     def _on_shm(self, *tensors: torch.Tensor) -> bool:
         return self.shm is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
@@ -160,6 +165,8 @@ class Collectives:
             return Handle([], lambda: _store(out, full, accumulate), self.stats, "reduce_scatter")
         if self._on_shm(full, out):
             return self._shm_handle("reduce_scatter", self.shm.reduce_scatter, full, out, accumulate)
+        if self.backend == "gloo" and self.quantized_gradients and full.is_floating_point():
+            return self._quantized_reduce_scatter(full, out, accumulate)
         if self.backend == "gloo":
             return self._pairwise_reduce_scatter(full, out, accumulate)
         target = torch.empty_like(out) if accumulate else out
@@ -184,6 +191,33 @@ class Collectives:
             for part in parts[2:]:
                 total.add_(part)
             _store(out, total, accumulate)
+        return Handle(works, then, self.stats, "reduce_scatter")
+
+    def _quantized_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool) -> Handle:
+        """Pairwise, each piece sent as block int8 (quantize.py): a quarter of the bytes; the receiver adds the
+        dequantized pieces and its own exact one in fp32, in rank order (the same bits on every rank)."""
+        pieces = full.view(self.world_size, -1)
+        peers = [(self.rank + step) % self.world_size for step in range(1, self.world_size)]
+        inbox = [Quantized.empty(pieces.shape[1]) for _ in peers]
+        outbox = [quantize(pieces[peer]) for peer in peers]
+        values_tag, scales_tag = self._next_tag(), self._next_tag()
+        works = []
+        for box, peer in zip(inbox, peers):
+            works += [dist.irecv(box.payload(), src=self._global(peer), group=self.group, tag=values_tag),
+                      dist.irecv(box.scales, src=self._global(peer), group=self.group, tag=scales_tag)]
+        for box, peer in zip(outbox, peers):
+            works += [dist.isend(box.payload(), dst=self._global(peer), group=self.group, tag=values_tag),
+                      dist.isend(box.scales, dst=self._global(peer), group=self.group, tag=scales_tag)]
+
+        def then() -> None:
+            total = torch.zeros(pieces.shape[1], dtype=torch.float32)
+            for r in range(self.world_size):
+                if r == self.rank:
+                    total.add_(pieces[r])
+                else:
+                    dequantize_add(inbox[peers.index(r)], total)
+            del outbox[:]  # the sends are complete: their buffers may go
+            _store(out, total.to(out.dtype), accumulate)
         return Handle(works, then, self.stats, "reduce_scatter")
 
     def _next_tag(self) -> int:
