@@ -64,3 +64,47 @@ def test_training_with_quantized_gradients_stays_within_two_percent_of_exact_los
     exact, quantized = (torch.tensor(x) for x in run_ranks(_losses, 3)[0])
     assert not torch.equal(exact, quantized)  # the quantized path really ran
     assert ((quantized - exact).abs() / exact.abs()).max() < 0.02
+
+
+def _gather(rank: int, world: int) -> list[float]:
+    from zerorun.runtime.collectives import Collectives
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    full = torch.zeros(world * 3000)
+    full.view(world, -1)[rank] = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
+    Collectives(cpu="gloo", quantized_weights=True).all_gather(full, compute_copy=True).wait()
+    return full.tolist()
+
+
+def test_a_quantized_gather_gives_every_rank_the_same_weights_close_to_each_owners():
+    gathered = [torch.tensor(x) for x in run_ranks(_gather, 3)]
+    assert all(torch.equal(g, gathered[0]) for g in gathered)  # the owner's piece too: replicas agree
+    exact = torch.cat([torch.randn(3000, generator=torch.Generator().manual_seed(r)) for r in range(3)])
+    assert 0 < (gathered[0] - exact).abs().max() <= exact.abs().max() / 127 / 2 * 1.001
+
+
+def _stage3_losses(rank: int, world: int) -> tuple[list[float], list[float]]:
+    from tests.runtime.reference import engine_run
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    base = ["zero.stage=3", "zero.cpu_collectives=gloo"]
+    exact, _ = engine_run(rank, 20, 2, base, None)
+    quantized, _ = engine_run(rank, 20, 2, [*base, "zero.quantized_weights=true", "zero.quantized_gradients=true"],
+                              None)
+    return exact.losses, quantized.losses
+
+
+def test_stage_3_with_quantized_weights_and_gradients_stays_within_two_percent_of_exact_losses():
+    exact, quantized = (torch.tensor(x) for x in run_ranks(_stage3_losses, 3)[0])
+    assert not torch.equal(exact, quantized)
+    assert ((quantized - exact).abs() / exact.abs()).max() < 0.02
+
+
+def test_quantized_weights_outside_stage_3_are_refused_naming_why():
+    from zerorun import config
+    from zerorun.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="zero.quantized_weights: only stage 3 gathers weights to compute with"):
+        config.loads("script: x\nzero:\n  stage: 2\n  quantized_weights: true\n", "r.yaml")

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
-from zerorun.runtime.quantize import Quantized, dequantize_add, quantize
+from zerorun.runtime.quantize import Quantized, dequantize_add, dequantize_into, quantize
 from zerorun.runtime.shm_collectives import ShmCollectives, Unavailable
 
 log = logging.getLogger("zerorun")
@@ -120,7 +120,8 @@ class Collectives:
     """Collectives over one process group (the data-parallel group)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, cpu: CpuCollectives = "gloo",
-                 timeout_s: float = 300.0, quantized_gradients: bool = False) -> None:
+                 timeout_s: float = 300.0, quantized_gradients: bool = False,
+                 quantized_weights: bool = False) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -130,10 +131,12 @@ class Collectives:
         self.transport = "shared memory" if self.shm else self.backend
         self.stats.level = "node" if self.shm else "network"
         self._tag = 0
-        if quantized_gradients and self.backend != "gloo":
-            raise ZerorunError(f"zero.quantized_gradients: implemented for gloo (CPU ranks); this job's backend is "
-                               f"{self.backend}. Leave it off.")
+        for key, on in (("quantized_gradients", quantized_gradients), ("quantized_weights", quantized_weights)):
+            if on and self.backend != "gloo":
+                raise ZerorunError(f"zero.{key}: implemented for gloo (CPU ranks); this job's backend is "
+                                   f"{self.backend}. Leave it off.")
         self.quantized_gradients = quantized_gradients  # reduce-scatters over the network send block int8
+        self.quantized_weights = quantized_weights  # so do all-gathers of compute copies (stage 3's units)
 
     def _on_shm(self, *tensors: torch.Tensor) -> bool:
         return self.shm is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
@@ -228,14 +231,25 @@ class Collectives:
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
-    def all_gather(self, full: torch.Tensor) -> Handle:
-        """Fill `full` from every rank's piece; this rank's piece is already in place in `full`."""
+    def all_gather(self, full: torch.Tensor, compute_copy: bool = False) -> Handle:
+        """Fill `full` from every rank's piece; this rank's piece is already in place in `full`.
+
+        `compute_copy`: `full` is only computed with, never stored back (stage 3's gathered unit), so with
+        `quantized_weights` it may travel as block int8 (qwZ); every rank's piece, this one's included, then
+        holds the dequantized values, so all ranks compute with the same weights."""
         self._record("all_gather", full)
         if self.world_size == 1:
             return Handle([], None, self.stats, "all_gather")
         if self._on_shm(full):
             return self._shm_handle("all_gather", self.shm.all_gather, full)
         pieces = full.view(self.world_size, -1)
+        if compute_copy and self.quantized_weights and self.backend == "gloo" and full.is_floating_point():
+            boxes = [quantize(pieces[r]) if r == self.rank else Quantized.empty(pieces.shape[1])
+                     for r in range(self.world_size)]
+            works = [dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
+                     for src, box in enumerate(boxes) for tensor in (box.payload(), box.scales)]
+            then = lambda: [dequantize_into(box, piece) for box, piece in zip(boxes, pieces)]  # noqa: E731
+            return Handle(works, then, self.stats, "all_gather")
         if self.backend == "gloo":
             works = [dist.broadcast(pieces[src], src=dist.get_global_rank(self.group, src) if self.group else src,
                                     group=self.group, async_op=True)

@@ -55,3 +55,9 @@ def dequantize_add(q: Quantized, into: torch.Tensor) -> torch.Tensor:
     """`into` (fp32) += the dequantized values of `q`; returns `into`."""
     flat = (q.values.to(torch.float32) * q.scales[:, None]).view(-1)[:q.numel]  # padding: computed, dropped
     return into.add_(flat.view_as(into))
+
+
+def dequantize_into(q: Quantized, out: torch.Tensor) -> torch.Tensor:
+    """`out` (any float dtype) = the dequantized values of `q`; returns `out`."""
+    flat = (q.values.to(torch.float32) * q.scales[:, None]).view(-1)[:q.numel]
+    return out.copy_(flat.view_as(out))
