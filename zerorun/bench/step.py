@@ -303,11 +303,14 @@ def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print, spawn: Sp
 
 
 def ideal_link_mb(system: str, params: int, nodes: int) -> float:
-    """MB a node must send per step (fp32) when every byte crosses the link once: all-reduce-like traffic
-    (gradients reduced, parameters gathered once) is 2 (n-1)/n of the model, stage 3's is 3 (n-1)/n
-    (parameters gathered for forward and again for backward)."""
-    passes = 3 if system.startswith(("zero3", "fsdp2", "deepspeed3")) else 2
-    return passes * (nodes - 1) / nodes * params * 4 / 1e6
+    """MB a node must send per step when every byte crosses the link once: gradients reduced once and
+    parameters gathered once (all-reduce-like traffic), twice for stage 3 (forward and backward), each
+    (n-1)/n of the model, in fp32, or in int8 (plus a scale per 2048) where the system quantizes it."""
+    int8 = 1 / 4 + 1 / 2048
+    gradients = int8 if system.endswith(("-qgz", "-zpp")) else 1.0
+    gathers = (2 if system.startswith(("zero3", "fsdp2", "deepspeed3")) else 1) * (int8 if system.endswith("-zpp")
+                                                                                       else 1.0)
+    return (gradients + gathers) * (nodes - 1) / nodes * params * 4 / 1e6
 
 
 def as_json(cfg: StepBenchConfig, results: list[SystemResult], links: list[Any] = ()) -> dict[str, Any]:
