@@ -6,6 +6,7 @@ Each command imports its benchmark only when run, so `zerorun --help` stays fast
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Annotated
@@ -31,7 +32,8 @@ def bench_step(
     threads: Annotated[int, typer.Option(help="CPU threads per rank.")] = 1,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds (each system once per round).")] = 3,
     steps: Annotated[int, typer.Option(help="Timed steps per round, after one warm-up step.")] = 3,
-    systems: Annotated[str, typer.Option(help="Comma-separated: ddp, ddp-fused, fsdp2, zero0-3, zero1-offload, "
+    systems: Annotated[str, typer.Option(help="Comma-separated: ddp, ddp-fused, fsdp2, deepspeed2, deepspeed3, "
+                                               "zero0-3, zero1-offload, "
                                                "zero2-offload, zero3-offload (CPU), zero2-nvme, zero3-nvme.")] =
         "ddp,fsdp2,zero1,zero2,zero3",
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 for zerorun's stages.")] = "fp32",
@@ -39,12 +41,18 @@ def bench_step(
     baseline: Annotated[str, typer.Option(help="A second ratio column against this system (one of --systems), "
                                                "e.g. ddp-fused: DDP with AdamW(fused=True), the strong baseline.")] =
         "ddp",
+    cluster: Annotated[str | None, typer.Option(help="Run on an emulated cluster of NODESxRANKS (e.g. 2x1): network "
+                                                     "namespaces on this machine joined by shaped links (root).")] =
+        None,
+    link: Annotated[str, typer.Option(help="The emulated cluster's link rate per node, e.g. 1gbit, 10gbit.")] =
+        "1gbit",
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
 ) -> None:
-    """Step time and memory of zerorun's stages against DDP and FSDP2, in one interleaved run."""
+    """Step time and memory of zerorun's stages against DDP, FSDP2 and DeepSpeed, in one interleaved run."""
     from rich.console import Console
 
     from zerorun.bench import step
+    from zerorun.bench.cluster import EmulatedCluster, parse_rate, parse_shape
     from zerorun.bench.gpt import GPTConfig
 
     chosen = tuple(s.strip() for s in systems.split(",") if s.strip())
@@ -56,26 +64,55 @@ def bench_step(
     if baseline != "ddp" and baseline not in chosen:
         raise ZerorunError(f"--baseline: {baseline!r} is not among --systems ({', '.join(chosen)}); add it there "
                            "so both run in the same rounds.")
-    cfg = step.StepBenchConfig(GPTConfig(layers, d_model, heads, vocab, seq_len), micro_batch, ranks, threads,
-                               rounds, 1, steps, chosen, precision, nvme_path, baseline)
-    results = step.run(cfg, progress=lambda line: typer.echo(line, err=True))
-    Console(width=200).print(step.render(cfg, results))
+    if any(s.startswith("deepspeed") for s in chosen) and importlib.util.find_spec("deepspeed") is None:
+        raise ZerorunError("--systems: deepspeed2/deepspeed3 need DeepSpeed (pip install deepspeed).")
+    shape = parse_shape(cluster) if cluster else None
+    cfg = step.StepBenchConfig(GPTConfig(layers, d_model, heads, vocab, seq_len), micro_batch,
+                               shape[0] * shape[1] if shape else ranks, threads, rounds, 1, steps, chosen, precision,
+                               nvme_path, baseline, shape, link)
+    progress = lambda line: typer.echo(line, err=True)  # noqa: E731
+    if shape is None:
+        results, links = step.run(cfg, progress), []
+    else:
+        from zerorun.bench.cluster_spawn import run_ranks_on
+
+        rate = parse_rate(link)
+        with EmulatedCluster.start(shape[0], rate) as built:
+            links = built.measure_links()
+            progress("links: " + ", ".join(f"{x.source}->{x.destination} {x.gbit_s:.2f} Gbit/s" for x in links))
+            results = step.run(cfg, progress, lambda fn, args: run_ranks_on(built, shape[1], fn, args,
+                                                                            threads=threads))
+    Console(width=250).print(step.render(cfg, results, links))
     if json_out is not None:
-        json_out.write_text(json.dumps(step.as_json(cfg, results), indent=2))
+        json_out.write_text(json.dumps(step.as_json(cfg, results, links), indent=2))
 
 
 @bench_app.command("comm")
 def bench_comm(
     sizes: Annotated[str, typer.Option(help="Comma-separated buffer sizes in MiB.")] = "25,100",
     ranks: Annotated[int, typer.Option(help="Ranks (local processes, gloo).")] = 2,
+    cluster: Annotated[str | None, typer.Option(help="Across an emulated cluster of NODESxRANKS (e.g. 2x1), "
+                                                     "not loopback (root).")] = None,
+    link: Annotated[str, typer.Option(help="The emulated cluster's link rate per node.")] = "1gbit",
 ) -> None:
     """The backend's collectives against the implementations zerorun picks for it."""
     from rich.console import Console
 
     from zerorun.bench import comm
+    from zerorun.bench.cluster import EmulatedCluster, parse_rate, parse_shape
 
     sizes_mib = [float(s) for s in sizes.split(",") if s.strip()]
-    Console(width=200).print(comm.render(comm.run(sizes_mib, ranks), ranks))
+    if cluster is None:
+        Console(width=200).print(comm.render(comm.run(sizes_mib, ranks), ranks))
+        return
+    from zerorun.bench.cluster_spawn import run_ranks_on
+
+    (nodes, per_node), rate = parse_shape(cluster), parse_rate(link)
+    with EmulatedCluster.start(nodes, rate) as built:
+        measured = ", ".join(f"{x.source}->{x.destination} {x.gbit_s:.2f}" for x in built.measure_links())
+        results = comm.run(sizes_mib, spawn=lambda fn, args: run_ranks_on(built, per_node, fn, args))
+    Console(width=200).print(comm.render(results, nodes * per_node,
+                                         where=f" on {cluster} nodes, link {link} (measured Gbit/s: {measured})"))
 
 
 @bench_app.command("adam")

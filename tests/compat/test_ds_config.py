@@ -56,12 +56,12 @@ def test_a_batch_that_does_not_split_is_refused_naming_the_rule() -> None:
 def test_unsupported_keys_are_refused_or_warned_by_name() -> None:
     ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
           "zero_optimization": {"stage": 3, "sub_group_size": 1e9, "stage3_max_live_parameters": 1e9,
-                                "zero_quantized_weights": True},
+                                "zero_hpz_partition_size": 2},
           "pipeline": {"stages": 2}, "tensorboard": {"enabled": True, "output_path": "tb"},
           "gradient_clippping": 1.0, "my_own_key": 3, "amp": {"enabled": False}}
     t = ds_config.translate(ds)
     errors, warnings = _notes(t, Level.ERROR), _notes(t, Level.WARNING)
-    assert set(errors) == {"optimizer.type", "zero_optimization.zero_quantized_weights", "pipeline",
+    assert set(errors) == {"optimizer.type", "zero_optimization.zero_hpz_partition_size", "pipeline",
                            "gradient_clippping"}
     assert "did you mean gradient_clipping" in errors["gradient_clippping"]
     assert {"zero_optimization.sub_group_size", "zero_optimization.stage3_max_live_parameters", "tensorboard",
@@ -123,3 +123,10 @@ def test_global_batch_size_is_checked_against_the_world_size() -> None:
     with pytest.raises(ConfigError, match=r"global_batch_size: 12 != micro_batch_size 2 x grad_accum_steps 3 x "
                                           r"world size 3 = 18"):
         config.check_global_batch(recipe, 3)
+
+
+def test_zero_quantized_gradients_maps_to_qgz() -> None:
+    t = ds_config.translate({"train_micro_batch_size_per_gpu": 1,
+                             "zero_optimization": {"stage": 2, "zero_quantized_gradients": True}})
+    assert t.data["zero"]["quantized_gradients"] is True and t.data["zero"]["stage"] == 2
+    assert "zero_optimization.zero_quantized_gradients" not in _notes(t, Level.ERROR)

@@ -46,9 +46,10 @@ class LaunchedJob:
             reader.start()
 
     @classmethod
-    def start(cls, recipe: Path, *flags: str, cwd: Path | None = None) -> LaunchedJob:
-        """Launch `recipe` from `cwd` (where runs/<name>/telemetry.jsonl goes; default: the checkout)."""
-        proc = subprocess.Popen([sys.executable, "-m", "zerorun.cli", "launch", str(recipe), *flags],
+    def start(cls, recipe: Path, *flags: str, cwd: Path | None = None, prefix: Sequence[str] = ()) -> LaunchedJob:
+        """Launch `recipe` from `cwd` (where runs/<name>/telemetry.jsonl goes; default: the checkout), run
+        through `prefix` (e.g. on an emulated cluster's node)."""
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "zerorun.cli", "launch", str(recipe), *flags],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
                                 cwd=cwd or REPO)
         return cls(proc)

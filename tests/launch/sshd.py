@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 HOSTS = ("127.0.0.1", "127.0.0.2")
@@ -37,25 +38,9 @@ class PrivateSSHD:
     @classmethod
     def start(cls, directory: Path) -> PrivateSSHD:
         """Start sshd on a free port of both loopback addresses; raise RuntimeError if it cannot."""
-        sshd, keygen = find_sshd(), shutil.which("ssh-keygen")
-        if sshd is None or keygen is None or shutil.which("ssh") is None:
-            raise RuntimeError("sshd, ssh or ssh-keygen is not installed (apt-get install openssh-server)")
-        for name in ("host_key", "client_key"):
-            subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(directory / name)], check=True)
-        (directory / "authorized_keys").write_text((directory / "client_key.pub").read_text())
+        make_keys(directory)
         port = _free_port()
-        config = directory / "sshd_config"
-        config.write_text("\n".join([
-            f"Port {port}", *(f"ListenAddress {host}" for host in HOSTS),
-            f"HostKey {directory / 'host_key'}", f"PidFile {directory / 'sshd.pid'}",
-            f"AuthorizedKeysFile {directory / 'authorized_keys'}",
-            "StrictModes no", "UsePAM no", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
-            "PubkeyAuthentication yes", "PermitRootLogin yes", "LogLevel ERROR", "",
-        ]))
-        if os.geteuid() == 0:
-            os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
-        proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL,
-                                stderr=open(directory / "sshd.log", "wb"))
+        proc = start_sshd(directory, "sshd", port, HOSTS)
         server = cls(directory, proc, port, directory / "client_key")
         server._wait_until_login_works()
         return server
@@ -89,6 +74,34 @@ class PrivateSSHD:
                 log = (self.directory / "sshd.log").read_text(errors="replace")
                 raise RuntimeError(f"the private sshd does not accept key logins: {results[-1].stderr.strip()} {log}")
             time.sleep(0.2)
+
+
+def make_keys(directory: Path) -> None:
+    """A host key, a client key and an `authorized_keys` holding the client's, all in `directory`."""
+    keygen = shutil.which("ssh-keygen")
+    if find_sshd() is None or keygen is None or shutil.which("ssh") is None:
+        raise RuntimeError("sshd, ssh or ssh-keygen is not installed (apt-get install openssh-server)")
+    for name in ("host_key", "client_key"):
+        subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(directory / name)], check=True)
+    (directory / "authorized_keys").write_text((directory / "client_key.pub").read_text())
+
+
+def start_sshd(directory: Path, name: str, port: int, hosts: Sequence[str],
+               prefix: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    """sshd on `hosts`:`port` with the keys of `make_keys`, run through `prefix` (e.g. on an emulated node);
+    its config, pid file and log are `directory`/`name`.*."""
+    config = directory / f"{name}.config"
+    config.write_text("\n".join([
+        f"Port {port}", *(f"ListenAddress {host}" for host in hosts),
+        f"HostKey {directory / 'host_key'}", f"PidFile {directory / f'{name}.pid'}",
+        f"AuthorizedKeysFile {directory / 'authorized_keys'}",
+        "StrictModes no", "UsePAM no", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
+        "PubkeyAuthentication yes", "PermitRootLogin yes", "LogLevel ERROR", "",
+    ]))
+    if os.geteuid() == 0:
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
+    return subprocess.Popen([*prefix, find_sshd(), "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL,
+                            stderr=open(directory / f"{name}.log", "wb"))
 
 
 def _free_port() -> int:

@@ -16,7 +16,8 @@ LOSS_RTOL = 1e-5
 PARAM_ATOL = 5e-7
 
 
-def _compare(rank: int, world: int, cases: list[tuple[int, int, float | None]]) -> list[str]:
+def _compare(rank: int, world: int, cases: list[tuple[int, int, float | None]],
+             extra: tuple[str, ...] = ()) -> list[str]:
     """Run every (stage, accum, clip) case and DDP on this rank; return mismatch descriptions."""
     import torch.distributed as dist
 
@@ -30,7 +31,7 @@ def _compare(rank: int, world: int, cases: list[tuple[int, int, float | None]]) 
         if key not in refs:
             refs[key] = ddp_reference(rank, STEPS, accum, clip)
         ref = refs[key]
-        run, _ = engine_run(rank, STEPS, accum, [f"zero.stage={stage}"], clip)
+        run, _ = engine_run(rank, STEPS, accum, [f"zero.stage={stage}", *extra], clip)
         name = f"stage={stage} accum={accum} clip={clip} world={world} rank={rank}"
         losses, ref_losses = torch.tensor(run.losses), torch.tensor(ref.losses)
         if not torch.allclose(losses, ref_losses, rtol=LOSS_RTOL, atol=0):
@@ -48,6 +49,12 @@ def _compare(rank: int, world: int, cases: list[tuple[int, int, float | None]]) 
 
 
 CASES = [(stage, accum, None) for stage in (0, 1, 2) for accum in (1, 4)] + [(1, 2, 0.05), (2, 2, 0.05)]
+
+
+def test_stages_2_and_3_match_ddp_through_gloos_pairwise_reduce_scatter_on_3_ranks() -> None:
+    """The path ranks on different nodes take (no shared memory): the reduce-scatter is pairwise send/recv."""
+    results = run_ranks(_compare, 3, ([(2, 2, 0.05), (3, 2, None)], ("zero.cpu_collectives=gloo",)))
+    assert results == [[], [], []], results
 
 
 @pytest.mark.parametrize("world", [2, 3])

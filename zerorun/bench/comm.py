@@ -1,8 +1,9 @@
 """`zerorun bench comm`: the backend's own collectives against the ones zerorun uses instead.
 
-This is the measurement behind `zerorun.runtime.collectives`: on gloo a reduce-scatter done as an
-all-reduce plus a copy, and an all-gather done as one broadcast per owner, beat gloo's own; ranks on
-one host do better still through shared memory (`zero.cpu_collectives`), measured alongside.
+This is the measurement behind `zerorun.runtime.collectives`: on gloo a pairwise reduce-scatter and
+an all-gather done as one broadcast per owner, against gloo's own and an all-reduce that keeps one
+piece; ranks on one host do better still through shared memory (`zero.cpu_collectives`), measured
+alongside. `--cluster 2x1 --link 1gbit` measures them across an emulated link instead of loopback.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def _measure(rank: int, world: int, sizes_mib: list[float], repeats: int) -> lis
         cases: list[tuple[str, str, Callable[[], Any]]] = [
             ("all-reduce", "backend all_reduce", lambda: dist.all_reduce(full)),
             ("reduce-scatter", "backend reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(shard, full)),
+            ("reduce-scatter", "all_reduce + keep own piece", lambda: (dist.all_reduce(full),
+                                                                        shard.copy_(full.view(world, -1)[rank]))),
             ("reduce-scatter", "zerorun", lambda: comm.reduce_scatter(full, shard).wait()),
             ("all-gather", "backend all_gather_into_tensor", lambda: dist.all_gather_into_tensor(full, shard)),
             ("all-gather", "zerorun", lambda: comm.all_gather(full).wait()),
@@ -60,14 +63,17 @@ def _measure(rank: int, world: int, sizes_mib: list[float], repeats: int) -> lis
     return out
 
 
-def run(sizes_mib: list[float], world_size: int = 2, repeats: int = 9) -> list[CommResult]:
+def run(sizes_mib: list[float], world_size: int = 2, repeats: int = 9, spawn: Any = None) -> list[CommResult]:
+    """Rank 0's medians; `spawn(fn, args)` starts the ranks (default: `world_size` local processes)."""
+    if spawn is not None:
+        return spawn(_measure, (sizes_mib, repeats))[0]
     return run_ranks(_measure, world_size, (sizes_mib, repeats), timeout=1800)[0]
 
 
-def render(results: list[CommResult], world_size: int, backend: str = "gloo") -> Any:
+def render(results: list[CommResult], world_size: int, backend: str = "gloo", where: str = "") -> Any:
     from rich.table import Table
 
-    table = Table(title=f"collectives on {backend}, {world_size} ranks, fp32, median")
+    table = Table(title=f"collectives on {backend}, {world_size} ranks{where}, fp32, median")
     for col in ("MiB", "operation", "implementation", "ms", "GB/s (buffer)"):
         table.add_column(col, justify="left" if col in ("operation", "implementation") else "right")
     for r in results:

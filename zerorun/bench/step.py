@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -36,6 +38,9 @@ ZERO_SYSTEMS = {
     "zero1-async": ["zero.stage=1", "zero.overlap_publish=true"],
     "zero2-async": ["zero.stage=2", "zero.overlap_publish=true"],
     "zero3": ["zero.stage=3"],
+    "zero2-qgz": ["zero.stage=2", "zero.quantized_gradients=true"],
+    "zero3-qgz": ["zero.stage=3", "zero.quantized_gradients=true"],
+    "zero3-zpp": ["zero.stage=3", "zero.quantized_gradients=true", "zero.quantized_weights=true"],
     "zero3-lean": ["zero.stage=3", "zero.host_memory=lean"],
     "zero1-offload": ["zero.stage=1", "zero.offload_optimizer.device=cpu"],
     "zero2-offload": ["zero.stage=2", "zero.offload_optimizer.device=cpu"],
@@ -43,18 +48,24 @@ ZERO_SYSTEMS = {
     "zero2-nvme": ["zero.stage=2", "zero.offload_optimizer.device=nvme"],
     "zero3-nvme": ["zero.stage=3", "zero.offload_optimizer.device=nvme", "zero.offload_param.device=cpu"],
 }
-SYSTEMS = ("ddp", "ddp-fused", "fsdp2", *ZERO_SYSTEMS)
+PEERS = ("ddp", "ddp-fused", "fsdp2", "deepspeed2", "deepspeed3")
+SYSTEMS = (*PEERS, *ZERO_SYSTEMS)
 DEFAULT_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 DESCRIPTIONS = {
     "ddp": "DDP + torch AdamW (default: for-loop on CPU)",
     "ddp-fused": "DDP + torch AdamW(fused=True)",
     "fsdp2": "FSDP2 fully_shard per block (ZeRO-3) + torch AdamW",
+    "deepspeed2": "DeepSpeed ZeRO-2 + torch AdamW(fused=True)",
+    "deepspeed3": "DeepSpeed ZeRO-3 + torch AdamW(fused=True)",
     "zero0": "zerorun stage 0",
     "zero1": "zerorun stage 1",
     "zero2": "zerorun stage 2",
     "zero1-async": "zerorun stage 1, publish under the next forward",
     "zero2-async": "zerorun stage 2, publish under the next forward",
     "zero3": "zerorun stage 3 (unit per block)",
+    "zero2-qgz": "zerorun stage 2, int8 gradients on the network (qgZ)",
+    "zero3-qgz": "zerorun stage 3, int8 gradients on the network (qgZ)",
+    "zero3-zpp": "zerorun stage 3, int8 weights and gradients on the network (qwZ + qgZ)",
     "zero3-lean": "zerorun stage 3, host_memory lean",
     "zero1-offload": "zerorun stage 1, optimizer on CPU",
     "zero2-offload": "zerorun stage 2, optimizer on CPU",
@@ -77,6 +88,8 @@ class StepBenchConfig:
     precision: str = "fp32"
     nvme_path: str | None = None  # for the *-nvme systems
     baseline: str = "ddp"  # a second ratio column against this system (one of `systems`)
+    cluster: tuple[int, int] | None = None  # (nodes, ranks per node) on an emulated cluster; None: local ranks
+    link: str = "1gbit"  # the emulated cluster's link rate
 
 
 @dataclass
@@ -91,11 +104,20 @@ class Sample:
     model_state_mib: float
     final_loss: float
     live_mib: float | None  # every live tensor after a backward (None for DDP: its buckets live in C++)
+    link_bytes: float | None = None  # per timed step, sent by rank 0's node on its link (emulated cluster only)
 
 
-def _peers(system: str, model: torch.nn.Module) -> tuple[Any, torch.optim.Optimizer]:
+def _peers(system: str, model: torch.nn.Module, cfg: StepBenchConfig) -> tuple[Any, torch.optim.Optimizer]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if system.startswith("deepspeed"):
+        import deepspeed
+
+        ds_config = {"train_micro_batch_size_per_gpu": cfg.micro_batch, "gradient_accumulation_steps": 1,
+                     "zero_optimization": {"stage": int(system[-1])}, "zero_allow_untested_optimizer": True}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+        return engine, opt
     if system.startswith("ddp"):
         wrapped = DDP(model)
         return wrapped, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=system == "ddp-fused")
@@ -140,21 +162,33 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
         forward, backward, step, settle = engine, engine.backward, engine.step, engine.wait_published
         state_mib = lambda: engine.memory().model_states() / 2**20  # noqa: E731
     else:
-        wrapped, opt = _peers(system, model)
+        wrapped, opt = _peers(system, model, cfg)
         forward, backward, settle = wrapped, lambda loss: loss.backward(), lambda: None
 
         def step() -> None:
             opt.step()
             opt.zero_grad(set_to_none=False)  # keep gradients allocated, as steady-state training does
+        if system.startswith("deepspeed"):
+            backward, step = wrapped.backward, wrapped.step
         state_mib = lambda: _peer_state_mib(model, opt)  # noqa: E731
-    times, final_loss = _timed(batches, cfg.warmup, forward, backward, step, settle)
+    sent = _link_counter()
+    times, final_loss, link_bytes = _timed(batches, cfg.warmup, forward, backward, step, settle, sent)
     steps = [sum(parts) for parts in zip(*times.values())]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     backward(forward(batches[-1]))  # untimed: the census is taken where gradients and buffers peak
     live = None if system.startswith("ddp") else live_tensor_bytes(model) / 2**20
     settle()
     return Sample(steps, times["forward"], times["backward"], times["optimizer"], rss, state_mib(), final_loss,
-                  live)
+                  live, link_bytes / cfg.steps if link_bytes is not None else None)
+
+
+def _link_counter() -> Callable[[], int] | None:
+    """Bytes this node has sent on its link so far, where the bench runs on an emulated cluster."""
+    iface = os.environ.get("ZERORUN_BENCH_IFACE")
+    if not iface:
+        return None
+    counter = Path(f"/sys/class/net/{iface}/statistics/tx_bytes")  # this node's /sys: its own network namespace
+    return lambda: int(counter.read_text())
 
 
 def live_tensor_bytes(model: torch.nn.Module) -> int:
@@ -183,14 +217,17 @@ def _is_tensor(obj: object) -> bool:
 
 
 def _timed(batches: list[torch.Tensor], warmup: int, forward: Callable, backward: Callable, step: Callable,
-           settle: Callable[[], None]) -> tuple[dict[str, list[float]], float]:
-    """Seconds of each phase of each step after `warmup`, and the last loss; `settle` finishes what a step
-    leaves in flight."""
+           settle: Callable[[], None], sent: Callable[[], int] | None = None,
+           ) -> tuple[dict[str, list[float]], float, int | None]:
+    """Seconds of each phase of each step after `warmup`, the last loss, and the bytes `sent` counted over the
+    timed steps; `settle` finishes what a step leaves in flight."""
     times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+    sent_before = 0
     for i, tokens in enumerate(batches):
         if i == warmup:  # every rank starts the timed steps together, owing nothing to the warm-up
             settle()
             dist.barrier()
+            sent_before = sent() if sent else 0
         marks = [_now()]
         loss = forward(tokens)
         marks.append(_now())
@@ -204,7 +241,7 @@ def _timed(batches: list[torch.Tensor], warmup: int, forward: Callable, backward
         if i >= warmup:
             for name, a, b in zip(times, marks, marks[1:]):
                 times[name].append(b - a)
-    return times, float(loss.detach())
+    return times, float(loss.detach()), sent() - sent_before if sent else None
 
 
 def _now() -> float:
@@ -226,10 +263,17 @@ class SystemResult:
     model_state_mib: float
     final_loss: float
     live_mib: float | None  # every live tensor after a backward (see `live_tensor_bytes`)
+    link_mb: float | None = None  # per step, sent by rank 0's node on its link (median; emulated cluster only)
 
 
-def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print) -> list[SystemResult]:
-    """Run the interleaved rounds; return one result per system (medians)."""
+Spawn = Callable[[Callable[..., Any], tuple], list[Any]]  # run fn(rank, world, *args) on every rank
+
+
+def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print, spawn: Spawn | None = None,
+        ) -> list[SystemResult]:
+    """Run the interleaved rounds; return one result per system (medians). `spawn` starts the ranks
+    (default: `cfg.world_size` local processes; `cluster_spawn.run_ranks_on` for an emulated cluster)."""
+    spawn = spawn or (lambda fn, args: run_ranks(fn, cfg.world_size, args, timeout=1800, threads=cfg.threads))
     samples: dict[str, list[Sample]] = {s: [] for s in cfg.systems}
     ratios = {base: {s: [] for s in cfg.systems} for base in {"ddp", cfg.baseline}}
     for round_index in range(cfg.rounds):
@@ -237,7 +281,7 @@ def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print) -> list[S
         order = cfg.systems[shift:] + cfg.systems[:shift]
         this_round = {}
         for system in order:
-            sample = run_ranks(_train, cfg.world_size, (system, cfg), timeout=1800, threads=cfg.threads)[0]
+            sample = spawn(_train, (system, cfg))[0]
             samples[system].append(sample)
             this_round[system] = statistics.median(sample.step_s)
             progress(f"round {round_index + 1}/{cfg.rounds} {system:10s} {this_round[system]:.3f} s/step")
@@ -253,32 +297,50 @@ def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print) -> list[S
         results.append(SystemResult(
             system, med("step_s"), ratio("ddp"), ratio(cfg.baseline),
             med("forward_s"), med("backward_s"), med("optimizer_s"),
-            max(s.peak_rss_mib for s in runs), runs[-1].model_state_mib, runs[-1].final_loss, runs[-1].live_mib))
+            max(s.peak_rss_mib for s in runs), runs[-1].model_state_mib, runs[-1].final_loss, runs[-1].live_mib,
+            statistics.median(s.link_bytes for s in runs) / 1e6 if runs[0].link_bytes is not None else None))
     return results
 
 
-def as_json(cfg: StepBenchConfig, results: list[SystemResult]) -> dict[str, Any]:
-    return {"config": asdict(cfg), "results": [asdict(r) for r in results]}
+def ideal_link_mb(system: str, params: int, nodes: int) -> float:
+    """MB a node must send per step when every byte crosses the link once: gradients reduced once and
+    parameters gathered once (all-reduce-like traffic), twice for stage 3 (forward and backward), each
+    (n-1)/n of the model, in fp32, or in int8 (plus a scale per 2048) where the system quantizes it."""
+    int8 = 1 / 4 + 1 / 2048
+    gradients = int8 if system.endswith(("-qgz", "-zpp")) else 1.0
+    gathers = (2 if system.startswith(("zero3", "fsdp2", "deepspeed3")) else 1) * (int8 if system.endswith("-zpp")
+                                                                                       else 1.0)
+    return (gradients + gathers) * (nodes - 1) / nodes * params * 4 / 1e6
 
 
-def render(cfg: StepBenchConfig, results: list[SystemResult]) -> Any:
-    """A rich table of the results."""
+def as_json(cfg: StepBenchConfig, results: list[SystemResult], links: list[Any] = ()) -> dict[str, Any]:
+    return {"config": asdict(cfg), "results": [asdict(r) for r in results], "links": [asdict(x) for x in links]}
+
+
+def render(cfg: StepBenchConfig, results: list[SystemResult], links: list[Any] = ()) -> Any:
+    """A rich table of the results (with each link's measured throughput on an emulated cluster)."""
     from rich.table import Table
 
     m = cfg.model
     params = sum(p.numel() for p in GPT(m).parameters()) if m.d_model <= 2048 else 0
+    where = f"{cfg.world_size} ranks"
+    if cfg.cluster:
+        measured = ", ".join(f"{x.source}->{x.destination} {x.gbit_s:.2f}" for x in links)
+        where = f"{cfg.cluster[0]} nodes x {cfg.cluster[1]} ranks, link {cfg.link} (measured Gbit/s: {measured})"
     table = Table(title=f"step time: GPT {m.layers}L d{m.d_model} h{m.heads} vocab {m.vocab} seq {m.seq_len}"
                         f" ({params / 1e6:.1f}M params), micro-batch {cfg.micro_batch}, {cfg.precision}, "
-                        f"{cfg.world_size} ranks x {cfg.threads} thread(s), {cfg.rounds} interleaved rounds")
+                        f"{where} x {cfg.threads} thread(s), {cfg.rounds} interleaved rounds")
     baseline = [f"x {cfg.baseline}"] if cfg.baseline != "ddp" else []
-    for col in ("system", "x DDP", *baseline, "step s", "forward", "backward", "optimizer", "model states MiB/rank",
-                "live tensors MiB/rank (+% over states)", "peak RSS MiB/rank", "final loss"):
+    link = ["node 0 sent MB/step (ideal)"] if cfg.cluster else []
+    for col in ("system", "x DDP", *baseline, "step s", "forward", "backward", "optimizer", *link,
+                "model states MiB/rank", "live tensors MiB/rank (+% over states)", "peak RSS MiB/rank", "final loss"):
         table.add_column(col, justify="left" if col == "system" else "right")
     ratio = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
     for r in results:
         ratios = [ratio(r.ratio_to_ddp)] + ([ratio(r.ratio_to_baseline)] if baseline else [])
+        sent = [f"{r.link_mb:.0f} ({ideal_link_mb(r.system, params, cfg.cluster[0]):.0f})"] if cfg.cluster else []
         table.add_row(DESCRIPTIONS[r.system], *ratios,
-                      f"{r.step_s:.3f}", f"{r.forward_s:.3f}", f"{r.backward_s:.3f}", f"{r.optimizer_s:.3f}",
+                      f"{r.step_s:.3f}", f"{r.forward_s:.3f}", f"{r.backward_s:.3f}", f"{r.optimizer_s:.3f}", *sent,
                       f"{r.model_state_mib:.0f}", _live(r), f"{r.peak_rss_mib:.0f}", f"{r.final_loss:.4f}")
     return table
 

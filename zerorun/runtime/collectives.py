@@ -6,14 +6,17 @@ a reduced piece out of a bucket) is attached to the handle and runs in `wait()`.
 
 Per backend (the gloo column is what `zerorun bench comm` measured fastest; docs/benchmarks.md):
 
-| operation      | nccl                              | gloo                        |
-|----------------|-----------------------------------|-----------------------------|
-| reduce-scatter | reduce_scatter_tensor             | all_reduce + keep own piece |
-| all-gather     | all_gather_into_tensor (in place) | one broadcast per owner     |
-| all-reduce     | all_reduce                        | all_reduce                  |
+| operation      | nccl                              | gloo                                     |
+|----------------|-----------------------------------|------------------------------------------|
+| reduce-scatter | reduce_scatter_tensor             | pairwise send/recv, summed in rank order |
+| all-gather     | all_gather_into_tensor (in place) | one broadcast per owner                  |
+| all-reduce     | all_reduce                        | all_reduce                               |
 
-Gloo has a reduce-scatter, but it runs as a full all-reduce plus a copy and is slower than
-doing that ourselves; its all-gather is slower than broadcasting each rank's shard.
+Gloo's reduce-scatter runs as a full all-reduce plus a copy, and so would an all-reduce that keeps
+one piece: either sends every byte twice, which is what costs over a real link (`zerorun bench comm
+--cluster 2x1`). Pairwise, each rank sends every other rank that rank's piece and adds what it
+receives, so each byte crosses the network once ((n-1)/n of the buffer per rank). Its all-gather is
+slower than broadcasting each rank's shard, which also sends each byte once.
 
 CPU ranks that all share one host skip gloo's TCP loopback altogether (`zero.cpu_collectives`,
 default auto): every operation goes through a shared-memory segment (shm_collectives.py), at
@@ -36,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
+from zerorun.runtime.quantize import Quantized, dequantize_add, dequantize_into, quantize
 from zerorun.runtime.shm_collectives import ShmCollectives, Unavailable
 
 log = logging.getLogger("zerorun")
@@ -51,10 +55,13 @@ class CommStats:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # in flight: launch to wait()
     # blocked inside wait(): the communication compute did not hide (on CUDA the host rarely blocks: a lower bound)
     waited: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    # where the bytes go: "node" (shared memory, never leaving the host) or "network" (the backend's transport:
+    # across nodes, the link); reported as <level>_bytes beside each kind's total
+    level: str = "network"
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         return {kind: {"bytes": self.bytes[kind], "calls": self.calls[kind], "seconds": self.seconds[kind],
-                       "waited": self.waited[kind]} for kind in self.calls}
+                       "waited": self.waited[kind], f"{self.level}_bytes": self.bytes[kind]} for kind in self.calls}
 
 
 class Handle:
@@ -113,7 +120,8 @@ class Collectives:
     """Collectives over one process group (the data-parallel group)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, cpu: CpuCollectives = "gloo",
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, quantized_gradients: bool = False,
+                 quantized_weights: bool = False) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -121,6 +129,14 @@ class Collectives:
         self.stats = CommStats()
         self.shm = _shared_memory(group, self.rank, self.world_size, self.backend, cpu, timeout_s)
         self.transport = "shared memory" if self.shm else self.backend
+        self.stats.level = "node" if self.shm else "network"
+        self._tag = 0
+        for key, on in (("quantized_gradients", quantized_gradients), ("quantized_weights", quantized_weights)):
+            if on and self.backend != "gloo":
+                raise ZerorunError(f"zero.{key}: implemented for gloo (CPU ranks); this job's backend is "
+                                   f"{self.backend}. Leave it off.")
+        self.quantized_gradients = quantized_gradients  # reduce-scatters over the network send block int8
+        self.quantized_weights = quantized_weights  # so do all-gathers of compute copies (stage 3's units)
 
     def _on_shm(self, *tensors: torch.Tensor) -> bool:
         return self.shm is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
@@ -152,23 +168,88 @@ class Collectives:
             return Handle([], lambda: _store(out, full, accumulate), self.stats, "reduce_scatter")
         if self._on_shm(full, out):
             return self._shm_handle("reduce_scatter", self.shm.reduce_scatter, full, out, accumulate)
+        if self.backend == "gloo" and self.quantized_gradients and full.is_floating_point():
+            return self._quantized_reduce_scatter(full, out, accumulate)
         if self.backend == "gloo":
-            piece = full.view(self.world_size, -1)[self.rank]
-            work = dist.all_reduce(full, group=self.group, async_op=True)
-            return Handle([work], lambda: _store(out, piece, accumulate), self.stats, "reduce_scatter")
+            return self._pairwise_reduce_scatter(full, out, accumulate)
         target = torch.empty_like(out) if accumulate else out
         work = dist.reduce_scatter_tensor(target, full, group=self.group, async_op=True)
         then = (lambda: out.add_(target)) if accumulate else None
         return Handle([work], then, self.stats, "reduce_scatter")
 
-    def all_gather(self, full: torch.Tensor) -> Handle:
-        """Fill `full` from every rank's piece; this rank's piece is already in place in `full`."""
+    def _pairwise_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool) -> Handle:
+        """Send each peer its piece of `full`, receive theirs of mine, sum in rank order (the same bits on every
+        rank, shared memory's, and gloo's own with 2 ranks), then store the sum in `out`."""
+        pieces = full.view(self.world_size, -1)
+        peers = [(self.rank + step) % self.world_size for step in range(1, self.world_size)]  # no one first in line
+        received = torch.empty((self.world_size - 1, pieces.shape[1]), dtype=full.dtype)
+        tag = self._next_tag()
+        works = [dist.irecv(received[i], src=self._global(peer), group=self.group, tag=tag)
+                 for i, peer in enumerate(peers)]
+        works += [dist.isend(pieces[peer], dst=self._global(peer), group=self.group, tag=tag) for peer in peers]
+
+        def then() -> None:
+            parts = [pieces[self.rank] if r == self.rank else received[peers.index(r)] for r in range(self.world_size)]
+            total = torch.add(parts[0], parts[1], out=parts[1])  # never into a summand still to come
+            for part in parts[2:]:
+                total.add_(part)
+            _store(out, total, accumulate)
+        return Handle(works, then, self.stats, "reduce_scatter")
+
+    def _quantized_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool) -> Handle:
+        """Pairwise, each piece sent as block int8 (quantize.py): a quarter of the bytes; the receiver adds the
+        dequantized pieces and its own exact one in fp32, in rank order (the same bits on every rank)."""
+        pieces = full.view(self.world_size, -1)
+        peers = [(self.rank + step) % self.world_size for step in range(1, self.world_size)]
+        inbox = [Quantized.empty(pieces.shape[1]) for _ in peers]
+        outbox = [quantize(pieces[peer]) for peer in peers]
+        values_tag, scales_tag = self._next_tag(), self._next_tag()
+        works = []
+        for box, peer in zip(inbox, peers):
+            works += [dist.irecv(box.payload(), src=self._global(peer), group=self.group, tag=values_tag),
+                      dist.irecv(box.scales, src=self._global(peer), group=self.group, tag=scales_tag)]
+        for box, peer in zip(outbox, peers):
+            works += [dist.isend(box.payload(), dst=self._global(peer), group=self.group, tag=values_tag),
+                      dist.isend(box.scales, dst=self._global(peer), group=self.group, tag=scales_tag)]
+
+        def then() -> None:
+            total = torch.zeros(pieces.shape[1], dtype=torch.float32)
+            for r in range(self.world_size):
+                if r == self.rank:
+                    total.add_(pieces[r])
+                else:
+                    dequantize_add(inbox[peers.index(r)], total)
+            del outbox[:]  # the sends are complete: their buffers may go
+            _store(out, total.to(out.dtype), accumulate)
+        return Handle(works, then, self.stats, "reduce_scatter")
+
+    def _next_tag(self) -> int:
+        """A tag per point-to-point operation: every rank issues them in the same order, so tags match."""
+        self._tag += 1
+        return self._tag
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    def all_gather(self, full: torch.Tensor, compute_copy: bool = False) -> Handle:
+        """Fill `full` from every rank's piece; this rank's piece is already in place in `full`.
+
+        `compute_copy`: `full` is only computed with, never stored back (stage 3's gathered unit), so with
+        `quantized_weights` it may travel as block int8 (qwZ); every rank's piece, this one's included, then
+        holds the dequantized values, so all ranks compute with the same weights."""
         self._record("all_gather", full)
         if self.world_size == 1:
             return Handle([], None, self.stats, "all_gather")
         if self._on_shm(full):
             return self._shm_handle("all_gather", self.shm.all_gather, full)
         pieces = full.view(self.world_size, -1)
+        if compute_copy and self.quantized_weights and self.backend == "gloo" and full.is_floating_point():
+            boxes = [quantize(pieces[r]) if r == self.rank else Quantized.empty(pieces.shape[1])
+                     for r in range(self.world_size)]
+            works = [dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
+                     for src, box in enumerate(boxes) for tensor in (box.payload(), box.scales)]
+            then = lambda: [dequantize_into(box, piece) for box, piece in zip(boxes, pieces)]  # noqa: E731
+            return Handle(works, then, self.stats, "all_gather")
         if self.backend == "gloo":
             works = [dist.broadcast(pieces[src], src=dist.get_global_rank(self.group, src) if self.group else src,
                                     group=self.group, async_op=True)

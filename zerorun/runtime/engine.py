@@ -71,7 +71,9 @@ class Engine:
         self.stage = recipe.zero.stage
         self.policy = PrecisionPolicy.from_config(recipe.precision)
         self.scaler = LossScaler(recipe.precision)
-        self.comm = Collectives(cpu=recipe.zero.cpu_collectives, timeout_s=recipe.launch.timeout_s)
+        self.comm = Collectives(cpu=recipe.zero.cpu_collectives, timeout_s=recipe.launch.timeout_s,
+                                quantized_gradients=recipe.zero.quantized_gradients,
+                                quantized_weights=recipe.zero.quantized_weights)
         self.phase = TrainingPhase()
         self.placement = Placement.from_recipe(recipe, self.device, self.info.rank)
         host_memory = recipe.zero.host_memory

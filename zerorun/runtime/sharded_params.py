@@ -99,7 +99,7 @@ class ShardedParams:
             unit, full = self.units[k], self.full[k]
             self._allocate(k)
             self.shard.fill(unit, unit.piece(full, self.shard_rank))
-            handles.append(self.comm.all_gather(full))
+            handles.append(self.comm.all_gather(full, compute_copy=True))
             for param, view in zip(unit.params, self.views[k]):
                 param.data = view
         mu.pending, mu.state = Pending(handles), UnitState.GATHERING

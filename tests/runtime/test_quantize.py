@@ -1,0 +1,110 @@
+"""qgZ: block int8 keeps each element within half a step of its block's scale; a quantized reduce-scatter
+sums close to the exact one on every rank, and training stays within 2% of exact losses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+from zerorun.runtime.quantize import BLOCK, Quantized, dequantize_add, quantize
+
+
+def test_each_element_comes_back_within_half_a_step_of_its_own_blocks_scale():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3 * BLOCK + 77, generator=gen)
+    x[:BLOCK] *= 1e-4  # a block of tiny gradients next to large ones keeps its own precision
+    q = quantize(x)
+    back = dequantize_add(q, torch.zeros_like(x))
+    step = q.scales.repeat_interleave(BLOCK)[: x.numel()]
+    assert ((back - x).abs() <= step / 2 * (1 + 1e-6)).all()
+    assert (back[:BLOCK] - x[:BLOCK]).abs().max() < 1e-5  # the large blocks' half step is ~1e-2
+    assert q.nbytes() < x.numel() * 4 / 3.9  # a quarter of fp32, plus the scales
+
+
+def test_zeros_and_a_bf16_input_round_trip():
+    assert torch.equal(dequantize_add(quantize(torch.zeros(10)), torch.zeros(10)), torch.zeros(10))
+    x = torch.linspace(-1, 1, 300).to(torch.bfloat16)
+    assert torch.allclose(dequantize_add(quantize(x), torch.zeros(300)), x.float(), atol=1 / 127)
+    assert Quantized.empty(BLOCK + 1).values.shape == (2, BLOCK)
+
+
+def _reduce_scatter(rank: int, world: int) -> tuple[list[float], list[float], float]:
+    from zerorun.runtime.collectives import Collectives
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    full = torch.randn(world * 5000, generator=torch.Generator().manual_seed(rank))
+    exact, quantized = torch.empty(5000), torch.empty(5000)
+    Collectives(cpu="gloo").reduce_scatter(full.clone(), exact).wait()
+    Collectives(cpu="gloo", quantized_gradients=True).reduce_scatter(full.clone(), quantized).wait()
+    bound = sum(full.abs().max().item() / 127 / 2 for _ in range(world - 1))  # half a step per peer's piece
+    return exact.tolist(), quantized.tolist(), bound
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_quantized_reduce_scatter_is_within_half_a_step_per_peer_of_the_exact_one(world):
+    for exact, quantized, bound in run_ranks(_reduce_scatter, world):
+        error = (torch.tensor(exact) - torch.tensor(quantized)).abs().max().item()
+        assert 0 < error <= 2 * bound  # the peers' bounds, each from its own data (< 2x ours here)
+
+
+def _losses(rank: int, world: int) -> tuple[list[float], list[float]]:
+    from tests.runtime.reference import engine_run
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    exact, _ = engine_run(rank, 20, 2, ["zero.stage=2", "zero.cpu_collectives=gloo"], None)
+    quantized, _ = engine_run(rank, 20, 2, ["zero.stage=2", "zero.cpu_collectives=gloo",
+                                            "zero.quantized_gradients=true"], None)
+    return exact.losses, quantized.losses
+
+
+def test_training_with_quantized_gradients_stays_within_two_percent_of_exact_losses():
+    exact, quantized = (torch.tensor(x) for x in run_ranks(_losses, 3)[0])
+    assert not torch.equal(exact, quantized)  # the quantized path really ran
+    assert ((quantized - exact).abs() / exact.abs()).max() < 0.02
+
+
+def _gather(rank: int, world: int) -> list[float]:
+    from zerorun.runtime.collectives import Collectives
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    full = torch.zeros(world * 3000)
+    full.view(world, -1)[rank] = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
+    Collectives(cpu="gloo", quantized_weights=True).all_gather(full, compute_copy=True).wait()
+    return full.tolist()
+
+
+def test_a_quantized_gather_gives_every_rank_the_same_weights_close_to_each_owners():
+    gathered = [torch.tensor(x) for x in run_ranks(_gather, 3)]
+    assert all(torch.equal(g, gathered[0]) for g in gathered)  # the owner's piece too: replicas agree
+    exact = torch.cat([torch.randn(3000, generator=torch.Generator().manual_seed(r)) for r in range(3)])
+    assert 0 < (gathered[0] - exact).abs().max() <= exact.abs().max() / 127 / 2 * 1.001
+
+
+def _stage3_losses(rank: int, world: int) -> tuple[list[float], list[float]]:
+    from tests.runtime.reference import engine_run
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    base = ["zero.stage=3", "zero.cpu_collectives=gloo"]
+    exact, _ = engine_run(rank, 20, 2, base, None)
+    quantized, _ = engine_run(rank, 20, 2, [*base, "zero.quantized_weights=true", "zero.quantized_gradients=true"],
+                              None)
+    return exact.losses, quantized.losses
+
+
+def test_stage_3_with_quantized_weights_and_gradients_stays_within_two_percent_of_exact_losses():
+    exact, quantized = (torch.tensor(x) for x in run_ranks(_stage3_losses, 3)[0])
+    assert not torch.equal(exact, quantized)
+    assert ((quantized - exact).abs() / exact.abs()).max() < 0.02
+
+
+def test_quantized_weights_outside_stage_3_are_refused_naming_why():
+    from zerorun import config
+    from zerorun.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="zero.quantized_weights: only stage 3 gathers weights to compute with"):
+        config.loads("script: x\nzero:\n  stage: 2\n  quantized_weights: true\n", "r.yaml")

@@ -1,0 +1,100 @@
+"""Run a function on ranks spread over an emulated cluster's nodes and collect each rank's result.
+
+The cluster counterpart of `spawn.run_ranks`: every rank is a fresh `python -m zerorun.bench.cluster_spawn`
+started on its node (`EmulatedCluster.exec_argv`) with torchrun's variables, the master on node 0's
+address and gloo bound to the node's link. The function and its arguments travel as a pickle file;
+each rank writes its result (or its traceback) to a file of its own. Every rank process is gone
+when `run_ranks_on` returns or raises.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from zerorun.bench.cluster import IFACE, EmulatedCluster
+from zerorun.bench.spawn import RankFailure
+
+MASTER_PORT = 29500  # node 0's port space is the cluster's own
+_runs = itertools.count()
+
+
+def run_ranks_on(cluster: EmulatedCluster, ranks_per_node: int, fn: Callable[..., Any], args: tuple = (),
+                 timeout: float = 1800.0, threads: int = 1) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` with `ranks_per_node` ranks on every node; results in rank order."""
+    run = next(_runs)
+    directory = cluster.directory / f"run{run}"
+    directory.mkdir()
+    payload = directory / "payload.pkl"
+    payload.write_bytes(pickle.dumps((fn, args)))
+    world = len(cluster.nodes) * ranks_per_node
+    procs = []
+    for rank in range(world):
+        node = cluster.nodes[rank // ranks_per_node]
+        env = dict(os.environ, MASTER_ADDR=cluster.nodes[0].address, MASTER_PORT=str(MASTER_PORT + run % 1000),
+                   RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % ranks_per_node),
+                   LOCAL_WORLD_SIZE=str(ranks_per_node), GLOO_SOCKET_IFNAME=IFACE, ZERORUN_BENCH_IFACE=IFACE)
+        log = open(directory / f"rank{rank}.log", "wb")
+        procs.append(subprocess.Popen([*cluster.exec_argv(node), sys.executable, "-m", __name__, str(payload),
+                                       str(directory / f"rank{rank}.pkl"), str(threads)],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        _wait(procs, directory, timeout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    return [pickle.loads((directory / f"rank{rank}.pkl").read_bytes())[1] for rank in range(world)]
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], directory: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(proc.poll() is None for proc in procs):
+        failed = [rank for rank, proc in enumerate(procs) if proc.poll() not in (None, 0)]
+        if failed:
+            raise RankFailure(f"rank {failed[0]} failed:\n{_report(directory, failed[0])}")
+        if time.monotonic() > deadline:
+            raise RankFailure(f"timed out after {timeout:.0f}s")
+        time.sleep(0.2)
+    for rank, proc in enumerate(procs):
+        if proc.returncode != 0 or not (directory / f"rank{rank}.pkl").exists():
+            raise RankFailure(f"rank {rank} failed:\n{_report(directory, rank)}")
+
+
+def _report(directory: Path, rank: int) -> str:
+    result = directory / f"rank{rank}.pkl"
+    if result.exists():
+        ok, value = pickle.loads(result.read_bytes())
+        if not ok:
+            return value
+    return (directory / f"rank{rank}.log").read_text(errors="replace")[-4000:]
+
+
+def _main(payload: str, result: str, threads: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(threads))
+    fn, args = pickle.loads(Path(payload).read_bytes())
+    code = 0
+    try:
+        outcome = (True, fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *args))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        outcome, code = (False, traceback.format_exc()), 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    Path(result).write_bytes(pickle.dumps(outcome))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(_main(*sys.argv[1:4]))
