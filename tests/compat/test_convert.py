@@ -74,7 +74,7 @@ def test_unsupported_keys_are_refused_by_name_with_what_zerorun_does_instead(tmp
     _, result = _convert(tmp_path, "bing_bert_lamb", "--world-size", "64")
     assert result.exit_code == 2
     for key in ("optimizer.type: Lamb", "optimizer.params.bias_correction: not supported", "sparse_attention",
-                "zero_optimization.zero_quantized_gradients"):
+                "zero_optimization.zero_hpz_partition_size"):
         assert key in result.stderr, (key, result.stderr)
     assert "Traceback" not in result.output
 

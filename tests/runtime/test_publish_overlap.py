@@ -31,9 +31,9 @@ class _LandsAtWait:
 def _landing_at_wait(all_gather):
     """Wrap `Collectives.all_gather` so that a forward reading a unit before waiting for it always fails
     the comparison (a real gloo gather usually lands before the forward reads, hiding a missing wait)."""
-    def gather(full: torch.Tensor) -> _LandsAtWait:
+    def gather(full: torch.Tensor, **kwargs: object) -> _LandsAtWait:
         scratch = full.clone()
-        return _LandsAtWait(all_gather(scratch), full, scratch)
+        return _LandsAtWait(all_gather(scratch, **kwargs), full, scratch)
     return gather
 
 

@@ -63,7 +63,9 @@ def test_resume_states_overridden_values_and_refuses_another_precision_unless_al
     assert seen[1].endswith("cannot resume: the checkpoint was saved in precision fp32, this run trains in bf16. "
                             "Resume with the checkpoint's settings, or set checkpoint.allow_changes: true to carry the "
                             "saved state over anyway.")  # (before: accepted)
-    assert seen[2] == "accepted"  # the script's own AdamW: the recipe's optimizer.type does not apply
+    # the script's own AdamW beside the recipe's optimizer.type: refused at initialize, before any resume
+    assert seen[2].startswith("the recipe sets optimizer.type (--set optimizer.type=adam), but the script passes its "
+                              "own AdamW to zerorun.initialize")
     assert seen[3] == "allowed"
     assert seen[4].endswith("cannot resume: the checkpoint's optimizer is adamw (decoupled weight decay), this run's is "
                             "adam (L2 weight decay). Resume with the checkpoint's settings, or set "

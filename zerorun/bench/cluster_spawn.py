@@ -38,7 +38,8 @@ def run_ranks_on(cluster: EmulatedCluster, ranks_per_node: int, fn: Callable[...
     procs = []
     for rank in range(world):
         node = cluster.nodes[rank // ranks_per_node]
-        env = dict(os.environ, MASTER_ADDR=cluster.nodes[0].address, MASTER_PORT=str(MASTER_PORT + run % 1000),
+        env = dict(os.environ, PYTHONPATH=_import_path(), MASTER_ADDR=cluster.nodes[0].address,
+                   MASTER_PORT=str(MASTER_PORT + run % 1000),
                    RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % ranks_per_node),
                    LOCAL_WORLD_SIZE=str(ranks_per_node), GLOO_SOCKET_IFNAME=IFACE, ZERORUN_BENCH_IFACE=IFACE)
         log = open(directory / f"rank{rank}.log", "wb")
@@ -53,6 +54,13 @@ def run_ranks_on(cluster: EmulatedCluster, ranks_per_node: int, fn: Callable[...
                 proc.kill()
             proc.wait()
     return [pickle.loads((directory / f"rank{rank}.pkl").read_bytes())[1] for rank in range(world)]
+
+
+def _import_path() -> str:
+    """This process's import path, for the ranks: the pickled function's module (a test's, say) must import
+    there as it does here, whatever directory the rank starts in (as multiprocessing passes sys.path on)."""
+    here = [os.path.abspath(p or os.curdir) for p in sys.path]
+    return os.pathsep.join(dict.fromkeys([*here, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
 
 
 def _wait(procs: list[subprocess.Popen[bytes]], directory: Path, timeout: float) -> None:
