@@ -47,11 +47,24 @@ def initialize(model: Any, optimizer: Any = None, config: Recipe | None = None, 
     without it the recipe's `scheduler` section, if any, is built and stepped the same way. Schedulers
     the script builds and steps itself are found, saved with every checkpoint and restored on resume.
     """
-    from zerorun.runtime.engine import Engine, start
+    from zerorun.runtime.engine import Engine
 
     chosen = config or recipe()
     lr_scheduler, source = _recipe_choices(chosen, optimizer, lr_scheduler)
     return start(Engine(model, optimizer, chosen, lr_scheduler, source))
+
+
+def start(engine: Engine) -> Engine:
+    """What every entry point (this one, the DeepSpeed facade) does with a new engine: resume as
+    `checkpoint.resume` asks, then attach the telemetry probe."""
+    engine.resume()  # checkpoint.resume (auto: the latest in checkpoint.dir); see engine.resumed_from
+    try:  # the telemetry probe (when the launcher started one) reads memory and model FLOPs from it
+        from zerorun.telemetry import probe
+
+        probe.attach_engine(engine)
+    except Exception:  # noqa: BLE001 - telemetry never breaks initialize
+        pass
+    return engine
 
 
 def _recipe_choices(recipe: Recipe, optimizer: Any, lr_scheduler: Any) -> tuple[Any, str | None]:
@@ -75,6 +88,6 @@ def _recipe_choices(recipe: Recipe, optimizer: Any, lr_scheduler: Any) -> tuple[
     if lr_scheduler is not None:
         raise ZerorunError(f"the recipe's scheduler section ({where}: {recipe.scheduler.type}) and the script's "
                            f"lr_scheduler= both ask to drive the learning rate; remove one of them.")
-    from zerorun.compat import schedulers
+    from zerorun.runtime import schedules
 
-    return (lambda opt: schedulers.build(recipe.scheduler, opt, recipe.train.steps)), f"scheduler.type at {where}"
+    return (lambda opt: schedules.build(recipe.scheduler, opt, recipe.train.steps)), f"scheduler.type at {where}"

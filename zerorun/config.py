@@ -172,8 +172,8 @@ class TrainConfig:
 class SchedulerConfig:
     """A learning-rate schedule with DeepSpeed's formulas, stepped after every applied optimizer step.
 
-    The DeepSpeed-compatible engine (`launch.deepspeed_compat`) steps it; a native script builds it
-    with `zerorun.compat.schedulers.build(recipe.scheduler, engine.optimizer)`.
+    The engine builds and steps it (`zerorun.initialize`, and the DeepSpeed-compatible engine alike);
+    a script that also builds its own scheduler on the optimizer is refused.
     """
 
     type: Literal["none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"] = _f(

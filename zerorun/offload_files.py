@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerorun.errors import ZerorunError
-from zerorun.launch import JOB_ID_ENV
+from zerorun.jobs import JOB_ID_ENV
 
 ALIGN = 4096  # O_DIRECT block and buffer alignment
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")

@@ -19,15 +19,16 @@ from typing import Any
 
 import torch
 
+import zerorun
 from zerorun import config as recipes
 from zerorun import ds_config
-from zerorun.compat import schedulers
+from zerorun.runtime import schedules
 from zerorun.compat.engine import DeepSpeedEngine
 from zerorun.config import Recipe
 from zerorun.errors import ConfigError, ZerorunError
 from zerorun.runtime.dist import DistInfo
 from zerorun.runtime.dist import init_distributed as _init_distributed
-from zerorun.runtime.engine import Engine, start
+from zerorun.runtime.engine import Engine
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -75,7 +76,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
               "is not (as in DeepSpeed).", file=sys.stderr)
     # the engine steps the schedule after every applied update (DeepSpeed's contract), and so saves it in
     # every checkpoint and restores it on resume as its own (runtime/lr_schedules.py)
-    engine = start(Engine(model, user_optimizer, recipe, lambda opt: _lr_scheduler(lr_scheduler, opt, recipe)))
+    engine = zerorun.start(Engine(model, user_optimizer, recipe, lambda opt: _lr_scheduler(lr_scheduler, opt,
+                                                                                           recipe)))
     schedule = engine.lr_schedules.owned
     facade = DeepSpeedEngine(engine, recipe, schedule, ds)
     loader = _dataloader(training_data, recipe, info, collate_fn, ds) if training_data is not None else None
@@ -177,7 +179,7 @@ def _client_optimizer(optimizer: Any, model_parameters: Any, model: torch.nn.Mod
 def _lr_scheduler(client: Any, optimizer: torch.optim.Optimizer, recipe: Recipe) -> Any:
     """DeepSpeed's precedence: the script's scheduler (or a callable making one), else the config's."""
     if client is None:
-        return schedulers.build(recipe.scheduler, optimizer, recipe.train.steps)
+        return schedules.build(recipe.scheduler, optimizer, recipe.train.steps)
     if not hasattr(client, "step") and callable(client):
         return client(optimizer)
     # A torch scheduler made over the script's own optimizer: point it at the engine's, whose param

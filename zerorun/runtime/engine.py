@@ -429,18 +429,6 @@ class Engine:
         return dir
 
 
-def start(engine: Engine) -> Engine:
-    """What every entry point does with a new engine: resume (`checkpoint.resume`), then attach telemetry."""
-    engine.resume()  # checkpoint.resume (auto: the latest in checkpoint.dir); see engine.resumed_from
-    try:  # the telemetry probe (when the launcher started one) reads memory and model FLOPs from it
-        from zerorun.telemetry import probe
-
-        probe.attach_engine(engine)
-    except Exception:  # noqa: BLE001 - telemetry never breaks initialize
-        pass
-    return engine
-
-
 def _numel(mib: float) -> int:
     """fp32 elements in `mib` MiB (at least one)."""
     return max(1, int(mib * 2**20 // 4))

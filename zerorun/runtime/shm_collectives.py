@@ -22,7 +22,7 @@ collective timeout, or sees a peer's process gone, raises naming that rank: neve
 
 The segment lives in /dev/shm only while the ranks open it: once everyone has mapped it, rank 0
 unlinks it, so nothing is left behind whatever happens next; a rank killed before that leaves it, and
-the node supervisor removes the job's segments by their name (`zerorun.launch.shm_prefix`: the job id). Space is reserved up front
+the node supervisor removes the job's segments by their name (`zerorun.jobs.shm_prefix`: the job id). Space is reserved up front
 (`posix_fallocate`), so a full /dev/shm is a fallback to gloo at start, never a SIGBUS mid-step.
 """
 
@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from zerorun.launch import JOB_ID_ENV, SHM_DIR, shm_prefix
+from zerorun.jobs import JOB_ID_ENV, SHM_DIR, shm_prefix
 
 SLOT_BYTES = 2 * 2**20  # per rank and half: many times a meeting's cost, and 8 MiB in all for 2 ranks
 SEGMENT_BYTES = 32 * 2**20  # at most, whatever the rank count (Docker's default /dev/shm is 64 MiB)
