@@ -184,7 +184,7 @@ def convert(
 ) -> None:
     """Write the recipe a DeepSpeed config stands for, each key commented with where it came from."""
     from zerorun.compat import convert as converter
-    from zerorun import ds_config as ds
+    from zerorun.config import ds_config as ds
 
     text = converter.convert(ds_config, out, script, world_size)
     ds.report(ds.read(ds_config, world_size), str(ds_config))

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from zerorun import config
-from zerorun import ds_config
-from zerorun.ds_config import Batch
-from zerorun.ds_keys import RULES, Level
+from zerorun.config import ds_config
+from zerorun.config.ds_config import Batch
+from zerorun.config.ds_keys import RULES, Level
 from zerorun.errors import ConfigError
 
 

@@ -1,7 +1,7 @@
 """Coming from DeepSpeed: its config, its command line and its Python API, on zerorun.
 
-- `zerorun.ds_config` (+ the key table `zerorun.ds_keys`), outside this package because `config`
-  uses them too: a `ds_config.json` as recipe data, every key mapped, warned about or refused by
+- `zerorun.config.ds_config` (+ the key table `zerorun.config.ds_keys`), outside this package
+  because `config` uses them too: a `ds_config.json` as recipe data, every key mapped, warned about or refused by
   name. `config.load` uses it for a recipe's `deepspeed_config`, and `zerorun convert` writes it
   out as a commented recipe (`convert`).
 - `schedulers`: DeepSpeed's learning-rate schedules with its exact formulas.
@@ -11,6 +11,6 @@
   `launch.deepspeed_compat` (`shim` installs it); always importable as `zerorun.compat.deepspeed`.
 - `cmdline`: `zerorun launch script.py --deepspeed_config ds.json ...` as a recipe.
 
-Nothing below `compat` imports it: `config` reads a `deepspeed_config` through `zerorun.ds_config`, a
-leaf module, so `config -> compat -> runtime -> config` is no circle.
+Nothing below `compat` imports it: `config` reads a `deepspeed_config` through `zerorun.config.ds_config`,
+a module that imports nothing above `errors`, so `config -> compat -> runtime -> config` is no circle.
 """

@@ -21,7 +21,7 @@ import torch
 
 import zerorun
 from zerorun import config as recipes
-from zerorun import ds_config
+from zerorun.config import ds_config
 from zerorun.runtime import schedules
 from zerorun.compat.engine import DeepSpeedEngine
 from zerorun.config import Recipe

@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from zerorun import config
-from zerorun import ds_config
+from zerorun.config import ds_config
 from zerorun.errors import ConfigError
 
 RECIPE_NAME = "launch-recipe.yaml"

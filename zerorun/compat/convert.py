@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from zerorun import config
-from zerorun import ds_config
-from zerorun.ds_keys import Level
+from zerorun.config import ds_config
+from zerorun.config.ds_keys import Level
 
 SECTION_ORDER = ("train", "zero", "precision", "optimizer", "scheduler")
 

@@ -42,7 +42,7 @@ def Init(module: Any = None, data_parallel_group: Any = None, mem_efficient_line
 def _stage(source: Any) -> int:
     """The ZeRO stage of a DeepSpeed config (a dict or a JSON path), else of the launched recipe."""
     import zerorun
-    from zerorun import ds_config
+    from zerorun.config import ds_config
 
     if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
         source = ds_config.load_json(source)

@@ -13,7 +13,7 @@ hysteresis 2), so a translated recipe trains as DeepSpeed would. `"auto"` (what 
 fills in) leaves zerorun's default, with a WARNING naming it.
 
 This module imports nothing of zerorun's but `errors` and `ds_keys`: `config.load` uses it to read
-a recipe's `deepspeed_config`, and it must not depend on anything above config.
+a recipe's `deepspeed_config`, and it must not depend on the rest of the package or above it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerorun.ds_keys import RULES, Level, Rule, rule_for
+from zerorun.config.ds_keys import RULES, Level, Rule, rule_for
 from zerorun.errors import ConfigError
 
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
