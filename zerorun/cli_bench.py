@@ -282,7 +282,12 @@ def bench_ckpt(
                                every, directory or ckpt.default_directory(), nvme_path, chosen)
     result = ckpt.run(cfg, progress=lambda line: typer.echo(line, err=True))
     Console(width=200).print(ckpt.render(cfg, result))
-    for mode, figures in ckpt.summary(result, chosen).get("targets", {}).items():
+    facts = ckpt.summary(result, chosen)
+    for mode, parts in facts["breakdown_s"].items():
+        if parts is not None:
+            typer.echo(f"{mode}: cost/save {facts['cost_per_save_s'][mode]['median']:.3f} s = " + " + ".join(
+                f"{k.replace('_', ' ')} {v:.3f} s" for k, v in parts.items()))
+    for mode, figures in facts.get("targets", {}).items():
         typer.echo(f"{mode}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                            for k, v in figures.items()))
     if json_out is not None:

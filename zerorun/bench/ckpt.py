@@ -199,7 +199,25 @@ def summary(result: BenchResult, modes: tuple[str, ...]) -> dict[str, Any]:
             "engine_stall_over_sync_stall": stall / sync_stall if stall is not None and sync_stall else None,
             f"cost_per_save_within_{STALL_TARGET:.0%}_of_sync": cost <= STALL_TARGET * sync_cost["median"],
             f"step_within_{STEP_TARGET - 1:.0%}_of_none": out["step_ratio"][mode]["median"] <= STEP_TARGET}
+    out["breakdown_s"] = {mode: breakdown(result, mode) for mode in modes if mode != "none"}
     return out
+
+
+def breakdown(result: BenchResult, mode: str) -> dict[str, float] | None:
+    """Where one save's cost goes (medians over rounds, rank 0): inside `save_checkpoint`, the optimizer
+    step's wait for the capture, the wait for the commit after the window's steps, and the steps being
+    slower than `none`'s in the same round otherwise (the writer thread competing for the cores)."""
+    none = {w.round: w for w in result.windows if w.mode == "none"}
+    windows = [w for w in result.windows if w.mode == mode and w.round in none]
+    records = {w.round: r for w, r in zip([w for w in result.windows if w.mode == mode], result.records(mode))}
+    parts: dict[str, list[float]] = {"in_save": [], "capture_wait": [], "commit_wait": [], "slower_steps": []}
+    for w in windows:
+        capture = max(0.0, records[w.round]["stall_s"] - w.save_s) if w.round in records else 0.0
+        parts["in_save"].append(w.save_s)
+        parts["capture_wait"].append(capture)
+        parts["commit_wait"].append(w.commit_wait_s)
+        parts["slower_steps"].append(sum(w.step_s) - sum(none[w.round].step_s) - capture)
+    return {k: statistics.median(v) for k, v in parts.items()} if windows else None
 
 
 def as_json(cfg: CkptBenchConfig, result: BenchResult) -> dict[str, Any]:
@@ -213,10 +231,11 @@ def as_json(cfg: CkptBenchConfig, result: BenchResult) -> dict[str, Any]:
 def render(cfg: CkptBenchConfig, result: BenchResult) -> Any:
     from rich.table import Table
 
-    params = sum(p.numel() for p in GPT(cfg.model).parameters()) if cfg.model.layers <= 48 else None
+    with torch.device("meta"):  # counted without allocating: the model can be as large as the host
+        params = sum(p.numel() for p in GPT(cfg.model).parameters())
     where = f"optimizer on NVMe ({cfg.nvme_path})" if cfg.nvme_path else "optimizer in memory"
-    title = (f"checkpoint every {cfg.every} steps: {params / 1e6:.1f}M params, " if params else "") + \
-        f"stage {cfg.stage}, {where}, {cfg.ranks} ranks, {cfg.rounds} rounds (rank 0)"
+    title = (f"checkpoint every {cfg.every} steps: {params / 1e6:.1f}M params, stage {cfg.stage}, {where}, "
+             f"{cfg.ranks} ranks, {cfg.rounds} rounds (rank 0)")
     table = Table(title=title, title_justify="left")
     for col in ("mode", "step (median)", "x none: median [min, max]", "cost/save", "stall/save (engine)",
                 "write/save", "MiB/save/rank", "snapshot MiB/rank"):
