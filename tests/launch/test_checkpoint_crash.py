@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,13 +48,7 @@ def test_worker_killed_during_a_save_leaves_the_previous_checkpoint_loadable_and
     assert len(checkpoint_format.consolidate(ckpt)) == 4  # the previous checkpoint loads: two Linear layers
     if point != "shard":
         return
-    resumed = launch("train_checkpointed.py", **_keys(ckpt, async_save))
-    assert resumed.wait() == 0, resumed.output
-    assert "[localhost:0] rank 0 resumed from step-2 at step 2" in resumed.stdout
-    assert not (ckpt / ".tmp-step-4").exists() and (ckpt / "latest").read_text() == "step-6\n"
-    whole = launch("train_checkpointed.py", **_keys(tmp_path / "uninterrupted", async_save))
-    assert whole.wait() == 0, whole.output
-    assert _final(resumed) == _final(whole) and len(_final(whole)) == 2, resumed.output + whole.output
+    _resumes_from_step_2_exactly(launch, tmp_path, _keys(ckpt, async_save))
 
 
 def test_launcher_killed_during_a_background_write_leaves_latest_no_worker_and_resumes_exactly(launch, tmp_path):
@@ -73,10 +68,21 @@ def test_launcher_killed_during_a_background_write_leaves_latest_no_worker_and_r
     assert job.leftovers() == []
     assert (ckpt / "latest").read_text() == "step-2\n" and not (ckpt / "step-4").exists()
     assert (ckpt / ".tmp-step-4").is_dir() and checkpoint_format.tags(ckpt) == ["step-2"]
-    resumed = launch("train_checkpointed.py", **_keys(ckpt, True))
+    keys = _keys(ckpt, True)
+    keys["checkpoint"]["every_steps"] = 3  # no new step-4: only the start (or the save of step-3) removes the old
+    _resumes_from_step_2_exactly(launch, tmp_path, keys)
+    assert checkpoint_format.tags(ckpt) == ["step-2", "step-3", "step-6"]
+
+
+def _resumes_from_step_2_exactly(launch, tmp_path, keys: dict) -> None:
+    """A new launch on the crashed directory resumes from step-2, removes the partial `.tmp-step-4`, and
+    ends where an uninterrupted run ends."""
+    ckpt = Path(keys["checkpoint"]["dir"])
+    resumed = launch("train_checkpointed.py", **keys)
     assert resumed.wait() == 0, resumed.output
     assert "[localhost:0] rank 0 resumed from step-2 at step 2" in resumed.stdout
     assert not (ckpt / ".tmp-step-4").exists() and (ckpt / "latest").read_text() == "step-6\n"
-    whole = launch("train_checkpointed.py", **_keys(tmp_path / "uninterrupted", True))
+    whole = launch("train_checkpointed.py", **dict(keys, checkpoint=dict(keys["checkpoint"],
+                                                                        dir=str(tmp_path / "uninterrupted"))))
     assert whole.wait() == 0, whole.output
     assert _final(resumed) == _final(whole) and len(_final(whole)) == 2, resumed.output + whole.output
