@@ -253,12 +253,13 @@ def bench_ckpt(
     micro_batch: Annotated[int, typer.Option(help="Micro-batch per rank.")] = 2,
     ranks: Annotated[int, typer.Option(help="Ranks (local processes, gloo).")] = 2,
     stage: Annotated[int, typer.Option(min=0, max=3, help="ZeRO stage.")] = 2,
-    steps: Annotated[int, typer.Option(min=1, help="Timed optimizer steps per mode, after one warm-up step.")] = 12,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds; each runs one window of --every steps per mode, in "
+                                                    "an order rotated from round to round.")] = 5,
     every: Annotated[int, typer.Option(min=1, help="Save every N optimizer steps.")] = 4,
-    modes: Annotated[str, typer.Option(help="Comma-separated, run in this order: none, sync, async.")] =
-        "none,sync,async",
+    modes: Annotated[str, typer.Option(help="Comma-separated: none, sync, async (and async-nice<N>: the writer "
+                                            "thread at nice N).")] = "none,sync,async",
     directory: Annotated[str | None, typer.Option("--dir", help="Where checkpoints are written (a fresh "
-                                                                 "directory per mode, removed after it; default "
+                                                                 "directory, removed after the run; default "
                                                                  "/var/tmp).")] = None,
     nvme_path: Annotated[str | None, typer.Option(help="Offload the optimizer state to NVMe here.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
@@ -270,17 +271,24 @@ def bench_ckpt(
     from zerorun.bench.gpt import GPTConfig
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
-    unknown = [m for m in chosen if m not in ckpt.MODES]
-    if unknown or not chosen:
-        raise ZerorunError(f"--modes: unknown {', '.join(unknown) or '(none given)'}; choose from "
-                           f"{', '.join(ckpt.MODES)}.")
+    unknown = [m for m in chosen if not ckpt.valid_mode(m)]
+    if unknown or "none" not in chosen or len(set(chosen)) < len(chosen):
+        raise ZerorunError(f"--modes: {'unknown ' + ', '.join(unknown) if unknown else 'none missing or repeated'}; "
+                           f"choose from {', '.join(ckpt.MODES)} or async-nice<0-19>, with none (the baseline) "
+                           "and each once.")
     if nvme_path is not None and stage == 0:
         raise ZerorunError("--nvme-path: optimizer offload needs --stage 1 or more.")
-    cfg = ckpt.CkptBenchConfig(GPTConfig(layers, d_model, heads, vocab, seq_len), micro_batch, ranks, 1, stage, steps,
+    cfg = ckpt.CkptBenchConfig(GPTConfig(layers, d_model, heads, vocab, seq_len), micro_batch, ranks, 1, stage, rounds,
                                every, directory or ckpt.default_directory(), nvme_path, chosen)
-    results = ckpt.run(cfg, progress=lambda line: typer.echo(line, err=True))
-    Console(width=200).print(ckpt.render(cfg, results))
-    for key, value in ckpt.summary(results).items():
-        typer.echo(f"{key}: {value}")
+    result = ckpt.run(cfg, progress=lambda line: typer.echo(line, err=True))
+    Console(width=200).print(ckpt.render(cfg, result))
+    facts = ckpt.summary(result, chosen)
+    for mode, parts in facts["breakdown_s"].items():
+        if parts is not None:
+            typer.echo(f"{mode}: cost/save {facts['cost_per_save_s'][mode]['median']:.3f} s = " + " + ".join(
+                f"{k.replace('_', ' ')} {v:.3f} s" for k, v in parts.items()))
+    for mode, figures in facts.get("targets", {}).items():
+        typer.echo(f"{mode}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                           for k, v in figures.items()))
     if json_out is not None:
-        json_out.write_text(json.dumps(ckpt.as_json(cfg, results), indent=2))
+        json_out.write_text(json.dumps(ckpt.as_json(cfg, result), indent=2))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 
 from tests.harness import run_ranks
 from tests.runtime.reference import OPT, batch, make_model
+from zerorun.runtime import checkpoint_async
 from zerorun.runtime.checkpoint_async import SLOW_ENV
 from zerorun.runtime.checkpoint_format import tags
 
@@ -170,3 +172,19 @@ def test_a_host_too_small_for_the_snapshot_saves_synchronously_with_one_warning_
         assert len(shown) == (1 if rank == 1 else 0), r["warnings"]
     assert "GiB of host memory and 0.00 GiB are available" in [w for w in results[1]["warnings"]
                                                                  if "snapshot needs" in w][0]
+
+
+def test_the_writer_niceness_applies_to_the_writer_thread_only():
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before, seen = niceness(), []
+
+    def writer() -> None:
+        checkpoint_async._lower_priority(5)
+        seen.append(niceness())
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    thread.join()
+    assert seen == [min(19, before + 5)] and niceness() == before

@@ -55,6 +55,7 @@ from zerorun.runtime.memory import MemoryReport
 log = logging.getLogger("zerorun")
 
 SLOW_ENV = "ZERORUN_CHECKPOINT_SLOW_WRITE_S"  # tests only: seconds the writer sleeps per written chunk
+WRITER_NICE = 0  # the writer thread's niceness (0: as the training thread; see `_lower_priority`)
 HOST_HEADROOM = 0.8  # a snapshot may take at most this share of the host memory available at the first save
 # Checkpointers whose last save no `wait()` has seen yet, in the order of their saves: the same on every
 # rank (every rank saves and waits at the same points), so `wait_all`'s collectives match across ranks
@@ -254,6 +255,7 @@ class _Job:
 
     def run(self) -> None:
         save, started = self.save, time.perf_counter()
+        _lower_priority(WRITER_NICE)
         try:
             if self.rank < self.shards:
                 self._write_shard()
@@ -317,6 +319,16 @@ class _Job:
                                        f"files in {self.save.tmp} within launch.timeout_s ({self.timeout_s:g} s).")
                 time.sleep(0.02)
         return files
+
+
+def _lower_priority(nice: int) -> None:
+    """Give the writer thread (only it: Linux keeps a niceness per thread) `nice` more niceness than
+    the training thread, so the scheduler prefers the ranks' compute when the cores are all busy."""
+    if nice > 0 and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+        except OSError:
+            pass  # a niceness is advice: a save goes on without it
 
 
 class _RankFailed(Exception):
