@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 class _ZerorunGroup(TyperGroup):
     """Turns a ZerorunError from any subcommand into one line on stderr and exit status 2."""
 
-    def invoke(self, ctx: typer.Context) -> object:
+    # typer hands its own Context subclass; the base classes name click's (vendored privately by typer).
+    def invoke(self, ctx: typer.Context) -> object:  # type: ignore[override]
         try:
             return super().invoke(ctx)
         except ZerorunError as exc:
@@ -72,7 +73,7 @@ class Launcher(str, enum.Enum):
 class _LaunchCommand(TyperCommand):
     """`zerorun launch script.py ARGS`: as with DeepSpeed's launcher, everything after the script is its own."""
 
-    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:  # type: ignore[override]  # as invoke
         from zerorun.compat.cmdline import split_script_args
 
         value_options = {name for param in self.params if not getattr(param, "is_flag", True)

@@ -300,7 +300,9 @@ class Engine:
             coef = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
             self.update.run(self._pieces, sum_divisor / coef)
             if self.deferred is not None:
-                self.deferred.start(self.store.publish_units)  # waited for by the next forward's hooks
+                # Only FlatParams publishes by unit (stages 1/2 set `deferred`): the engine-protocol step of #35
+                # moves this behind ParamStore.
+                self.deferred.start(self.store.publish_units)  # type: ignore[attr-defined]  # waited for by the next forward's hooks
             else:
                 self.store.publish().wait()
             if self.scheduler is not None and self.recipe.zero.overlap_comm:
@@ -381,7 +383,8 @@ class Engine:
     def client_state(self) -> dict:
         """The script's own state (data position, scheduler, ...): saved with every checkpoint, the
         recipe's `every_steps` saves included, and set from the checkpoint on resume."""
-        return self.__dict__.setdefault("_client_state", {})
+        state: dict = self.__dict__.setdefault("_client_state", {})
+        return state
 
     @client_state.setter
     def client_state(self, value: dict) -> None:

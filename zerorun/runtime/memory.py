@@ -66,13 +66,13 @@ class BlockCache:
         assert storage.nbytes() == 0, "fill an empty storage"
         idle = self._idle[nbytes]
         block = idle.pop() if idle else torch.UntypedStorage(nbytes, device=storage.device)
-        storage._swap_data_ptr_(block)  # storage takes the memory; the block object is left empty
+        storage._swap_data_ptr_(block)  # type: ignore[attr-defined]  # private in torch; supported() checks it. storage takes the memory; the block object is left empty
 
     def take(self, storage: torch.UntypedStorage) -> None:
         """Move `storage`'s memory here as an idle block; `storage` is left with none."""
         if storage.nbytes():
             block = torch.UntypedStorage(0, device=storage.device)
-            block._swap_data_ptr_(storage)
+            block._swap_data_ptr_(storage)  # type: ignore[attr-defined]  # as in fill
             self._idle[block.nbytes()].append(block)
 
     def idle_bytes(self) -> int:

@@ -145,7 +145,7 @@ class StagingRing:
     def begin(self, grad_tiles: list[torch.Tensor]) -> None:
         """Start a pass over `grad_tiles` (device views); the first copy starts now."""
         self._tiles, self._launched = grad_tiles, -1
-        if self.cuda:
+        if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))  # gradients are complete
         self._launch(0)
 
@@ -210,6 +210,6 @@ class StagingRing:
 
     def finish(self) -> None:
         """The device's compute stream waits for every copy (the parameter all-gather follows)."""
-        if self.cuda:
+        if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self._tiles = []

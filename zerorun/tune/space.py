@@ -247,10 +247,11 @@ def script_honours(script: str | Path) -> tuple[str, ...]:
     for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else \
             [node.target] if isinstance(node, ast.AnnAssign) else []
-        if not any(isinstance(t, ast.Name) and t.id == HONOURS_NAME for t in targets) or node.value is None:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if not any(isinstance(t, ast.Name) and t.id == HONOURS_NAME for t in targets) or value is None:
             continue
         try:
-            keys = ast.literal_eval(node.value)
+            keys = ast.literal_eval(value)
         except ValueError:
             keys = None
         if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
