@@ -43,7 +43,7 @@ from zerorun.offload_files import MEMORY_FILESYSTEMS, check_nvme_path, filesyste
 from zerorun.offload_files import size_text
 from zerorun.runtime.aio import ALIGN, AioEngine, AioError, open_engine
 
-RING_SLOTS = 3
+RING_SLOTS = 3  # tiles in flight per tensor: read of tile k+1, update of tile k, write of tile k-1
 
 
 def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:

@@ -51,7 +51,7 @@ class Candidate:
 
     def sharding_label(self) -> str:
         """`stage 3, optimizer->cpu, params->cpu`, as `zerorun estimate` names it."""
-        return estimate.Placement(*self.sharding).name
+        return estimate.Footprint(*self.sharding).name
 
     def label(self) -> str:
         """`stage 3, optimizer->cpu, params->cpu, micro 4 x 2, ckpt, bucket 25`: one table cell."""
