@@ -44,7 +44,8 @@ from zerorun.runtime.deferred_publish import DeferredPublish
 from zerorun.runtime.dist import init_distributed
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
-from zerorun.runtime.memory import MemoryReport, set_host_allocator, tensor_bytes
+from zerorun.runtime.host_allocator import set_host_allocator
+from zerorun.runtime.memory import MemoryReport, tensor_bytes
 from zerorun.runtime.module_units import describe as describe_plan
 from zerorun.runtime.module_units import plan_stage3, warn_if_nothing_sharded
 from zerorun.runtime.optimizer import ShardedAdamW, param_groups_from
