@@ -1,7 +1,7 @@
 """The `zerorun` command: parse the flags, call one function, render its result or its error.
 
-Every subcommand is a plain `@app.command()` function here (the `bench` ones in `cli_bench`); the
-work happens in the modules they call. A `ZerorunError` from any of them (a bad recipe, hostfile or flag) is printed as one line,
+Every subcommand is a plain `@app.command()` function here (`tune` in `cli_tune`, the `bench` and
+`checkpoint` groups in `cli_bench` and `cli_checkpoint`); the work happens in the modules they call. A `ZerorunError` from any of them (a bad recipe, hostfile or flag) is printed as one line,
 `zerorun: error: <message>`, with exit status 2 and no traceback (see `_ZerorunGroup`).
 """
 
@@ -9,27 +9,24 @@ from __future__ import annotations
 
 import enum
 import json
-import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
 import zerorun
 from zerorun.cli_bench import bench_app
+from zerorun.cli_checkpoint import checkpoint_app
+from zerorun.cli_tune import tune
 from zerorun.errors import ZerorunError
-
-if TYPE_CHECKING:
-    from rich.console import Console
-
-    from zerorun.tune.tuner import TuneOptions, TuneResult
 
 
 class _ZerorunGroup(TyperGroup):
     """Turns a ZerorunError from any subcommand into one line on stderr and exit status 2."""
 
-    def invoke(self, ctx: typer.Context) -> object:
+    # typer hands its own Context subclass; the base classes name click's (vendored privately by typer).
+    def invoke(self, ctx: typer.Context) -> object:  # type: ignore[override]
         try:
             return super().invoke(ctx)
         except ZerorunError as exc:
@@ -72,7 +69,7 @@ class Launcher(str, enum.Enum):
 class _LaunchCommand(TyperCommand):
     """`zerorun launch script.py ARGS`: as with DeepSpeed's launcher, everything after the script is its own."""
 
-    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:  # type: ignore[override]  # as invoke
         from zerorun.compat.cmdline import split_script_args
 
         value_options = {name for param in self.params if not getattr(param, "is_flag", True)
@@ -295,164 +292,8 @@ def estimate(
         typer.echo(line)
 
 
-def _numbers(flag: str, text: str | None, kind: type) -> tuple:
-    """`1,2,4` -> (1, 2, 4); a clear error for anything else."""
-    if not text:
-        return ()
-    try:
-        return tuple(kind(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ZerorunError(f"{flag}: expected comma-separated {kind.__name__}s, got {text!r}.") from None
-
-
-@app.command()
-def tune(
-    recipe: Annotated[Path, typer.Argument(help="The recipe YAML file: your script, nodes and data.",
-                                           show_default=False)],
-    budget_min: Annotated[float, typer.Option(help="Wall-clock minutes for the whole tuning.")] = 10.0,
-    out: Annotated[Path | None, typer.Option(help="Where to write the tuned recipe (default: RECIPE's "
-                                                  "directory, <stem>.tuned.yaml).")] = None,
-    gpu_mem: Annotated[float | None, typer.Option(help="Memory budget of one GPU, GiB (default: the GPU's).")] = None,
-    cpu_mem: Annotated[float | None, typer.Option(help="Memory budget of one node, GiB (default: this machine's); "
-                                                       "on a CPU-only job each rank gets its share.")] = None,
-    nvme_path: Annotated[str | None, typer.Option(help="Directory for NVMe-offload trials (without it, and without "
-                                                       "one in the recipe, NVMe candidates are rejected).")] = None,
-    model: Annotated[str | None, typer.Option(
-        help="Model factory module:function, so the estimate prunes before the first trial (default: the first "
-             "trial's parameter count).")] = None,
-    micro_batches: Annotated[str | None, typer.Option(
-        help="Micro-batches to try, e.g. 1,2,4 (default: the divisors of the per-rank batch, so the global batch "
-             "stays).")] = None,
-    allow_batch_change: Annotated[bool, typer.Option(
-        "--allow-batch-change", help="Let the global batch change: micro-batches from 1/4 to 4x the recipe's, "
-                                     "same accumulation.")] = False,
-    bucket_mb: Annotated[str | None, typer.Option(help="Gradient bucket sizes to try, MiB (default: the recipe's, "
-                                                       "1/4 and 4x of it).")] = None,
-    stages: Annotated[str, typer.Option(help="ZeRO stages to try.")] = "0,1,2,3",
-    offloads: Annotated[str, typer.Option(help="Offload devices to try.")] = "none,cpu,nvme",
-    warmup: Annotated[int, typer.Option(help="Steps per trial left out of the measurement.")] = 1,
-    steps: Annotated[int, typer.Option(help="Measured steps per trial (at least 2 s of them).")] = 3,
-    sweep: Annotated[int, typer.Option(help="Then measure every candidate fully this many times (no search, no "
-                                            "early stopping) and compare the winner with the sweep's best.")] = 0,
-    hostfile: Annotated[str | None, typer.Option(help="DeepSpeed-style hostfile (overrides the recipe's).")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
-                                                      help="Override a recipe key in every trial.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON (no tables).")] = False,
-) -> None:
-    """Measure stage, offload, micro-batch, checkpointing and bucket size on your job; write the fastest that fits."""
-    from rich.console import Console
-
-    from zerorun.tune import output
-    from zerorun.tune.tuner import TuneOptions
-
-    if warmup < 0 or steps < 1 or budget_min <= 0 or sweep < 0:
-        raise ZerorunError("--warmup and --sweep must be >= 0, --steps >= 1 and --budget-min > 0.")
-    options = TuneOptions(budget_min, gpu_mem, cpu_mem, nvme_path, allow_batch_change,
-                          _numbers("--micro-batches", micro_batches, int), _numbers("--bucket-mb", bucket_mb, float),
-                          _numbers("--stages", stages, int), tuple(o.strip() for o in offloads.split(",") if o.strip()),
-                          model, warmup, steps, overrides=tuple(set_ or ()),
-                          launch_options={"hostfile": hostfile} if hostfile else {})
-    err = Console(stderr=True, width=200)
-    # Ctrl-C ends the tuning as it ends a launch, even where SIGINT came ignored (a shell's background
-    # job): each trial's launcher handles SIGINT itself, so a tuner that ignored it would see its trial
-    # stop, record it as failed and go on to the next
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    result = output.run(recipe, options, live=err.is_terminal and not as_json, err=err)
-    target = out or recipe.with_name(f"{recipe.stem}.tuned.yaml")
-    tuned = output.write_tuned(result, target, options.nvme_path)
-    report = output.as_json(result, str(tuned) if tuned else None)
-    Path(result.tune_dir, "tune.json").write_text(json.dumps(report, indent=2))
-    if not as_json:
-        Console(width=200).print(output.render_final(result, str(tuned) if tuned else None))
-    interrupted = result.interrupted
-    if sweep > 0 and not interrupted:
-        interrupted = _sweep(recipe, options, sweep, result, report, as_json, err)
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-    if interrupted:
-        raise typer.Exit(130)
-    if tuned is None:
-        raise typer.Exit(1)
-
-
-def _sweep(recipe: Path, options: TuneOptions, rounds: int, result: TuneResult, report: dict, as_json: bool,
-           err: Console) -> bool:
-    """`tune --sweep N`: every candidate measured `rounds` times, the tuner's winner checked against the
-    best; the sweep goes into `report` and sweep.json. Returns whether Ctrl-C ended it."""
-    from rich.console import Console
-
-    from zerorun.tune import output
-    from zerorun.tune import sweep as manual
-
-    checked = manual.run_sweep(recipe, options, rounds, progress=output.trial_line(err))
-    report["sweep"] = manual.as_json(checked, result)
-    Path(checked.session.runner.setup.tune_dir, "sweep.json").write_text(json.dumps(report["sweep"], indent=2))
-    if not as_json:
-        Console(width=200).print(manual.table(checked, result))
-        typer.echo(manual.verdict(checked, result))
-    return checked.interrupted
-
-
-checkpoint_app = typer.Typer(help="Inspect, consolidate and upgrade sharded checkpoints.", no_args_is_help=True)
-app.add_typer(checkpoint_app, name="checkpoint")
-
-
-@checkpoint_app.command("info")
-def checkpoint_info(
-    directory: Annotated[Path, typer.Argument(help="A checkpoint directory (checkpoint.dir).", show_default=False)],
-    tag: Annotated[str | None, typer.Option(help="The checkpoint to show (default: the latest).")] = None,
-    verify: Annotated[bool, typer.Option("--verify", help="Also read every file and check its CRC32.")] = False,
-) -> None:
-    """Step, world size, stage, precision, learning rates and file sizes of a checkpoint, and the tags
-    beside it, after checking its manifest and files (an edited or damaged one is an error)."""
-    from rich.console import Console
-
-    from zerorun.runtime import checkpoint_format as checkpoint
-
-    Console(width=200).print(checkpoint.render(checkpoint.describe(directory, tag, verify)))
-
-
-@checkpoint_app.command("upgrade")
-def checkpoint_upgrade(
-    directory: Annotated[Path, typer.Argument(help="A checkpoint directory (checkpoint.dir).", show_default=False)],
-    tag: Annotated[str | None, typer.Option(help="The checkpoint to upgrade (default: the latest).")] = None,
-) -> None:
-    """Add the manifest checksum to a checkpoint of format 1 (zerorun before it had one), after checking
-    its structure and every file's CRC32. Check the step and learning rates it shows are the ones you saved."""
-    from rich.console import Console
-
-    from zerorun.runtime import checkpoint_format as checkpoint
-
-    Console(width=200).print(checkpoint.render(checkpoint.upgrade(directory, tag)))
-
-
-@checkpoint_app.command("consolidate")
-def checkpoint_consolidate(
-    directory: Annotated[Path, typer.Argument(help="A checkpoint directory (checkpoint.dir).", show_default=False)],
-    out: Annotated[Path, typer.Option(help="model.safetensors or model.pt: the full fp32 state dict; with "
-                                           "--format hf, the model directory to write.")],
-    tag: Annotated[str | None, typer.Option(help="The checkpoint to consolidate (default: the latest).")] = None,
-    format: Annotated[str, typer.Option(help="state-dict: one file; hf: a Hugging Face model directory "
-                                             "(safetensors, sharded past --max-shard-mb, config.json).")] = "state-dict",
-    config: Annotated[Path | None, typer.Option(help="--format hf: the model's config.json (or its directory); "
-                                                     "default: the one beside the checkpoint.")] = None,
-    max_shard_mb: Annotated[float, typer.Option(help="--format hf: the most MiB per safetensors file.")] = 5120,
-) -> None:
-    """Write the full fp32 state dict, loadable with the plain model's load_state_dict(strict=True), or a
-    Hugging Face model directory that from_pretrained loads."""
-    from zerorun.runtime import checkpoint_format as checkpoint
-
-    if format not in ("state-dict", "hf"):
-        raise ZerorunError(f"--format {format}: choose state-dict or hf.")
-    state = checkpoint.consolidate(directory, tag)
-    if format == "hf":
-        from zerorun.compat import hf_export
-
-        files = hf_export.write(state, out, hf_export.find_config(directory, config), int(max_shard_mb * 2**20))
-        typer.echo(f"{out}: {len(files)} safetensors file(s), config.json; {len(state)} tensors")
-        return
-    checkpoint.write_state_dict(state, out)
-    typer.echo(f"{out}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} elements")
+app.command()(tune)  # zerorun/cli_tune.py
+app.add_typer(checkpoint_app, name="checkpoint")  # zerorun/cli_checkpoint.py
 
 
 def main() -> None:

@@ -9,26 +9,39 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from zerorun.bench.shape import BENCHMARK, GPTConfig
 from zerorun.errors import ZerorunError
+
+if TYPE_CHECKING:
+    from zerorun.bench.step import StepBenchConfig, SystemResult
 
 bench_app = typer.Typer(help="Side-by-side measurements: step time against DDP/FSDP2, collectives, Adam kernels, "
                              "NVMe I/O, the largest model this machine trains; and the GPU check.",
                         no_args_is_help=True)
 
+# The benchmark model's options, shared by the commands that build it (defaults: `bench.shape.BENCHMARK`).
+Layers = Annotated[int, typer.Option(help="GPT layers.")]
+DModel = Annotated[int, typer.Option(help="GPT width.")]
+Heads = Annotated[int, typer.Option(help="Attention heads.")]
+Vocab = Annotated[int, typer.Option(help="Vocabulary size.")]
+SeqLen = Annotated[int, typer.Option(help="Sequence length.")]
+MicroBatch = Annotated[int, typer.Option(help="Micro-batch per rank.")]
+Ranks = Annotated[int, typer.Option(help="Ranks (local processes, gloo).")]
+
 
 @bench_app.command("step")
 def bench_step(
-    layers: Annotated[int, typer.Option(help="GPT layers.")] = 12,
-    d_model: Annotated[int, typer.Option(help="GPT width.")] = 768,
-    heads: Annotated[int, typer.Option(help="Attention heads.")] = 12,
-    vocab: Annotated[int, typer.Option(help="Vocabulary size.")] = 8192,
-    seq_len: Annotated[int, typer.Option(help="Sequence length.")] = 128,
-    micro_batch: Annotated[int, typer.Option(help="Micro-batch per rank.")] = 2,
-    ranks: Annotated[int, typer.Option(help="Ranks (local processes, gloo).")] = 2,
+    layers: Layers = BENCHMARK.layers,
+    d_model: DModel = BENCHMARK.d_model,
+    heads: Heads = BENCHMARK.heads,
+    vocab: Vocab = BENCHMARK.vocab,
+    seq_len: SeqLen = BENCHMARK.seq_len,
+    micro_batch: MicroBatch = 2,
+    ranks: Ranks = 2,
     threads: Annotated[int, typer.Option(help="CPU threads per rank.")] = 1,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds (each system once per round).")] = 3,
     steps: Annotated[int, typer.Option(help="Timed steps per round, after one warm-up step.")] = 3,
@@ -52,8 +65,22 @@ def bench_step(
     from rich.console import Console
 
     from zerorun.bench import step
-    from zerorun.bench.cluster import EmulatedCluster, parse_rate, parse_shape
-    from zerorun.bench.gpt import GPTConfig
+    from zerorun.bench.cluster import parse_shape
+
+    chosen = _step_systems(systems, nvme_path, baseline)
+    shape = parse_shape(cluster) if cluster else None
+    cfg = step.StepBenchConfig(GPTConfig(layers, d_model, heads, vocab, seq_len), micro_batch,
+                               shape[0] * shape[1] if shape else ranks, threads, rounds, 1, steps, chosen, precision,
+                               nvme_path, baseline, shape, link)
+    results, links = _run_step_bench(cfg)
+    Console(width=250).print(step.render(cfg, results, links))
+    if json_out is not None:
+        json_out.write_text(json.dumps(step.as_json(cfg, results, links), indent=2))
+
+
+def _step_systems(systems: str, nvme_path: str | None, baseline: str) -> tuple[str, ...]:
+    """`--systems` as a tuple, refused with the option's name when it cannot run as asked."""
+    from zerorun.bench import step
 
     chosen = tuple(s.strip() for s in systems.split(",") if s.strip())
     unknown = [s for s in chosen if s not in step.SYSTEMS]
@@ -66,25 +93,26 @@ def bench_step(
                            "so both run in the same rounds.")
     if any(s.startswith("deepspeed") for s in chosen) and importlib.util.find_spec("deepspeed") is None:
         raise ZerorunError("--systems: deepspeed2/deepspeed3 need DeepSpeed (pip install deepspeed).")
-    shape = parse_shape(cluster) if cluster else None
-    cfg = step.StepBenchConfig(GPTConfig(layers, d_model, heads, vocab, seq_len), micro_batch,
-                               shape[0] * shape[1] if shape else ranks, threads, rounds, 1, steps, chosen, precision,
-                               nvme_path, baseline, shape, link)
-    progress = lambda line: typer.echo(line, err=True)  # noqa: E731
-    if shape is None:
-        results, links = step.run(cfg, progress), []
-    else:
-        from zerorun.bench.cluster_spawn import run_ranks_on
+    return chosen
 
-        rate = parse_rate(link)
-        with EmulatedCluster.start(shape[0], rate) as built:
-            links = built.measure_links()
-            progress("links: " + ", ".join(f"{x.source}->{x.destination} {x.gbit_s:.2f} Gbit/s" for x in links))
-            results = step.run(cfg, progress, lambda fn, args: run_ranks_on(built, shape[1], fn, args,
-                                                                            threads=threads))
-    Console(width=250).print(step.render(cfg, results, links))
-    if json_out is not None:
-        json_out.write_text(json.dumps(step.as_json(cfg, results, links), indent=2))
+
+def _run_step_bench(cfg: StepBenchConfig) -> tuple[list[SystemResult], list[Any]]:
+    """The step benchmark's results on local processes, or on an emulated cluster (`cfg.cluster`) with its links."""
+    from zerorun.bench import step
+    from zerorun.bench.cluster import EmulatedCluster, parse_rate
+
+    progress = lambda line: typer.echo(line, err=True)  # noqa: E731
+    if cfg.cluster is None:
+        return step.run(cfg, progress), []
+    from zerorun.bench.cluster_spawn import run_ranks_on
+
+    nodes, per_node = cfg.cluster
+    with EmulatedCluster.start(nodes, parse_rate(cfg.link)) as built:
+        links = built.measure_links()
+        progress("links: " + ", ".join(f"{x.source}->{x.destination} {x.gbit_s:.2f} Gbit/s" for x in links))
+        results = step.run(cfg, progress, lambda fn, args: run_ranks_on(built, per_node, fn, args,
+                                                                        threads=cfg.threads))
+    return results, links
 
 
 @bench_app.command("comm")
@@ -195,13 +223,13 @@ def bench_scale(
         None,
     disk_gb: Annotated[float | None, typer.Option(help="Disk budget at --nvme-path (default: 80% of free).")] = None,
     steps: Annotated[int, typer.Option(help="Steps per run; the first is untimed.")] = 3,
-    base_layers: Annotated[int, typer.Option(help="Family: layers of rung 0.")] = 12,
-    base_d_model: Annotated[int, typer.Option(help="Family: width of rung 0.")] = 768,
+    base_layers: Annotated[int, typer.Option(help="Family: layers of rung 0.")] = BENCHMARK.layers,
+    base_d_model: Annotated[int, typer.Option(help="Family: width of rung 0.")] = BENCHMARK.d_model,
     d_step: Annotated[int, typer.Option(help="Family: width added per rung.")] = 256,
     layer_step: Annotated[int, typer.Option(help="Family: layers added per rung.")] = 2,
-    head_dim: Annotated[int, typer.Option(help="Family: width per attention head.")] = 64,
-    vocab: Annotated[int, typer.Option(help="Family: vocabulary.")] = 8192,
-    seq_len: Annotated[int, typer.Option(help="Family: sequence length.")] = 128,
+    head_dim: Annotated[int, typer.Option(help="Family: width per attention head.")] = BENCHMARK.d_model // BENCHMARK.heads,
+    vocab: Annotated[int, typer.Option(help="Family: vocabulary.")] = BENCHMARK.vocab,
+    seq_len: Annotated[int, typer.Option(help="Family: sequence length.")] = BENCHMARK.seq_len,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
 ) -> None:
     """The largest GPT of the standard family DDP and stage 3 with CPU / NVMe offload train here: predicted, then run."""
@@ -245,13 +273,13 @@ def bench_gpu(
 
 @bench_app.command("ckpt")
 def bench_ckpt(
-    layers: Annotated[int, typer.Option(help="GPT layers.")] = 12,
-    d_model: Annotated[int, typer.Option(help="GPT width.")] = 768,
-    heads: Annotated[int, typer.Option(help="Attention heads.")] = 12,
-    vocab: Annotated[int, typer.Option(help="Vocabulary size.")] = 8192,
-    seq_len: Annotated[int, typer.Option(help="Sequence length.")] = 128,
-    micro_batch: Annotated[int, typer.Option(help="Micro-batch per rank.")] = 2,
-    ranks: Annotated[int, typer.Option(help="Ranks (local processes, gloo).")] = 2,
+    layers: Layers = BENCHMARK.layers,
+    d_model: DModel = BENCHMARK.d_model,
+    heads: Heads = BENCHMARK.heads,
+    vocab: Vocab = BENCHMARK.vocab,
+    seq_len: SeqLen = BENCHMARK.seq_len,
+    micro_batch: MicroBatch = 2,
+    ranks: Ranks = 2,
     stage: Annotated[int, typer.Option(min=0, max=3, help="ZeRO stage.")] = 2,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds; each runs one window of --every steps per mode, in "
                                                     "an order rotated from round to round.")] = 5,
@@ -268,7 +296,6 @@ def bench_ckpt(
     from rich.console import Console
 
     from zerorun.bench import ckpt
-    from zerorun.bench.gpt import GPTConfig
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     unknown = [m for m in chosen if not ckpt.valid_mode(m)]

@@ -80,7 +80,7 @@ class Cluster:
 
 
 @dataclass
-class Placement:
+class Footprint:
     """Bytes of one configuration: per GPU by kind, and per node on CPU and NVMe."""
 
     stage: int
@@ -175,9 +175,6 @@ def activation_bytes(act: Activations, precision: str, checkpointing: bool) -> f
     return act.layers * per_layer
 
 
-NVME_RING_SLOTS = 3  # the NVMe store's ring: read of tile k+1, update of tile k, write of tile k-1
-
-
 def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload_optimizer: str = "none",
                   offload_param: str = "none") -> dict[str, dict[str, float]]:
     """Model-state bytes per rank by place ("gpu", "cpu", "nvme") and kind, as `Engine.memory()` holds them.
@@ -205,10 +202,14 @@ def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload
 def offload_buffers(settings: Settings, offload_optimizer: str, gpu: bool = True) -> float:
     """Host bytes of offload staging: two gradient and two update tiles of `offload_buffer_mb`
     (pinned), one of each on a CPU-only machine, plus the NVMe store's ring of master + moment tiles."""
+    from zerorun.runtime.nvme import RING_SLOTS
+    from zerorun.runtime.transfers import StagingRing
+
     if offload_optimizer == "none":
         return 0.0
     tile = settings.offload_buffer_mb * MIB
-    return (4 if gpu else 2) * tile + (NVME_RING_SLOTS * 3 * tile if offload_optimizer == "nvme" else 0)
+    staging = 2 * StagingRing.default_slots(gpu) * tile  # gradients down, updates up
+    return staging + (RING_SLOTS * 3 * tile if offload_optimizer == "nvme" else 0)
 
 
 def checkpoint_snapshot(psi: float, n: int, stage: int, offload_optimizer: str) -> int:
@@ -221,12 +222,12 @@ def checkpoint_snapshot(psi: float, n: int, stage: int, offload_optimizer: str) 
 
 
 def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, offload_optimizer: str,
-          offload_param: str, activations: Activations | None) -> Placement:
+          offload_param: str, activations: Activations | None) -> Footprint:
     """One configuration's bytes: model states split between GPU, CPU and NVMe (per rank), plus the
     GPU's working buffers and activations and the host's offload staging."""
     n, psi = cluster.world, shape.params
     placed = placed_states(shape, n, stage, settings.precision, offload_optimizer, offload_param)
-    out = Placement(stage, offload_optimizer, offload_param,
+    out = Footprint(stage, offload_optimizer, offload_param,
                     paper_model_states=round(paper_model_states(psi, n, stage)))
     gpu = dict(placed["gpu"])
     gpu["buffers"] = working_buffers(shape, stage, settings)
@@ -263,16 +264,16 @@ class Estimate:
     cluster: Cluster
     settings: Settings
     activations: Activations | None
-    rows: list[Placement]
+    rows: list[Footprint]
     notes: list[str]
 
     @property
-    def recommended(self) -> Placement | None:
+    def recommended(self) -> Footprint | None:
         """The fastest configuration that fits with `HEADROOM` to spare; else the fastest that fits at all."""
         fitting = [r for r in self.rows if r.fits]
         return next((r for r in fitting if not self.tight(r)), fitting[0] if fitting else None)
 
-    def tight(self, row: Placement) -> bool:
+    def tight(self, row: Footprint) -> bool:
         """More than `HEADROOM` of the GPU: the CUDA context, fragmentation and any uncounted activations
         may not fit in what is left."""
         return self.cluster.gpu_mem_gib is not None and row.gpu_total > HEADROOM * self.cluster.gpu_mem_gib * GIB

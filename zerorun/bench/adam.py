@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 IMPLEMENTATIONS = ("zerorun", "zerorun+bf16", "torch fused", "torch fused+bf16", "torch foreach", "torch for-loop")
-HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+HYPER: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
 
 @dataclass
@@ -85,7 +85,7 @@ def measure_bandwidth(numel: int, repeats: int = 5) -> float:
 def _torch_optimizer(kind: str, numel: int) -> Callable[[], None]:
     param = torch.nn.Parameter(torch.randn(numel))
     param.grad = torch.randn(numel)
-    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+    flags: dict[str, dict[str, Any]] = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
     optimizer = torch.optim.AdamW([param], **HYPER, **flags[kind.split("+")[0]])
     copy = torch.empty(numel, dtype=torch.bfloat16) if kind.endswith("+bf16") else None
 

@@ -37,6 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from zerorun.errors import ZerorunError
 
@@ -140,7 +141,7 @@ class EmulatedCluster:
         """The prefix that runs a command on `node`: its network, hostname and mounts (/dev/shm)."""
         return ["nsenter", "-t", str(node.holder_pid), "-n", "-u", "-m", "--"]
 
-    def run_on(self, node: Node, argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    def run_on(self, node: Node, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*self.exec_argv(node), *argv], capture_output=True, text=True, **kwargs)
 
     def tx_bytes(self, node: Node) -> int:

@@ -1,31 +1,19 @@
 """A GPT in one screen (nanoGPT's shape): the standard benchmark model and the quick start's model.
 
-The standard benchmark configuration, so figures compare across issues and with other systems:
-12 layers, d_model 768, 12 heads, vocab 8192, sequence 128, untied output head: 97.7M parameters.
+Its shape, and the standard benchmark configuration (`BENCHMARK`), live in `bench.shape`, which
+imports no torch: the bench commands read their defaults from it without loading the model.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from zerorun.bench.shape import BENCHMARK, GPTConfig
 
-@dataclass
-class GPTConfig:
-    layers: int = 12
-    d_model: int = 768
-    heads: int = 12
-    vocab: int = 8192
-    seq_len: int = 128
-    tie_weights: bool = False
-    checkpoint: str = "none"  # activation checkpointing per block: none | reentrant | non-reentrant
-
-
-BENCHMARK = GPTConfig()
+__all__ = ["BENCHMARK", "GPT", "Block", "GPTConfig", "synthetic_tokens"]
 
 
 class Block(nn.Module):

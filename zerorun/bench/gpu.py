@@ -97,7 +97,8 @@ def _run(argv: list[str], root: Path, timeout_s: float) -> tuple[int, str]:
     try:
         done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
-        return 124, f"{exc.stdout or ''}{exc.stderr or ''}\n(timed out after {timeout_s:.0f} s)"
+        output = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o for o in (exc.stdout, exc.stderr) if o)
+        return 124, f"{output}\n(timed out after {timeout_s:.0f} s)"
     return done.returncode, done.stdout + done.stderr
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -161,7 +162,7 @@ def bandwidth(numel: int = 1 << 27) -> dict[str, float]:
     m, v = torch.zeros_like(p), torch.zeros_like(p)
     g = torch.randn(numel, device=dev)
     out16 = torch.empty(numel, dtype=torch.bfloat16, device=dev)
-    h = dict(HYPER, lr=1e-3, weight_decay=0.01)
+    h: dict[str, Any] = dict(HYPER, lr=1e-3, weight_decay=0.01)
     ref = p.clone().requires_grad_(True)
     ref.grad = g.clone()
     opt = torch.optim.AdamW([ref], lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"],

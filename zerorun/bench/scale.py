@@ -149,12 +149,14 @@ def _train(rank: int, world: int, system: str, model_cfg: GPTConfig, cfg: ScaleC
 
         wrapped = DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        forward, backward = wrapped, lambda loss: loss.backward()
+        forward: Callable[..., Any] = wrapped
+        backward: Callable[[torch.Tensor], Any] = lambda loss: loss.backward()  # noqa: E731
 
         def step() -> None:
             opt.step()
             opt.zero_grad(set_to_none=False)
-        counters, places = (lambda: {}), {"cpu": 20 * sum(p.numel() for p in model.parameters())}
+        counters: Callable[[], dict[str, Any]] = lambda: {}  # noqa: E731
+        places = {"cpu": 20 * sum(p.numel() for p in model.parameters())}
     else:
         nvme = [f"zero.offload_optimizer.nvme_path={cfg.nvme_path}", f"zero.offload_param.nvme_path={cfg.nvme_path}"] \
             if system.endswith("nvme") else []

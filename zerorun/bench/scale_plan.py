@@ -1,7 +1,7 @@
 """The model family and the memory/disk prediction behind `zerorun bench scale` (pure arithmetic).
 
-The family grows the standard benchmark GPT (12 layers, d_model 768, 12 heads, vocab 8192, seq 128)
-one rung at a time: rung r has d_model = 768 + 256 r, heads = d_model / 64 and 12 + 2 r layers, so
+The family grows the standard benchmark GPT (`bench.shape.BENCHMARK`) one rung at a time: rung r
+is 256 r wider and 2 r layers deeper, with 64-wide attention heads, so
 width and depth grow together the way published GPT families do, and parameters grow ~1.4-1.9x
 per rung (r0 97.7M, r1 193M, r2 336M, r3 535M, r4 801M, r5 1.14B, r6 1.57B, r7 2.09B, r8 2.71B).
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerorun import estimate as est
+from zerorun.bench.shape import BENCHMARK
 
 MIB = 2**20
 GIB = 2**30
@@ -38,13 +39,13 @@ OVERRIDES = {
 class Family:
     """GPT shapes: rung r has base_d_model + d_step r width, base_layers + layer_step r layers, heads = d / head_dim."""
 
-    base_layers: int = 12
-    base_d_model: int = 768
+    base_layers: int = BENCHMARK.layers  # rung 0 is the standard benchmark GPT
+    base_d_model: int = BENCHMARK.d_model
     d_step: int = 256
     layer_step: int = 2
-    head_dim: int = 64
-    vocab: int = 8192
-    seq_len: int = 128
+    head_dim: int = BENCHMARK.d_model // BENCHMARK.heads
+    vocab: int = BENCHMARK.vocab
+    seq_len: int = BENCHMARK.seq_len
 
     def shape(self, rung: int) -> tuple[int, int, int]:
         """(layers, d_model, heads) of `rung`."""

@@ -22,7 +22,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -123,7 +123,7 @@ def _peers(system: str, model: torch.nn.Module, cfg: StepBenchConfig) -> tuple[A
         return wrapped, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=system == "ddp-fused")
     from torch.distributed.fsdp import fully_shard
 
-    for block in model.blocks:
+    for block in cast(torch.nn.ModuleList, model.blocks):
         fully_shard(block)
     fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -275,7 +275,7 @@ def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print, spawn: Sp
     (default: `cfg.world_size` local processes; `cluster_spawn.run_ranks_on` for an emulated cluster)."""
     spawn = spawn or (lambda fn, args: run_ranks(fn, cfg.world_size, args, timeout=1800, threads=cfg.threads))
     samples: dict[str, list[Sample]] = {s: [] for s in cfg.systems}
-    ratios = {base: {s: [] for s in cfg.systems} for base in {"ddp", cfg.baseline}}
+    ratios: dict[str, dict[str, list[float]]] = {base: {s: [] for s in cfg.systems} for base in {"ddp", cfg.baseline}}
     for round_index in range(cfg.rounds):
         shift = round_index % len(cfg.systems)
         order = cfg.systems[shift:] + cfg.systems[:shift]
@@ -313,11 +313,11 @@ def ideal_link_mb(system: str, params: int, nodes: int) -> float:
     return (gradients + gathers) * (nodes - 1) / nodes * params * 4 / 1e6
 
 
-def as_json(cfg: StepBenchConfig, results: list[SystemResult], links: list[Any] = ()) -> dict[str, Any]:
+def as_json(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[Any] = ()) -> dict[str, Any]:
     return {"config": asdict(cfg), "results": [asdict(r) for r in results], "links": [asdict(x) for x in links]}
 
 
-def render(cfg: StepBenchConfig, results: list[SystemResult], links: list[Any] = ()) -> Any:
+def render(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[Any] = ()) -> Any:
     """A rich table of the results (with each link's measured throughput on an emulated cluster)."""
     from rich.table import Table
 

@@ -173,7 +173,7 @@ def _client_optimizer(optimizer: Any, model_parameters: Any, model: torch.nn.Mod
     # The config's optimizer over the script's param groups (e.g. no weight decay for biases).
     opt = recipe.optimizer
     cls = torch.optim.AdamW if opt.type == "adamw" else torch.optim.Adam
-    return cls(model_parameters, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    return cls(model_parameters, lr=opt.lr, betas=(opt.betas[0], opt.betas[1]), eps=opt.eps, weight_decay=opt.weight_decay)
 
 
 def _lr_scheduler(client: Any, optimizer: torch.optim.Optimizer, recipe: Recipe) -> Any:
@@ -198,6 +198,6 @@ def _dataloader(dataset: Any, recipe: Recipe, info: DistInfo, collate_fn: Callab
     from torch.utils.data import DataLoader, DistributedSampler
 
     drop_last = bool((ds or {}).get("dataloader_drop_last", False))
-    sampler = DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank)
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank)
     return DataLoader(dataset, batch_size=recipe.train.micro_batch_size, sampler=sampler, collate_fn=collate_fn,
                       drop_last=drop_last)

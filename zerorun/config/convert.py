@@ -33,7 +33,7 @@ def from_dict(data: Any, source: str = "<recipe>", lines: dict[str, int | str] |
     if isinstance(data, dict) and "script" not in data:
         raise ConfigError(f"{source}: script: missing; every recipe names its training script, e.g. `script: train.py`.")
     given = data.pop(GIVEN_KEY, None) if isinstance(data, dict) else None
-    recipe = _build(Recipe, data, "", ctx)
+    recipe: Recipe = _build(Recipe, data, "", ctx)
     _check_cross_fields(recipe, ctx)
     recipe.given = dict(given) if isinstance(given, dict) else {k: where(source, ctx.lines, k) for k in ctx.lines}
     return recipe
@@ -139,7 +139,7 @@ def _convert(tp: Any, value: Any, key: str, meta: typing.Mapping[str, Any], ctx:
         (inner,) = [a for a in args if a is not type(None)]
         return _convert(inner, value, key, meta, ctx)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key + ".", ctx)
+        return _build(typing.cast(type, tp), value, key + ".", ctx)
     if origin is Literal:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)

@@ -133,7 +133,7 @@ def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[str, int |
     if not isinstance(root, yaml.MappingNode):
         raise ConfigError(f"{source}:{root.start_mark.line + 1}: a recipe is a mapping of keys (like `script: train.py`).")
     _check_expansion(root, source)
-    lines: dict[str, int] = {}
+    lines: dict[str, int | str] = {}
     _record_lines(root, "", lines, source)
     try:
         data = yaml.SafeLoader(text).get_single_data()

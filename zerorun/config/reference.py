@@ -32,8 +32,8 @@ def _type_text(tp: Any) -> str:
 def _default_text(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         value = f.default
-    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = f.default_factory()  # type: ignore[misc]
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
     else:
         return "required"
     if dataclasses.is_dataclass(value):
@@ -57,7 +57,7 @@ def reference_rows(cls: type = Recipe, prefix: str = "") -> list[tuple[str, str,
             if short:
                 doc += f" May be given as just the `{short}` value."
             rows.append((f"{prefix}{f.name}", "section", "", doc))
-            rows.extend(reference_rows(tp, f"{prefix}{f.name}."))
+            rows.extend(reference_rows(typing.cast(type, tp), f"{prefix}{f.name}."))
         else:
             rows.append((f"{prefix}{f.name}", _type_text(tp), _default_text(f), doc))
     return rows

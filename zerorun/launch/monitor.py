@@ -37,7 +37,7 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO, cast
 
 import psutil
 from rich.console import Console
@@ -95,7 +95,8 @@ class Monitor(Output):
                                "interval_s": self.telemetry.interval_s, "stall_s": self.telemetry.stall_s,
                                "t": time.time()})
         if self.live:
-            rich_console = Console(file=_TextStream(self.files[1]), force_terminal=True, width=self._width)
+            # rich writes and flushes its file, which is all _TextStream provides (it is no full IO[str]).
+            rich_console = Console(file=cast(IO[str], _TextStream(self.files[1])), force_terminal=True, width=self._width)
             self._live = Live(console=rich_console, auto_refresh=False, transient=False,
                               redirect_stdout=False, redirect_stderr=False)
             self._live.start()
@@ -154,7 +155,7 @@ class Monitor(Output):
     def _warn_io(self) -> None:
         """One warning per file or sink that could not be written (the job goes on, its exit code is the workers')."""
         collector = self.collector
-        problems = [(str(self.path), collector.write_error, f"it stops after about {collector.written} records")] \
+        problems: list[tuple[str, Exception, str]] = [(str(self.path), collector.write_error, f"it stops after about {collector.written} records")] \
             if collector.write_error else []
         problems += [(name, exc, "nothing more goes there") for name, exc in collector.sink_errors]
         if collector.rejected and "records" not in self._warned:
@@ -337,7 +338,7 @@ def bind_address(host: str) -> str:
     """The address the collector listens on for workers told `host`: that address when it is this
     machine's, else every interface ('')."""
     try:
-        address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        address = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
         if ipaddress.ip_address(address.split("%")[0]).is_loopback:  # 127.0.1.1 of /etc/hosts: not what others reach
             return ""
         with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:

@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import IO
 
 EXIT_RECORD = b"\x1ezerorun-exit "  # starts with ASCII record separator: no user output looks like it
 BEAT_RECORD = b"\x1ezerorun-beat"  # the node supervisor is alive (every second, on its stderr)
@@ -183,7 +183,7 @@ def _write(fd: int, data: bytes) -> None:
             return  # nobody is reading any more (launcher gone): drop the output, keep relaying the exit
 
 
-def write_whole(stream: BinaryIO, data: bytes, lock: threading.Lock) -> bool:
+def write_whole(stream: IO[bytes], data: bytes, lock: threading.Lock) -> bool:
     """Write and flush `data` to a pipe under `lock` (lines of several threads never interleave);
     False once the other end is gone."""
     with lock:

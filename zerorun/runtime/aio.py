@@ -25,7 +25,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from zerorun.errors import ZerorunError
 
@@ -51,14 +51,15 @@ class AioSettings:
 class AioEngine(Protocol):
     backend: str  # what runs: "libaio", "threads" (both the kernel) or "python"
 
-    def submit(self, fd: int, address: int, nbytes: int, offset: int, write: bool) -> object: ...
+    # The handle is the engine's own (an id, a request): opaque to callers, who pass it back to `wait`.
+    def submit(self, fd: int, address: int, nbytes: int, offset: int, write: bool) -> Any: ...
 
-    def wait(self, handle: object) -> float: ...
+    def wait(self, handle: Any) -> float: ...
 
     def close(self) -> None: ...
 
 
-def open_engine(aio) -> AioEngine:
+def open_engine(aio: Any) -> AioEngine:
     """An engine for `aio` (a `zero.aio` config): the kernel when it is built or can be built, else Python's.
 
     backend "libaio" insists on native AIO (an error where the kernel refuses it or the aio kernel is
@@ -102,7 +103,7 @@ class KernelEngine:
         handle = self._lib.zr_aio_submit(self._engine, fd, address, nbytes, offset, int(write))
         if handle < 0:
             raise AioError(-handle, f"aio submit: {os.strerror(-handle)} (nbytes {nbytes}, offset {offset})")
-        return handle
+        return int(handle)
 
     def wait(self, handle: int) -> float:
         """Block until the request is done; the seconds it was in flight. AioError if it failed."""

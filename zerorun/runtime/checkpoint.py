@@ -160,7 +160,8 @@ def client_payload(client_state: dict | None) -> dict | bytes | None:
     """`client_state` as it is now: a copy of it when it is JSON (it goes into the manifest), else the
     bytes of client_state.pt (tensors and plain types), so that later changes by the script do not count."""
     if client_state is None or _jsonable(client_state):
-        return json.loads(json.dumps(client_state))
+        copied: dict = json.loads(json.dumps(client_state))
+        return copied
     buffer = io.BytesIO()
     torch.save(client_state, buffer)
     return buffer.getvalue()
@@ -381,8 +382,8 @@ def _rng_state() -> dict[str, Any]:
         import numpy
     except ImportError:
         return state
-    name, keys, pos, has_gauss, cached = numpy.random.get_state()
-    state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    name, keys, pos, has_gauss, cached = numpy.random.get_state(legacy=True)
+    state["numpy"] = [name, numpy.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]
     return state
 
 

@@ -19,6 +19,7 @@ The tensors come out in the order and under the names of the synchronous save
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -112,7 +113,7 @@ class StreamedState(RankState):
         return snapshot_bytes(numels, streamed=True)
 
     def sources(self) -> list[Source]:
-        return [Source(name, torch.float32, [n], lambda g=g, kind=kind, n=n: self._chunks(g, kind, n))
+        return [Source(name, torch.float32, [n], functools.partial(self._chunks, g, kind, n))
                 for name, g, kind, n in _names(self.numels)]
 
     def _chunks(self, group: int, kind: str, numel: int) -> Iterator[torch.Tensor]:

@@ -73,7 +73,8 @@ def _wrap(original: Callable[..., Any], routed: Callable[..., Any]) -> Callable[
 
 def _routed_norm(engine: Any, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                  error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
-    return engine.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+    norm: torch.Tensor = engine.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+    return norm
 
 
 def _routed_value(engine: Any, params: list[torch.Tensor], clip_value: float, foreach: bool | None = None) -> None:

@@ -67,7 +67,7 @@ class CommStats:
 class Handle:
     """Pending collective work; `wait()` finishes it and runs the follow-up, exactly once."""
 
-    def __init__(self, works: list, then: Callable[[], None] | None, stats: CommStats, kind: str) -> None:
+    def __init__(self, works: list, then: Callable[[], object] | None, stats: CommStats, kind: str) -> None:
         self._works = works
         self._then = then
         self._stats = stats

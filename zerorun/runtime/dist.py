@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,7 @@ def init_distributed(timeout_s: float = 300.0) -> DistInfo:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        kwargs = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
         if device.type == "cuda":
             kwargs["device_id"] = device  # eager NCCL init: a bad device fails here, not in the first collective
         dist.init_process_group(**kwargs)
@@ -90,4 +91,4 @@ def _free_port() -> int:
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])

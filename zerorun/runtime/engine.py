@@ -44,7 +44,8 @@ from zerorun.runtime.deferred_publish import DeferredPublish
 from zerorun.runtime.dist import init_distributed
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
-from zerorun.runtime.memory import MemoryReport, set_host_allocator, tensor_bytes
+from zerorun.runtime.host_allocator import set_host_allocator
+from zerorun.runtime.memory import MemoryReport, tensor_bytes
 from zerorun.runtime.module_units import describe as describe_plan
 from zerorun.runtime.module_units import plan_stage3, warn_if_nothing_sharded
 from zerorun.runtime.optimizer import ShardedAdamW, param_groups_from
@@ -300,7 +301,9 @@ class Engine:
             coef = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
             self.update.run(self._pieces, sum_divisor / coef)
             if self.deferred is not None:
-                self.deferred.start(self.store.publish_units)  # waited for by the next forward's hooks
+                # Only FlatParams publishes by unit (stages 1/2 set `deferred`): the engine-protocol step of #35
+                # moves this behind ParamStore.
+                self.deferred.start(self.store.publish_units)  # type: ignore[attr-defined]  # waited for by the next forward's hooks
             else:
                 self.store.publish().wait()
             if self.scheduler is not None and self.recipe.zero.overlap_comm:
@@ -381,7 +384,8 @@ class Engine:
     def client_state(self) -> dict:
         """The script's own state (data position, scheduler, ...): saved with every checkpoint, the
         recipe's `every_steps` saves included, and set from the checkpoint on resume."""
-        return self.__dict__.setdefault("_client_state", {})
+        state: dict = self.__dict__.setdefault("_client_state", {})
+        return state
 
     @client_state.setter
     def client_state(self, value: dict) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 from pathlib import Path
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -83,7 +83,7 @@ class MemoryHome:
         for k, (lo, hi) in enumerate(spans):
             fn(k, *(self._view(group, kind, lo, hi) for kind in KINDS))
 
-    def _copies(self, group: int, kind: str, start: int, numel: int):
+    def _copies(self, group: int, kind: str, start: int, numel: int) -> Iterator[tuple[torch.Tensor, int]]:
         """(segment view, offset inside the caller's tensor) for each segment overlapping [start, start+numel)."""
         for offset, tensor in self._state[kind][group]:
             both = intersect((offset, offset + tensor.numel()), (start, start + numel))
@@ -126,7 +126,7 @@ class MemoryHome:
 class NvmeHome:
     """Master and moments in files, streamed through the NVMe store's ring of aligned buffers."""
 
-    def __init__(self, root: Path, group_numels: Sequence[int], tile_numel: int, aio, pin: bool) -> None:
+    def __init__(self, root: Path, group_numels: Sequence[int], tile_numel: int, aio: Any, pin: bool) -> None:
         from zerorun.runtime.nvme import NvmeStore  # the aio kernel builds on first use only
 
         self.group_numels = list(group_numels)

@@ -150,7 +150,7 @@ def wrapped_modules(model: nn.Module, wrap: list[str], auto_numel: int) -> list[
     `auto_numel` parameters. Outermost matches only: a unit never nests in another."""
     if wrap:
         check_wrap_names(model, wrap)
-        found, inside = [], set()
+        found, inside = [], set[str]()
         for name, mod in model.named_modules():
             if type(mod).__name__ in wrap and mod is not model and not any(name.startswith(p + ".") for p in inside):
                 found.append((name, mod))

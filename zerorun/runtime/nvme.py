@@ -34,7 +34,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -43,7 +43,7 @@ from zerorun.offload_files import MEMORY_FILESYSTEMS, check_nvme_path, filesyste
 from zerorun.offload_files import size_text
 from zerorun.runtime.aio import ALIGN, AioEngine, AioError, open_engine
 
-RING_SLOTS = 3
+RING_SLOTS = 3  # tiles in flight per tensor: read of tile k+1, update of tile k, write of tile k-1
 
 
 def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
@@ -116,7 +116,7 @@ Batch = list[tuple[object, int]]  # requests submitted together: (handle, bytes)
 class NvmeStore:
     """Named flat tensors of one dtype in O_DIRECT files under `root`; see the module docstring."""
 
-    def __init__(self, root: str | Path, tensors: dict[str, int], *, tile_numel: int, aio, pin: bool = False,
+    def __init__(self, root: str | Path, tensors: dict[str, int], *, tile_numel: int, aio: Any, pin: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
         if tile_numel < 1:
             raise ValueError(f"NvmeStore: tile_numel must be positive, got {tile_numel}")
@@ -189,8 +189,8 @@ class NvmeStore:
         """Write `src` (this store's dtype, any device) at element `start` of `name`; returns when on disk."""
         src = self._checked(name, src, start).reshape(-1)
         stop, position = start + src.numel(), self._direct_body(name, src, start, write=True)
-        bounce = self._bounce_buffer() if position < stop else None
         while position < stop:
+            bounce = self._bounce_buffer()  # made on first use, then kept
             lo, end, hi = self._chunk(position, stop)
             edges = {block for block, partial in ((lo, position * self.itemsize > lo),
                                                   (hi - ALIGN, end * self.itemsize < hi)) if partial}
@@ -212,8 +212,8 @@ class NvmeStore:
             return
         flat = out.view(-1)
         stop, position = start + flat.numel(), self._direct_body(name, flat, start, write=False)
-        bounce = self._bounce_buffer() if position < stop else None
         while position < stop:
+            bounce = self._bounce_buffer()  # made on first use, then kept
             lo, end, hi = self._chunk(position, stop)
             self._finish([self._submit(name, bounce.data_ptr(), hi - lo, lo, False)], write=False)
             flat[position - start:end - start].copy_(

@@ -24,7 +24,7 @@ def param_groups_from(optimizer: torch.optim.Optimizer | None, model: nn.Module,
     """The param groups to take over (trainable parameters only) and whether decay is decoupled."""
     if optimizer is None:
         params = [p for p in model.parameters() if p.requires_grad]
-        group = {"params": params, "lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps,
+        group: dict[str, Any] = {"params": params, "lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps,
                  "weight_decay": cfg.weight_decay}
         return [group], cfg.type == "adamw"
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
@@ -37,7 +37,7 @@ def param_groups_from(optimizer: torch.optim.Optimizer | None, model: nn.Module,
                            "load_state_dict()); zerorun's engine starts Adam's state fresh and would drop it. "
                            "Pass a fresh optimizer, and resume through checkpoint.dir / engine.load_checkpoint.")
     decoupled = isinstance(optimizer, torch.optim.AdamW)
-    groups = []
+    groups: list[dict[str, Any]] = []
     for i, group in enumerate(optimizer.param_groups):
         for flag in ("amsgrad", "maximize"):
             if group.get(flag):
@@ -97,7 +97,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self.handed_over is not None:
             self.handed_over._opt_called = True  # type: ignore[attr-defined]
 
-    def step(self, closure: Any = None) -> None:  # noqa: D102 - the engine drives the update
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # noqa: D102 - refuses: the engine drives the update
         raise ZerorunError(_STEP)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102

@@ -15,7 +15,8 @@ p/N-byte shard instead of a 4p/N-byte master.
 from __future__ import annotations
 
 import time
-from typing import Protocol, Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -105,6 +106,7 @@ class FileShard:
 
         self.dtype = dtype
         self.group_numels = list(group_numels)
+        assert placement.params_nvme is not None, "parameters on NVMe have a zero.offload_param.nvme_path"
         root = rank_dir(placement.params_nvme, placement.run, placement.rank) / "params"
         check_nvme_path(placement.params_nvme, "zero.offload_param.nvme_path", dtype.itemsize * sum(group_numels), root)
         self.store = NvmeStore(root, {self._file(g): n for g, n in enumerate(group_numels)},
@@ -113,10 +115,10 @@ class FileShard:
         self._write_slots = [aligned_empty(min(placement.tile_numel, largest_piece), dtype, placement.param_pin)
                              for _ in range(self.WRITE_SLOTS)]
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerorun-param-io")
-        self._writes: list = []  # futures of queued writes, oldest first (at most WRITE_SLOTS)
+        self._writes: list[Future[Any]] = []  # futures of queued writes, oldest first (at most WRITE_SLOTS)
         self._written = 0  # writes submitted so far: a slot is reused every WRITE_SLOTS writes
         self._generation = 0  # bumped by every write: a read-ahead from an older generation is stale
-        self._ahead: tuple[tuple[int, int], int, object, int] | None = None  # (unit key, bounce, future, generation)
+        self._ahead: tuple[tuple[int, int], int, Future[Any], int] | None = None  # (unit key, bounce, future, generation)
         # the order of gathers between two steps' writes, this time and last time: the i-th gather
         # of this cycle reads ahead the (i+1)-th of the last one (forward and backward orders differ)
         self._cycle: list[Unit] = []
@@ -196,7 +198,7 @@ class FileShard:
             self._wait(self._ahead[2])
             self._ahead = None
 
-    def _wait(self, future) -> None:
+    def _wait(self, future: Future[Any]) -> None:
         started = time.perf_counter()
         future.result()  # re-raises the I/O thread's AioError here
         self.blocked_s += time.perf_counter() - started

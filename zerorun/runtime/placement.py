@@ -84,6 +84,7 @@ class Placement:
             return MemoryHome(group_numels, HOST)
         from zerorun.runtime.nvme import check_nvme_path  # builds the aio kernel: only when used
 
+        assert self.optimizer_nvme is not None, "an optimizer on NVMe has a zero.offload_optimizer.nvme_path"
         root = rank_dir(self.optimizer_nvme, self.run, self.rank)
         check_nvme_path(self.optimizer_nvme, "zero.offload_optimizer.nvme_path", 12 * sum(group_numels), root)
         return NvmeHome(root, group_numels, self.tile_numel, self.aio, self.pin)

@@ -69,7 +69,7 @@ def _same(a: Any, b: Any) -> bool:
     try:
         return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
     except (TypeError, ValueError):
-        return a == b
+        return bool(a == b)
 
 
 def _text(value: Any) -> str:

@@ -93,7 +93,7 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     assert flat.device.type == "cpu" and flat.is_contiguous(), "sources yield contiguous CPU tensors"
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer; its stubs do not say so on 3.10
 
 
 def _write_all(fd: int, data: memoryview) -> int:

@@ -240,7 +240,7 @@ class LRRangeTest(Schedule):
 def build(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer, default_total: int) -> Schedule | None:
     """The recipe's `scheduler` over `optimizer` (None for type none); total_num_steps defaults to train.steps."""
     total = cfg.total_num_steps or default_total
-    warmup = dict(warmup_num_steps=cfg.warmup_num_steps, warmup_type=cfg.warmup_type)
+    warmup: dict[str, Any] = dict(warmup_num_steps=cfg.warmup_num_steps, warmup_type=cfg.warmup_type)
     if cfg.type == "none":
         return None
     if cfg.type == "WarmupLR":

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
 from torch import nn
@@ -65,7 +65,7 @@ class InitLog:
     def overwrites(op: _Op) -> bool:
         return op.name in OVERWRITE or getattr(op.func, "__module__", "") == "torch.nn.init"
 
-    def owns(self, param: nn.Parameter) -> bool:
+    def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self.devices
 
     def replay(self, consume: Callable[[nn.Parameter, torch.Tensor], None], device: torch.device | None = None,
@@ -142,7 +142,7 @@ def log_for(module: nn.Module) -> InitLog | None:
     return None
 
 
-def logs_owning(params: list[nn.Parameter]) -> list[InitLog]:
+def logs_owning(params: Sequence[torch.Tensor]) -> list[InitLog]:
     """The finished logs that created any of `params` (meta parameters)."""
     return [log for log in _logs if any(p.is_meta and log.owns(p) for p in params)]
 
@@ -164,11 +164,11 @@ class _Recorder(TorchFunctionMode):
         else:  # torch.nn.init functions dispatch with keywords: normal_(tensor=..., mean=..., std=...)
             target, rest = kwargs.get("tensor"), ()
             options = {k: v for k, v in kwargs.items() if k != "tensor"}
-        param = None
+        param: nn.Parameter | None = None
         if isinstance(target, torch.Tensor) and target.is_meta:
             param = self.aliases.get(id(target))
             if param is None and self.log.owns(target):
-                param = target
+                param = cast(nn.Parameter, target)  # one of the log's meta parameters
         if param is None:
             return func(*args, **kwargs)
         if name.endswith("_") and not name.startswith("_"):  # in place: first, since it returns its target
@@ -197,8 +197,8 @@ def _writes_values_only(func: Any, name: str) -> bool:
 def _method(func: Any) -> Callable[..., Any]:
     """What to call on replay: the torch.nn.init function itself, else the unbound Tensor method."""
     if getattr(func, "__module__", "") == "torch.nn.init":
-        return func
-    return getattr(torch.Tensor, func.__name__, func)
+        return cast(Callable[..., Any], func)
+    return cast(Callable[..., Any], getattr(torch.Tensor, func.__name__, func))
 
 
 @contextlib.contextmanager
@@ -215,7 +215,7 @@ def sharded_init() -> Iterator[InitLog]:
             param = meta
         original(module, name, param)
 
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
     try:
         with _Recorder(log):
             yield log

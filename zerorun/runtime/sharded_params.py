@@ -162,7 +162,11 @@ class ShardedParams:
         for mu in live:
             self.release_if_held(mu)
             self.start_gather(mu)
-        return Pending(then=lambda: [self.ensure_gathered(mu) for mu in live])
+
+        def gather_live() -> None:
+            for mu in live:
+                self.ensure_gathered(mu)
+        return Pending(then=gather_live)
 
     def master_changed(self, group: int, values: torch.Tensor) -> None:
         self.shard.write(group, 0, values)

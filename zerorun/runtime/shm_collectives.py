@@ -242,7 +242,9 @@ def _map_segment(group: dist.ProcessGroup | None, rank: int, nbytes: int) -> tor
     """A segment of `nbytes` every rank of `group` maps; raises `Unavailable` on every rank if any cannot."""
     name = [f"{shm_prefix(os.environ.get(JOB_ID_ENV))}{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else None]
     dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    path = os.path.join(SHM_DIR, name[0])
+    segment_name = name[0]
+    assert segment_name is not None, "rank 0 names the segment"
+    path = os.path.join(SHM_DIR, segment_name)
     segment, problem = None, None
     try:
         if rank == 0:
@@ -262,13 +264,14 @@ def _map_segment(group: dist.ProcessGroup | None, rank: int, nbytes: int) -> tor
             segment = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
             token = segment[-8:]  # in the slots, never in the meeting counters
             if rank == 0:
-                token.copy_(torch.frombuffer(bytearray(name[0][-8:].encode()), dtype=torch.uint8))
+                token.copy_(torch.frombuffer(bytearray(segment_name[-8:].encode()), dtype=torch.uint8))
         except (OSError, RuntimeError) as err:
             problem = f"cannot map {path} ({err})"
     everyone: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, problems[0] or problem, group=group)
     if all(p is None for p in everyone):  # rank 0's token read back everywhere: truly the same segment
-        seen = bytes(segment[-8:].tolist()) == name[0][-8:].encode()
+        assert segment is not None, "every rank mapped the segment"
+        seen = bytes(segment[-8:].tolist()) == segment_name[-8:].encode()
         everyone = [None] * len(everyone)
         dist.all_gather_object(everyone, None if seen else "a different /dev/shm (another host or container)",
                                group=group)

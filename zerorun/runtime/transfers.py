@@ -119,11 +119,16 @@ class StagingRing:
 
     CUDA_SLOTS = 2  # per direction: one copying, one in use by the optimizer
 
+    @classmethod
+    def default_slots(cls, cuda: bool) -> int:
+        """Slots per direction when none are asked for (`estimate.offload_buffers` counts the same)."""
+        return cls.CUDA_SLOTS if cuda else 1
+
     def __init__(self, device: torch.device, tile_numel: int, pin: bool, slots: int | None = None) -> None:
         """`slots` per direction: `CUDA_SLOTS` on CUDA, 1 on CPU unless given (tests rotate more on CPU)."""
         self.device = device
         self.cuda = device.type == "cuda"
-        self.slots = slots or (self.CUDA_SLOTS if self.cuda else 1)
+        self.slots = slots or self.default_slots(self.cuda)
         pin = pin and self.cuda and torch.cuda.is_available()
         self._grad = [torch.empty(tile_numel, dtype=torch.float32, pin_memory=pin) for _ in range(self.slots)]
         self._out = [torch.empty(tile_numel * 4, dtype=torch.uint8, pin_memory=pin) for _ in range(self.slots)]
@@ -145,7 +150,7 @@ class StagingRing:
     def begin(self, grad_tiles: list[torch.Tensor]) -> None:
         """Start a pass over `grad_tiles` (device views); the first copy starts now."""
         self._tiles, self._launched = grad_tiles, -1
-        if self.cuda:
+        if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))  # gradients are complete
         self._launch(0)
 
@@ -210,6 +215,6 @@ class StagingRing:
 
     def finish(self) -> None:
         """The device's compute stream waits for every copy (the parameter all-gather follows)."""
-        if self.cuda:
+        if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self._tiles = []

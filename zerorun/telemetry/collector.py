@@ -247,14 +247,17 @@ class Collector:
         try:
             record = json.loads(line)
         except ValueError:
-            return self._reject("not JSON")
+            self._reject("not JSON")
+            return None
         problem = records.check(record, self.state.job.get("world_size"))
         if problem:
-            return self._reject(problem)
+            self._reject(problem)
+            return None
         if peer.rank is None:
             peer.rank = record["rank"]
         elif record["rank"] != peer.rank:
-            return self._reject(f"rank {record['rank']} on the connection of rank {peer.rank}")
+            self._reject(f"rank {record['rank']} on the connection of rank {peer.rank}")
+            return None
         if self.job_id is not None:
             record["job_id"] = self.job_id
         return record
@@ -308,7 +311,7 @@ class Sink(Protocol):
     """Another place records go, written from the collector's thread (`zerorun.telemetry.trackers`)."""
 
     name: str
-    directory: Path
+    directory: Path | str  # a folder, or a service's address (MLflow)
 
     def add(self, record: dict[str, Any]) -> None: ...
 

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 from zerorun.errors import ZerorunError
 
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
     watch_parent(int(spec["parent"]))
-    options = launcher.LaunchOptions(**{k: tuple(v) if k == "overrides" else v for k, v in spec["options"].items()})
+    fields: dict[str, Any] = {k: tuple(v) if k == "overrides" else v for k, v in spec["options"].items()}
+    options = launcher.LaunchOptions(**fields)
     try:
         return launcher.run(launcher.make_plan(spec["recipe"], options))
     except ZerorunError as exc:  # as the CLI reports it: one line, exit status 2

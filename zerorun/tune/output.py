@@ -23,10 +23,9 @@ from rich.table import Table
 from rich.text import Text
 
 from zerorun import config
-from zerorun.errors import ZerorunError
 from zerorun.tune import recipe_edit
 from zerorun.tune.measure import Status, Trial
-from zerorun.tune.space import Candidate, Rejection, gib
+from zerorun.tune.space import Rejection, gib
 from zerorun.tune.tuner import TuneOptions, TuneResult, tune
 
 LIVE_REFRESH_S = 0.5
@@ -258,8 +257,9 @@ def _get(recipe: config.Recipe, key: str) -> Any:
     return value
 
 
-def run(recipe: str | Path, options: TuneOptions, live: bool, err: Console) -> TuneResult:
-    """Tune with a live table on `err` (a terminal), or else one line per finished trial there."""
+def tune_with_progress(recipe: str | Path, options: TuneOptions, live: bool, err: Console) -> TuneResult:
+    """The whole tuning of `recipe` (`tuner.tune`), shown as it goes: a live table on `err` (a terminal),
+    or else one line per finished trial there."""
     if not live:
         shown = 0
         line = trial_line(err)
@@ -297,9 +297,3 @@ def trial_line(err: Console) -> Callable[[Trial], None]:
 def render_final(result: TuneResult, tuned_path: str | None) -> RenderableType:
     return Group(final_table(result), *(Text(line) for line in summary(result, tuned_path)))
 
-
-def candidate_from(data: dict[str, Any]) -> Candidate:
-    """A Candidate from its JSON form (`as_json`'s `candidate`)."""
-    if set(data) != {f.name for f in dataclasses.fields(Candidate)}:
-        raise ZerorunError(f"not a tuning candidate: {data}")
-    return Candidate(**data)

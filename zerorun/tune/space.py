@@ -51,7 +51,7 @@ class Candidate:
 
     def sharding_label(self) -> str:
         """`stage 3, optimizer->cpu, params->cpu`, as `zerorun estimate` names it."""
-        return estimate.Placement(*self.sharding).name
+        return estimate.Footprint(*self.sharding).name
 
     def label(self) -> str:
         """`stage 3, optimizer->cpu, params->cpu, micro 4 x 2, ckpt, bucket 25`: one table cell."""
@@ -247,10 +247,11 @@ def script_honours(script: str | Path) -> tuple[str, ...]:
     for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else \
             [node.target] if isinstance(node, ast.AnnAssign) else []
-        if not any(isinstance(t, ast.Name) and t.id == HONOURS_NAME for t in targets) or node.value is None:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if not any(isinstance(t, ast.Name) and t.id == HONOURS_NAME for t in targets) or value is None:
             continue
         try:
-            keys = ast.literal_eval(node.value)
+            keys = ast.literal_eval(value)
         except ValueError:
             keys = None
         if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):

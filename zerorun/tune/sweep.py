@@ -7,9 +7,9 @@ No search and no early stopping: every candidate the estimate lets through (the 
 same budget, the same trial runner and measurement as the tuner) runs `rounds` times, each round in
 its own shuffled order (seeded: the same order on every run), and is ranked by its median.
 
-A shared machine drifts: over a sweep of the standard GPT while other jobs move the load, the same
-configuration can measure half as fast an hour later, and blocks of consecutive trials rise and fall
-together by 2-3x. So the recipe's own configuration is run again every `REFERENCE_EVERY` candidates and each
+A shared machine drifts: while other jobs move the load, the same configuration measures slower or
+faster an hour later, and blocks of consecutive trials rise and fall together (docs/benchmarks.md's
+Tuner section shows a sweep's drift). So the recipe's own configuration is run again every `REFERENCE_EVERY` candidates and each
 trial is scaled by the reference's median over its level at that time (interpolated between the
 reference runs around it), as `zerorun bench step` reports ratios to DDP within a round. The table
 shows the corrected and the raw medians.

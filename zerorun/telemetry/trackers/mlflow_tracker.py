@@ -49,7 +49,7 @@ class MlflowTracker:
         for start in range(0, len(params), 100):
             client.log_batch(self._run_id, params=params[start:start + 100])
         client.log_dict(self._run_id, recipe, "recipe.json")
-        self.directory = f"{client.tracking_uri} run {self._run_id}"
+        self.directory: Path | str = f"{client.tracking_uri} run {self._run_id}"
         self._metrics = Metrics(world_size)
         self._buffer: list[Any] = []
         self._flushed_at = time.monotonic()
