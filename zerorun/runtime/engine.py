@@ -69,7 +69,7 @@ class Engine:
         self.info = init_distributed(recipe.launch.timeout_s)
         self.device = self.info.device
         self.stage = recipe.zero.stage
-        self.policy = PrecisionPolicy.from_config(recipe.precision)
+        self.policy = PrecisionPolicy.from_config(recipe.precision, recipe.zero.reduce_dtype)
         self.scaler = LossScaler(recipe.precision)
         self.comm = Collectives(cpu=recipe.zero.cpu_collectives, timeout_s=recipe.launch.timeout_s,
                                 quantized_gradients=recipe.zero.quantized_gradients,
@@ -316,7 +316,8 @@ class Engine:
         pieces = [piece.grad for group in self._pieces for piece in group]
         local = torch.zeros((), dtype=torch.float32, device=self.device)
         if pieces:
-            local = torch.stack(torch._foreach_norm(pieces)).square().sum()
+            # in fp32 whatever the reduce dtype: a bf16 norm is off by up to 2^-8, and clipping with it too
+            local = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float32)).square().sum()
         if self.store.shard_world > 1:
             self.comm.all_reduce(local, async_op=False).wait()
         return float(local.sqrt())
