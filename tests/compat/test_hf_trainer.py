@@ -59,8 +59,8 @@ def _run(argv: list[str], cwd: Path) -> str:
     return result.stdout + result.stderr
 
 
-def _records(prefix: Path) -> list[dict]:
-    return [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(WORLD)]
+def _records(prefix: Path, world: int = WORLD) -> list[dict]:
+    return [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +72,14 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
                         eos_token_id=0)
     GPT2LMHeadModel(config).save_pretrained(tmp / "model")  # tied lm_head: one weight in the file
+    for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        setattr(config, name, 0.0)  # a run on other ranks draws other dropout masks
+    GPT2LMHeadModel(config).save_pretrained(tmp / "model_no_dropout")
     return tmp
 
 
-def _script_args(tmp: Path, name: str, optimizer: list[str]) -> list[str]:
-    return [str(SCRIPT), "--model_dir", str(tmp / "model"), "--record", str(tmp / name),
+def _script_args(tmp: Path, name: str, optimizer: list[str], model: str = "model") -> list[str]:
+    return [str(SCRIPT), "--model_dir", str(tmp / model), "--record", str(tmp / name),
             "--output_dir", str(tmp / f"out_{name}"), *TRAINING, *optimizer]
 
 
@@ -87,11 +90,12 @@ def _ddp(tmp: Path, name: str, *extra: str) -> list[dict]:
     return _records(tmp / name)
 
 
-def _zerorun(tmp: Path, name: str, ds: Path, optimizer: list[str], *extra: str) -> list[dict]:
-    output = _run([sys.executable, "-m", "zerorun.cli", "launch", "--num_gpus", str(WORLD),
-                   *_script_args(tmp, name, optimizer), "--deepspeed", str(ds), *extra], tmp)
+def _zerorun(tmp: Path, name: str, ds: Path, optimizer: list[str], *extra: str, world: int = WORLD,
+             model: str = "model") -> list[dict]:
+    output = _run([sys.executable, "-m", "zerorun.cli", "launch", "--num_gpus", str(world),
+                   *_script_args(tmp, name, optimizer, model), "--deepspeed", str(ds), *extra], tmp)
     (tmp / f"{name}.log").write_text(output)
-    return _records(tmp / name)
+    return _records(tmp / name, world)
 
 
 SAVE_AT_2 = ("--save_strategy", "steps", "--save_steps", "2")  # argparse: the last --save_strategy wins
@@ -151,6 +155,34 @@ def test_trainer_resumes_from_its_checkpoint_exactly(workdir: Path) -> None:
                        "--resume_from_checkpoint", str(checkpoint))
     for uninterrupted, after in zip(_records(workdir / "stage3"), resumed):
         assert after["losses"] == uninterrupted["losses"][4:]
+
+
+def _step_losses(records: list[dict], accum: int = 2) -> list[float]:
+    """Each update's loss over its whole global batch. The Trainer's micro-step loss is the micro-batch's token
+    loss sum over the tokens of the global batch, times the world size (average_tokens_across_devices): summed
+    over every rank's micro-steps of an update and divided by the world size, the batch's mean token loss."""
+    world = len(records)
+    steps = len(records[0]["losses"]) // accum
+    return [sum(sum(r["losses"][s * accum:(s + 1) * accum]) for r in records) / world for s in range(steps)]
+
+
+def test_trainer_resumes_on_three_ranks_from_a_checkpoint_saved_on_two(workdir: Path) -> None:
+    """2 ranks x micro-batch 3 save at update 2; 3 ranks x micro-batch 2 resume from it: the global batch (12
+    samples, accumulation 2) and its samples are the same, so updates 3 and 4 see the same data as in the
+    uninterrupted 2-rank run, and their mean losses and the final weights equal its own (fp32 summation order
+    apart). Dropout is off: per-rank random streams cannot carry over to another number of ranks."""
+    ds, two, three = _stage_config(workdir, 3), "w2", "w3_resumed"
+    uninterrupted = _zerorun(workdir, two, ds, HF_OPTIMIZER, "--per_device_train_batch_size", "3", *SAVE_AT_2,
+                             model="model_no_dropout")
+    resumed = _zerorun(workdir, three, ds, HF_OPTIMIZER, "--per_device_train_batch_size", "2",
+                       "--resume_from_checkpoint", str(workdir / f"out_{two}" / "checkpoint-2"), world=3,
+                       model="model_no_dropout")
+    assert [r["global_step"] for r in resumed] == [4, 4, 4]
+    got, want = torch.tensor(_step_losses(resumed)), torch.tensor(_step_losses(uninterrupted)[2:])
+    assert got.shape == want.shape == (2,)
+    worst = ((got - want).abs() / want.abs()).max().item()
+    assert worst <= LOSS_RTOL, f"losses after the resume differ by {worst:.2e} relative: {got} vs {want}"
+    _assert_same_saved_model(workdir / f"out_{three}" / "final", workdir / f"out_{two}" / "final")
 
 
 def test_consolidate_format_hf_writes_what_from_pretrained_loads(workdir: Path) -> None:
