@@ -101,7 +101,9 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     with open(f"{script.record}.rank{rank}.json", "w") as file:
         json.dump({"losses": trainer.losses, "lrs": trainer.lrs, "global_step": trainer.state.global_step,
-                   "staged_peak_bytes": staged_peak_bytes()}, file)
+                   "staged_peak_bytes": staged_peak_bytes(),
+                   "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+                   "deepspeed": getattr(sys.modules.get("deepspeed"), "__version__", None)}, file)
 
 
 if __name__ == "__main__":
