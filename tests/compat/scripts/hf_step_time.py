@@ -2,7 +2,7 @@
 
     python tests/compat/scripts/hf_step_time.py --out /tmp/hf_step_time [--rounds 2]
 
-Writes a GPT-2 (6 layers, d_model 512, vocab 8192, sequence 128: 25.6M parameters) as a
+Writes a GPT-2 (6 layers, d_model 512, vocab 8192, sequence 128: 23.2M parameters, tied) as a
 `save_pretrained` directory, then runs `hf_train.py` on 2 ranks for 12 updates (micro-batch 2, no
 accumulation, clipping, the Trainer's AdamW) under each system in turn, `--rounds` times
 interleaved, and prints the median time per update after the first 2 (rank 0's clock) with its
@@ -30,8 +30,8 @@ def write_model(tmp: Path) -> int:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=8192, n_positions=128, n_embd=512, n_layer=6, n_head=8, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(vocab_size=8192, n_positions=128, n_embd=512, n_layer=6, n_head=8, bos_token_id=0,
+                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(config)
     model.save_pretrained(tmp / "model")
     return sum(p.numel() for p in model.parameters())
