@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.compat.real_deepspeed import deepspeed_python
 from tests.compat.scripts.ds_model import batch, make_model
 from tests.harness import run_ranks
 from tests.launch.launched import subprocess_env
@@ -141,19 +142,9 @@ def test_resumed_deepspeed_script_continues_exactly_with_its_client_state(zeroru
         assert resumed["global_steps"] == full["global_steps"][SAVE_AT:]
 
 
-def _deepspeed_python() -> str:
-    python = os.environ.get("ZERORUN_DEEPSPEED_PYTHON", sys.executable)
-    probe = subprocess.run([python, "-c", "import deepspeed"], capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    if probe.returncode != 0:
-        pytest.skip(f"DeepSpeed is not importable by {python} (set ZERORUN_DEEPSPEED_PYTHON to an interpreter "
-                    "that has it, e.g. a venv with `pip install deepspeed`)")
-    return python
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_deepspeed_script_matches_real_deepspeed(zerorun_runs: dict, dtype: str, tmp_path: Path) -> None:
-    python = _deepspeed_python()
+    python = deepspeed_python()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # DeepSpeed's own, not zerorun's shim
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     argv = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), str(SCRIPT), "--deepspeed",

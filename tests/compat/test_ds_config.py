@@ -130,3 +130,14 @@ def test_zero_quantized_gradients_maps_to_qgz() -> None:
                              "zero_optimization": {"stage": 2, "zero_quantized_gradients": True}})
     assert t.data["zero"]["quantized_gradients"] is True and t.data["zero"]["stage"] == 2
     assert "zero_optimization.zero_quantized_gradients" not in _notes(t, Level.ERROR)
+
+
+def test_grad_accum_dtype_is_the_reduce_dtype_and_fp16_is_refused_by_name() -> None:
+    base = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}}
+    t = ds_config.translate({**base, "data_types": {"grad_accum_dtype": "bf16"}})
+    assert t.data["zero"]["reduce_dtype"] == "bf16" and not t.errors
+    assert "reduce_dtype" not in ds_config.translate(base).data["zero"]  # unset: zerorun's fp32
+    refused = _notes(ds_config.translate({**base, "data_types": {"grad_accum_dtype": "fp16"}}), Level.ERROR)
+    assert "expected fp32 or bf16, got 'fp16'" in refused["data_types.grad_accum_dtype"]
+    warned = _notes(ds_config.translate({**base, "communication_data_type": "bf16"}), Level.WARNING)
+    assert "zero.reduce_dtype" in warned["communication_data_type"]

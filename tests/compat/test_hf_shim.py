@@ -114,3 +114,17 @@ def test_parameters_before_initialize_change_only_inside_gathering_blocks() -> N
         assert values["0.weight"] == torch.full((4, 3), 2.0).tolist()
         assert values["0.bias"] == plain[0].bias.tolist()
         assert values["1.weight"] == plain[1].weight.tolist()  # the write outside was dropped
+
+
+def test_a_module_built_on_a_stage3_parameters_meta_device_is_refused_naming_resize_token_embeddings() -> None:
+    """transformers' resize_token_embeddings at stage 3 builds the new embedding on the old weight's device, which
+    zerorun's placeholders make meta: its initialisation is lost, so gathering it is refused with what to do."""
+    from zerorun.compat import deepspeed
+
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    with deepspeed.zero.Init(config_dict_or_path=ds):
+        old = torch.nn.Embedding(4, 3)
+    new = torch.nn.Embedding(6, 3, device=old.weight.device)
+    with pytest.raises(ZerorunError, match=r"shape \(6, 3\).*resize_token_embeddings.*save_pretrained first"):
+        with deepspeed.zero.GatheredParameters([old.weight, new.weight], modifier_rank=0):
+            pass

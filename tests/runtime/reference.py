@@ -86,7 +86,7 @@ MISTAKES = ("no-world-division", "no-unscale", "skip-step-5")
 def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, seed: int = 0,
                   dtype: torch.dtype = torch.float32, loss_scale: float = 1.0, model_fn=make_model,
                   eval_every: int = 0, mistake: str | None = None, device: str = "cpu",
-                  fused: bool | None = None) -> Run:
+                  fused: bool | None = None, bf16_reduce: bool = False) -> Run:
     """DDP + torch AdamW.
 
     fp32: real DDP. A low-precision `dtype` follows zerorun's policy, which DDP cannot express
@@ -97,7 +97,8 @@ def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, 
     low-precision ulp, see test_engine_precision.py); fp16 scales the loss by the static
     `loss_scale`. `mistake` (one of MISTAKES) makes the reference deliberately wrong. On a CUDA
     `device`, the model and the batches live there (the default AdamW is then torch's foreach one);
-    `fused=True` takes torch's fused AdamW in fp32 too.
+    `fused=True` takes torch's fused AdamW in fp32 too. `bf16_reduce` (fp32 only): DDP all-reduces
+    each micro-step's gradients in bf16 (`bf16_allreduce_hook`), and they accumulate in fp32.
     """
     import torch.distributed as dist
 
@@ -105,6 +106,9 @@ def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, 
     master = model_fn(seed).to(device)
     compute = copy.deepcopy(master).to(dtype)  # the replicas that run forward/backward
     model = DDP(compute) if dtype == torch.float32 else compute
+    if bf16_reduce:
+        assert dtype == torch.float32, "bf16_reduce is a DDP comm hook: fp32 models only"
+        model.register_comm_hook(None, bf16_allreduce_hook)
     opt = torch.optim.AdamW(master.parameters(), **OPT, fused=True if dtype != torch.float32 else fused)
     run = Run()
     trainable = [(m, c) for m, c in zip(master.parameters(), compute.parameters()) if m.requires_grad]
@@ -139,6 +143,20 @@ def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, 
     run.params = {n: (m if m.requires_grad else c).detach().float().cpu().clone()
                   for (n, m), c in zip(master.named_parameters(), compute.parameters())}
     return run
+
+
+def bf16_allreduce_hook(state: object, bucket):  # DDP checks a return annotation as an object, not a string
+    """torch's `default_hooks.bf16_compress_hook` (cast to bf16, divide by the world size, all-reduce, back
+    to the bucket's dtype), which DDP accepts only on NCCL: the same arithmetic on gloo."""
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size())
+    dist.all_reduce(compressed)
+    buffer.copy_(compressed)
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
 
 
 def engine_run(rank: int, steps: int, accum: int, recipe_overrides: list[str], clip: float | None = None,

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from zerorun.compat import accelerate_cpu
+from zerorun.compat import hf_cpu
 from zerorun.config import Recipe
 
 PACKAGE = "zerorun.compat.deepspeed"
@@ -75,7 +75,7 @@ def install(recipe: Recipe, args: Sequence[str]) -> list[str]:
         sys.modules[f"deepspeed.{name}"] = importlib.import_module(f"{PACKAGE}.{name}")
     if not any(isinstance(finder, _Shim) for finder in sys.meta_path):
         sys.meta_path.insert(0, _Shim())
-    accelerate_cpu.install()  # accelerate's DeepSpeed mode on gloo CPU ranks
+    hf_cpu.install()  # accelerate's DeepSpeed mode and transformers' --bf16 on gloo CPU ranks
     args = list(args)
     if recipe.launch.deepspeed_local_rank and not any(a.startswith("--local_rank") for a in args):
         args.insert(0, f"--local_rank={os.environ.get('LOCAL_RANK', '0')}")  # where DeepSpeed's launcher puts it

@@ -108,9 +108,14 @@ def _pieces(params: list[torch.Tensor]) -> dict[Any, Piece]:
         for param, piece in staged.items():  # the log now ends with the staged values
             log.ops.append(sharded_init._Op(param, "copy_", _assemble_into, (piece,), {}))
     found = {p: piece for log in logs for p, piece in _PIECES[id(log)].items()}
-    if any(p not in found for p in params):
-        raise ZerorunError("deepspeed.zero.GatheredParameters: a parameter is still a meta tensor that no finished "
-                           "zero.Init block created; gather it after the `with deepspeed.zero.Init()` block.")
+    stray = [p for p in params if p not in found]
+    if stray:
+        raise ZerorunError(
+            f"deepspeed.zero.GatheredParameters: a parameter of shape {tuple(stray[0].shape)} is a meta tensor that "
+            "no finished zero.Init block made, so it has no values: gather a zero.Init model's parameters after its "
+            "`with` block. Before deepspeed.initialize zerorun keeps stage 3 parameters as meta tensors, and a module "
+            "built on their device is meta too: transformers' resize_token_embeddings at stage 3 builds its new "
+            "embedding so, which zerorun cannot serve; resize in a plain process and save_pretrained first.")
     return found
 
 

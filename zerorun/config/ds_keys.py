@@ -72,6 +72,12 @@ def _device(value: Any) -> str:
     return value or "none"
 
 
+def _reduce_dtype(value: Any) -> str:
+    if value not in ("fp32", "bf16"):
+        raise ValueError(f"expected fp32 or bf16, got {value!r}")
+    return value
+
+
 _TELEMETRY = ("zerorun's telemetry streams loss, step time, throughput and memory per rank to the launcher's "
               "console and runs/<name>/telemetry.jsonl")
 
@@ -86,13 +92,19 @@ RULES: dict[str, Rule] = {
     "wall_clock_breakdown": Rule("step, forward/backward and comm times are always in zerorun's telemetry"),
     "memory_breakdown": Rule("memory per kind and place is always in zerorun's telemetry (engine.memory())"),
     "dump_state": Rule("zerorun prints the resolved recipe with `zerorun launch --dry-run`"),
-    "prescale_gradients": Rule("zerorun divides the fp32-reduced gradient sum once, inside the Adam pass",
+    "prescale_gradients": Rule("zerorun divides the reduced gradient sum once, in fp32, inside the Adam pass",
                                harmless=(False,), level=Level.WARNING),
-    "gradient_predivide_factor": Rule("zerorun divides the fp32-reduced gradient sum once, inside the Adam pass",
+    "gradient_predivide_factor": Rule("zerorun divides the reduced gradient sum once, in fp32, inside the Adam pass",
                                       harmless=(1, 1.0), level=Level.WARNING),
-    "communication_data_type": Rule("zerorun reduces gradients in fp32 whatever the compute dtype",
+    "communication_data_type": Rule("zerorun sums gradients across ranks in the dtype it accumulates them in, "
+                                    "zero.reduce_dtype (data_types.grad_accum_dtype)",
                                     harmless=("fp32", None), level=Level.WARNING),
-    "data_types": Rule("zerorun accumulates and reduces gradients in fp32", section=True, level=Level.WARNING),
+    "data_types.grad_accum_dtype": Rule("zero.reduce_dtype, fp32 or bf16 (unset: fp32, where DeepSpeed's default "
+                                        "is the compute dtype)", target="zero.reduce_dtype", convert=_reduce_dtype),
+    "data_types.param_dtype": Rule("zerorun keeps parameters in precision.dtype (fp32 masters)", harmless=(None,),
+                                   level=Level.WARNING),
+    "data_types.buffer_dtype": Rule("zerorun keeps buffers as the model has them", harmless=(None,),
+                                    level=Level.WARNING),
     "sparse_gradients": Rule("zerorun reduces dense gradients only", harmless=(False,), level=Level.ERROR),
     "disable_allgather": Rule("zerorun publishes updated shards with its own all-gather", harmless=(False,),
                               level=Level.WARNING),

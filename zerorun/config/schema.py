@@ -66,6 +66,10 @@ class ZeroConfig:
                                 "all-gathered as a whole after the step.", gt=0)
     allgather_bucket_mb: float = _f(25.0, "Stage 3: the largest flat buffer a unit's parameters are all-gathered in "
                                           "(its gradients are reduce-scattered in the same pieces), MiB.", gt=0)
+    reduce_dtype: Literal["fp32", "bf16"] = _f(
+        "fp32", "The dtype gradients are accumulated and reduced across ranks in (DeepSpeed's "
+        "data_types.grad_accum_dtype). bf16 halves the gradient bytes sent and held, and rounds every "
+        "accumulation and reduction to bf16's 8 significant bits.")
     cpu_collectives: Literal["auto", "shm", "gloo"] = _f(
         "auto", "CPU ranks: auto and shm carry collectives through a shared-memory segment when every rank is on "
         "one host (memory speed; auto falls back to gloo where it cannot, shm refuses); gloo: always the process "

@@ -70,7 +70,7 @@ class Engine:
         self.info = init_distributed(recipe.launch.timeout_s)
         self.device = self.info.device
         self.stage = recipe.zero.stage
-        self.policy = PrecisionPolicy.from_config(recipe.precision)
+        self.policy = PrecisionPolicy.from_config(recipe.precision, recipe.zero.reduce_dtype)
         self.scaler = LossScaler(recipe.precision)
         self.comm = Collectives(cpu=recipe.zero.cpu_collectives, timeout_s=recipe.launch.timeout_s,
                                 quantized_gradients=recipe.zero.quantized_gradients,
@@ -301,8 +301,7 @@ class Engine:
             coef = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
             self.update.run(self._pieces, sum_divisor / coef)
             if self.deferred is not None:
-                # Only FlatParams publishes by unit (stages 1/2 set `deferred`): the engine-protocol step of #35
-                # moves this behind ParamStore.
+                # Only FlatParams publishes by unit (stages 1/2 set `deferred`); the engine protocol should own it
                 self.deferred.start(self.store.publish_units)  # type: ignore[attr-defined]  # waited for by the next forward's hooks
             else:
                 self.store.publish().wait()
@@ -319,7 +318,8 @@ class Engine:
         pieces = [piece.grad for group in self._pieces for piece in group]
         local = torch.zeros((), dtype=torch.float32, device=self.device)
         if pieces:
-            local = torch.stack(torch._foreach_norm(pieces)).square().sum()
+            # in fp32 whatever the reduce dtype: a bf16 norm is off by up to 2^-8, and clipping with it too
+            local = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float32)).square().sum()
         if self.store.shard_world > 1:
             self.comm.all_reduce(local, async_op=False).wait()
         return float(local.sqrt())

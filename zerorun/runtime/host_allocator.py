@@ -1,8 +1,8 @@
 """How glibc treats the host memory freed during training (`zero.host_memory`: fast or lean).
 
 Not memory accounting (`memory`) but a process-wide setting of the C library's allocator: the
-engine applies it around its setup today; the engine-protocol step of #35 moves the call to the
-worker, so building an engine no longer tunes the whole process.
+engine applies it around its setup. It belongs in the worker, so that building an engine does not tune
+the whole process.
 """
 
 from __future__ import annotations

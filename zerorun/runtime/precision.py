@@ -9,7 +9,10 @@
 
 Gradients are accumulated and reduced in fp32 whatever the compute dtype: accumulating bf16
 micro-batch gradients in bf16 loses bits on every add, and the shard a rank keeps (stage 2) is
-only 1/N of the model, so fp32 there costs little memory.
+only 1/N of the model, so fp32 there costs little memory. `zero.reduce_dtype: bf16` (DeepSpeed's
+`data_types.grad_accum_dtype: bf16`) chooses bf16 instead, for any compute dtype: half the bytes
+on the link and in the gradient buffers, each accumulation and each sum across ranks rounded to
+bf16; the optimizer still divides and steps in fp32.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ class PrecisionPolicy:
     master_dtype: torch.dtype = torch.float32
 
     @classmethod
-    def from_config(cls, cfg: PrecisionConfig) -> PrecisionPolicy:
-        return cls(param_dtype=DTYPES[cfg.dtype])
+    def from_config(cls, cfg: PrecisionConfig, reduce_dtype: str = "fp32") -> PrecisionPolicy:
+        """`reduce_dtype`: the recipe's `zero.reduce_dtype`."""
+        return cls(param_dtype=DTYPES[cfg.dtype], reduce_dtype=DTYPES[reduce_dtype])
 
 
 class LossScaler:

@@ -6,7 +6,7 @@
 Nothing in it knows about zerorun: `--deepspeed ds.json` is transformers' own argument. The model
 comes from a `save_pretrained` directory (`--model_dir`, written by the test: no download), the data
 is synthetic token ids. Each rank writes its micro-step losses (what `training_step` returns) and
-the learning rate of each update to `<record>.rank<r>.json` (and, under zerorun, the most parameter
+the learning rate and end time of each update to `<record>.rank<r>.json` (and, under zerorun, the most parameter
 bytes it held while loading the model at stage 3).
 
 `--ds_schedule` makes the DDP reference run follow DeepSpeed's WarmupDecayLR (linear warmup from 0,
@@ -18,10 +18,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 
 
 @dataclass
@@ -59,12 +60,24 @@ def deepspeed_warmup_decay(warmup: int, total: int):
     return factor
 
 
+class StepClock(TrainerCallback):
+    """The time at the end of each update (the step-time benchmark reads their differences)."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self.ends.append(time.perf_counter())
+
+
 class RecordingTrainer(Trainer):
     def __init__(self, *args, ds_schedule: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.losses: list[float] = []
         self.lrs: list[float] = []
         self.ds_schedule = ds_schedule
+        self.clock = StepClock()
+        self.add_callback(self.clock)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -101,7 +114,10 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     with open(f"{script.record}.rank{rank}.json", "w") as file:
         json.dump({"losses": trainer.losses, "lrs": trainer.lrs, "global_step": trainer.state.global_step,
-                   "staged_peak_bytes": staged_peak_bytes()}, file)
+                   "staged_peak_bytes": staged_peak_bytes(),
+                   "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+                   "deepspeed": getattr(sys.modules.get("deepspeed"), "__version__", None),
+                   "step_ends": trainer.clock.ends}, file)
 
 
 if __name__ == "__main__":
