@@ -131,3 +131,24 @@ def test_an_out_of_memory_kill_is_named_with_the_ranks_last_rss(launch, tmp_path
         assert job.leftovers() == []
     finally:
         group.rmdir()
+
+
+SHM_SCRIPT = """
+import os, signal
+# what a rank killed while the ranks were mapping a shared-memory segment leaves (named as the runtime names it)
+path = f"/dev/shm/zerorun-{os.environ['ZERORUN_JOB_ID']}-{os.getpid()}-setup"
+with open(path, "wb") as segment:
+    segment.write(bytes(1 << 20))
+print(f"left {path}", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_segment_a_killed_rank_left_in_dev_shm_is_removed_when_the_job_ends(launch, tmp_path: Path):
+    script = tmp_path / "shm.py"
+    script.write_text(SHM_SCRIPT)
+    job = launch(str(script), nproc_per_node=1)
+    assert job.wait(timeout=120) == 137, job.output
+    (left,) = [line.rsplit(" ", 1)[1] for line in job.stdout if " left /dev/shm/" in line]
+    assert not Path(left).exists(), job.output  # (before: the segment stayed in /dev/shm)
+    assert job.leftovers() == []
