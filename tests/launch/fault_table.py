@@ -8,8 +8,9 @@ table of issue 15 was made, and a way to re-measure it on a quiet machine. For e
 reports the seconds from the fault to the launcher's exit, the exit code, what the launcher named
 as the cause (its `zerorun: job ... stopped` / failure lines), and what was left: live processes
 of the job (by job id and printed pids), NVMe offload files, the job's shared-memory segments in
-/dev/shm, and `.zerorun-lock` files under the case's directory that still name a job (a released
-lock is left in place, empty).
+/dev/shm, and `.zerorun-lock` files under the case's directory that still name a job: held, or
+stale (a launcher killed by SIGKILL cannot release its lock; the kernel frees it, the file keeps
+its name). A released lock is left in place, empty.
 """
 
 from __future__ import annotations
@@ -57,8 +58,23 @@ def _segments(job: LaunchedJob) -> list[str]:
     return [name for name in os.listdir("/dev/shm") if any(name.startswith(f"zerorun-{i}-") for i in job.job_ids)]
 
 
-def _held_locks(work: Path) -> list[Path]:
-    return [lock for lock in work.rglob(".zerorun-lock") if lock.stat().st_size]
+def _locks(work: Path) -> tuple[int, int]:
+    """`.zerorun-lock` files under `work` that still name a job: (held by a live process, stale: free,
+    left by a launcher that could not release it, named and taken over by the next job)."""
+    import fcntl
+
+    held = stale = 0
+    for lock in work.rglob(".zerorun-lock"):
+        if not lock.stat().st_size:
+            continue
+        with open(lock) as file:
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(file, fcntl.LOCK_UN)
+                stale += 1
+            except BlockingIOError:
+                held += 1
+    return held, stale
 
 
 def _files(directory: Path | None) -> list[str]:
@@ -82,11 +98,13 @@ def _run(case: str, work: Path, start: Callable[[Path], LaunchedJob], fault: Cal
         deadline = time.monotonic() + settle_s
         while job.leftovers() and time.monotonic() < deadline:
             time.sleep(0.2)
-        procs, files, segments, locks = job.leftovers(), _files(nvme), _segments(job), _held_locks(work)
+        procs, files, segments, (held, stale) = job.leftovers(), _files(nvme), _segments(job), _locks(work)
         left = ", ".join(filter(None, [f"{len(procs)} processes" if procs else "",
                                        f"{len(files)} NVMe files" if files else "",
                                        f"{len(segments)} /dev/shm segments" if segments else "",
-                                       f"{len(locks)} lock files naming a job" if locks else ""])) or "none"
+                                       f"{held} held locks" if held else "",
+                                       f"{stale} stale lock files (free; the next job names and takes them over)"
+                                       if stale else ""])) or "none"
         return Row(case, seconds, code, _cause(job), left)
     finally:
         job.cleanup()
