@@ -7,7 +7,10 @@ Not a test (it takes minutes and measures times): it is how the closing note's "
 table of issue 15 was made, and a way to re-measure it on a quiet machine. For each case it
 reports the seconds from the fault to the launcher's exit, the exit code, what the launcher named
 as the cause (its `zerorun: job ... stopped` / failure lines), and what was left: live processes
-of the job (by job id and printed pids) and NVMe offload files.
+of the job (by job id and printed pids), NVMe offload files, the job's shared-memory segments in
+/dev/shm, and `.zerorun-lock` files under the case's directory that still name a job: held, or
+stale (a launcher killed by SIGKILL cannot release its lock; the kernel frees it, the file keeps
+its name). A released lock is left in place, empty.
 """
 
 from __future__ import annotations
@@ -51,6 +54,29 @@ def _cause(job: LaunchedJob) -> str:
     return " / ".join(dict.fromkeys(shown))[:300] or "(nothing)"
 
 
+def _segments(job: LaunchedJob) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if any(name.startswith(f"zerorun-{i}-") for i in job.job_ids)]
+
+
+def _locks(work: Path) -> tuple[int, int]:
+    """`.zerorun-lock` files under `work` that still name a job: (held by a live process, stale: free,
+    left by a launcher that could not release it, named and taken over by the next job)."""
+    import fcntl
+
+    held = stale = 0
+    for lock in work.rglob(".zerorun-lock"):
+        if not lock.stat().st_size:
+            continue
+        with open(lock) as file:
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(file, fcntl.LOCK_UN)
+                stale += 1
+            except BlockingIOError:
+                held += 1
+    return held, stale
+
+
 def _files(directory: Path | None) -> list[str]:
     if directory is None or not directory.exists():
         return []
@@ -72,10 +98,13 @@ def _run(case: str, work: Path, start: Callable[[Path], LaunchedJob], fault: Cal
         deadline = time.monotonic() + settle_s
         while job.leftovers() and time.monotonic() < deadline:
             time.sleep(0.2)
-        procs = job.leftovers()
-        files = _files(nvme)
+        procs, files, segments, (held, stale) = job.leftovers(), _files(nvme), _segments(job), _locks(work)
         left = ", ".join(filter(None, [f"{len(procs)} processes" if procs else "",
-                                       f"{len(files)} NVMe files" if files else ""])) or "none"
+                                       f"{len(files)} NVMe files" if files else "",
+                                       f"{len(segments)} /dev/shm segments" if segments else "",
+                                       f"{held} held locks" if held else "",
+                                       f"{stale} stale lock files (free; the next job names and takes them over)"
+                                       if stale else ""])) or "none"
         return Row(case, seconds, code, _cause(job), left)
     finally:
         job.cleanup()
@@ -177,6 +206,13 @@ def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
         "forged telemetry: a hello without the token, a bad record", fresh("forged"),
         local(TINY, ["--step-delay", "0.05"], **slow), _forge_then_stop)
     table["rank OOM-killed (a memory cgroup of 200 MB)"] = lambda: _oom_kill(fresh("oom"))
+    table["rank SIGKILLed holding a /dev/shm segment"] = lambda: _shm_left(fresh("shm"))
+    table["two jobs of one name on one NVMe disk, Ctrl-C to the first"] = lambda: _two_on_one_disk(fresh("two"))
+    table["telemetry flood: 200 connections of 1 MB without a newline"] = lambda: _run(
+        "telemetry flood: 200 connections of 1 MB without a newline", fresh("flood"),
+        local(TINY, ["--step-delay", "0.05"], **slow), _flood_then_stop)
+    table["NVMe disk too small (ext4 of 4 MiB)"] = lambda: _small_nvme_disk(fresh("small"))
+    table["resume with another precision"] = lambda: _resume_changed(fresh("resume"))
     bomb = "d0: &d0 {" + ", ".join(f"k{j}: 1" for j in range(9)) + "}\n" + "".join(
         f"d{i}: &d{i} {{" + ", ".join(f"k{j}: *d{i - 1}" for j in range(9)) + "}\n" for i in range(1, 9))
     for case, extra, hosts in [("YAML alias bomb (under 1 KB)", bomb, None),
@@ -184,6 +220,7 @@ def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
                                ("env key 'A=B'", "env: {'A=B': c}\n", None),
                                ("recipe of 150 KiB", "env: {" + ", ".join(f"P{i}: {'x' * 1000}" for i in range(150))
                                 + "}\n", None),
+                               ("recipe of 50 MB", "# " + "x" * (50 << 20) + "\n", None),
                                ("hostfile line 'localhost: slots=2'", "", "localhost: slots=2\n"),
                                ("hostfile host '-V'", "", "-V slots=1\n")]:
         table[case] = lambda case=case, extra=extra, hosts=hosts: _bad_input(case, fresh(case[:12]), extra, hosts)
@@ -279,6 +316,107 @@ def _oom_kill(work: Path) -> Row:
         return _run("rank OOM-killed (a memory cgroup of 200 MB)", work, start, lambda job: None)
     finally:
         group.rmdir()
+
+
+def _shm_left(work: Path) -> Row:
+    """A rank writes a segment into /dev/shm named as the runtime names its own, then SIGKILLs itself."""
+    from tests.launch.test_hostile import SHM_SCRIPT
+
+    (work / "shm.py").write_text(SHM_SCRIPT)
+    start = lambda w: LaunchedJob.start(write_recipe(w, str(w / "shm.py")), cwd=w)  # noqa: E731
+    return _run("rank SIGKILLed holding a /dev/shm segment", work, start, lambda job: None)
+
+
+def _two_on_one_disk(work: Path) -> Row:
+    """Two jobs of one name (two working directories) offload to one NVMe disk; the first gets Ctrl-C.
+    The row adds whether the second job still runs with all of its offload files."""
+    disk = Path(tempfile.mkdtemp(prefix="zr-fault-nvme-", dir="/var/tmp"))
+    keys = {"name": "same", "nproc_per_node": 2, "train": {"steps": 100_000},
+            "zero": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(disk)}}}
+    (work / "b").mkdir()
+    second = LaunchedJob.start(write_recipe(work / "b", TINY, ["--step-delay", "0.05"], **keys), cwd=work / "b")
+    try:
+        _wait_steps(second)
+        (work / "a").mkdir()
+        start = lambda w: LaunchedJob.start(write_recipe(w, TINY, ["--step-delay", "0.05"], **keys), cwd=w)  # noqa: E731
+        row = _run("two jobs of one name on one NVMe disk, Ctrl-C to the first", work / "a", start,
+                   lambda job: (_wait_steps(job), job.send(signal.SIGINT)))
+        theirs = [p for p in disk.rglob("*.bin") if second.job_id in str(p)]
+        others = [p for p in disk.rglob("*.bin") if second.job_id not in str(p)]
+        row.leftovers += (f"; the other job {'runs' if second.proc.poll() is None else 'ended'} with "
+                          f"{len(theirs)} offload files, {len(others)} files not its own")
+        return row
+    finally:
+        second.cleanup()
+
+
+def _flood_then_stop(job: LaunchedJob) -> None:
+    """200 connections that each send 1 MB without a newline and never prove the token; the launcher's
+    RSS before and after goes into the job's stderr lines the table shows."""
+    import socket
+
+    _wait_steps(job)
+    env = psutil.Process(_pid_of(job, "localhost:0")).environ()
+    host, port = env["ZERORUN_TELEMETRY"].rsplit(":", 1)
+    launcher = psutil.Process(job.proc.pid)
+    before = launcher.memory_info().rss
+    sockets = []
+    for _ in range(200):
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            sock.setblocking(False)
+            sock.send(b"x" * (1 << 20))
+            sockets.append(sock)
+        except OSError:
+            continue
+    time.sleep(2.0)
+    grown = (launcher.memory_info().rss - before) >> 20
+    for sock in sockets:
+        sock.close()
+    job.stderr.append(f"zerorun: warning: (table) launcher RSS grew {grown} MiB under the flood; "
+                      f"job {'still training' if job.proc.poll() is None else 'ended'}")
+    job.send(signal.SIGINT)
+
+
+_WIDE_SCRIPT = """
+import torch, zerorun
+engine = zerorun.initialize(torch.nn.Linear(1024, 1024), None)  # 1M parameters: 12 MB of optimizer state
+engine.backward(engine(torch.randn(2, 1024)).sum())
+engine.step()
+"""
+
+
+def _small_nvme_disk(work: Path) -> Row:
+    """Optimizer states offloaded to an ext4 file system of 4 MiB (a loop device: tmpfs is refused for
+    NVMe offload): how the job is refused (needs root to mount)."""
+    import subprocess
+
+    disk, image = work / "nvme", work / "nvme.img"
+    disk.mkdir()
+    made = subprocess.run(["mkfs.ext4", "-q", str(image), "4M"], capture_output=True).returncode == 0
+    if not made or subprocess.run(["mount", "-o", "loop", str(image), str(disk)]).returncode != 0:
+        return Row("NVMe disk too small", None, None, "(cannot make a loop file system here)", "-")
+    try:
+        (work / "wide.py").write_text(_WIDE_SCRIPT)
+        keys = {"nproc_per_node": 2, "zero": {"stage": 2, "offload_optimizer": {"device": "nvme",
+                                                                               "nvme_path": str(disk)}}}
+        start = lambda w: LaunchedJob.start(write_recipe(w, str(w / "wide.py"), [], **keys), cwd=w)  # noqa: E731
+        return _run("NVMe disk too small (ext4 of 4 MiB)", work, start, lambda job: None)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+
+
+def _resume_changed(work: Path) -> Row:
+    """A job saves a checkpoint in fp32; the next resumes from it with precision bf16."""
+    keys = {"train": {"steps": 2}, "checkpoint": {"dir": str(work / "ckpt"), "every_steps": 2},
+            "launch": {"kill_grace_s": 1.0}}
+    first = LaunchedJob.start(write_recipe(work, "train_checkpointed.py", [], **keys), cwd=work)
+    if first.wait(timeout=180) != 0:
+        first.cleanup()
+        return Row("resume with another precision", None, first.proc.returncode, "(the first job failed)", "-")
+    keys = dict(keys, train={"steps": 4}, precision="bf16")
+    start = lambda w: LaunchedJob.start(write_recipe(w, "train_checkpointed.py", [], **keys), cwd=w)  # noqa: E731
+    return _run("resume with another precision", work, start, lambda job: None)
 
 
 def _bad_input(case: str, work: Path, extra: str, hosts: str | None) -> Row:

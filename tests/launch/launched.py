@@ -175,3 +175,15 @@ def write_recipe(directory: Path, script: str, args: Sequence[str] = (), **keys:
     path.write_text(yaml.safe_dump(data))
     return path
 
+
+
+BIG_RECIPE_ENV = {f"ZR_PAD_{i}": "x" * 1000 for i in range(150)}  # 150 KiB of recipe: one variable holds 128 KiB
+
+
+def recipe_files_shown(job: LaunchedJob, ranks: int) -> str:
+    """Check what scripts/show_recipe.py printed on each of `ranks` workers for a recipe of BIG_RECIPE_ENV:
+    the whole recipe, none of it in the environment, a 0600 file in a 0700 directory. Returns the file."""
+    shown = [line for line in job.stdout if "env keys" in line]
+    expected = f"env keys {len(BIG_RECIPE_ENV)} in env False modes 600 700 at "
+    assert len(shown) == ranks and all(expected in line for line in shown), job.output
+    return shown[0].rsplit(" at ", 1)[1]

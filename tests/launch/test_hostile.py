@@ -5,25 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-RECIPE_SCRIPT = """
-import os, stat, zerorun
-recipe = zerorun.recipe()
-path = os.environ["ZERORUN_RECIPE_FILE"]
-mode = stat.S_IMODE(os.stat(path).st_mode)
-folder = stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode)
-print(f"env keys {len(recipe.env)} in env {'ZERORUN_RECIPE' in os.environ} modes {mode:o} {folder:o} at {path}", flush=True)
-"""
+from tests.launch.launched import BIG_RECIPE_ENV, recipe_files_shown
 
 
 def test_a_recipe_over_128_kib_launches_through_a_private_file(launch, tmp_path: Path):
-    script = tmp_path / "show_recipe.py"
-    script.write_text(RECIPE_SCRIPT)
-    big = {f"ZR_PAD_{i}": "x" * 1000 for i in range(150)}  # 150 KiB of recipe (before: "Argument list too long")
-    job = launch(str(script), nproc_per_node=2, env=big)
+    job = launch("show_recipe.py", nproc_per_node=2, env=BIG_RECIPE_ENV)  # (before: "Argument list too long")
     assert job.wait(timeout=120) == 0, job.output
-    shown = [line for line in job.stdout if "env keys" in line]
-    assert len(shown) == 2 and all("env keys 150 in env False modes 600 700 at " in line for line in shown), job.output
-    path = shown[0].rsplit(" at ", 1)[1]
+    path = recipe_files_shown(job, ranks=2)
     assert job.job_id in path and not Path(path).exists()  # the job's own place, removed at the end
     assert job.leftovers() == []
 
@@ -143,3 +131,24 @@ def test_an_out_of_memory_kill_is_named_with_the_ranks_last_rss(launch, tmp_path
         assert job.leftovers() == []
     finally:
         group.rmdir()
+
+
+SHM_SCRIPT = """
+import os, signal
+# what a rank killed while the ranks were mapping a shared-memory segment leaves (named as the runtime names it)
+path = f"/dev/shm/zerorun-{os.environ['ZERORUN_JOB_ID']}-{os.getpid()}-setup"
+with open(path, "wb") as segment:
+    segment.write(bytes(1 << 20))
+print(f"left {path}", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_segment_a_killed_rank_left_in_dev_shm_is_removed_when_the_job_ends(launch, tmp_path: Path):
+    script = tmp_path / "shm.py"
+    script.write_text(SHM_SCRIPT)
+    job = launch(str(script), nproc_per_node=1)
+    assert job.wait(timeout=120) == 137, job.output
+    (left,) = [line.rsplit(" ", 1)[1] for line in job.stdout if " left /dev/shm/" in line]
+    assert not Path(left).exists(), job.output  # (before: the segment stayed in /dev/shm)
+    assert job.leftovers() == []

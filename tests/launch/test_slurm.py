@@ -23,7 +23,8 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
-from tests.launch.launched import SCRIPTS, LaunchedJob, subprocess_env, write_recipe
+from tests.launch.launched import (BIG_RECIPE_ENV, SCRIPTS, LaunchedJob, recipe_files_shown, subprocess_env,
+                                   write_recipe)
 from tests.launch.slurm_cluster import PrivateSlurm, missing_programs
 from zerorun import config
 from zerorun.cli import app
@@ -115,6 +116,18 @@ def test_the_step_is_one_srun_whose_torchrun_takes_its_node_rank_from_slurm():
     assert "srun step on gpu[01-02] (gpu01, gpu02): 4 workers per node, ranks 0-7" in text
     assert "    srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --job-name=job-1 " in text
     assert "--node-rank '$SLURM_NODEID'" in text
+
+
+def test_srun_carries_the_recipe_in_parts_under_128_kib_that_the_node_entry_joins_and_takes_away():
+    recipe = json.dumps({"env": {f"K{i}": "v" * 1000 for i in range(300)}})  # 300 KiB
+    env = slurm.recipe_in_parts({"ZERORUN_RECIPE": recipe, "ZERORUN_RECIPE_PART_9": "stale", "A": "1"})
+    parts = sorted(key for key in env if key.startswith("ZERORUN_RECIPE"))
+    assert parts == [f"ZERORUN_RECIPE_PART_{i}" for i in range(5)] and env["A"] == "1"
+    assert max(len(key) + len(env[key]) for key in parts) < 128 << 10
+    assert slurm.take_recipe(env) == recipe and env == {"A": "1"}
+    assert slurm.take_recipe({"A": "1"}) is None
+    with pytest.raises(LaunchError, match="ZERORUN_RECIPE_PART_0, ZERORUN_RECIPE_PART_2: not one run"):
+        slurm.take_recipe({"ZERORUN_RECIPE_PART_0": "{", "ZERORUN_RECIPE_PART_2": "}"})
 
 
 def test_slurm_is_used_inside_an_allocation_unless_a_hostfile_or_the_launcher_says_otherwise(tmp_path):
@@ -243,6 +256,15 @@ def test_dry_run_inside_an_allocation_prints_the_srun_command_and_its_environmen
                      r"-m zerorun.launch.slurm --kill-grace-s 1 --run-name recipe --ranks-per-node 2 -- "
                      r".*--node-rank '\$SLURM_NODEID'", text, re.M)
     assert "    ZERORUN_JOB_ID=" in text and "rank 0 of 2" not in text
+
+
+def test_a_recipe_over_128_kib_launches_through_srun(cluster, tmp_path):
+    # (before: srun got the whole recipe in one variable and could not start: "Argument list too long")
+    job = _salloc(cluster, write_recipe(tmp_path, "show_recipe.py", env=BIG_RECIPE_ENV))
+    assert job.wait() == 0, job.output
+    path = recipe_files_shown(job, ranks=2)
+    assert job.job_id in path and not Path(path).exists()  # each node's own copy, removed at the end
+    assert job.leftovers() == []
 
 
 def test_ctrl_c_on_the_launcher_cancels_the_step_and_stops_stubborn_workers(cluster, tmp_path):

@@ -7,6 +7,7 @@ job's ZERORUN_JOB_ID (and none of the pids the workers printed).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -148,3 +149,68 @@ def test_preflight_reports_version_differences_and_a_missing_script(sshd, tmp_pa
                              "existing directory.")
     assert (check.python, check.zerorun, check.script) == (expected["python"], expected["zerorun"], False)
     assert "127.0.0.2" in preflight.render([check], expected, recipe.script)
+
+
+FAKE_SSH = """#!/bin/sh
+# A node over "ssh": logs its start (s), connects once the test says go, logs that (u), then beats
+# back for every line it reads and ends on `stop`.
+echo s >> "$FAKE_SSH_LOG"
+while [ ! -e "$FAKE_SSH_GO" ]; do sleep 0.1; done
+echo u >> "$FAKE_SSH_LOG"
+while read -r line; do
+    [ "$line" = stop ] && exit 0
+    printf '\\036zerorun-beat\\n' >&2
+done
+"""
+
+
+def test_a_job_on_300_ssh_hosts_runs_on_two_threads_and_connects_a_bounded_number_at_once(tmp_path, monkeypatch):
+    import signal
+    import threading
+
+    from zerorun.launch import supervisor as module
+    from zerorun.launch.launcher import transport_for
+    from zerorun.launch.supervisor import STOP_CONCURRENCY, Output, Supervisor
+
+    ssh, log, go = tmp_path / "ssh", tmp_path / "ssh.log", tmp_path / "go"
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SSH_LOG", str(log))
+    monkeypatch.setenv("FAKE_SSH_GO", str(go))
+    monkeypatch.setattr(module, "START_CONCURRENCY", 32)
+    recipe = config.from_dict({"script": "/x/t.py", "launch": {"kill_grace_s": 1.0}})
+    nodes = [Node(f"node-{i}", (0,)) for i in range(300)]
+    launch_plan = plan(recipe, nodes, "j", 1, MachineFacts(2, "py"))
+    transports = [transport_for(node, launch_plan) for node in launch_plan.nodes]
+    before = threading.active_count()
+
+    class Watching(Output):
+        """Counts threads while the job runs; a second into it lets the nodes connect, and once every
+        node is up stops the job as a SIGTERM would."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.running, self.stopping, self.first_tick, self.connecting = 0, 0, 0.0, 0
+
+        def tick(self) -> None:
+            if supervisor._signals:
+                self.stopping = max(self.stopping, threading.active_count() - before)
+                return
+            self.running = max(self.running, threading.active_count() - before)
+            log_text = log.read_text() if log.exists() else ""
+            self.first_tick = self.first_tick or time.monotonic()
+            if not go.exists() and time.monotonic() - self.first_tick > 1.0:
+                self.connecting = log_text.count("s")  # started, none connected yet
+                go.touch()
+            if log_text.count("u") == len(nodes):
+                supervisor._signals.append(signal.SIGTERM)
+
+    watching = Watching()
+    supervisor = Supervisor(launch_plan, transports, output=watching)
+    assert supervisor.run() == 143
+    assert supervisor.outcome.cause == "stopped by SIGTERM"  # no node was lost: every one beat back
+    assert watching.running == 2  # the output reader and the heartbeats (before: 3 threads per host, 900)
+    assert watching.stopping <= 2 + STOP_CONCURRENCY
+    assert 1 < watching.connecting <= 32  # (before: every ssh client started at once, 300)
+    assert all(t.poll() == 0 for t in transports)  # every fake ssh ended on `stop`

@@ -47,7 +47,7 @@ from rich.text import Text
 from zerorun import config
 from zerorun.launch import JOB_ID_ENV
 from zerorun.launch.plan import LaunchPlan, is_local
-from zerorun.launch.supervisor import Output
+from zerorun.launch.outcome import Output
 from zerorun.telemetry import RUNS_DIR, console
 from zerorun.telemetry.collector import Collector
 from zerorun.telemetry.trackers import TrackerUnavailable, open_trackers

@@ -262,6 +262,8 @@ def _watch_stdin(fd: int, last_beat: list[float], order: StopOrder) -> None:
 
 
 def _beat(done: threading.Event) -> None:
+    """A heartbeat at once (the launcher starts the next node when it hears this one), then every second."""
+    _write_stderr(streams.BEAT_RECORD + b"\n")
     while not done.wait(HEARTBEAT_S):
         _write_stderr(streams.BEAT_RECORD + b"\n")
 

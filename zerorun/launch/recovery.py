@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from zerorun.hostfile import Node
-from zerorun.launch.supervisor import Ending
+from zerorun.launch.outcome import Ending
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,10 @@ srun runs one command on every node, so the node-specific parts are filled in th
 module's `main` (the *node entry*): `--node-rank` from SLURM_NODEID and the host of the
 `[host:rank]` prefixes from SLURMD_NODENAME. The rendezvous is static on the first node, as with a
 hostfile. srun gives the step every CPU and GPU the job has on its nodes, and passes the launcher's
-environment on (the recipe, the telemetry address); Slurm itself sets CUDA_VISIBLE_DEVICES.
+environment on (the recipe, the telemetry address); Slurm itself sets CUDA_VISIBLE_DEVICES. The
+recipe travels in pieces of 64 KiB (ZERORUN_RECIPE_PART_0, _1, ...: one variable holds at most 128 KiB
+on Linux, and srun could not start with a larger recipe); the node entry joins them and its node
+supervisor hands the workers the recipe in a 0600 file of the job's, as on every other node.
 
 Workers per node: the recipe's `nproc_per_node` (or `--num-gpus`), else the allocation's GPUs per
 node, else its tasks per node (SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE, which must then be
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import functools
 import itertools
 import os
@@ -50,12 +54,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
 from zerorun import offload_files
-from zerorun.config import Recipe
+from zerorun.config import RECIPE_ENV, Recipe
 from zerorun.errors import LaunchError
 from zerorun.hostfile import Node
 from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV
@@ -69,6 +73,8 @@ NODE_RANK = "$SLURM_NODEID"  # in the step's command: each node's entry puts its
 LAUNCHER_GONE = signal.SIGUSR2  # srun's parent-death signal: srun forwards it to the step as it is
 _STEP_LOOKUP_S = 3.0  # how long stop() looks for a step that srun may not have registered yet
 _SLURM_TIMEOUT_S = 10.0
+RECIPE_PART_ENV = RECIPE_ENV + "_PART_"  # srun's environment carries the recipe as _PART_0, _PART_1, ...
+_RECIPE_PART_CHARS = 64 << 10  # the recipe's JSON is ASCII: 64 KiB a variable, half of Linux's limit for one
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +272,7 @@ class SlurmTransport(Transport):
         self._slurm_job_id = ""
 
     def start(self, node: NodeCommand) -> tuple[IO[bytes], IO[bytes]]:
-        env = {**os.environ, **node.env}
+        env = recipe_in_parts({**os.environ, **node.env})
         self._slurm_job_id = env.get("SLURM_JOB_ID", "")
         try:
             self._proc = subprocess.Popen(
@@ -274,6 +280,9 @@ class SlurmTransport(Transport):
                 start_new_session=True,  # Ctrl-C reaches the launcher only: srun would answer it with SIGKILL
                 preexec_fn=functools.partial(die_with_parent, LAUNCHER_GONE))
         except OSError as exc:
+            if exc.errno == errno.E2BIG:
+                raise LaunchError(f"cannot start srun: its environment ({_env_bytes(env) >> 10} KiB) is over this "
+                                  "system's limit for a command; unset large variables before launching.") from None
             raise LaunchError(f"cannot start srun: {exc.strerror or exc}; zerorun launches Slurm jobs with "
                               "Slurm's client commands, which must be on PATH.") from None
         assert self._proc.stdout is not None and self._proc.stderr is not None
@@ -322,6 +331,32 @@ class SlurmTransport(Transport):
         return None
 
 
+def recipe_in_parts(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with the recipe's JSON cut into RECIPE_PART_ENV variables of at most 64 KiB each."""
+    parted = {key: value for key, value in env.items() if not key.startswith(RECIPE_PART_ENV)}
+    recipe = parted.pop(RECIPE_ENV, None)
+    if recipe is not None:
+        for index, start in enumerate(range(0, len(recipe), _RECIPE_PART_CHARS)):
+            parted[f"{RECIPE_PART_ENV}{index}"] = recipe[start:start + _RECIPE_PART_CHARS]
+    return parted
+
+
+def take_recipe(env: MutableMapping[str, str]) -> str | None:
+    """The recipe's JSON joined from its parts, which leave `env` (the workers must not inherit them);
+    None when there are none."""
+    keys = [key for key in env if key.startswith(RECIPE_PART_ENV)]
+    indices = sorted(int(key.removeprefix(RECIPE_PART_ENV)) for key in keys
+                     if key.removeprefix(RECIPE_PART_ENV).isdigit())
+    if indices != list(range(len(keys))):
+        raise LaunchError(f"the recipe reached this node in parts {', '.join(sorted(keys))}: not one run "
+                          f"of {RECIPE_PART_ENV}0, 1, ... (is an old {RECIPE_PART_ENV}* variable set?).")
+    return "".join(env.pop(f"{RECIPE_PART_ENV}{index}") for index in indices) if indices else None
+
+
+def _env_bytes(env: Mapping[str, str]) -> int:
+    return sum(len(key) + len(value) + 2 for key, value in env.items())
+
+
 def _scancel(*args: str) -> None:
     try:
         subprocess.run(["scancel", *args], capture_output=True, timeout=_SLURM_TIMEOUT_S)
@@ -357,15 +392,21 @@ class StepShape:
     nvme_paths: Mapping[str, str]  # recipe key -> directory
 
 
-def run_on_node(command: Sequence[str], grace_s: float, env: Mapping[str, str], shape: StepShape) -> int:
+def run_on_node(command: Sequence[str], grace_s: float, env: MutableMapping[str, str], shape: StepShape) -> int:
     """Fill this node's rank and host into the step's command, check its NVMe paths, and run it until
-    it ends or a signal comes."""
+    it ends or a signal comes. `env` is this process's environment: the recipe's parts leave it for
+    the job's own environment, where the node supervisor turns the recipe into a file."""
     job_id, node_rank = env.get(JOB_ID_ENV), env.get("SLURM_NODEID")
     if not job_id or node_rank is None or not command:
         print(f"{NODE_MODULE}: {JOB_ID_ENV}, SLURM_NODEID and a command are needed (zerorun launch inside a "
               "Slurm allocation starts this module with srun).", file=sys.stderr)
         return 2
     host = env.get("SLURMD_NODENAME") or socket.gethostname()
+    try:
+        recipe = take_recipe(env)
+    except LaunchError as exc:
+        print(f"{NODE_MODULE}: host {host}: {exc}", file=sys.stderr)
+        return 2
     problems = [p for p in (offload_files.inspect_path(path, key) for key, path in shape.nvme_paths.items()) if p]
     if problems:
         print(f"{NODE_MODULE}: host {host}: {'; '.join(problems)}", file=sys.stderr)
@@ -375,7 +416,8 @@ def run_on_node(command: Sequence[str], grace_s: float, env: Mapping[str, str], 
     ranks = range(first, first + shape.ranks_per_node)
     dirs = tuple(str(offload_files.rank_dir(path, job_id, r))
                  for path in sorted(set(shape.nvme_paths.values())) for r in ranks)
-    job = NodeJob(argv, {NODE_HOST_ENV: host}, os.getcwd(), grace_s, offload_dirs=dirs)
+    job_env = {NODE_HOST_ENV: host, **({RECIPE_ENV: recipe} if recipe is not None else {})}
+    job = NodeJob(argv, job_env, os.getcwd(), grace_s, offload_dirs=dirs)
     order = StopOrder()
     order.on_signals(signal.SIGTERM, signal.SIGINT, signal.SIGHUP, LAUNCHER_GONE)
     return run_node(job, job_id, host, order)

@@ -1,7 +1,10 @@
 """The supervisor: runs a launch plan, one transport per node, and decides how the job ends and why.
 
-- **Output.** One reader thread per stream puts lines on a queue (and notes that the node was
-  heard from); the main thread prints them as they come (worker lines already carry their
+- **Starting** a large job: at most `START_CONCURRENCY` nodes connect at once (an ssh handshake
+  each, then the node supervisor's first heartbeat); a signal, a failed or a lost node stops the
+  starting, and the job ends as it would have once running.
+- **Output.** One reader thread for every node's streams (`node_output.OutputReader`) puts lines
+  on a queue (and notes that the node was heard from); the main thread prints them as they come (worker lines already carry their
   `[host:rank] ` prefix, torchrun's own lines get `[host:torchrun] `, node supervisor notes
   `zerorun: `) and keeps each rank's last lines for the failure report. A worker's `zerorun:
   error:` line (a ZerorunError: every rank usually raises the same) is printed once per job.
@@ -35,24 +38,22 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import queue
 import signal
-import sys
 import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import IO, BinaryIO, Protocol
+from typing import IO
 
 from zerorun.launch import streams
 from zerorun.launch.node import HEARTBEAT_TIMEOUT_S
+from zerorun.launch.node_output import OutputReader
+from zerorun.launch.outcome import Ending, Outcome, Output, Witness
 from zerorun.launch.plan import LaunchPlan
 from zerorun.launch.streams import NodeBeat, NodeNote, RankExit, RankLine
 from zerorun.launch.transport import Transport, exit_status
-from zerorun.telemetry.state import Culprit
 
 TAIL_LINES = 20  # lines of a failed rank shown in the failure report
 ERROR_PREFIX = b"zerorun: error: "  # a ZerorunError a worker printed (see `worker`): shown once per job
@@ -63,63 +64,7 @@ _TEARDOWN_SETTLE_S = 10.0  # after a SIGTERM torchrun sent: how long its node ma
 _LINK_SILENT_S = 3.0  # at a rank's failure: a node silent this long (it beats every second) lost its link
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_CONCURRENCY = 64  # nodes waited for at once while stopping (every node is asked first, all at once)
-
-
-class Ending(enum.Enum):
-    """How a job ended."""
-
-    SUCCESS = "success"
-    RANK_FAILED = "rank failed"  # a rank's worker failed (or, blamed, made another fail)
-    NODE_FAILED = "node failed"  # a node's torchrun (or its supervisor) failed without a rank failing
-    NODE_LOST = "node lost"  # the link to a node: closed, its client killed, or no heartbeat
-    SIGNAL = "signal"  # the launcher was told to stop
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How the job ended; `exit_code` is the launcher's, `cause` the one line that names the culprit."""
-
-    exit_code: int
-    ending: Ending = Ending.SUCCESS
-    cause: str = ""
-    host: str | None = None  # the culprit's host
-    rank: int | None = None  # the culprit rank, when it is a rank
-    evidence: tuple[str, ...] = ()  # why that rank (the stall evidence), when it is not the one that failed
-    failure: RankExit | None = None  # the first rank that failed
-    node: int | None = None  # the culprit node's index in the plan
-    signal: int | None = None  # the signal that stopped the launcher
-    detected_at: float = 0.0  # wall clock when the supervisor decided the job had ended
-
-
-class Output:
-    """Where the supervisor's lines go: here, to stdout (fd 1) and stderr (fd 2) as they come."""
-
-    def __init__(self, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None) -> None:
-        self.files = {1: stdout or sys.stdout.buffer, 2: stderr or sys.stderr.buffer}
-
-    def write(self, fd: int, line: bytes) -> None:
-        out = self.files[fd]
-        try:
-            out.write(line + b"\n")
-            out.flush()
-        except (BrokenPipeError, ValueError):
-            pass  # our own output is gone (piped into `head`): keep supervising
-
-    def tick(self) -> None:
-        """Called about every 0.1 s while the job runs (and while its last output drains)."""
-
-
-class Witness(Protocol):
-    """What the telemetry saw of the ranks (the monitor): who was waiting, and for whom."""
-
-    def waiting(self, rank: int) -> bool:
-        """Whether `rank` was last seen waiting inside a collective."""
-
-    def culprit(self, failed_rank: int) -> Culprit | None:
-        """The rank `failed_rank` was waiting for when it failed, with the evidence."""
-
-    def last_rss(self, rank: int) -> int | None:
-        """The rank's resident memory in its last sample, in bytes."""
+START_CONCURRENCY = 64  # nodes connecting at once (started, not heard from yet: ssh's handshake, the node's start)
 
 
 class Supervisor:
@@ -141,25 +86,50 @@ class Supervisor:
         self._errors_shown: set[bytes] = set()
         self._signals: list[int] = []
         self._stopping = False
+        self._reader: OutputReader | None = None
+        self._heard_from: set[int] = set()  # nodes that sent anything since they started
 
     def run(self) -> int:
         previous = self._install_signal_handlers()
+        self._reader = OutputReader(self._events, self._heard)
         try:
             self._say(f"job {self.plan.job_id}: {_plural(sum(n.node_count for n in self.plan.nodes), 'node')}, "
                       f"{_plural(self.plan.world_size, 'worker')}, master {self.plan.master_addr}:{self.plan.master_port}")
-            for index, (node, transport) in enumerate(zip(self.plan.nodes, self.transports)):
-                out, err = transport.start(node)
-                self._read_in_background(index, 1, out)
-                self._read_in_background(index, 2, err)
+            self._start_all()
             outcome = dataclasses.replace(self._watch(), detected_at=time.time())
         finally:
             self._stopping = True
             self._stop_all()
             self._drain(_SETTLE_S)
+            self._reader.close()
             self._restore_signal_handlers(previous)
         self.outcome = outcome
         self._report(outcome)
         return outcome.exit_code
+
+    def _start_all(self) -> None:
+        """Start the nodes in order, at most `START_CONCURRENCY` of them connecting at a time; stop
+        starting at a signal, a failure or a lost node (`_watch` then decides how the job ended)."""
+        started: list[int] = []
+        for index, (node, transport) in enumerate(zip(self.plan.nodes, self.transports)):
+            while self._connecting(started) >= START_CONCURRENCY and not self._start_interrupted(started):
+                self._handle_events(timeout=0.05)
+                self.output.tick()
+            if self._start_interrupted(started):
+                return
+            out, err = transport.start(node)
+            self._read_in_background(index, 1, out)
+            self._read_in_background(index, 2, err)
+            started.append(index)
+
+    def _connecting(self, started: list[int]) -> int:
+        """Started nodes that beat but have not been heard from yet, and still run."""
+        return sum(1 for i in started if self.transports[i].heartbeats and i not in self._heard_from
+                   and self.transports[i].poll() is None)
+
+    def _start_interrupted(self, started: list[int]) -> bool:
+        return bool(self._signals or self._failures or any(self.transports[i].poll() for i in started)
+                    or self._lost_node(HEARTBEAT_TIMEOUT_S) is not None)
 
     # -- watching ---------------------------------------------------------------------------------
 
@@ -362,17 +332,14 @@ class Supervisor:
         self._handle_events(timeout=0)
 
     def _read_in_background(self, node_index: int, fd: int, stream: IO[bytes]) -> None:
-        transport = self.transports[node_index]
-
-        def read() -> None:
-            with stream:
-                for line in stream:
-                    transport.last_heard = time.monotonic()  # here, not in the main loop: it may be busy stopping
-                    self._events.put((node_index, fd, line.rstrip(b"\n")))
-            self._events.put((node_index, fd, None))
-
+        assert self._reader is not None
         self._open_streams[node_index] += 1
-        threading.Thread(target=read, name=f"zerorun-read-{node_index}-{fd}", daemon=True).start()
+        self._reader.add(node_index, fd, stream)
+
+    def _heard(self, node_index: int) -> None:
+        """The reader thread got bytes from the node (set there, not in the main loop: it may be busy stopping)."""
+        self.transports[node_index].last_heard = time.monotonic()
+        self._heard_from.add(node_index)
 
     # -- ending -----------------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ even when the launcher is gone, so the launcher's side of a node is small:
 - `LocalTransport` starts the node supervisor as a child process; `zerorun.launch.ssh.SSHTransport`
   starts the same program on another host through `ssh`. Both are a `SupervisedTransport`: the
   job goes to the node supervisor as one JSON line on stdin, then a heartbeat line every second;
-  `stop` writes `stop`, `hurry` writes `kill`. The node supervisor writes a heartbeat record every
+  `stop` writes `stop`, `hurry` writes `kill`. One thread (`Heartbeats`) beats for every node
+  of the job, not one per node; after the job line, a node's stdin is non-blocking, so a node that
+  stops reading costs a missed beat, never the other nodes' beats. The node supervisor writes a heartbeat record every
   second on its stderr: the supervisor notes when each node was last heard (`last_heard`), and a
   node silent for `HEARTBEAT_TIMEOUT_S` is a lost node. A stop does not wait on a node that has
   gone silent: its client is killed at once (the node ends the job by itself when the launcher's
@@ -97,6 +99,42 @@ def bootstrap_env(node: NodeCommand) -> dict[str, str]:
     return {key: node.env[key] for key in keys if key in node.env}
 
 
+class Heartbeats:
+    """One thread that writes a heartbeat to every running node each `HEARTBEAT_S` (it ends when no
+    node is left, and starts again with the next)."""
+
+    def __init__(self) -> None:
+        self._nodes: set[SupervisedTransport] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, node: SupervisedTransport) -> None:
+        with self._lock:
+            self._nodes.add(node)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="zerorun-heartbeats", daemon=True)
+                self._thread.start()
+
+    def remove(self, node: SupervisedTransport) -> None:
+        with self._lock:
+            self._nodes.discard(node)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            with self._lock:
+                nodes = list(self._nodes)
+                if not nodes:
+                    self._thread = None
+                    return
+            for node in nodes:
+                if not node.beat():
+                    self.remove(node)
+
+
+HEARTBEATS = Heartbeats()
+
+
 class SupervisedTransport(Transport):
     """A node supervisor as a child process (directly, or through ssh), driven through its stdin."""
 
@@ -123,8 +161,10 @@ class SupervisedTransport(Transport):
             raise LaunchError(f"host {self.host}: cannot start {argv[0]}: {exc.strerror or exc}.") from None
         self.last_heard = time.monotonic()
         job = NodeJob(node.argv, node.env, node.cwd, self.kill_grace_s, node.slots, node.offload_dirs)
-        self._send(job.header())
-        threading.Thread(target=self._heartbeat, name=f"zerorun-heartbeat-{self.host}", daemon=True).start()
+        assert self._proc.stdin is not None
+        write_whole(self._proc.stdin, job.header(), self._stdin_lock)  # may wait for ssh to connect
+        os.set_blocking(self._proc.stdin.fileno(), False)  # from here on only short lines: beats and orders
+        HEARTBEATS.add(self)
         assert self._proc.stdout is not None and self._proc.stderr is not None
         return self._proc.stdout, self._proc.stderr
 
@@ -150,12 +190,16 @@ class SupervisedTransport(Transport):
                     break
             time.sleep(0.05)
         self._stopped.set()
+        HEARTBEATS.remove(self)
         self._close_stdin()
         self._proc.wait()
         return int(running)
 
     def hurry(self) -> None:
         self._hurry.set()
+
+    def lost_link(self, silent_s: float) -> str | None:
+        return None if self._proc is None else super().lost_link(silent_s)  # not started: not silent either
 
     def request_stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -166,14 +210,33 @@ class SupervisedTransport(Transport):
         assert self._proc is not None
         self._proc.kill()
 
-    def _heartbeat(self) -> None:
-        while not self._stopped.wait(HEARTBEAT_S):
-            if self.poll() is not None or not self._send(b"\n"):
-                return
+    def beat(self) -> bool:
+        """One heartbeat (from `HEARTBEATS`); False once the node is gone or stopped."""
+        if self._stopped.is_set() or self.poll() is not None:
+            return False
+        if not self._stdin_lock.acquire(blocking=False):
+            return True  # an order is being written: it counts as a beat
+        try:
+            return self._write(b"\n") is not False
+        finally:
+            self._stdin_lock.release()
 
     def _send(self, data: bytes) -> bool:
+        """Write one short line (an order); False if the node cannot take it (gone, or not reading)."""
+        with self._stdin_lock:
+            return self._write(data) is True
+
+    def _write(self, data: bytes) -> bool | None:
+        """One atomic write of at most PIPE_BUF bytes: True, False when the pipe is gone, None when it is
+        full (the node has stopped reading; its silence is what the supervisor acts on)."""
         assert self._proc is not None and self._proc.stdin is not None
-        return write_whole(self._proc.stdin, data, self._stdin_lock)
+        try:
+            os.write(self._proc.stdin.fileno(), data)
+            return True
+        except BlockingIOError:
+            return None
+        except (OSError, ValueError):  # ValueError: our side is closed
+            return False
 
     def _close_stdin(self) -> None:
         with self._stdin_lock:
