@@ -78,11 +78,12 @@ class ZeroConfig:
     stage: int = _f(2, "0: plain data parallel; 1: shard optimizer states; 2: also gradients; 3: also parameters.", ge=0, le=3)
     overlap_comm: bool = _f(True, "Reduce gradient buckets asynchronously while backward continues; after a "
                                   "step, stage 3 starts gathering the next forward's first units.")
-    overlap_publish: bool = _f(False, "Stages 1/2: engine.step() starts the all-gather of the updated buckets and "
-                                      "returns; the next forward waits for each bucket just before the layer "
-                                      "that reads it. Faster, but code that reads parameters directly after a "
-                                      "step (an EMA of the weights, p.data) must call engine.wait_published() "
-                                      "first. Off: every parameter is updated when step() returns.")
+    overlap_publish: Literal["auto", True, False] = _f(
+        "auto", "Stages 1/2: engine.step() starts the all-gather of the updated buckets and returns; the next forward "
+        "waits for each bucket just before the layer that reads it. Faster where the link is the bottleneck, but "
+        "code that reads parameters directly after a step (an EMA of the weights, p.data) must call "
+        "engine.wait_published() first. auto: on when the ranks span nodes (the all-gather crosses the link), off "
+        "on one node; false: every parameter is updated when step() returns.")
     bucket_mb: float = _f(25.0, "Stages 0-2: size of a gradient reduce(-scatter) bucket, MiB; each bucket is also "
                                 "all-gathered as a whole after the step.", gt=0)
     allgather_bucket_mb: float = _f(25.0, "Stage 3: the largest flat buffer a unit's parameters are all-gathered in "
@@ -672,10 +673,10 @@ def _convert(tp: Any, value: Any, key: str, meta: typing.Mapping[str, Any], ctx:
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key + ".", ctx)
     if origin is Literal:
-        if value not in args:
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        if (type(value), value) not in {(type(a), a) for a in args}:  # 1 is not true, nor "1" 1
+            close = difflib.get_close_matches(str(value), [_literal_text(a) for a in args], n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            _fail(ctx, key, f"expected one of {', '.join(map(str, args))}, got {_describe(value)}{hint or '.'}")
+            _fail(ctx, key, f"expected one of {', '.join(map(_literal_text, args))}, got {_describe(value)}{hint or '.'}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
@@ -793,13 +794,18 @@ def _check_cross_fields(recipe: Recipe, ctx: _Ctx) -> None:
 # Reference documentation
 
 
+def _literal_text(value: Any) -> str:
+    """A Literal's value as a recipe writes it (YAML's true/false, not Python's)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _type_text(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
         return f"{_type_text(inner[0])} or null"
     if origin is Literal:
-        return " \\| ".join(map(str, args))
+        return " \\| ".join(map(_literal_text, args))
     if origin is list:
         return f"list of {_type_text(args[0])}"
     if origin is dict:
