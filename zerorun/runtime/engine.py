@@ -40,7 +40,7 @@ from zerorun.runtime.events import StepWindow
 from zerorun.runtime.adam_step import AdamStep, Piece
 from zerorun.runtime.checkpoint_async import Checkpointer
 from zerorun.runtime.collectives import Collectives
-from zerorun.runtime.deferred_publish import DeferredPublish
+from zerorun.runtime.deferred_publish import DeferredPublish, publish_overlaps
 from zerorun.runtime.dist import init_distributed
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
@@ -94,8 +94,8 @@ class Engine:
         self._cast_frozen()
         # stages 1/2 with overlap_publish: the post-step all-gather lands under the next forward
         self.deferred = (DeferredPublish(self.module, self.store.units)
-                         if 1 <= self.stage <= 2 and recipe.zero.overlap_publish and self.store.shard_world > 1
-                         else None)
+                         if 1 <= self.stage <= 2 and self.store.shard_world > 1
+                         and publish_overlaps(recipe.zero.overlap_publish, self.comm.world_size) else None)
         self.optimizer = ShardedAdamW(groups, decoupled, handed_over=optimizer)
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
