@@ -97,9 +97,10 @@ class ZeroConfig:
         "them: ranks on other nodes) are sent as int8 in blocks of 2048 with an fp32 scale each, a quarter of the "
         "bytes, and summed in fp32. Changes the numbers slightly (docs/cluster.md measures the loss).")
     quantized_weights: bool = _f(
-        False, "Stage 3, ZeRO++'s qwZ: a unit's parameters cross the network (gloo) as int8 in blocks of 2048 with "
-        "an fp32 scale each when gathered to compute with, a quarter of the bytes; every rank computes with the "
-        "same dequantized weights, the fp32 masters stay exact.")
+        False, "Stages 1-3, ZeRO++'s qwZ: parameters cross the network (gloo) as int8 in blocks of 2048 with an fp32 "
+        "scale each when all-gathered (stage 3: to compute with; stages 1/2: after the step), a quarter of the "
+        "bytes; every rank computes with the same dequantized weights, the fp32 masters stay exact (stages 1/2 "
+        "in fp32 then keep a master shard apart from the parameters: 4 bytes per parameter / world size).")
     host_memory: Literal["fast", "lean"] = _f(
         "fast", "How glibc treats host memory freed in training (stage 3 on CPU re-gathers a unit into the memory "
         "it released either way). fast: freed blocks of up to 32 MiB are kept for reuse, so activations and "
@@ -769,10 +770,9 @@ def _check_cross_fields(recipe: Recipe, ctx: _Ctx) -> None:
     if recipe.zero.quantized_gradients and recipe.zero.stage == 0:
         _fail(ctx, "zero.quantized_gradients", "stage 0 all-reduces gradients; quantized gradients apply to the "
               "reduce-scatter of zero.stage 1, 2 or 3. Raise the stage or leave this off.")
-    if recipe.zero.quantized_weights and recipe.zero.stage != 3:
-        _fail(ctx, "zero.quantized_weights", f"only stage 3 gathers weights to compute with (stage is "
-              f"{recipe.zero.stage}; stages 1/2's all-gather writes the parameters themselves). Use zero.stage: 3 "
-              "or leave this off.")
+    if recipe.zero.quantized_weights and recipe.zero.stage == 0:
+        _fail(ctx, "zero.quantized_weights", "stage 0 gathers no weights (every rank updates all of them); "
+              "quantized weights apply to the all-gathers of zero.stage 1, 2 or 3. Raise the stage or leave this off.")
     if recipe.zero.offload_optimizer.device != "none" and recipe.zero.stage == 0:
         _fail(ctx, "zero.offload_optimizer.device", "optimizer offload needs zero.stage >= 1.")
     for key in ("every_steps", "every_minutes"):
