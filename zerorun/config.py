@@ -108,6 +108,11 @@ class ZeroConfig:
         "of 128 KiB or more go back to the OS when freed, so RSS follows the live tensors, at the price of page "
         "faults (docs/stages-and-precision.md).")
     prefetch_units: int = _f(1, "Stage 3: units gathered ahead of the one computing.", ge=0)
+    hpz_partition_size: int = _f(
+        1, "Stage 3, ZeRO++'s hpZ: after a unit is gathered from every rank, each rank keeps one piece of it out of "
+        "this many (the ranks of its node), and the unit's next gathers (backward, later micro-steps) stay within "
+        "those ranks until the step changes the parameters: they never cross the link. Exact; costs the model's "
+        "size / hpz_partition_size per rank. Set it to the ranks per node; 1: off.", ge=1)
     param_persistence_threshold: int = _f(
         0, "Stage 3: parameters with fewer elements stay gathered (0: every parameter is sharded). A unit gathers "
            "all its parameters in one collective, so small ones cost no extra latency; DeepSpeed's 1e5 would keep "
@@ -770,6 +775,9 @@ def _check_cross_fields(recipe: Recipe, ctx: _Ctx) -> None:
     if recipe.zero.quantized_gradients and recipe.zero.stage == 0:
         _fail(ctx, "zero.quantized_gradients", "stage 0 all-reduces gradients; quantized gradients apply to the "
               "reduce-scatter of zero.stage 1, 2 or 3. Raise the stage or leave this off.")
+    if recipe.zero.hpz_partition_size > 1 and recipe.zero.stage != 3:
+        _fail(ctx, "zero.hpz_partition_size", f"the secondary copy is of stage 3's gathered parameters (stage is "
+              f"{recipe.zero.stage}). Use zero.stage: 3 or leave it at 1.")
     if recipe.zero.quantized_weights and recipe.zero.stage == 0:
         _fail(ctx, "zero.quantized_weights", "stage 0 gathers no weights (every rank updates all of them); "
               "quantized weights apply to the all-gathers of zero.stage 1, 2 or 3. Raise the stage or leave this off.")
