@@ -44,6 +44,7 @@ from zerorun.runtime.deferred_publish import DeferredPublish, publish_overlaps
 from zerorun.runtime.dist import init_distributed
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
+from zerorun.runtime.hpz import SecondaryPartition
 from zerorun.runtime.memory import MemoryReport, set_host_allocator, tensor_bytes
 from zerorun.runtime.module_units import describe as describe_plan
 from zerorun.runtime.module_units import plan_stage3, warn_if_nothing_sharded
@@ -140,7 +141,9 @@ class Engine:
         if self.comm.rank == 0:
             print(describe_plan(plan), flush=True)
             warn_if_nothing_sharded(plan, zero.wrap, zero.param_persistence_threshold)
-        sharded = ShardedParams(model, plan, self.placement, self.policy, self.comm, init_log)
+        hpz = (SecondaryPartition(plan.units, self.comm, zero.hpz_partition_size, zero.cpu_collectives,
+                                  self.recipe.launch.timeout_s) if zero.hpz_partition_size > 1 else None)
+        sharded = ShardedParams(model, plan, self.placement, self.policy, self.comm, init_log, hpz)
         say = (lambda text: print(text, flush=True)) if self.comm.rank == 0 else None
         scheduler = ParamScheduler(sharded, zero.prefetch_units, self.phase, say)
         # each unit's gradients are reduce-scattered as soon as backward completes it; then it is released
