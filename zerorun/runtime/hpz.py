@@ -52,10 +52,11 @@ class SecondaryPartition:
     def keep(self, k: int, full: torch.Tensor) -> None:
         """After a gather from every rank: keep this rank's node-group piece of `full`."""
         own = full.view(self.size, -1)[self.rank]
-        if self.pieces[k] is None:
+        piece = self.pieces[k]
+        if piece is None:
             self.pieces[k] = own.clone()
         else:
-            self.pieces[k].copy_(own)
+            piece.copy_(own)
         self.valid[k] = True
 
     def invalidate(self) -> None:

@@ -121,9 +121,14 @@ class ShardedParams:
         mu.expect(UnitState.GATHERING)
         mu.pending.wait()
         mu.pending, mu.state = None, UnitState.GATHERED
-        for k in mu.units if self.hpz is not None else []:
-            if self._full_gathers.pop(k, None) == self.hpz.generation:
-                self.hpz.keep(k, self.full[k])
+        if self.hpz is not None:
+            self._keep_secondary(mu, self.hpz)
+
+    def _keep_secondary(self, mu: ModuleUnit, hpz: SecondaryPartition) -> None:
+        """hpZ: keep the node-group pieces of `mu`'s units gathered from every rank, unless stale since."""
+        for k in mu.units:
+            if self._full_gathers.pop(k, None) == hpz.generation:
+                hpz.keep(k, self.full[k])
 
     def release(self, mu: ModuleUnit) -> None:
         """GATHERED -> RELEASED: free the buffers (never while a collective writes into them)."""
