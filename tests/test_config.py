@@ -47,6 +47,8 @@ def test_each_mistake_names_file_line_key_and_expectation(text: str, expected: s
     ("zero.stag=1", "--set zero.stag=1: zero.stag: unknown key; did you mean 'stage'?"),
     ("foo", "--set foo: expected KEY=VALUE, e.g. --set zero.stage=3."),
     ("precision.dtype=fp8", "--set precision.dtype=fp8: precision.dtype: expected one of fp32, bf16, fp16"),
+    ("zero.overlap_publish=1", "--set zero.overlap_publish=1: zero.overlap_publish: expected one of auto, true, "
+                               "false, got int 1."),
 ])
 def test_set_overrides_are_validated_and_named(override: str, expected: str) -> None:
     assert _error("script: t.py\n", (override,)).startswith(expected)

@@ -49,6 +49,16 @@ def test_offload_moves_optimizer_states_off_the_gpu_and_param_offload_the_shards
     assert nvme.nvme_per_rank == 14 * shape.params / 4 and nvme.cpu_per_rank < cpu.cpu_per_rank
 
 
+def test_zero_plus_plus_copies_count_hpz_secondary_partition_and_qwz_master() -> None:
+    shape, cluster = planner.ModelShape(params=10**9, largest_unit=10**7), planner.Cluster(2, 4)
+    plain = planner.place(shape, cluster, planner.Settings("bf16"), 3, "none", "none", None)
+    hpz = planner.place(shape, cluster, planner.Settings("bf16", hpz_partition_size=4), 3, "none", "none", None)
+    assert hpz.gpu["params"] - plain.gpu["params"] == 2 * shape.params / 4  # bf16, a quarter of the model
+    fp32 = planner.place(shape, cluster, planner.Settings("fp32"), 2, "none", "none", None)
+    qwz = planner.place(shape, cluster, planner.Settings("fp32", quantized_weights=True), 2, "none", "none", None)
+    assert qwz.gpu_total - fp32.gpu_total == 4 * shape.params / 8  # the master shard kept apart
+
+
 def test_a_background_checkpoints_host_snapshot_is_the_shards_state_or_one_nvme_chunk_and_counts_for_fits() -> None:
     shape, cluster = planner.ModelShape(params=10**9, largest_unit=10**7), planner.Cluster(1, 4, 80)
     snapshot = {(stage, offload): planner.place(shape, cluster, planner.Settings("bf16"), stage, offload, "none",

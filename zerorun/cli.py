@@ -275,7 +275,8 @@ def estimate(
     shape_args = (micro_batch, seq_len, hidden, layers)
     activations = planner.Activations(*shape_args) if all(a is not None for a in shape_args) else None
     settings = planner.Settings(dtype, zero.bucket_mb, zero.allgather_bucket_mb, zero.prefetch_units, checkpointing,
-                                async_checkpoints=loaded.checkpoint.async_save)
+                                async_checkpoints=loaded.checkpoint.async_save,
+                                hpz_partition_size=zero.hpz_partition_size, quantized_weights=zero.quantized_weights)
     per_node = gpus_per_node or loaded.nproc_per_node or 8
     origin = "--gpus-per-node" if gpus_per_node else "the recipe's nproc_per_node" if loaded.nproc_per_node else \
         "the default; set --gpus-per-node"

@@ -65,6 +65,8 @@ class Settings:
     checkpointing: bool = False
     offload_buffer_mb: float = 64.0  # zero.offload_optimizer.buffer_mb
     async_checkpoints: bool = True  # checkpoint.async_save: a host snapshot of the rank's state between saves
+    hpz_partition_size: int = 1  # zero.hpz_partition_size: stage 3 keeps 1/hpz of the model per rank besides its shard
+    quantized_weights: bool = False  # zero.quantized_weights: stages 1/2 in fp32 keep their master apart
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,18 @@ def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload
     return out
 
 
+def network_copies(psi: float, n: int, stage: int, settings: Settings) -> float:
+    """Bytes of the parameter copies ZeRO++ keeps to spare the link: hpZ's secondary partition (stage 3: the
+    model in p bytes / hpz_partition_size, `runtime/hpz.py`) and, with qwZ on stages 1/2 in fp32, the master
+    kept apart from the parameters computed with (4 Psi/N, `runtime/flat_params.py`)."""
+    extra = 0.0
+    if stage == 3 and settings.hpz_partition_size > 1:
+        extra += PARAM_BYTES[settings.precision] * psi / settings.hpz_partition_size
+    if stage in (1, 2) and settings.quantized_weights and settings.precision == "fp32" and n > 1:
+        extra += 4 * psi / n
+    return extra
+
+
 def offload_buffers(settings: Settings, offload_optimizer: str, gpu: bool = True) -> float:
     """Host bytes of offload staging: two gradient and two update tiles of `offload_buffer_mb`
     (pinned), one of each on a CPU-only machine, plus the NVMe store's ring of master + moment tiles."""
@@ -230,6 +244,7 @@ def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, o
     out = Footprint(stage, offload_optimizer, offload_param,
                     paper_model_states=round(paper_model_states(psi, n, stage)))
     gpu = dict(placed["gpu"])
+    gpu["params"] = gpu.get("params", 0) + network_copies(psi, n, stage, settings)
     gpu["buffers"] = working_buffers(shape, stage, settings)
     gpu["activations"] = activation_bytes(activations, settings.precision, settings.checkpointing) if activations else 0
     out.gpu = {k: round(v) for k, v in gpu.items()}

@@ -125,3 +125,35 @@ def test_checkpoint_saved_right_after_step_equals_the_synchronous_one(tmp_path) 
     assert files and files == sorted(p.name for p in on.iterdir() if p.suffix == ".safetensors")
     for name in files:
         assert (on / name).read_bytes() == (off / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("setting, local_world, world, deferred", [
+    ("auto", 1, 2, True), ("auto", 2, 4, True), ("auto", 2, 2, False), ("auto", None, 3, False),
+    (True, 2, 2, True), (False, 1, 2, False)])
+def test_auto_overlaps_the_publish_where_ranks_span_nodes(monkeypatch, setting, local_world, world,
+                                                          deferred) -> None:
+    from zerorun.runtime.deferred_publish import publish_overlaps
+
+    if local_world is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # outside a launch: one node
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    assert publish_overlaps(setting, world) is deferred
+
+
+def _engine_defers(rank: int, world: int, local_world: int) -> bool:
+    import os
+
+    import zerorun
+    from zerorun import config
+    from tests.runtime.reference import make_model
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world)  # as the launcher sets it: ranks on this node
+    recipe = config.loads("script: t.py\n", "t.yaml", ["zero.stage=2"])  # overlap_publish: auto by default
+    engine = zerorun.initialize(make_model(0), None, recipe)
+    return engine.deferred is not None
+
+
+def test_the_default_recipe_defers_the_publish_only_across_nodes() -> None:
+    assert run_ranks(_engine_defers, 2, (1,)) == [True, True]  # one rank per node
+    assert run_ranks(_engine_defers, 2, (2,)) == [False, False]  # both on one node

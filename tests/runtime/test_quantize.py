@@ -102,9 +102,37 @@ def test_stage_3_with_quantized_weights_and_gradients_stays_within_two_percent_o
     assert ((quantized - exact).abs() / exact.abs()).max() < 0.02
 
 
-def test_quantized_weights_outside_stage_3_are_refused_naming_why():
+def _stage2_run(rank: int, world: int) -> tuple[list[float], list[float], dict, dict]:
+    from tests.runtime.reference import engine_run
+    from zerorun.runtime.dist import init_distributed
+
+    init_distributed()
+    base = ["zero.stage=2", "zero.cpu_collectives=gloo"]
+    exact, _ = engine_run(rank, 20, 2, base, None)
+    quantized, engine = engine_run(rank, 20, 2, [*base, "zero.quantized_weights=true",
+                                                  "zero.quantized_gradients=true"], None)
+    computed = {n: p.detach().tolist() for n, p in engine.module.named_parameters()}  # lists: tensors cannot leave
+    return exact.losses, quantized.losses, computed, {n: p.tolist() for n, p in quantized.params.items()}
+
+
+def test_stage_2_with_quantized_publish_stays_within_two_percent_and_keeps_an_exact_master():
+    runs = run_ranks(_stage2_run, 3)
+    exact, quantized = torch.tensor(runs[0][0]), torch.tensor(runs[0][1])
+    assert not torch.equal(exact, quantized)
+    assert ((quantized - exact).abs() / exact.abs()).max() < 0.02
+    computed, master = ({n: torch.tensor(v) for n, v in d.items()} for d in runs[0][2:])
+    for name, value in runs[0][2].items():
+        assert all(value == run[2][name] for run in runs[1:]), f"{name}: the replicas differ"
+    # the parameters computed with are the master quantized once (within half a step of its block), not the master
+    assert any(not torch.equal(computed[n], master[n]) for n in computed), "the publish was not quantized"
+    half_step = max(v.abs().max() for v in master.values()) / 127 / 2  # a block may span parameters: the largest
+    for name, value in computed.items():
+        assert (value - master[name]).abs().max() <= half_step * 1.001, name
+
+
+def test_quantized_weights_on_stage_0_are_refused_naming_why():
     from zerorun import config
     from zerorun.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="zero.quantized_weights: only stage 3 gathers weights to compute with"):
-        config.loads("script: x\nzero:\n  stage: 2\n  quantized_weights: true\n", "r.yaml")
+    with pytest.raises(ConfigError, match="zero.quantized_weights: stage 0 gathers no weights"):
+        config.loads("script: x\nzero:\n  stage: 0\n  quantized_weights: true\n", "r.yaml")

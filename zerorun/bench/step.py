@@ -37,11 +37,14 @@ ZERO_SYSTEMS = {
     "zero2": ["zero.stage=2"],
     "zero1-async": ["zero.stage=1", "zero.overlap_publish=true"],
     "zero2-async": ["zero.stage=2", "zero.overlap_publish=true"],
+    "zero2-sync": ["zero.stage=2", "zero.overlap_publish=false"],
     "zero3": ["zero.stage=3"],
     "zero2-qgz": ["zero.stage=2", "zero.quantized_gradients=true"],
+    "zero2-zpp": ["zero.stage=2", "zero.quantized_gradients=true", "zero.quantized_weights=true"],
     "zero3-qgz": ["zero.stage=3", "zero.quantized_gradients=true"],
     "zero3-zpp": ["zero.stage=3", "zero.quantized_gradients=true", "zero.quantized_weights=true"],
     "zero3-lean": ["zero.stage=3", "zero.host_memory=lean"],
+    "zero3-hpz": ["zero.stage=3", "zero.hpz_partition_size=2"],
     "zero1-offload": ["zero.stage=1", "zero.offload_optimizer.device=cpu"],
     "zero2-offload": ["zero.stage=2", "zero.offload_optimizer.device=cpu"],
     "zero3-offload": ["zero.stage=3", "zero.offload_optimizer.device=cpu", "zero.offload_param.device=cpu"],
@@ -62,11 +65,14 @@ DESCRIPTIONS = {
     "zero2": "zerorun stage 2",
     "zero1-async": "zerorun stage 1, publish under the next forward",
     "zero2-async": "zerorun stage 2, publish under the next forward",
+    "zero2-sync": "zerorun stage 2, publish inside step()",
     "zero3": "zerorun stage 3 (unit per block)",
     "zero2-qgz": "zerorun stage 2, int8 gradients on the network (qgZ)",
+    "zero2-zpp": "zerorun stage 2, int8 weights and gradients on the network (qwZ + qgZ)",
     "zero3-qgz": "zerorun stage 3, int8 gradients on the network (qgZ)",
     "zero3-zpp": "zerorun stage 3, int8 weights and gradients on the network (qwZ + qgZ)",
     "zero3-lean": "zerorun stage 3, host_memory lean",
+    "zero3-hpz": "zerorun stage 3, secondary copy in node groups of 2 (hpZ)",
     "zero1-offload": "zerorun stage 1, optimizer on CPU",
     "zero2-offload": "zerorun stage 2, optimizer on CPU",
     "zero3-offload": "zerorun stage 3, optimizer + params on CPU",
@@ -305,10 +311,12 @@ def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print, spawn: Sp
 def ideal_link_mb(system: str, params: int, nodes: int) -> float:
     """MB a node must send per step when every byte crosses the link once: gradients reduced once and
     parameters gathered once (all-reduce-like traffic), twice for stage 3 (forward and backward), each
-    (n-1)/n of the model, in fp32, or in int8 (plus a scale per 2048) where the system quantizes it."""
+    (n-1)/n of the model, in fp32, or in int8 (plus a scale per 2048) where the system quantizes it;
+    with hpZ stage 3's backward gathers stay within the node, so its parameters cross once."""
     int8 = 1 / 4 + 1 / 2048
     gradients = int8 if system.endswith(("-qgz", "-zpp")) else 1.0
-    gathers = (2 if system.startswith(("zero3", "fsdp2", "deepspeed3")) else 1) * (int8 if system.endswith("-zpp")
+    twice = system.startswith(("zero3", "fsdp2", "deepspeed3")) and not system.endswith("-hpz")
+    gathers = (2 if twice else 1) * (int8 if system.endswith("-zpp")
                                                                                        else 1.0)
     return (gradients + gathers) * (nodes - 1) / nodes * params * 4 / 1e6
 

@@ -18,7 +18,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-from zerorun.config.schema import OffloadConfig, Recipe, range_text
+from zerorun.config.schema import OffloadConfig, Recipe, literal_text, range_text
 from zerorun.errors import ConfigError
 
 GIVEN_KEY = "_given"  # in `to_json`: the keys the user set (`Recipe.given`), so a worker can name them
@@ -141,10 +141,10 @@ def _convert(tp: Any, value: Any, key: str, meta: typing.Mapping[str, Any], ctx:
     if dataclasses.is_dataclass(tp):
         return _build(typing.cast(type, tp), value, key + ".", ctx)
     if origin is Literal:
-        if value not in args:
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        if (type(value), value) not in {(type(a), a) for a in args}:  # 1 is not true, nor "1" 1
+            close = difflib.get_close_matches(str(value), [literal_text(a) for a in args], n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            _fail(ctx, key, f"expected one of {', '.join(map(str, args))}, got {_describe(value)}{hint or '.'}")
+            _fail(ctx, key, f"expected one of {', '.join(map(literal_text, args))}, got {_describe(value)}{hint or '.'}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
@@ -231,10 +231,12 @@ def _check_cross_fields(recipe: Recipe, ctx: _Ctx) -> None:
     if recipe.zero.quantized_gradients and recipe.zero.stage == 0:
         _fail(ctx, "zero.quantized_gradients", "stage 0 all-reduces gradients; quantized gradients apply to the "
               "reduce-scatter of zero.stage 1, 2 or 3. Raise the stage or leave this off.")
-    if recipe.zero.quantized_weights and recipe.zero.stage != 3:
-        _fail(ctx, "zero.quantized_weights", f"only stage 3 gathers weights to compute with (stage is "
-              f"{recipe.zero.stage}; stages 1/2's all-gather writes the parameters themselves). Use zero.stage: 3 "
-              "or leave this off.")
+    if recipe.zero.hpz_partition_size > 1 and recipe.zero.stage != 3:
+        _fail(ctx, "zero.hpz_partition_size", f"the secondary copy is of stage 3's gathered parameters (stage is "
+              f"{recipe.zero.stage}). Use zero.stage: 3 or leave it at 1.")
+    if recipe.zero.quantized_weights and recipe.zero.stage == 0:
+        _fail(ctx, "zero.quantized_weights", "stage 0 gathers no weights (every rank updates all of them); "
+              "quantized weights apply to the all-gathers of zero.stage 1, 2 or 3. Raise the stage or leave this off.")
     if recipe.zero.offload_optimizer.device != "none" and recipe.zero.stage == 0:
         _fail(ctx, "zero.offload_optimizer.device", "optimizer offload needs zero.stage >= 1.")
     for key in ("every_steps", "every_minutes"):

@@ -12,7 +12,7 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from zerorun.config.schema import Recipe, range_text
+from zerorun.config.schema import Recipe, literal_text, range_text
 
 
 def _type_text(tp: Any) -> str:
@@ -21,7 +21,7 @@ def _type_text(tp: Any) -> str:
         inner = [a for a in args if a is not type(None)]
         return f"{_type_text(inner[0])} or null"
     if origin is Literal:
-        return " \\| ".join(map(str, args))
+        return " \\| ".join(map(literal_text, args))
     if origin is list:
         return f"list of {_type_text(args[0])}"
     if origin is dict:

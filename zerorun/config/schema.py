@@ -57,11 +57,12 @@ class ZeroConfig:
     stage: int = _f(2, "0: plain data parallel; 1: shard optimizer states; 2: also gradients; 3: also parameters.", ge=0, le=3)
     overlap_comm: bool = _f(True, "Reduce gradient buckets asynchronously while backward continues; after a "
                                   "step, stage 3 starts gathering the next forward's first units.")
-    overlap_publish: bool = _f(False, "Stages 1/2: engine.step() starts the all-gather of the updated buckets and "
-                                      "returns; the next forward waits for each bucket just before the layer "
-                                      "that reads it. Faster, but code that reads parameters directly after a "
-                                      "step (an EMA of the weights, p.data) must call engine.wait_published() "
-                                      "first. Off: every parameter is updated when step() returns.")
+    overlap_publish: Literal["auto", True, False] = _f(
+        "auto", "Stages 1/2: engine.step() starts the all-gather of the updated buckets and returns; the next forward "
+        "waits for each bucket just before the layer that reads it. Faster where the link is the bottleneck, but "
+        "code that reads parameters directly after a step (an EMA of the weights, p.data) must call "
+        "engine.wait_published() first. auto: on when the ranks span nodes (the all-gather crosses the link), off "
+        "on one node; false: every parameter is updated when step() returns.")
     bucket_mb: float = _f(25.0, "Stages 0-2: size of a gradient reduce(-scatter) bucket, MiB; each bucket is also "
                                 "all-gathered as a whole after the step.", gt=0)
     allgather_bucket_mb: float = _f(25.0, "Stage 3: the largest flat buffer a unit's parameters are all-gathered in "
@@ -79,9 +80,10 @@ class ZeroConfig:
         "them: ranks on other nodes) are sent as int8 in blocks of 2048 with an fp32 scale each, a quarter of the "
         "bytes, and summed in fp32. Changes the numbers slightly (docs/cluster.md measures the loss).")
     quantized_weights: bool = _f(
-        False, "Stage 3, ZeRO++'s qwZ: a unit's parameters cross the network (gloo) as int8 in blocks of 2048 with "
-        "an fp32 scale each when gathered to compute with, a quarter of the bytes; every rank computes with the "
-        "same dequantized weights, the fp32 masters stay exact.")
+        False, "Stages 1-3, ZeRO++'s qwZ: parameters cross the network (gloo) as int8 in blocks of 2048 with an fp32 "
+        "scale each when all-gathered (stage 3: to compute with; stages 1/2: after the step), a quarter of the "
+        "bytes; every rank computes with the same dequantized weights, the fp32 masters stay exact (stages 1/2 "
+        "in fp32 then keep a master shard apart from the parameters: 4 bytes per parameter / world size).")
     host_memory: Literal["fast", "lean"] = _f(
         "fast", "How glibc treats host memory freed in training (stage 3 on CPU re-gathers a unit into the memory "
         "it released either way). fast: freed blocks of up to 32 MiB are kept for reuse, so activations and "
@@ -89,6 +91,11 @@ class ZeroConfig:
         "of 128 KiB or more go back to the OS when freed, so RSS follows the live tensors, at the price of page "
         "faults (docs/stages-and-precision.md).")
     prefetch_units: int = _f(1, "Stage 3: units gathered ahead of the one computing.", ge=0)
+    hpz_partition_size: int = _f(
+        1, "Stage 3, ZeRO++'s hpZ: after a unit is gathered from every rank, each rank keeps one piece of it out of "
+        "this many (the ranks of its node), and the unit's next gathers (backward, later micro-steps) stay within "
+        "those ranks until the step changes the parameters: they never cross the link. Exact; costs the model's "
+        "size / hpz_partition_size per rank. Set it to the ranks per node; 1: off.", ge=1)
     param_persistence_threshold: int = _f(
         0, "Stage 3: parameters with fewer elements stay gathered (0: every parameter is sharded). A unit gathers "
            "all its parameters in one collective, so small ones cost no extra latency; DeepSpeed's 1e5 would keep "
@@ -321,3 +328,8 @@ def range_text(meta: typing.Mapping[str, Any]) -> str:
     parts = [f"{sign} {meta[name]:g}" for name, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
              if name in meta]
     return " and ".join(parts)
+
+
+def literal_text(value: Any) -> str:
+    """A Literal's value as a recipe writes it (YAML's true/false, not Python's)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)

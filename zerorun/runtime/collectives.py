@@ -136,7 +136,7 @@ class Collectives:
                 raise ZerorunError(f"zero.{key}: implemented for gloo (CPU ranks); this job's backend is "
                                    f"{self.backend}. Leave it off.")
         self.quantized_gradients = quantized_gradients  # reduce-scatters over the network send block int8
-        self.quantized_weights = quantized_weights  # so do all-gathers of compute copies (stage 3's units)
+        self.quantized_weights = quantized_weights  # so do all-gathers of compute copies (stage 3, stages 1/2 with qwZ)
 
     def _on_shm(self, *tensors: torch.Tensor) -> bool:
         return self.shm is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
@@ -234,9 +234,10 @@ class Collectives:
     def all_gather(self, full: torch.Tensor, compute_copy: bool = False) -> Handle:
         """Fill `full` from every rank's piece; this rank's piece is already in place in `full`.
 
-        `compute_copy`: `full` is only computed with, never stored back (stage 3's gathered unit), so with
-        `quantized_weights` it may travel as block int8 (qwZ); every rank's piece, this one's included, then
-        holds the dequantized values, so all ranks compute with the same weights."""
+        `compute_copy`: `full` is only computed with, never stored back (stage 3's gathered unit; stages 1/2's flat
+        parameters when their master is kept apart), so with `quantized_weights` it may travel as block int8
+        (qwZ); every rank's piece, this one's included, then holds the dequantized values, so all ranks compute
+        with the same weights."""
         self._record("all_gather", full)
         if self.world_size == 1:
             return Handle([], None, self.stats, "all_gather")

@@ -22,13 +22,27 @@ collectives fill the same bytes, only the moment of the wait moves.
 
 from __future__ import annotations
 
-from typing import Callable
+import os
+from typing import Callable, Literal
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zerorun.runtime.collectives import Pending
 from zerorun.runtime.units import Unit
+
+
+def publish_overlaps(setting: Literal["auto", True, False], world_size: int) -> bool:
+    """Whether stages 1/2 defer the post-step all-gather (`zero.overlap_publish`).
+
+    auto: where the data-parallel ranks span nodes. There the all-gather crosses the link, half of a
+    stage 2 step's bytes, and a forward's compute can hide it (`zerorun bench step --cluster 2x1`). On one
+    node the gather is a copy through shared memory or NVLink that takes less than the waits cost.
+    """
+    if setting != "auto":
+        return bool(setting)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # the launcher's ranks on this node
+    return local_world < world_size
 
 
 class DeferredPublish:

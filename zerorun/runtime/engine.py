@@ -40,11 +40,12 @@ from zerorun.runtime.events import StepWindow
 from zerorun.runtime.adam_step import AdamStep, Piece
 from zerorun.runtime.checkpoint_async import Checkpointer
 from zerorun.runtime.collectives import Collectives
-from zerorun.runtime.deferred_publish import DeferredPublish
+from zerorun.runtime.deferred_publish import DeferredPublish, publish_overlaps
 from zerorun.runtime.dist import init_distributed
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
 from zerorun.runtime.host_allocator import set_host_allocator
+from zerorun.runtime.hpz import SecondaryPartition
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
 from zerorun.runtime.module_units import describe as describe_plan
 from zerorun.runtime.module_units import plan_stage3, warn_if_nothing_sharded
@@ -95,8 +96,8 @@ class Engine:
         self._cast_frozen()
         # stages 1/2 with overlap_publish: the post-step all-gather lands under the next forward
         self.deferred = (DeferredPublish(self.module, self.store.units)
-                         if 1 <= self.stage <= 2 and recipe.zero.overlap_publish and self.store.shard_world > 1
-                         else None)
+                         if 1 <= self.stage <= 2 and self.store.shard_world > 1
+                         and publish_overlaps(recipe.zero.overlap_publish, self.comm.world_size) else None)
         self.optimizer = ShardedAdamW(groups, decoupled, handed_over=optimizer)
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
@@ -141,7 +142,9 @@ class Engine:
         if self.comm.rank == 0:
             print(describe_plan(plan), flush=True)
             warn_if_nothing_sharded(plan, zero.wrap, zero.param_persistence_threshold)
-        sharded = ShardedParams(model, plan, self.placement, self.policy, self.comm, init_log)
+        hpz = (SecondaryPartition(plan.units, self.comm, zero.hpz_partition_size, zero.cpu_collectives,
+                                  self.recipe.launch.timeout_s) if zero.hpz_partition_size > 1 else None)
+        sharded = ShardedParams(model, plan, self.placement, self.policy, self.comm, init_log, hpz)
         say = (lambda text: print(text, flush=True)) if self.comm.rank == 0 else None
         scheduler = ParamScheduler(sharded, zero.prefetch_units, self.phase, say)
         # each unit's gradients are reduce-scattered as soon as backward completes it; then it is released

@@ -17,6 +17,13 @@ of one: every rank owns everything.
 The master weights live in the home the placement chose. In fp32 with the optimizer in device
 memory, the master *is* this rank's own pieces of the flat buffer (the home is built around
 them); otherwise the step writes each update's compute-dtype copy into those pieces.
+
+With `zero.quantized_weights` (qwZ) the publish all-gathers the updated units as block int8 where
+they cross the network: half of a stage 2 step's bytes, so this is what brings quantized
+communication below DDP's over a slow link (`zerorun bench step --cluster 2x1`). Every rank, the
+owner included, then computes with the same dequantized values, so the replicas agree; the master
+is kept apart from the flat buffer (4 bytes per parameter / world size, also in fp32), stays
+exact and is what the next step updates and what checkpoints save.
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ class FlatParams:
                                     flat_offset=flat_offset)
         self.group_numels = group_numels(self.units, len(groups))
         staging = self._rank0_values()
-        self.params_are_master = placement.optimizer is Place.DEVICE and policy.param_dtype == torch.float32
+        self.quantized_publish = comm.quantized_weights and shard_world > 1  # the buffer is a compute copy
+        self.params_are_master = (placement.optimizer is Place.DEVICE and policy.param_dtype == torch.float32
+                                  and not self.quantized_publish)
         self.buffer = staging.to(policy.param_dtype)  # fp32: the staging buffer itself
         for unit in self.units:
             for span, param in zip(unit.layout.spans, unit.params):
@@ -98,7 +107,8 @@ class FlatParams:
         """`publish`, one `Pending` per unit index, started in `order` (the order they will be waited for)."""
         if self.shard_world == 1:
             return {}
-        return {k: Pending([self.comm.all_gather(self.unit_full(self.units[k]))]) for k in order}
+        return {k: Pending([self.comm.all_gather(self.unit_full(self.units[k]), compute_copy=self.quantized_publish)])
+                for k in order}
 
     def master_changed(self, group: int, values: torch.Tensor) -> None:
         if self.params_are_master:
@@ -111,7 +121,7 @@ class FlatParams:
         return contextlib.nullcontext()  # every rank holds whole parameters
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        if self.buffer.dtype == torch.float32:  # the parameters equal their master
+        if self.buffer.dtype == torch.float32 and not self.quantized_publish:  # the parameters equal their master
             return module.state_dict()
         return master_state_dict(module, self, every_rank=True)
 

@@ -5,7 +5,8 @@ gathered, so the module's parameters (views into it) and tensors autograd saved 
 stay valid across release and re-gather. The memory comes from a `BlockCache` (memory.py) on the
 host, and from the allocator (`resize_`) on CUDA, whose caching allocator keeps freed blocks
 itself. A gather fills this rank's piece from the parameter shard (`param_shards.py`: the master
-itself, a compute-dtype tensor, or NVMe files) and all-gathers the rest. The transitions of a
+itself, a compute-dtype tensor, or NVMe files) and all-gathers the rest; with hpZ (hpz.py), a unit
+whose node-group piece is still valid is gathered within the node instead. The transitions of a
 module unit (module_units.py) are strict; `ensure_gathered`, `prefetch` and `release_if_held` are
 the forgiving forms the scheduler uses where more than one state is legitimate. When to call them is the scheduler's business (param_scheduler.py).
 """
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from zerorun.runtime.collectives import Collectives, Pending
+from zerorun.runtime.hpz import SecondaryPartition
 from zerorun.runtime.memory import MemoryReport, gather_blocks
 from zerorun.runtime.module_units import ModuleUnit, Stage3Plan, UnitKind, UnitState
 from zerorun.runtime.param_shards import build_param_shard
@@ -33,8 +35,11 @@ class ShardedParams:
     """The stage 3 `ParamStore`: a parameter shard per rank, unit buffers gathered on demand."""
 
     def __init__(self, model: nn.Module, plan: Stage3Plan, placement: Placement, policy: PrecisionPolicy,
-                 comm: Collectives, init_log: InitLog | None = None) -> None:
+                 comm: Collectives, init_log: InitLog | None = None,
+                 hpz: SecondaryPartition | None = None) -> None:
         self.policy, self.comm, self.device = policy, comm, placement.device
+        self.hpz = hpz  # the secondary copy within the node; None: every gather is from every rank
+        self._full_gathers: dict[int, int] = {}  # unit -> hpz generation when its gather from every rank began
         self.blocks = gather_blocks(self.device)  # where gathered buffers get their memory
         self.shard_world, self.shard_rank = comm.world_size, comm.rank
         self.plan, self.units, self.group_numels = plan, plan.units, plan.group_numels
@@ -60,6 +65,7 @@ class ShardedParams:
         """Elements from `start` of this rank's fp32 master (and of the shard gathers read) for `group`."""
         self.home.write(group, "master", values, start=start)
         self.shard.write(group, start, values)
+        self._parameters_changed()
 
     def _shard_from(self, model: nn.Module) -> None:
         """Keep this rank's pieces of rank 0's parameter values, one unit at a time."""
@@ -98,8 +104,13 @@ class ShardedParams:
         for k in mu.units:
             unit, full = self.units[k], self.full[k]
             self._allocate(k)
-            self.shard.fill(unit, unit.piece(full, self.shard_rank))
-            handles.append(self.comm.all_gather(full, compute_copy=True))
+            if self.hpz is not None and self.hpz.holds(k):
+                handles.append(self.hpz.gather(k, full))
+            else:
+                self.shard.fill(unit, unit.piece(full, self.shard_rank))
+                handles.append(self.comm.all_gather(full, compute_copy=True))
+                if self.hpz is not None:
+                    self._full_gathers[k] = self.hpz.generation  # kept when it lands, unless stale by then
             for param, view in zip(unit.params, self.views[k]):
                 param.data = view
         mu.pending, mu.state = Pending(handles), UnitState.GATHERING
@@ -110,6 +121,14 @@ class ShardedParams:
         mu.expect(UnitState.GATHERING)
         mu.pending.wait()
         mu.pending, mu.state = None, UnitState.GATHERED
+        if self.hpz is not None:
+            self._keep_secondary(mu, self.hpz)
+
+    def _keep_secondary(self, mu: ModuleUnit, hpz: SecondaryPartition) -> None:
+        """hpZ: keep the node-group pieces of `mu`'s units gathered from every rank, unless stale since."""
+        for k in mu.units:
+            if self._full_gathers.pop(k, None) == hpz.generation:
+                hpz.keep(k, self.full[k])
 
     def release(self, mu: ModuleUnit) -> None:
         """GATHERED -> RELEASED: free the buffers (never while a collective writes into them)."""
@@ -161,6 +180,8 @@ class ShardedParams:
         live = [mu for mu in self.module_units if mu.state is not UnitState.RELEASED]
         for mu in live:
             self.release_if_held(mu)
+        self._parameters_changed()
+        for mu in live:
             self.start_gather(mu)
 
         def gather_live() -> None:
@@ -170,6 +191,11 @@ class ShardedParams:
 
     def master_changed(self, group: int, values: torch.Tensor) -> None:
         self.shard.write(group, 0, values)
+        self._parameters_changed()
+
+    def _parameters_changed(self) -> None:
+        if self.hpz is not None:
+            self.hpz.invalidate()  # the secondary copies hold the old values
 
     def set_piece(self, unit: Unit, values: torch.Tensor) -> None:
         """Overwrite this rank's piece of `unit` (master and shard) with `values`."""
@@ -191,7 +217,8 @@ class ShardedParams:
     def account(self, report: MemoryReport) -> None:
         window = {k for mu in self.module_units if mu.kind is UnitKind.WRAPPED for k in mu.units}
         held = [(k in window, t.untyped_storage().nbytes()) for k, t in enumerate(self.full)]
-        report.add("params", self.device.type, sum(n for in_window, n in held if not in_window))
+        secondary = self.hpz.nbytes() if self.hpz is not None else 0
+        report.add("params", self.device.type, sum(n for in_window, n in held if not in_window) + secondary)
         idle = self.blocks.idle_bytes()  # released units' memory, kept for reuse
         report.add("gathered", self.device.type, sum(n for in_window, n in held if in_window) + idle)
         self.shard.account(report)
