@@ -64,6 +64,8 @@ def _train(rank: int, overrides: list[str], overlap: bool, ckpt_dir: str | None 
             out["outstanding"].append(0 if engine.deferred is None else engine.deferred.outstanding)
         if ckpt_dir is not None and len(out["outstanding"]) == STEPS:
             engine.save_checkpoint(ckpt_dir, tag="t")  # straight after step(): the publish is still outstanding
+        if engine.scheduler is None and len(out["outstanding"]) == STEPS:  # a DDP habit after step(): an EMA
+            out.setdefault("read_after_step", []).append([p.detach().clone() for p in model.parameters()])
         with torch.no_grad():  # the module itself, straight after step(): its hooks must wait
             out["evals"].append(model(batch(7, rank, micro)).item())
     state = model.state_dict()  # stages 1/2: its hooks wait for the last publish
@@ -87,6 +89,9 @@ def _both(rank: int, world: int, cases: list[list[str]]) -> list[str]:
         for key in ("losses", "evals"):
             if on[key] != off[key]:
                 problems.append(f"{name}: {key} differ: {on[key]} vs {off[key]}")
+        for i, (a, b) in enumerate(zip(on.get("read_after_step", []), off.get("read_after_step", []), strict=True)):
+            if not all(torch.equal(x, y) for x, y in zip(a, b, strict=True)):
+                problems.append(f"{name}: model.parameters() read right after step {i} saw unpublished values")
         for k, v in off["state"].items():
             if not torch.equal(on["state"][k], v):
                 problems.append(f"{name}: {k} differs by {(on['state'][k] - v).abs().max().item():.2e}")
@@ -157,3 +162,31 @@ def _engine_defers(rank: int, world: int, local_world: int) -> bool:
 def test_the_default_recipe_defers_the_publish_only_across_nodes() -> None:
     assert run_ranks(_engine_defers, 2, (1,)) == [True, True]  # one rank per node
     assert run_ranks(_engine_defers, 2, (2,)) == [False, False]  # both on one node
+
+
+def test_the_parameter_guard_waits_keeps_the_class_and_leaves_copies_plain() -> None:
+    import copy
+    import io
+    import pickle
+
+    from torch import nn
+
+    from zerorun.runtime.deferred_publish import _guard_parameter_reads
+
+    class Owner:
+        waits = 0
+
+        def wait_all(self) -> None:
+            self.waits += 1
+
+    model, owner = nn.Sequential(nn.Linear(2, 2)), Owner()
+    _guard_parameter_reads(model, owner)  # type: ignore[arg-type]
+    list(model.parameters())
+    dict(model.named_parameters())
+    assert owner.waits == 2
+    assert isinstance(model, nn.Sequential) and type(model).__name__ == "Sequential"
+    assert type(copy.deepcopy(model)) is nn.Sequential  # AveragedModel's copy: no guard, no owner
+    assert type(pickle.loads(pickle.dumps(model))) is nn.Sequential
+    torch.save(model, io.BytesIO())
+    list(model[0].parameters())  # a submodule is not guarded (documented: wait_published)
+    assert owner.waits == 2

@@ -75,7 +75,7 @@ def _device(value: Any) -> str:
 def _reduce_dtype(value: Any) -> str:
     if value not in ("fp32", "bf16"):
         raise ValueError(f"expected fp32 or bf16, got {value!r}")
-    return value
+    return str(value)
 
 
 _TELEMETRY = ("zerorun's telemetry streams loss, step time, throughput and memory per rank to the launcher's "
