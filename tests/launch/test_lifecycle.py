@@ -56,7 +56,7 @@ def test_exception_in_script_prints_its_traceback_and_fails_the_job(launch):
     assert "[localhost:0] Traceback (most recent call last):" in stderr
     assert "[localhost:0] RuntimeError: rank 0 fails on purpose" in stderr
     assert "stubborn.py" in stderr and "runpy" not in stderr  # the user's frames, not the bootstrap's
-    assert "rank 0 on localhost failed (exit code 1)" in stderr
+    assert "rank 0 on localhost failed (exit code 1)" in stderr, stderr  # the whole report when it fails
     assert job.leftovers() == []
 
 
