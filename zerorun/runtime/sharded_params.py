@@ -13,7 +13,7 @@ the forgiving forms the scheduler uses where more than one state is legitimate. 
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Iterable, Iterator
 
 import torch
@@ -188,6 +188,21 @@ class ShardedParams:
             for mu in live:
                 self.ensure_gathered(mu)
         return Pending(then=gather_live)
+
+    def publish_after_step(self) -> None:
+        self.publish().wait()
+
+    def wait_published(self) -> None:
+        pass  # `publish_after_step` waited for the units gathered then; the rest gather when used
+
+    def forward_context(self) -> AbstractContextManager:
+        return nullcontext()  # no scheduler: the caller gathers and releases (`ScheduledParams` has one)
+
+    def begin_backward(self) -> None:
+        pass
+
+    def end_backward(self) -> None:
+        pass
 
     def master_changed(self, group: int, values: torch.Tensor) -> None:
         self.shard.write(group, 0, values)

@@ -97,6 +97,22 @@ class ParamStore(Protocol):
     def publish(self) -> Pending:
         """After an update: every rank's parameters from the updated shards (`wait()` before reading them)."""
 
+    def publish_after_step(self) -> None:
+        """After an applied update: `publish`, waited for here or (stages 1/2 with `overlap_publish`) by the
+        next forward's hooks; stage 3 then starts gathering the next forward's first units (`overlap_comm`)."""
+
+    def wait_published(self) -> None:
+        """Return once the last step's publish has reached every rank (a no-op where it was waited for)."""
+
+    def forward_context(self) -> AbstractContextManager:
+        """Entered around every engine forward (stage 3's first-pass watch; nothing elsewhere)."""
+
+    def begin_backward(self) -> None:
+        """A backward starts (stage 3: the scheduler's per-pass state; nothing elsewhere)."""
+
+    def end_backward(self) -> None:
+        """A backward ended, or raised (stage 3: units gathered for it are released; nothing elsewhere)."""
+
     def master_changed(self, group: int, values: torch.Tensor) -> None:
         """The home's master of `group` was overwritten with `values` (a checkpoint load): parameters follow
         at the next `publish`."""
