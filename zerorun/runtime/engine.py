@@ -332,9 +332,8 @@ class Engine:
         report = MemoryReport()
         self.store.account(report)
         report.add("params", place, tensor_bytes([p for p in self.module.parameters() if not p.requires_grad]))
-        report.add("grads", place, self.reducer.held_bytes())
         report.add("buffers", place, tensor_bytes(list(self.module.buffers())))
-        report.add("comm", place, self.reducer.pool.peak_bytes)  # reduce staging, held during a backward only
+        self.reducer.account(report)
         self.update.account(report)
         self.checkpoints.account(report)
         report.units = self.store.unit_count()
