@@ -40,7 +40,7 @@ from zerorun.runtime.deferred_publish import DeferredPublish
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.placement import Place, Placement
 from zerorun.runtime.precision import PrecisionPolicy
-from zerorun.runtime.store import InMaster, ParamTensor, UpdateTarget, master_state_dict, units_of
+from zerorun.runtime.store import InMaster, ParamIO, ParamTensor, UpdateTarget, master_state_dict, units_of
 from zerorun.runtime.units import Unit, cut_units, group_numels
 
 
@@ -155,3 +155,6 @@ class FlatParams:
 
     def account(self, report: MemoryReport) -> None:
         report.add("params", self.device.type, self.buffer.numel() * self.buffer.element_size())
+
+    def param_io(self) -> ParamIO:
+        return ParamIO()  # the parameters live in memory

@@ -27,7 +27,7 @@ from zerorun.runtime.param_shards import build_param_shard
 from zerorun.runtime.placement import Placement
 from zerorun.runtime.precision import PrecisionPolicy
 from zerorun.runtime.sharded_init import InitLog, materialize
-from zerorun.runtime.store import UpdateTarget, master_state_dict, units_of
+from zerorun.runtime.store import ParamIO, UpdateTarget, master_state_dict, units_of
 from zerorun.runtime.units import Unit
 
 
@@ -228,6 +228,9 @@ class ShardedParams:
 
     def gathered_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.full)
+
+    def param_io(self) -> ParamIO:
+        return self.shard.io()
 
     def account(self, report: MemoryReport) -> None:
         window = {k for mu in self.module_units if mu.kind is UnitKind.WRAPPED for k in mu.units}

@@ -17,6 +17,7 @@ reads and writes the home and tells the store when the master changed (`master_c
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol, runtime_checkable
 
 import torch
@@ -79,6 +80,16 @@ class ParamFile:
         self.write(lo, staged)
 
 
+@dataclass(frozen=True)
+class ParamIO:
+    """What this rank's parameter shard read and wrote outside memory since the start (stage 3's parameters on
+    NVMe), and the seconds the caller waited on it; zeros where the parameters live in memory."""
+
+    read_bytes: int = 0
+    written_bytes: int = 0
+    blocked_s: float = 0.0
+
+
 @runtime_checkable
 class ParamStore(Protocol):
     """Where the trainable parameters live between steps, and how every rank gets the updated values."""
@@ -129,6 +140,9 @@ class ParamStore(Protocol):
 
     def account(self, report: MemoryReport) -> None:
         """Add the bytes of parameters (and their own buffers) this store holds to `report`."""
+
+    def param_io(self) -> ParamIO:
+        """The parameter shard's file I/O so far (zeros unless stage 3 keeps parameters on NVMe)."""
 
 
 def units_of(units: list[Unit], group: int) -> list[Unit]:
