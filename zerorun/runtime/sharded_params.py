@@ -119,6 +119,7 @@ class ShardedParams:
     def finish_gather(self, mu: ModuleUnit) -> None:
         """GATHERING -> GATHERED: wait for the all-gathers."""
         mu.expect(UnitState.GATHERING)
+        assert mu.pending is not None, "a GATHERING unit has its all-gathers pending"
         mu.pending.wait()
         mu.pending, mu.state = None, UnitState.GATHERED
         if self.hpz is not None:
