@@ -151,6 +151,7 @@ class GradReducer:
                                "not loss.backward(), so zerorun can reduce gradients across ranks.")
         k, index = self._place[param]
         grad, param.grad = param.grad, None
+        assert grad is not None, "a post-accumulate-grad hook runs with the gradient in place"
         if k in self._launched:
             raise ZerorunError(
                 f"parameter {tuple(param.shape)} received a second gradient after its bucket was reduced "
