@@ -125,8 +125,8 @@ def _measure(rank: int, world: int) -> dict:
         out[(dtype, stage, offload_optimizer, offload_param)] = {
             place: sum(report.total(kind, place) for kind in MODEL_STATE_KINDS) for place in ("cpu", "nvme")}
         engine.reducer.remove_hooks()
-        if engine.scheduler is not None:
-            engine.scheduler.remove()
+        if engine.stage == 3:
+            engine.store.scheduler.remove()
     return out
 
 

@@ -191,7 +191,7 @@ def engine_run(rank: int, steps: int, accum: int, recipe_overrides: list[str], c
         run.grad_norms.append(engine.grad_norm)
         if eval_every and len(run.grad_norms) % eval_every == 0:
             run.eval_losses.append(_eval(engine, rank, micro))
-    if engine.scheduler is not None:  # stage 3: the parameters as gathered on every rank
+    if engine.stage == 3:  # stage 3: the parameters as gathered on every rank
         with engine.gathered():
             run.params = {n: p.detach().float().cpu().clone() for n, p in engine.module.named_parameters()}
     else:  # the fp32 master, not its low-precision copy (in fp32 without offload, the parameters themselves)

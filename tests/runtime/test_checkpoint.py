@@ -87,7 +87,7 @@ def _state(engine) -> dict[str, torch.Tensor]:
 
     from tests.runtime.reference import engine_master_params
 
-    if engine.scheduler is not None:
+    if engine.stage == 3:
         return engine.state_dict()
     masters = engine_master_params(engine)
     first = {}

@@ -73,7 +73,7 @@ def _overrides(name: str, stage: int) -> list[str]:
 def _engine(rank: int, name: str, stage: int) -> tuple[Run, dict[str, torch.Tensor]]:
     """The engine's run and its fp32 master weights (stage 3: on rank 0 only, {} elsewhere)."""
     run, engine = engine_run(rank, STEPS, 2, _overrides(name, stage))
-    if engine.scheduler is None:
+    if engine.stage < 3:
         return run, run.params  # stages 0-2: engine_run all-gathers the master
     state = engine.state_dict()  # stage 3: the master, consolidated on rank 0
     return run, {n: state[n].float() for n in run.params} if state else {}
@@ -164,8 +164,8 @@ def _state_dicts(rank: int, world: int) -> dict[int, dict[str, tuple[str, float]
         _, engine = engine_run(rank, 2, 1, [f"zero.stage={stage}", "precision=bf16", *extra])
         state = engine.state_dict()
         out[stage] = {k: (str(v.dtype), float(v.double().sum())) for k, v in state.items()}
-        if engine.scheduler is not None:
-            engine.scheduler.remove()
+        if engine.stage == 3:
+            engine.store.scheduler.remove()
         engine.reducer.remove_hooks()
     return out
 

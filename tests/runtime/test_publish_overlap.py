@@ -58,22 +58,23 @@ def _train(rank: int, overrides: list[str], overlap: bool, ckpt_dir: str | None 
             engine.step()
             out["losses"].append(loss.item())
             micro += 1
-        if engine.scheduler is not None:  # stage 3: the next forward's first unit is on its way
+        if engine.stage == 3:  # stage 3: the next forward's first unit is on its way
             out["outstanding"].append(sum(mu.state is UnitState.GATHERING for mu in engine.store.module_units))
         else:
-            out["outstanding"].append(0 if engine.deferred is None else engine.deferred.outstanding)
+            out["outstanding"].append(0 if engine.store.deferred is None else engine.store.deferred.outstanding)
         if ckpt_dir is not None and len(out["outstanding"]) == STEPS:
             engine.save_checkpoint(ckpt_dir, tag="t")  # straight after step(): the publish is still outstanding
-        if engine.scheduler is None and len(out["outstanding"]) == STEPS:  # a DDP habit after step(): an EMA
+        if engine.stage < 3 and len(out["outstanding"]) == STEPS:  # a DDP habit after step(): an EMA
             out.setdefault("read_after_step", []).append([p.detach().clone() for p in model.parameters()])
         with torch.no_grad():  # the module itself, straight after step(): its hooks must wait
             out["evals"].append(model(batch(7, rank, micro)).item())
     state = model.state_dict()  # stages 1/2: its hooks wait for the last publish
     with engine.gathered():  # stage 3: whole parameters
-        out["state"] = {k: v.clone() for k, v in (model.state_dict() if engine.scheduler else state).items()}
-    out["waits"] = 0 if engine.deferred is None else engine.deferred.deferred_waits
+        out["state"] = {k: v.clone() for k, v in (model.state_dict() if engine.stage == 3 else state).items()}
     out["units"] = len(engine.store.units)
-    if engine.scheduler is not None:  # one prefetched unit (prefetch_units=1); its wait is the forward's own
+    if engine.stage < 3:  # the store's deferred publish: None when it publishes within step()
+        out["waits"] = 0 if engine.store.deferred is None else engine.store.deferred.deferred_waits
+    else:  # one prefetched unit (prefetch_units=1); its wait is the forward's own
         out["units"], out["waits"] = 1, 1
     return out
 
@@ -156,7 +157,7 @@ def _engine_defers(rank: int, world: int, local_world: int) -> bool:
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world)  # as the launcher sets it: ranks on this node
     recipe = config.loads("script: t.py\n", "t.yaml", ["zero.stage=2"])  # overlap_publish: auto by default
     engine = zerorun.initialize(make_model(0), None, recipe)
-    return engine.deferred is not None
+    return engine.store.deferred is not None
 
 
 def test_the_default_recipe_defers_the_publish_only_across_nodes() -> None:

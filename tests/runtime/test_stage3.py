@@ -53,7 +53,7 @@ def _compare(rank: int, world: int, cases: list[tuple[str, int, list[str]]]) -> 
                 problems.append(f"{name}: parameter {pname} differs by {diff:.2e}")
         if ONE_PARAMETER_UNITS[0] in extra and engine.reducer.direct_launches == 0:
             problems.append(f"{name}: no one-parameter unit was reduced from its own gradient")
-        engine.scheduler.remove()
+        engine.store.scheduler.remove()
         engine.reducer.remove_hooks()
     return problems
 
@@ -242,7 +242,7 @@ def _split(rank: int, world: int, indexed: bool) -> tuple[list[str], list[str], 
         if _param_diff(pname, run.params[pname], value) > PARAM_ATOL:
             problems.append(f"rank {rank}: parameter {pname} differs")
     split = [mu.name for mu in engine.store.module_units if mu.split]
-    return problems, split, engine.scheduler.kept_whole, printed.getvalue()
+    return problems, split, engine.store.scheduler.kept_whole, printed.getvalue()
 
 
 @pytest.mark.parametrize("indexed", [False, True])

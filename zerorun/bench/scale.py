@@ -114,24 +114,15 @@ def _watch_rss(limit_bytes: int) -> None:
 
 def _io_counters(engine: Any) -> dict[str, float]:
     """Cumulative NVMe and collective counters of this rank's engine."""
-    from zerorun.runtime.param_shards import FileShard
-
     stats = engine.update.stats()
     comm = engine.comm.stats.as_dict()
-    out = {"read": stats.get("nvme_read", {}).get("bytes", 0), "write": stats.get("nvme_write", {}).get("bytes", 0),
-           "wait": stats.get("wait", {}).get("seconds", 0.0),
-           "gather": comm.get("all_gather", {}).get("bytes", 0) + comm.get("broadcast", {}).get("bytes", 0),
-           "reduce": comm.get("reduce_scatter", {}).get("bytes", 0) + comm.get("all_reduce", {}).get("bytes", 0),
-           "param_read": 0, "param_write": 0}
-    shard = getattr(engine.store, "shard", None)
-    if isinstance(shard, FileShard):
-        s = shard.store.stats
-        out["param_read"], out["param_write"] = s.bytes_read, s.bytes_written
-        out["read"] += s.bytes_read
-        out["write"] += s.bytes_written
-        # the caller's waits (the file's own I/O runs on a thread; its wait_s is that thread's)
-        out["wait"] += shard.blocked_s
-    return out
+    param_io = engine.store.param_io()  # zeros unless stage 3's parameters live on NVMe
+    return {"read": stats.get("nvme_read", {}).get("bytes", 0) + param_io.read_bytes,
+            "write": stats.get("nvme_write", {}).get("bytes", 0) + param_io.written_bytes,
+            "wait": stats.get("wait", {}).get("seconds", 0.0) + param_io.blocked_s,
+            "gather": comm.get("all_gather", {}).get("bytes", 0) + comm.get("broadcast", {}).get("bytes", 0),
+            "reduce": comm.get("reduce_scatter", {}).get("bytes", 0) + comm.get("all_reduce", {}).get("bytes", 0),
+            "param_read": param_io.read_bytes, "param_write": param_io.written_bytes}
 
 
 def _train(rank: int, world: int, system: str, model_cfg: GPTConfig, cfg: ScaleConfig) -> dict[str, Any]:

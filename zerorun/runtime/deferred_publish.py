@@ -83,7 +83,7 @@ class DeferredPublish:
             pending.wait()
         return pending is not None
 
-    def _waiter(self, ks: list[int]):
+    def _waiter(self, ks: list[int]) -> Callable[[nn.Module, object], None]:
         def wait_units(module: nn.Module, args: object) -> None:
             if self._pending:
                 self.deferred_waits += sum(self._wait(k) for k in ks)

@@ -8,8 +8,9 @@
 
 It composes three ideas, each built once from the recipe:
 - a `Placement` (placement.py): where the optimizer state (`Home`) and stage 3's parameter shard live;
-- a `ParamStore` (store.py): `FlatParams` for stages 0-2, `ShardedParams` for stage 3, with the
-  stage 3 `ParamScheduler` deciding when units are gathered;
+- a `ParamStore` (store.py): `FlatParams` for stages 0-2, `ScheduledParams` for stage 3 (the sharded
+  store with the `ParamScheduler` deciding when units are gathered); every stage-specific moment (a
+  forward, a backward's begin and end, the publish after a step) is a method of that one protocol;
 - the `TrainingPhase` it owns (phase.py), which the gradient reducer and the scheduler read.
 
 An optimizer step, in order: the reducer has left this rank's summed gradient pieces; their global
@@ -40,7 +41,7 @@ from zerorun.runtime.events import StepWindow
 from zerorun.runtime.adam_step import AdamStep, Piece
 from zerorun.runtime.checkpoint_async import Checkpointer
 from zerorun.runtime.collectives import Collectives
-from zerorun.runtime.deferred_publish import DeferredPublish, publish_overlaps
+from zerorun.runtime.deferred_publish import publish_overlaps
 from zerorun.runtime.dist import init_distributed
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
@@ -50,11 +51,10 @@ from zerorun.runtime.memory import MemoryReport, tensor_bytes
 from zerorun.runtime.module_units import describe as describe_plan
 from zerorun.runtime.module_units import plan_stage3, warn_if_nothing_sharded
 from zerorun.runtime.optimizer import ShardedAdamW, param_groups_from
-from zerorun.runtime.param_scheduler import ParamScheduler
 from zerorun.runtime.phase import Phase, TrainingPhase
 from zerorun.runtime.placement import Placement
 from zerorun.runtime.precision import LossScaler, PrecisionPolicy
-from zerorun.runtime.sharded_params import ShardedParams
+from zerorun.runtime.scheduled_params import ScheduledParams
 from zerorun.runtime.store import ParamStore, units_of
 
 log = logging.getLogger("zerorun")
@@ -91,13 +91,8 @@ class Engine:
         self._sync_buffers()
         self.store: ParamStore
         self.reducer: GradReducer
-        self.scheduler: ParamScheduler | None  # stage 3 only: when units are gathered and released
-        self.store, self.reducer, self.scheduler = self._build_stage(model, [g["params"] for g in groups], init_log)
+        self.store, self.reducer = self._build_stage(model, [g["params"] for g in groups], init_log)
         self._cast_frozen()
-        # stages 1/2 with overlap_publish: the post-step all-gather lands under the next forward
-        self.deferred = (DeferredPublish(self.module, self.store.units)
-                         if 1 <= self.stage <= 2 and self.store.shard_world > 1
-                         and publish_overlaps(recipe.zero.overlap_publish, self.comm.world_size) else None)
         self.optimizer = ShardedAdamW(groups, decoupled, handed_over=optimizer)
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
@@ -128,15 +123,17 @@ class Engine:
 
     # -- setup helpers ----------------------------------------------------------------------
     def _build_stage(self, model: nn.Module, groups: list[list[nn.Parameter]],
-                     init_log: Any) -> tuple[ParamStore, GradReducer, ParamScheduler | None]:
-        """The stage's parameter store, the gradient reducer around it and, at stage 3, the scheduler."""
+                     init_log: Any) -> tuple[ParamStore, GradReducer]:
+        """The stage's parameter store (at stage 3 with its scheduler) and the gradient reducer around it."""
         zero, dtype, reduce_dtype = self.recipe.zero, self.policy.param_dtype, self.policy.reduce_dtype
         if self.stage < 3:
             shard_world = 1 if self.stage == 0 else self.comm.world_size
-            store = FlatParams(groups, self.placement, self.policy, self.comm, shard_world, _numel(zero.bucket_mb))
+            defer_to = model if publish_overlaps(zero.overlap_publish, self.comm.world_size) else None
+            store = FlatParams(groups, self.placement, self.policy, self.comm, shard_world, _numel(zero.bucket_mb),
+                               defer_to)
             reducer = GradReducer(store, self.comm, reduce_dtype, self.device, Reduction.for_stage(self.stage),
                                   LaunchOrder.LAYOUT, zero.overlap_comm, self.phase)
-            return store, reducer, None
+            return store, reducer
         plan = plan_stage3(model, groups, zero.wrap, zero.param_persistence_threshold, _numel(zero.bucket_mb),
                            _numel(zero.allgather_bucket_mb), self.comm.world_size, dtype)
         if self.comm.rank == 0:
@@ -144,13 +141,14 @@ class Engine:
             warn_if_nothing_sharded(plan, zero.wrap, zero.param_persistence_threshold)
         hpz = (SecondaryPartition(plan.units, self.comm, zero.hpz_partition_size, zero.cpu_collectives,
                                   self.recipe.launch.timeout_s) if zero.hpz_partition_size > 1 else None)
-        sharded = ShardedParams(model, plan, self.placement, self.policy, self.comm, init_log, hpz)
         say = (lambda text: print(text, flush=True)) if self.comm.rank == 0 else None
-        scheduler = ParamScheduler(sharded, zero.prefetch_units, self.phase, say)
+        sharded = ScheduledParams(model, plan, self.placement, self.policy, self.comm, init_log, hpz,
+                                  prefetch=zero.prefetch_units, phase=self.phase,
+                                  prefetch_after_step=zero.overlap_comm, say=say)
         # each unit's gradients are reduce-scattered as soon as backward completes it; then it is released
-        reducer = GradReducer(sharded, self.comm, reduce_dtype, self.device, Reduction.SCATTER_SHARD,
-                              LaunchOrder.READY, zero.overlap_comm, self.phase, on_launch=scheduler.unit_reduced)
-        return sharded, reducer, scheduler
+        reducer = GradReducer(sharded, self.comm, reduce_dtype, self.device, Reduction.SCATTER_SHARD, LaunchOrder.READY,
+                              zero.overlap_comm, self.phase, on_launch=sharded.scheduler.unit_reduced)
+        return sharded, reducer
 
     def _sync_buffers(self) -> None:
         """Every rank starts from rank 0's buffers (parameters are synced by the store)."""
@@ -176,8 +174,7 @@ class Engine:
         self.lr_schedules.engine_entered()
         args, kwargs = _place_inputs((args, kwargs), self.device, self.policy.param_dtype)
         self._window.count_inputs(args, kwargs, self.tokens_per_sample)
-        watch = self.scheduler.watch_first_pass() if self.scheduler is not None else contextlib.nullcontext()
-        with self.phase.running(Phase.FORWARD), watch:
+        with self.phase.running(Phase.FORWARD), self.store.forward_context():
             out = self.module(*args, **kwargs)
         self.wait_published()  # a unit no module hook waited for (unused in this forward) is current from here on
         return out
@@ -186,8 +183,7 @@ class Engine:
         """Wait until the last step's updated parameters have reached every rank (stages 1/2 with
         `overlap_publish` publish them under the next forward). The engine's own methods, forwards and
         `state_dict()` calls do this themselves; call it before reading `p.data` right after `step()`."""
-        if self.deferred is not None:
-            self.deferred.wait_all()
+        self.store.wait_published()
 
     @property
     def is_boundary(self) -> bool:
@@ -216,14 +212,12 @@ class Engine:
             self._clip_call.norm = None  # a later backward changes the gradients it measured
         with self.phase.running(Phase.BACKWARD):
             self.reducer.begin_backward(reduce=reduce)
-            if self.scheduler is not None:
-                self.scheduler.begin_backward()
+            self.store.begin_backward()
             try:
                 (loss * (self.scaler.scale / self.grad_accum_steps)).backward()
             finally:
                 self.reducer.end_backward()
-                if self.scheduler is not None:
-                    self.scheduler.end_backward()
+                self.store.end_backward()
 
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, update the parameters."""
@@ -303,13 +297,7 @@ class Engine:
             max_norm = call.max_norm if call.max_norm is not None else self.clip_grad_norm
             coef = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
             self.update.run(self._pieces, sum_divisor / coef)
-            if self.deferred is not None:
-                # Only FlatParams publishes by unit (stages 1/2 set `deferred`); the engine protocol should own it
-                self.deferred.start(self.store.publish_units)  # type: ignore[attr-defined]  # waited for by the next forward's hooks
-            else:
-                self.store.publish().wait()
-            if self.scheduler is not None and self.recipe.zero.overlap_comm:
-                self.scheduler.prefetch_next_forward()
+            self.store.publish_after_step()
         self.scaler.update(found_inf)
         self.optimizer.count_step()  # skipped or not, scheduler.step() after engine.step() is the right order
         self.reducer.zero()
@@ -344,9 +332,8 @@ class Engine:
         report = MemoryReport()
         self.store.account(report)
         report.add("params", place, tensor_bytes([p for p in self.module.parameters() if not p.requires_grad]))
-        report.add("grads", place, self.reducer.held_bytes())
         report.add("buffers", place, tensor_bytes(list(self.module.buffers())))
-        report.add("comm", place, self.reducer.pool.peak_bytes)  # reduce staging, held during a backward only
+        self.reducer.account(report)
         self.update.account(report)
         self.checkpoints.account(report)
         report.units = self.store.unit_count()

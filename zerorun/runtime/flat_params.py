@@ -36,10 +36,11 @@ import torch
 from torch import nn
 
 from zerorun.runtime.collectives import Collectives, Pending
+from zerorun.runtime.deferred_publish import DeferredPublish
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.placement import Place, Placement
 from zerorun.runtime.precision import PrecisionPolicy
-from zerorun.runtime.store import InMaster, ParamTensor, UpdateTarget, master_state_dict, units_of
+from zerorun.runtime.store import InMaster, ParamIO, ParamTensor, UpdateTarget, master_state_dict, units_of
 from zerorun.runtime.units import Unit, cut_units, group_numels
 
 
@@ -47,7 +48,9 @@ class FlatParams:
     """The stages 0-2 `ParamStore`: the flat parameter buffer; the master in the placement's home."""
 
     def __init__(self, groups: list[list[nn.Parameter]], placement: Placement, policy: PrecisionPolicy,
-                 comm: Collectives, shard_world: int, bucket_numel: int) -> None:
+                 comm: Collectives, shard_world: int, bucket_numel: int, defer_to: nn.Module | None = None) -> None:
+        """`defer_to`: with `zero.overlap_publish`, the model whose next forward waits for the post-step
+        all-gather (deferred_publish.py); None publishes within `step()`."""
         self.comm, self.device = comm, placement.device
         self.shard_world = shard_world  # 1 for stage 0: no sharding
         self.shard_rank = comm.rank if shard_world > 1 else 0
@@ -73,6 +76,8 @@ class FlatParams:
             self.home = placement.optimizer_home(self.group_numels)
             for unit in self.units:
                 self.home.write(unit.group, "master", self.own_piece(unit, staging), start=unit.state_offset)
+        # stages 1/2 with overlap_publish: the post-step all-gather lands under the next forward
+        self.deferred = DeferredPublish(defer_to, self.units) if defer_to is not None and shard_world > 1 else None
 
     def _rank0_values(self) -> torch.Tensor:
         """The parameters' values, fp32, laid out flat, equal to rank 0's on every rank."""
@@ -110,6 +115,26 @@ class FlatParams:
         return {k: Pending([self.comm.all_gather(self.unit_full(self.units[k]), compute_copy=self.quantized_publish)])
                 for k in order}
 
+    def publish_after_step(self) -> None:
+        """Publish the step's update: deferred, each unit waited for by the next forward's hooks; or now."""
+        if self.deferred is not None:
+            self.deferred.start(self.publish_units)
+        else:
+            self.publish().wait()
+
+    def wait_published(self) -> None:
+        if self.deferred is not None:
+            self.deferred.wait_all()
+
+    def forward_context(self) -> AbstractContextManager:
+        return contextlib.nullcontext()  # whole parameters: nothing to gather around a forward
+
+    def begin_backward(self) -> None:
+        pass
+
+    def end_backward(self) -> None:
+        pass
+
     def master_changed(self, group: int, values: torch.Tensor) -> None:
         if self.params_are_master:
             return  # the home wrote them
@@ -130,3 +155,6 @@ class FlatParams:
 
     def account(self, report: MemoryReport) -> None:
         report.add("params", self.device.type, self.buffer.numel() * self.buffer.element_size())
+
+    def param_io(self) -> ParamIO:
+        return ParamIO()  # the parameters live in memory

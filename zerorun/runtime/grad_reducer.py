@@ -37,6 +37,7 @@ from torch import nn
 
 from zerorun.errors import ZerorunError
 from zerorun.runtime.collectives import Collectives, Handle
+from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.phase import Phase, TrainingPhase
 from zerorun.runtime.store import ParamStore, units_of
 from zerorun.runtime.units import Unit
@@ -150,6 +151,7 @@ class GradReducer:
                                "not loss.backward(), so zerorun can reduce gradients across ranks.")
         k, index = self._place[param]
         grad, param.grad = param.grad, None
+        assert grad is not None, "a post-accumulate-grad hook runs with the gradient in place"
         if k in self._launched:
             raise ZerorunError(
                 f"parameter {tuple(param.shape)} received a second gradient after its bucket was reduced "
@@ -289,6 +291,13 @@ class GradReducer:
 
     def held_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers())
+
+    def account(self, report: MemoryReport) -> None:
+        """Add the gradient buffers this rank holds, and the peak of the reduce staging (held during a
+        backward only), to `report`."""
+        place = self.pool.device.type  # the reducer's device
+        report.add("grads", place, self.held_bytes())
+        report.add("comm", place, self.pool.peak_bytes)
 
     def _buffers(self) -> list[torch.Tensor]:
         return self.grad_shards if self.staged else [self.full_grads]

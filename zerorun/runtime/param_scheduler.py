@@ -58,11 +58,11 @@ class ParamScheduler:
                     self._hook(sub, lambda mu=mu: store.ensure_gathered(mu), lambda out, mu=mu: self._guard(mu, out))
         self._hook(self.root.module, self._root_before, self._root_after)
 
-    def _hook(self, module: torch.nn.Module, before, after) -> None:
+    def _hook(self, module: torch.nn.Module, before: Callable[..., None], after: Callable[..., None]) -> None:
         self._hooks.append(module.register_forward_pre_hook(lambda m, args: self._own(before)))
         self._hooks.append(module.register_forward_hook(lambda m, args, out: self._own(after, out)))
 
-    def _own(self, fn, *args: object) -> None:
+    def _own(self, fn: Callable[..., None], *args: object) -> None:
         self._own_work += 1
         try:
             fn(*args)
@@ -95,7 +95,8 @@ class ParamScheduler:
 
     def _first_in_backward(self, mu: ModuleUnit) -> bool:
         """A split unit that ends the forward (an output head) stays for backward, which starts with it."""
-        return mu.split and torch.is_grad_enabled() and bool(self.order) and mu is self.order[-1]
+        order = self.order or []
+        return mu.split and torch.is_grad_enabled() and bool(order) and mu is order[-1]
 
     def _before_forward(self, mu: ModuleUnit) -> None:
         self._inside.add(mu)

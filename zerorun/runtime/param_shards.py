@@ -23,7 +23,7 @@ import torch
 from zerorun.runtime.homes import Home
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.placement import Place, Placement
-from zerorun.runtime.store import InMaster, ParamFile, ParamTensor, UpdateTarget
+from zerorun.runtime.store import InMaster, ParamFile, ParamIO, ParamTensor, UpdateTarget
 from zerorun.runtime.units import Unit
 
 
@@ -40,6 +40,9 @@ class ParamShard(Protocol):
         """Where the optimizer step sends `unit`'s updated piece."""
 
     def account(self, report: MemoryReport) -> None: ...
+
+    def io(self) -> ParamIO:
+        """Bytes read and written outside memory so far, and the seconds the caller waited on them."""
 
 
 class MasterShard:
@@ -59,6 +62,9 @@ class MasterShard:
 
     def account(self, report: MemoryReport) -> None:
         pass  # counted as master by the home
+
+    def io(self) -> ParamIO:
+        return ParamIO()
 
 
 class TensorShard:
@@ -80,6 +86,9 @@ class TensorShard:
     def account(self, report: MemoryReport) -> None:
         report.add("params", self.shard[0].device.type if self.shard else "cpu",
                    sum(t.numel() * t.element_size() for t in self.shard))
+
+    def io(self) -> ParamIO:
+        return ParamIO()
 
 
 class FileShard:
@@ -210,6 +219,10 @@ class FileShard:
         report.add("params", "nvme", self.dtype.itemsize * sum(self.group_numels))
         buffers = [*self._bounces, *self._write_slots]
         report.add("comm", "cpu", sum(b.numel() * b.element_size() for b in buffers))
+
+    def io(self) -> ParamIO:
+        # blocked_s: the caller's waits (the file's own I/O runs on a thread; the store's wait_s is that thread's)
+        return ParamIO(self.store.stats.bytes_read, self.store.stats.bytes_written, self.blocked_s)
 
 
 def build_param_shard(placement: Placement, home: Home, units: Sequence[Unit], group_numels: Sequence[int],

@@ -13,7 +13,7 @@ the forgiving forms the scheduler uses where more than one state is legitimate. 
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Iterable, Iterator
 
 import torch
@@ -27,7 +27,7 @@ from zerorun.runtime.param_shards import build_param_shard
 from zerorun.runtime.placement import Placement
 from zerorun.runtime.precision import PrecisionPolicy
 from zerorun.runtime.sharded_init import InitLog, materialize
-from zerorun.runtime.store import UpdateTarget, master_state_dict, units_of
+from zerorun.runtime.store import ParamIO, UpdateTarget, master_state_dict, units_of
 from zerorun.runtime.units import Unit
 
 
@@ -119,6 +119,7 @@ class ShardedParams:
     def finish_gather(self, mu: ModuleUnit) -> None:
         """GATHERING -> GATHERED: wait for the all-gathers."""
         mu.expect(UnitState.GATHERING)
+        assert mu.pending is not None, "a GATHERING unit has its all-gathers pending"
         mu.pending.wait()
         mu.pending, mu.state = None, UnitState.GATHERED
         if self.hpz is not None:
@@ -189,6 +190,21 @@ class ShardedParams:
                 self.ensure_gathered(mu)
         return Pending(then=gather_live)
 
+    def publish_after_step(self) -> None:
+        self.publish().wait()
+
+    def wait_published(self) -> None:
+        pass  # `publish_after_step` waited for the units gathered then; the rest gather when used
+
+    def forward_context(self) -> AbstractContextManager:
+        return nullcontext()  # no scheduler: the caller gathers and releases (`ScheduledParams` has one)
+
+    def begin_backward(self) -> None:
+        pass
+
+    def end_backward(self) -> None:
+        pass
+
     def master_changed(self, group: int, values: torch.Tensor) -> None:
         self.shard.write(group, 0, values)
         self._parameters_changed()
@@ -213,6 +229,9 @@ class ShardedParams:
 
     def gathered_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.full)
+
+    def param_io(self) -> ParamIO:
+        return self.shard.io()
 
     def account(self, report: MemoryReport) -> None:
         window = {k for mu in self.module_units if mu.kind is UnitKind.WRAPPED for k in mu.units}

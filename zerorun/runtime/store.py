@@ -17,6 +17,7 @@ reads and writes the home and tells the store when the master changed (`master_c
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol, runtime_checkable
 
 import torch
@@ -79,6 +80,16 @@ class ParamFile:
         self.write(lo, staged)
 
 
+@dataclass(frozen=True)
+class ParamIO:
+    """What this rank's parameter shard read and wrote outside memory since the start (stage 3's parameters on
+    NVMe), and the seconds the caller waited on it; zeros where the parameters live in memory."""
+
+    read_bytes: int = 0
+    written_bytes: int = 0
+    blocked_s: float = 0.0
+
+
 @runtime_checkable
 class ParamStore(Protocol):
     """Where the trainable parameters live between steps, and how every rank gets the updated values."""
@@ -97,6 +108,22 @@ class ParamStore(Protocol):
     def publish(self) -> Pending:
         """After an update: every rank's parameters from the updated shards (`wait()` before reading them)."""
 
+    def publish_after_step(self) -> None:
+        """After an applied update: `publish`, waited for here or (stages 1/2 with `overlap_publish`) by the
+        next forward's hooks; stage 3 then starts gathering the next forward's first units (`overlap_comm`)."""
+
+    def wait_published(self) -> None:
+        """Return once the last step's publish has reached every rank (a no-op where it was waited for)."""
+
+    def forward_context(self) -> AbstractContextManager:
+        """Entered around every engine forward (stage 3's first-pass watch; nothing elsewhere)."""
+
+    def begin_backward(self) -> None:
+        """A backward starts (stage 3: the scheduler's per-pass state; nothing elsewhere)."""
+
+    def end_backward(self) -> None:
+        """A backward ended, or raised (stage 3: units gathered for it are released; nothing elsewhere)."""
+
     def master_changed(self, group: int, values: torch.Tensor) -> None:
         """The home's master of `group` was overwritten with `values` (a checkpoint load): parameters follow
         at the next `publish`."""
@@ -113,6 +140,9 @@ class ParamStore(Protocol):
 
     def account(self, report: MemoryReport) -> None:
         """Add the bytes of parameters (and their own buffers) this store holds to `report`."""
+
+    def param_io(self) -> ParamIO:
+        """The parameter shard's file I/O so far (zeros unless stage 3 keeps parameters on NVMe)."""
 
 
 def units_of(units: list[Unit], group: int) -> list[Unit]:
