@@ -22,7 +22,11 @@ CPU ranks that all share one host skip gloo's TCP loopback altogether (`zero.cpu
 default auto): every operation goes through a shared-memory segment (shm_collectives.py), at
 memory speed, on a worker thread of its own; the handle waits for it.
 
-Byte and call counts are kept per kind of collective. Time is measured from launch to the end
+Where the world spans several nodes of several ranks each, reduce-scatters and all-gathers of the
+world group are hierarchical (hier_collectives.py): within the node first, across nodes only each
+local rank's share.
+
+Byte and call counts are kept per kind of collective, and per level (within the node, across). Time is measured from launch to the end
 of `wait()` on the host, so accounting never adds a synchronisation of its own.
 """
 
@@ -39,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
+from zerorun.runtime.hier_collectives import Hierarchical, local_world_for
 from zerorun.runtime.quantize import Quantized, dequantize_add, dequantize_into, quantize
 from zerorun.runtime.shm_collectives import ShmCollectives, Unavailable
 
@@ -56,12 +61,23 @@ class CommStats:
     # blocked inside wait(): the communication compute did not hide (on CUDA the host rarely blocks: a lower bound)
     waited: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     # where the bytes go: "node" (shared memory, never leaving the host) or "network" (the backend's transport:
-    # across nodes, the link); reported as <level>_bytes beside each kind's total
+    # across nodes, the link); reported as <level>_bytes beside each kind's total. `level` is where this group's
+    # flat collectives go; hierarchical ones (hier_collectives.py) count each level's share
     level: str = "network"
+    by_level: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         return {kind: {"bytes": self.bytes[kind], "calls": self.calls[kind], "seconds": self.seconds[kind],
-                       "waited": self.waited[kind], f"{self.level}_bytes": self.bytes[kind]} for kind in self.calls}
+                       "waited": self.waited[kind], **{f"{lvl}_bytes": n for lvl, n in self.by_level[kind].items()}}
+                for kind in self.calls}
+
+    def level_bytes(self) -> dict[str, int]:
+        """Bytes per level, every kind together."""
+        total: dict[str, int] = defaultdict(int)
+        for levels in self.by_level.values():
+            for lvl, n in levels.items():
+                total[lvl] += n
+        return dict(total)
 
 
 class Handle:
@@ -127,6 +143,7 @@ class Collectives:
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
         self.stats = CommStats()
+        self._cpu, self._timeout_s = cpu, timeout_s
         self.shm = _shared_memory(group, self.rank, self.world_size, self.backend, cpu, timeout_s)
         self.transport = "shared memory" if self.shm else self.backend
         self.stats.level = "node" if self.shm else "network"
@@ -137,6 +154,27 @@ class Collectives:
                                    f"{self.backend}. Leave it off.")
         self.quantized_gradients = quantized_gradients  # reduce-scatters over the network send block int8
         self.quantized_weights = quantized_weights  # so do all-gathers of compute copies (stage 3, stages 1/2 with qwZ)
+        local = local_world_for(self.world_size, self.backend) if group is None else None
+        self.hier = Hierarchical(self._level, self.rank, self.world_size, local) if local else None
+        if self.hier is not None:
+            self.transport = f"{self.hier.node.transport} within the node, {self.hier.cross.transport} across"
+
+    def _level(self, group: dist.ProcessGroup, node_level: bool) -> Collectives:
+        """One level's collectives for `Hierarchical`: the node's shared memory where it can, else the backend;
+        across nodes, the backend with this group's quantization."""
+        return Collectives(group, cpu=self._cpu if node_level else "gloo", timeout_s=self._timeout_s,
+                           quantized_gradients=self.quantized_gradients and not node_level,
+                           quantized_weights=self.quantized_weights and not node_level)
+
+    def _hierarchical(self, *tensors: torch.Tensor) -> bool:
+        return self.hier is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+    def _record_levels(self, kind: str, full: torch.Tensor) -> None:
+        """A hierarchical collective: all of `full` moves within the node, one local rank's share across."""
+        assert self.hier is not None
+        nbytes = full.numel() * full.element_size()
+        self.stats.by_level[kind]["node"] += nbytes
+        self.stats.by_level[kind]["network"] += nbytes // self.hier.local
 
     def _on_shm(self, *tensors: torch.Tensor) -> bool:
         return self.shm is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
@@ -144,9 +182,11 @@ class Collectives:
     def _shm_handle(self, kind: str, operation: Callable[..., None], *args: object) -> Handle:
         return Handle([_FutureWork(self.shm.submit(operation, *args))], None, self.stats, kind)
 
-    def _record(self, kind: str, tensor: torch.Tensor) -> None:
+    def _record(self, kind: str, tensor: torch.Tensor, flat: bool = True) -> None:
         self.stats.calls[kind] += 1
         self.stats.bytes[kind] += tensor.numel() * tensor.element_size()
+        if flat:
+            self.stats.by_level[kind][self.stats.level] += tensor.numel() * tensor.element_size()
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    async_op: bool = True) -> Handle:
@@ -163,7 +203,12 @@ class Collectives:
         `full` is consumed (its contents are undefined afterwards) and must stay alive until `wait()`.
         """
         assert full.numel() == out.numel() * self.world_size, "reduce_scatter: full must be world_size x out"
-        self._record("reduce_scatter", full)
+        hierarchical = self._hierarchical(full, out)
+        self._record("reduce_scatter", full, flat=not hierarchical)
+        if hierarchical:
+            self._record_levels("reduce_scatter", full)
+            future = self.hier.reduce_scatter(full, out, accumulate)
+            return Handle([_FutureWork(future)], None, self.stats, "reduce_scatter")
         if self.world_size == 1:
             return Handle([], lambda: _store(out, full, accumulate), self.stats, "reduce_scatter")
         if self._on_shm(full, out):
@@ -238,7 +283,11 @@ class Collectives:
         parameters when their master is kept apart), so with `quantized_weights` it may travel as block int8
         (qwZ); every rank's piece, this one's included, then holds the dequantized values, so all ranks compute
         with the same weights."""
-        self._record("all_gather", full)
+        hierarchical = self._hierarchical(full)
+        self._record("all_gather", full, flat=not hierarchical)
+        if hierarchical:
+            self._record_levels("all_gather", full)
+            return Handle([_FutureWork(self.hier.all_gather(full, compute_copy))], None, self.stats, "all_gather")
         if self.world_size == 1:
             return Handle([], None, self.stats, "all_gather")
         if self._on_shm(full):
