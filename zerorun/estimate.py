@@ -181,7 +181,7 @@ def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload
                   offload_param: str = "none") -> dict[str, dict[str, float]]:
     """Model-state bytes per rank by place ("gpu", "cpu", "nvme") and kind, as `Engine.memory()` holds them.
 
-    Optimizer offload (`runtime/placement.py`, `runtime/homes.py`) moves the fp32 master and the
+    Optimizer offload (`runtime/offload/placement.py`, `runtime/offload/homes.py`) moves the fp32 master and the
     moments (12 Psi/N) to the host or to NVMe; in fp32 the master then becomes a copy (the GPU keeps its parameters). The
     reduced fp32 gradient shard stays on the GPU and is streamed to the CPU tile by tile at the step
     (DeepSpeed moves it to the CPU after every micro-batch instead: 4 Psi/N less GPU memory, one
@@ -203,7 +203,7 @@ def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload
 
 def network_copies(psi: float, n: int, stage: int, settings: Settings) -> float:
     """Bytes of the parameter copies ZeRO++ keeps to spare the link: hpZ's secondary partition (stage 3: the
-    model in p bytes / hpz_partition_size, `runtime/hpz.py`) and, with qwZ on stages 1/2 in fp32, the master
+    model in p bytes / hpz_partition_size, `runtime/stage3/hpz.py`) and, with qwZ on stages 1/2 in fp32, the master
     kept apart from the parameters computed with (4 Psi/N, `runtime/flat_params.py`)."""
     extra = 0.0
     if stage == 3 and settings.hpz_partition_size > 1:
@@ -216,8 +216,8 @@ def network_copies(psi: float, n: int, stage: int, settings: Settings) -> float:
 def offload_buffers(settings: Settings, offload_optimizer: str, gpu: bool = True) -> float:
     """Host bytes of offload staging: two gradient and two update tiles of `offload_buffer_mb`
     (pinned), one of each on a CPU-only machine, plus the NVMe store's ring of master + moment tiles."""
-    from zerorun.runtime.nvme import RING_SLOTS
-    from zerorun.runtime.transfers import StagingRing
+    from zerorun.runtime.offload.nvme import RING_SLOTS
+    from zerorun.runtime.offload.transfers import StagingRing
 
     if offload_optimizer == "none":
         return 0.0
@@ -229,7 +229,7 @@ def offload_buffers(settings: Settings, offload_optimizer: str, gpu: bool = True
 def checkpoint_snapshot(psi: float, n: int, stage: int, offload_optimizer: str) -> int:
     """Host bytes of a background checkpoint's snapshot on the rank holding the most state: the fp32
     master and moments of its shard (stage 0: all of them, on rank 0), or one chunk when they stream from NVMe."""
-    from zerorun.runtime.checkpoint_snapshot import snapshot_bytes
+    from zerorun.runtime.checkpoint.snapshot import snapshot_bytes
 
     numel = int(psi) if stage == 0 else -(-int(psi) // n)
     return snapshot_bytes([numel], streamed=offload_optimizer == "nvme")
@@ -348,8 +348,8 @@ def build_on_meta(spec: str) -> nn.Module:
 
 
 def shape_of(model: nn.Module, wrap: list[str], persistence_threshold: int, bucket_mb: float) -> ModelShape:
-    """Count a model's parameters the way stage 3 plans its units (`runtime/module_units.py`)."""
-    from zerorun.runtime.module_units import split_modules, wrapped_modules
+    """Count a model's parameters the way stage 3 plans its units (`runtime/stage3/module_units.py`)."""
+    from zerorun.runtime.stage3.module_units import split_modules, wrapped_modules
 
     trainable = {p for p in model.parameters() if p.requires_grad}
     persistent = {p for p in trainable if p.numel() < persistence_threshold}

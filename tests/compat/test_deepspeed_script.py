@@ -83,7 +83,7 @@ def _reference(rank: int, world: int, dtype_name: str) -> list[float]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]

@@ -8,7 +8,7 @@ import torch
 
 from tests.harness import run_ranks
 from tests.runtime.reference import OPT, VOCAB, ddp_reference, engine_run, tied_gpt
-from zerorun.runtime.module_units import UnitKind, UnitState, plan_stage3
+from zerorun.runtime.stage3.module_units import UnitKind, UnitState, plan_stage3
 
 
 def _plan(threshold: int, world: int = 2):
@@ -34,11 +34,11 @@ def test_the_plan_puts_blocks_in_units_shared_weights_in_the_root_and_small_ones
 
 def _transitions(rank: int, world: int) -> dict:
     from zerorun import config
-    from zerorun.runtime.collectives import Collectives
-    from zerorun.runtime.dist import init_distributed
-    from zerorun.runtime.placement import Placement
+    from zerorun.runtime.comm.collectives import Collectives
+    from zerorun.runtime.comm.dist import init_distributed
+    from zerorun.runtime.offload.placement import Placement
     from zerorun.runtime.precision import PrecisionPolicy
-    from zerorun.runtime.sharded_params import ShardedParams
+    from zerorun.runtime.stage3.sharded_params import ShardedParams
 
     info = init_distributed()
     model, plan = _plan(threshold=30, world=world)
@@ -47,7 +47,7 @@ def _transitions(rank: int, world: int) -> dict:
     recipe = config.loads("script: t.py", "t.yaml", ["zero.stage=3"])
     store = ShardedParams(model, plan, Placement.from_recipe(recipe, info.device, rank), PrecisionPolicy(), Collectives())
     from zerorun.runtime.flat_params import FlatParams
-    from zerorun.runtime.homes import Home
+    from zerorun.runtime.offload.homes import Home
     from zerorun.runtime.store import ParamStore
 
     flat = FlatParams([list(tied_gpt(1).parameters())], Placement.from_recipe(recipe, info.device, rank),
@@ -124,7 +124,7 @@ def test_automatic_units_descend_into_a_transformer_encoder_to_its_layers() -> N
 
 
 def _encoder_parity(rank: int, world: int) -> list[str]:
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     ref = ddp_reference(rank, 6, 2, model_fn=_encoder_model)

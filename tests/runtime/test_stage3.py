@@ -33,7 +33,7 @@ BASE = ["zero.stage=3", "zero.wrap=[Block]", "zero.param_persistence_threshold=3
 
 
 def _compare(rank: int, world: int, cases: list[tuple[str, int, list[str]]]) -> list[str]:
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     problems = []
@@ -176,7 +176,7 @@ def quirky(seed: int = 0) -> nn.Module:
 
 
 def _quirky(rank: int, world: int) -> list[str]:
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     ref = ddp_reference(rank, STEPS, 2, model_fn=quirky, eval_every=3)
@@ -226,7 +226,7 @@ def _split(rank: int, world: int, indexed: bool) -> tuple[list[str], list[str], 
     import contextlib
     import io
 
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     model_fn = functools.partial(indexed_positions, indexed=indexed)

@@ -103,7 +103,7 @@ class BenchResult:
 def _set_mode(engine: Any, mode: str, default_nice: int) -> None:
     """Switch the engine's next save between synchronous and background (and the writer's niceness).
     The benchmark alone does this: the checkpointer reads `checkpoint.async_save` at each save."""
-    from zerorun.runtime import checkpoint_async
+    from zerorun.runtime.checkpoint import background as checkpoint_async
 
     engine.recipe.checkpoint.async_save = mode != "sync"
     nice = _NICE_MODE.match(mode)
@@ -113,8 +113,9 @@ def _set_mode(engine: Any, mode: str, default_nice: int) -> None:
 def _train(rank: int, world: int, cfg: CkptBenchConfig, root: str) -> dict[str, Any]:
     import zerorun
     from zerorun import config
-    from zerorun.runtime import checkpoint_async, events
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.checkpoint import background as checkpoint_async
+    from zerorun.runtime import events
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     default_nice = checkpoint_async.WRITER_NICE

@@ -151,7 +151,7 @@ def _peer_state_mib(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float
 def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
     import zerorun
     from zerorun import config
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     torch.manual_seed(0)

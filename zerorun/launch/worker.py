@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
 def run_script(script: str, args: list[str]) -> int:
     """Join the process group, run `script` as `__main__`, and return the process exit code."""
     from zerorun import config
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     recipe = config.from_env()
     info = init_distributed(recipe.launch.timeout_s if recipe else 300.0)
@@ -72,7 +72,7 @@ def run_script(script: str, args: list[str]) -> int:
         from zerorun.compat import shim
 
         args = shim.install(recipe, args)
-    from zerorun.runtime import clip
+    from zerorun.runtime.optim import clip
 
     clip.install()  # before the script imports clip_grad_norm_: its calls on the engine's parameters reach the engine
     script = os.path.abspath(script)
@@ -106,7 +106,7 @@ def _run_path(script: str) -> dict[str, Any]:
     """Run the script as `__main__`; the moment it returns or raises, the probe (if any) stops reporting where it is."""
     from zerorun.telemetry import probe
 
-    from zerorun.runtime import checkpoint_async
+    from zerorun.runtime.checkpoint import background as checkpoint_async
 
     try:
         namespace = runpy.run_path(script, run_name="__main__")

@@ -33,28 +33,31 @@ from torch import nn
 
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
-from zerorun.runtime import checkpoint_async, clip, events, sharded_init
+from zerorun.runtime.checkpoint import background as checkpoint_async
+from zerorun.runtime.optim import clip
+from zerorun.runtime import events
+from zerorun.runtime.stage3 import sharded_init
 from zerorun.runtime.accumulation import AccumulationWindow
-from zerorun.runtime.clip import ClipCall
-from zerorun.runtime.lr_schedules import LrSchedules
+from zerorun.runtime.optim.clip import ClipCall
+from zerorun.runtime.optim.lr_schedules import LrSchedules
 from zerorun.runtime.events import StepWindow
-from zerorun.runtime.adam_step import AdamStep, Piece
-from zerorun.runtime.checkpoint_async import Checkpointer
-from zerorun.runtime.collectives import Collectives
+from zerorun.runtime.optim.adam_step import AdamStep, Piece
+from zerorun.runtime.checkpoint.background import Checkpointer
+from zerorun.runtime.comm.collectives import Collectives
 from zerorun.runtime.deferred_publish import publish_overlaps
-from zerorun.runtime.dist import init_distributed
+from zerorun.runtime.comm.dist import init_distributed
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
 from zerorun.runtime.host_allocator import set_host_allocator
-from zerorun.runtime.hpz import SecondaryPartition
+from zerorun.runtime.stage3.hpz import SecondaryPartition
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
-from zerorun.runtime.module_units import describe as describe_plan
-from zerorun.runtime.module_units import plan_stage3, warn_if_nothing_sharded
-from zerorun.runtime.optimizer import ShardedAdamW, param_groups_from
+from zerorun.runtime.stage3.module_units import describe as describe_plan
+from zerorun.runtime.stage3.module_units import plan_stage3, warn_if_nothing_sharded
+from zerorun.runtime.optim.optimizer import ShardedAdamW, param_groups_from
 from zerorun.runtime.phase import Phase, TrainingPhase
-from zerorun.runtime.placement import Placement
+from zerorun.runtime.offload.placement import Placement
 from zerorun.runtime.precision import LossScaler, PrecisionPolicy
-from zerorun.runtime.scheduled_params import ScheduledParams
+from zerorun.runtime.stage3.scheduled_params import ScheduledParams
 from zerorun.runtime.store import ParamStore, units_of
 
 log = logging.getLogger("zerorun")
@@ -367,7 +370,7 @@ class Engine:
             self.checkpoints.before_update()
         return self.store.gathered(params, modify, src)
 
-    # -- checkpoints (runtime/checkpoint.py) -------------------------------------------------
+    # -- checkpoints (runtime/checkpoint/sharded.py) -------------------------------------------------
     resumed_from: str | None = None  # the tag `resume()` or `load_checkpoint()` restored
 
     @property
@@ -398,7 +401,7 @@ class Engine:
 
     def load_checkpoint(self, dir: str | None = None, tag: str | None = None) -> dict | None:
         """Restore from `tag` (default: the latest); returns its client_state, or None when there is no checkpoint."""
-        from zerorun.runtime import checkpoint
+        from zerorun.runtime.checkpoint import sharded as checkpoint
 
         self.wait_published()  # loading writes the pieces an unfinished publish may still be sending
         checkpoint_async.wait_all()  # and the state a save in flight reads; `latest` is final once it commits

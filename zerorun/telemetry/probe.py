@@ -66,7 +66,7 @@ MAX_BACKOFF_S = 5.0
 _BATCH_BYTES = 256 * 1024
 # A training thread whose stack passes through these is waiting for other ranks.
 _COLLECTIVE_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep,
-                     os.path.join("zerorun", "runtime", "collectives.py"))
+                     os.path.join("zerorun", "runtime", "comm", "collectives.py"))
 
 _probe: Probe | None = None
 _flops_override: dict[str, float | None] = {}

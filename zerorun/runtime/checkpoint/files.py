@@ -16,7 +16,7 @@ lists every file with its size and CRC32, and carries a checksum of itself; `Che
 refuses a manifest whose checksum or structure is wrong (`checkpoint_manifest.py`), and a file
 whose size, CRC32 or tensor names, dtypes and shapes are not what the manifest says is an error
 that names it. `latest` must hold one plain tag. Nothing here needs a process group:
-`zerorun checkpoint info|consolidate|upgrade` use it as is, and `runtime/checkpoint.py` (the
+`zerorun checkpoint info|consolidate|upgrade` use it as is, and `runtime/checkpoint/sharded.py` (the
 engine's save and load) builds on it.
 """
 
@@ -35,11 +35,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from zerorun.errors import ZerorunError
-from zerorun.runtime import safetensors_writer
-from zerorun.runtime.checkpoint_manifest import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, STATE_KINDS,
+from zerorun.runtime.checkpoint import safetensors_writer
+from zerorun.runtime.checkpoint.manifest import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, STATE_KINDS,
                                                  UNSEALED_VERSION, VERSION, check_integrity, sealed, shard_file,
                                                  validate)
-from zerorun.runtime.safetensors_writer import Source
+from zerorun.runtime.checkpoint.safetensors_writer import Source
 
 # safetensors' names of the dtypes a checkpoint holds (others are not compared)
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",

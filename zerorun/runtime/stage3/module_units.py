@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from zerorun.errors import ZerorunError, ZerorunWarning
-from zerorun.runtime.collectives import Pending
+from zerorun.runtime.comm.collectives import Pending
 from zerorun.runtime.units import Unit, cut_units, group_numels
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)

@@ -20,9 +20,9 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from zerorun.runtime.homes import Home
+from zerorun.runtime.offload.homes import Home
 from zerorun.runtime.memory import MemoryReport
-from zerorun.runtime.placement import Place, Placement
+from zerorun.runtime.offload.placement import Place, Placement
 from zerorun.runtime.store import InMaster, ParamFile, ParamIO, ParamTensor, UpdateTarget
 from zerorun.runtime.units import Unit
 
@@ -110,7 +110,7 @@ class FileShard:
                  largest_piece: int) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from zerorun.runtime.nvme import NvmeStore, aligned_empty, check_nvme_path
+        from zerorun.runtime.offload.nvme import NvmeStore, aligned_empty, check_nvme_path
         from zerorun.offload_files import rank_dir
 
         self.dtype = dtype

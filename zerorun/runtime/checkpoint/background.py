@@ -46,10 +46,11 @@ import psutil
 import torch
 
 from zerorun.errors import ZerorunError
-from zerorun.runtime import checkpoint, events
-from zerorun.runtime.checkpoint_format import clean_crashed_saves, shard_file, write_atomic, write_tensors
-from zerorun.runtime.checkpoint_snapshot import HostSnapshot, RankState, StreamedState
-from zerorun.runtime.homes import MemoryHome
+from zerorun.runtime.checkpoint import sharded as checkpoint
+from zerorun.runtime import events
+from zerorun.runtime.checkpoint.files import clean_crashed_saves, shard_file, write_atomic, write_tensors
+from zerorun.runtime.checkpoint.snapshot import HostSnapshot, RankState, StreamedState
+from zerorun.runtime.offload.homes import MemoryHome
 from zerorun.runtime.memory import MemoryReport
 
 log = logging.getLogger("zerorun")

@@ -28,9 +28,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from zerorun.runtime.module_units import ModuleUnit, UnitKind
+from zerorun.runtime.stage3.module_units import ModuleUnit, UnitKind
 from zerorun.runtime.phase import Phase, TrainingPhase
-from zerorun.runtime.sharded_params import ShardedParams
+from zerorun.runtime.stage3.sharded_params import ShardedParams
 
 
 class ParamScheduler:

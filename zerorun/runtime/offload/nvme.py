@@ -41,7 +41,7 @@ import torch
 from zerorun.errors import ZerorunError
 from zerorun.offload_files import MEMORY_FILESYSTEMS, check_nvme_path, filesystem_type  # noqa: F401 - re-exported
 from zerorun.offload_files import size_text
-from zerorun.runtime.aio import ALIGN, AioEngine, AioError, open_engine
+from zerorun.runtime.offload.aio import ALIGN, AioEngine, AioError, open_engine
 
 RING_SLOTS = 3  # tiles in flight per tensor: read of tile k+1, update of tile k, write of tile k-1
 

@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
-from zerorun.runtime.quantize import Quantized, dequantize_add, dequantize_into, quantize
-from zerorun.runtime.shm_collectives import ShmCollectives, Unavailable
+from zerorun.runtime.comm.quantize import Quantized, dequantize_add, dequantize_into, quantize
+from zerorun.runtime.comm.shm_collectives import ShmCollectives, Unavailable
 
 log = logging.getLogger("zerorun")
 CpuCollectives = Literal["auto", "shm", "gloo"]
