@@ -21,7 +21,8 @@ def _plan(threshold: int, world: int = 2):
 def test_the_plan_puts_blocks_in_units_shared_weights_in_the_root_and_small_ones_in_the_persistent_set() -> None:
     model, plan = _plan(threshold=30)
     assert [mu.name for mu in plan.gathered_units()] == ["blocks.0", "blocks.1", "blocks.2"]
-    assert [mu.kind for mu in plan.module_units[-2:]] == [UnitKind.ROOT, UnitKind.PERSISTENT]
+    assert [plan.root.kind, plan.persistent.kind] == [UnitKind.ROOT, UnitKind.PERSISTENT]
+    assert plan.module_units[-2:] == [plan.root, plan.persistent]
     params_of = lambda mu: {p for k in mu.units for p in plan.units[k].params}  # noqa: E731
     assert model.tok.weight in params_of(plan.root)  # tied to the head: shared, so the root's
     assert all(p.numel() < 30 for p in params_of(plan.persistent)) and params_of(plan.persistent)
@@ -119,7 +120,7 @@ def test_automatic_units_descend_into_a_transformer_encoder_to_its_layers() -> N
     model = _encoder_model(0)
     groups = [[p for p in model.parameters() if p.requires_grad]]
     plan = plan_stage3(model, groups, [], 0, auto_numel=100, chunk_numel=10**6, world=2, dtype=torch.float32)
-    names = [mu.name for mu in plan.gathered_units() if not mu.split]
+    names = [mu.name for mu in plan.gathered_units() if mu.kind is UnitKind.WRAPPED]
     assert names == ["embed", "encoder.layers.0", "encoder.layers.1", "encoder.layers.2", "head"], names
 
 

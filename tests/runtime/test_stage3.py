@@ -10,6 +10,7 @@ from torch import nn
 
 from tests.harness import run_ranks
 from tests.runtime.reference import ddp_reference, engine_run, tied_gpt
+from zerorun.runtime.stage3.module_units import UnitKind
 
 STEPS = 8
 LOSS_RTOL = 1e-5
@@ -241,7 +242,7 @@ def _split(rank: int, world: int, indexed: bool) -> tuple[list[str], list[str], 
     for pname, value in ref.params.items():
         if _param_diff(pname, run.params[pname], value) > PARAM_ATOL:
             problems.append(f"rank {rank}: parameter {pname} differs")
-    split = [mu.name for mu in engine.store.module_units if mu.split]
+    split = [mu.name for mu in engine.store.module_units if mu.kind is UnitKind.SPLIT]
     return problems, split, engine.store.scheduler.kept_whole, printed.getvalue()
 
 
