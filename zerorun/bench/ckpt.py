@@ -118,6 +118,11 @@ def _train(rank: int, world: int, cfg: CkptBenchConfig, root: str) -> dict[str, 
     from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
+
+    from zerorun.runtime import host_allocator
+
+
+    host_allocator.install()  # as the worker does: zero.host_memory applies
     default_nice = checkpoint_async.WRITER_NICE
     torch.manual_seed(0)
     model = GPT(cfg.model)

@@ -154,6 +154,11 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
     from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
+
+    from zerorun.runtime import host_allocator
+
+
+    host_allocator.install()  # as the worker does: zero.host_memory applies
     torch.manual_seed(0)
     # stage 3 builds the way a user of a large model does: never whole on any rank (same values)
     with zerorun.sharded_init() if system.startswith("zero3") else contextlib.nullcontext():

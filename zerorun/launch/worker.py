@@ -72,8 +72,10 @@ def run_script(script: str, args: list[str]) -> int:
         from zerorun.compat import shim
 
         args = shim.install(recipe, args)
+    from zerorun.runtime import host_allocator
     from zerorun.runtime.optim import clip
 
+    host_allocator.install()  # zero.host_memory: this process's allocator follows each engine's setup
     clip.install()  # before the script imports clip_grad_norm_: its calls on the engine's parameters reach the engine
     script = os.path.abspath(script)
     sys.argv = [script, *args]
