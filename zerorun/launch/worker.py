@@ -110,12 +110,16 @@ def _run_path(script: str) -> dict[str, Any]:
 
     from zerorun.runtime.checkpoint import background as checkpoint_async
 
+    raised: BaseException | None = None
     try:
         namespace = runpy.run_path(script, run_name="__main__")
         checkpoint_async.wait_all()  # a background save commits before the job ends, or its error ends it
         return namespace
+    except BaseException as exc:
+        raised = exc
+        raise
     finally:
-        probe.script_ended()
+        probe.script_ended(raised)
 
 
 def _start_probe(recipe: Any, info: Any) -> Callable[[], None] | None:
