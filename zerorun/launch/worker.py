@@ -11,7 +11,7 @@
 4. Run the user's script as `__main__` with `runpy`, with `sys.argv` and `sys.path[0]` as
    `python script.py args` would set them. Nothing is seeded: that is the script's (or the
    engine's) business.
-5. Wait for a checkpoint still being written in the background (`checkpoint_async.wait_all`):
+5. Wait for a checkpoint still being written in the background (`checkpoint.background.wait_all`):
    the job ends once it is committed, or with its error.
 6. Stop the probe (a last sample and what is still queued, for at most 2 s). Destroy the process
    group on a clean exit. After a failure it is left alone: tearing down a communicator whose

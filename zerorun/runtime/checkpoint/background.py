@@ -21,8 +21,8 @@ An asynchronous save (`checkpoint.async_save`, the default), on every rank:
    thread never touches the process group (collectives issued from two threads would interleave
    in different orders on different ranks).
 
-A thread, not a process: the writer spends its time in `os.write`, `fsync`, `zlib.crc32` and
-tensor copies, which release the GIL, and a thread reads the snapshot without a second copy
+A thread, not a process: the writer spends its time in `os.write` (O_DIRECT), `fsync`, the CRC32
+and tensor copies, which release the GIL, and a thread reads the snapshot without a second copy
 (`zerorun bench ckpt` measures the stall it leaves).
 
 Failures lose nothing: until the commit, `latest` names the previous checkpoint. A failed write
