@@ -176,7 +176,8 @@ class Checkpoint:
             return self.manifest.get("client_state")
         file = self.path / self.manifest["client_state_file"]
         try:
-            return torch.load(file, weights_only=True)
+            loaded: dict | None = torch.load(file, weights_only=True)
+            return loaded
         except Exception as exc:  # noqa: BLE001 - unpickling errors have many types
             raise ZerorunError(f"{file}: unreadable ({type(exc).__name__}: {exc}).") from None
 

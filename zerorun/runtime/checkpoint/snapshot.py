@@ -91,7 +91,7 @@ class HostSnapshot(RankState):
 
     def capture(self, ready: Any) -> None:
         with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
-            if ready is not None:
+            if ready is not None and self.side is not None:
                 self.side.wait_event(ready)
             for name, buffer in self.buffers.items():
                 group, kind = self._where[name]
