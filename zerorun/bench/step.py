@@ -154,9 +154,7 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
     from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
-
     from zerorun.runtime import host_allocator
-
 
     host_allocator.install()  # as the worker does: zero.host_memory applies
     torch.manual_seed(0)
