@@ -64,7 +64,7 @@ def bench_step(
     """Step time and memory of zerorun's stages against DDP, FSDP2 and DeepSpeed, in one interleaved run."""
     from rich.console import Console
 
-    from zerorun.bench import step
+    from zerorun.bench import step, step_profile
     from zerorun.bench.cluster import parse_shape
 
     chosen = _step_systems(systems, nvme_path, baseline)
@@ -74,13 +74,14 @@ def bench_step(
                                nvme_path, baseline, shape, link)
     results, links = _run_step_bench(cfg)
     Console(width=250).print(step.render(cfg, results, links))
+    Console(width=250).print(step_profile.render(results))
     if json_out is not None:
         json_out.write_text(json.dumps(step.as_json(cfg, results, links), indent=2))
 
 
 def _step_systems(systems: str, nvme_path: str | None, baseline: str) -> tuple[str, ...]:
     """`--systems` as a tuple, refused with the option's name when it cannot run as asked."""
-    from zerorun.bench import step
+    from zerorun.bench import step, step_profile
 
     chosen = tuple(s.strip() for s in systems.split(",") if s.strip())
     unknown = [s for s in chosen if s not in step.SYSTEMS]
@@ -98,7 +99,7 @@ def _step_systems(systems: str, nvme_path: str | None, baseline: str) -> tuple[s
 
 def _run_step_bench(cfg: StepBenchConfig) -> tuple[list[SystemResult], list[Any]]:
     """The step benchmark's results on local processes, or on an emulated cluster (`cfg.cluster`) with its links."""
-    from zerorun.bench import step
+    from zerorun.bench import step, step_profile
     from zerorun.bench.cluster import EmulatedCluster, parse_rate
 
     progress = lambda line: typer.echo(line, err=True)  # noqa: E731

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from zerorun.errors import ZerorunError
+from zerorun.runtime.offload.placement import Place
 
 GIB = 2**30
 MIB = 2**20
@@ -178,8 +179,8 @@ def activation_bytes(act: Activations, precision: str, checkpointing: bool) -> f
 
 
 def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload_optimizer: str = "none",
-                  offload_param: str = "none") -> dict[str, dict[str, float]]:
-    """Model-state bytes per rank by place ("gpu", "cpu", "nvme") and kind, as `Engine.memory()` holds them.
+                  offload_param: str = "none") -> dict[Place, dict[str, float]]:
+    """Model-state bytes per rank by `Place` and kind, as `Engine.memory()` holds them.
 
     Optimizer offload (`runtime/offload/placement.py`, `runtime/offload/homes.py`) moves the fp32 master and the
     moments (12 Psi/N) to the host or to NVMe; in fp32 the master then becomes a copy (the GPU keeps its parameters). The
@@ -190,14 +191,14 @@ def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload
     """
     p, psi = PARAM_BYTES[precision], shape.params
     states = model_states(shape, n, stage, precision)
-    out = {"gpu": dict(states), "cpu": {}, "nvme": {}}
+    out: dict[Place, dict[str, float]] = {Place.DEVICE: dict(states), Place.HOST: {}, Place.NVME: {}}
     if offload_optimizer != "none":
-        home = out[offload_optimizer]
-        out["gpu"]["master"], out["gpu"]["moments"] = 0, 0
+        home = out[Place.of_setting(offload_optimizer)]
+        out[Place.DEVICE]["master"], out[Place.DEVICE]["moments"] = 0, 0
         home["master"], home["moments"] = 4 * psi / n, states["moments"]
         if stage == 3:
-            shard_place = "gpu" if offload_param == "none" else offload_param
-            out[shard_place]["params"] = out[shard_place].get("params", 0) + p * psi / n
+            shard = out[Place.of_setting(offload_param)]
+            shard["params"] = shard.get("params", 0) + p * psi / n
     return out
 
 
@@ -243,13 +244,13 @@ def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, o
     placed = placed_states(shape, n, stage, settings.precision, offload_optimizer, offload_param)
     out = Footprint(stage, offload_optimizer, offload_param,
                     paper_model_states=round(paper_model_states(psi, n, stage)))
-    gpu = dict(placed["gpu"])
+    gpu = dict(placed[Place.DEVICE])
     gpu["params"] = gpu.get("params", 0) + network_copies(psi, n, stage, settings)
     gpu["buffers"] = working_buffers(shape, stage, settings)
     gpu["activations"] = activation_bytes(activations, settings.precision, settings.checkpointing) if activations else 0
     out.gpu = {k: round(v) for k, v in gpu.items()}
-    out.cpu_per_rank = round(sum(placed["cpu"].values()) + offload_buffers(settings, offload_optimizer))
-    out.nvme_per_rank = round(sum(placed["nvme"].values()))
+    out.cpu_per_rank = round(sum(placed[Place.HOST].values()) + offload_buffers(settings, offload_optimizer))
+    out.nvme_per_rank = round(sum(placed[Place.NVME].values()))
     if settings.async_checkpoints:
         out.snapshot_per_rank = checkpoint_snapshot(psi, n, stage, offload_optimizer)
     host = (out.cpu_per_rank + out.snapshot_per_rank) * cluster.gpus_per_node

@@ -171,7 +171,7 @@ def _extras_broadcastable(saved: Path) -> Path:
 
     target = shutil.copytree(saved, saved.parent / "extras-shape")
     extras = target / f"step-{SAVED_STEP}" / "model-extras.safetensors"
-    tensors = load_file(extras)
+    tensors = {name: t.clone() for name, t in load_file(extras).items()}  # not views of the file rewritten
     tensors["position_scale"] = tensors["position_scale"][:1].clone()
     size, crc = write_tensors(extras, tensors)
     manifest = json.loads(_manifest(target).read_text())

@@ -21,7 +21,7 @@ from zerorun import ops
 from zerorun.errors import ZerorunError
 from zerorun.runtime.offload import nvme
 from zerorun.runtime.offload.aio import ALIGN, AioSettings
-from zerorun.runtime.offload.nvme import NvmeStore, aligned_empty, check_nvme_path, plan_tiles
+from zerorun.runtime.offload.nvme import NvmeFiles, aligned_empty, check_nvme_path, plan_tiles
 
 KEY = "zero.offload_optimizer.nvme_path"
 
@@ -39,8 +39,8 @@ def aio(request: pytest.FixtureRequest, aio_kernel: None) -> AioSettings:
 
 
 def _store(root: Path, aio: AioSettings, numel: int, tile_numel: int, dtype: torch.dtype = torch.float32,
-           names: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq")) -> NvmeStore:
-    store = NvmeStore(root, {name: numel for name in names}, tile_numel=tile_numel, aio=aio, dtype=dtype)
+           names: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq")) -> NvmeFiles:
+    store = NvmeFiles(root, {name: numel for name in names}, tile_numel=tile_numel, aio=aio, dtype=dtype)
     assert store.backend == aio.backend
     return store
 

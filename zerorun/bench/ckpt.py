@@ -25,6 +25,7 @@ niceness is `checkpoint_async.WRITER_NICE`), to measure what the writer's priori
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -118,11 +119,16 @@ def _train(rank: int, world: int, cfg: CkptBenchConfig, root: str) -> dict[str, 
     from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
+    from zerorun.runtime import host_allocator
+
+    host_allocator.install()  # as the worker does: zero.host_memory applies
     default_nice = checkpoint_async.WRITER_NICE
     torch.manual_seed(0)
-    model = GPT(cfg.model)
+    # stage 3 builds the way a user of a large model does: never whole on any rank
+    with zerorun.sharded_init() if cfg.stage == 3 else contextlib.nullcontext():
+        model = GPT(cfg.model)
     keys = [f"zero.stage={cfg.stage}", "optimizer.lr=1e-4", "name=bench-ckpt", "checkpoint.resume=never",
-            f"checkpoint.dir={root}", "checkpoint.every_steps=0", "checkpoint.keep_last=1"]
+            f"checkpoint.dir={root}", "checkpoint.every_steps=0", "checkpoint.keep_last=1", "zero.wrap=[Block]"]
     if cfg.nvme_path:
         keys += ["zero.offload_optimizer.device=nvme", f"zero.offload_optimizer.nvme_path={cfg.nvme_path}"]
     engine = zerorun.initialize(model, None, config.loads("script: bench", "<bench>", keys))

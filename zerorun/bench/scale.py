@@ -132,6 +132,9 @@ def _train(rank: int, world: int, system: str, model_cfg: GPTConfig, cfg: ScaleC
 
     _watch_rss(cfg.budget.ram_bytes // world)
     init_distributed()
+    from zerorun.runtime import host_allocator
+
+    host_allocator.install()  # as the worker does: zero.host_memory applies
     torch.manual_seed(0)
     with zerorun.sharded_init() if system != "ddp" else contextlib.nullcontext():
         model = GPT(model_cfg)

@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
+from zerorun.bench import step_profile
 from zerorun.bench.gpt import GPT, GPTConfig, synthetic_tokens
 from zerorun.bench.spawn import run_ranks
 
@@ -111,6 +110,7 @@ class Sample:
     final_loss: float
     live_mib: float | None  # every live tensor after a backward (None for DDP: its buckets live in C++)
     link_bytes: float | None = None  # per timed step, sent by rank 0's node on its link (emulated cluster only)
+    profile: dict[str, float] | None = None  # per timed step: CPU by thread and waits per collective (step_profile)
 
 
 def _peers(system: str, model: torch.nn.Module, cfg: StepBenchConfig) -> tuple[Any, torch.optim.Optimizer]:
@@ -154,6 +154,9 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
     from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
+    from zerorun.runtime import host_allocator
+
+    host_allocator.install()  # as the worker does: zero.host_memory applies
     torch.manual_seed(0)
     # stage 3 builds the way a user of a large model does: never whole on any rank (same values)
     with zerorun.sharded_init() if system.startswith("zero3") else contextlib.nullcontext():
@@ -167,6 +170,7 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
         engine = zerorun.initialize(model, None, recipe)
         forward, backward, step, settle = engine, engine.backward, engine.step, engine.wait_published
         state_mib = lambda: engine.memory().model_states() / 2**20  # noqa: E731
+        snapshot = step_profile.counters(engine.comm.stats)
     else:
         wrapped, opt = _peers(system, model, cfg)
         forward, backward, settle = wrapped, lambda loss: loss.backward(), lambda: None
@@ -177,24 +181,15 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
         if system.startswith("deepspeed"):
             backward, step = wrapped.backward, wrapped.step
         state_mib = lambda: _peer_state_mib(model, opt)  # noqa: E731
-    sent = _link_counter()
-    times, final_loss, link_bytes = _timed(batches, cfg.warmup, forward, backward, step, settle, sent)
+        snapshot = step_profile.counters(None)
+    times, final_loss, delta = _timed(batches, cfg.warmup, forward, backward, step, settle, snapshot)
     steps = [sum(parts) for parts in zip(*times.values())]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     backward(forward(batches[-1]))  # untimed: the census is taken where gradients and buffers peak
     live = None if system.startswith("ddp") else live_tensor_bytes(model) / 2**20
     settle()
     return Sample(steps, times["forward"], times["backward"], times["optimizer"], rss, state_mib(), final_loss,
-                  live, link_bytes / cfg.steps if link_bytes is not None else None)
-
-
-def _link_counter() -> Callable[[], int] | None:
-    """Bytes this node has sent on its link so far, where the bench runs on an emulated cluster."""
-    iface = os.environ.get("ZERORUN_BENCH_IFACE")
-    if not iface:
-        return None
-    counter = Path(f"/sys/class/net/{iface}/statistics/tx_bytes")  # this node's /sys: its own network namespace
-    return lambda: int(counter.read_text())
+                  live, delta.get("link_bytes"), step_profile.profile_of(delta))
 
 
 def live_tensor_bytes(model: torch.nn.Module) -> int:
@@ -223,17 +218,17 @@ def _is_tensor(obj: object) -> bool:
 
 
 def _timed(batches: list[torch.Tensor], warmup: int, forward: Callable, backward: Callable, step: Callable,
-           settle: Callable[[], None], sent: Callable[[], int] | None = None,
-           ) -> tuple[dict[str, list[float]], float, int | None]:
-    """Seconds of each phase of each step after `warmup`, the last loss, and the bytes `sent` counted over the
-    timed steps; `settle` finishes what a step leaves in flight."""
+           settle: Callable[[], None], snapshot: Callable[[], dict[str, float]],
+           ) -> tuple[dict[str, list[float]], float, dict[str, float]]:
+    """Seconds of each phase of each step after `warmup`, the last loss, and how the counters of `snapshot`
+    (step_profile.py) grew per timed step; `settle` finishes what a step leaves in flight."""
     times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
-    sent_before = 0
+    before: dict[str, float] = {}
     for i, tokens in enumerate(batches):
         if i == warmup:  # every rank starts the timed steps together, owing nothing to the warm-up
             settle()
             dist.barrier()
-            sent_before = sent() if sent else 0
+            before = snapshot()
         marks = [_now()]
         loss = forward(tokens)
         marks.append(_now())
@@ -247,7 +242,7 @@ def _timed(batches: list[torch.Tensor], warmup: int, forward: Callable, backward
         if i >= warmup:
             for name, a, b in zip(times, marks, marks[1:]):
                 times[name].append(b - a)
-    return times, float(loss.detach()), sent() - sent_before if sent else None
+    return times, float(loss.detach()), step_profile.per_step(before, snapshot(), len(batches) - warmup)
 
 
 def _now() -> float:
@@ -270,6 +265,7 @@ class SystemResult:
     final_loss: float
     live_mib: float | None  # every live tensor after a backward (see `live_tensor_bytes`)
     link_mb: float | None = None  # per step, sent by rank 0's node on its link (median; emulated cluster only)
+    profile: dict[str, float] | None = None  # per step, medians of the rounds' (step_profile.py)
 
 
 Spawn = Callable[[Callable[..., Any], tuple], list[Any]]  # run fn(rank, world, *args) on every rank
@@ -304,8 +300,15 @@ def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print, spawn: Sp
             system, med("step_s"), ratio("ddp"), ratio(cfg.baseline),
             med("forward_s"), med("backward_s"), med("optimizer_s"),
             max(s.peak_rss_mib for s in runs), runs[-1].model_state_mib, runs[-1].final_loss, runs[-1].live_mib,
-            statistics.median(s.link_bytes for s in runs) / 1e6 if runs[0].link_bytes is not None else None))
+            statistics.median(s.link_bytes for s in runs) / 1e6 if runs[0].link_bytes is not None else None,
+            _median_profile(runs)))
     return results
+
+
+def _median_profile(runs: list[Sample]) -> dict[str, float] | None:
+    profiles = [s.profile for s in runs if s.profile]
+    names = {name for p in profiles for name in p}
+    return {name: statistics.median(p.get(name, 0.0) for p in profiles) for name in sorted(names)} or None
 
 
 def ideal_link_mb(system: str, params: int, nodes: int) -> float:

@@ -1,6 +1,6 @@
 """Sharded checkpoints of an engine: every rank saves its own flat state, rank 0 a manifest.
 
-The files are described in `checkpoint_format.py`. A save writes into `DIR/.tmp-<tag>/`: each rank
+The files are described in `files.py`. A save writes into `DIR/.tmp-<tag>/`: each rank
 its `rank-<r>.safetensors` (fsynced; its size and CRC32 recorded); then all ranks meet (an
 all-reduce of those sizes: the barrier before the commit); rank 0 writes buffers and frozen
 parameters, then the manifest (temporary name, fsync, rename), fsyncs the directory, renames it

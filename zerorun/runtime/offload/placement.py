@@ -42,7 +42,12 @@ class Place(Enum):
 
     @classmethod
     def of(cls, offload: OffloadConfig) -> Place:
-        return {"none": cls.DEVICE, "cpu": cls.HOST, "nvme": cls.NVME}[offload.device]
+        return cls.of_setting(offload.device)
+
+    @classmethod
+    def of_setting(cls, device: str) -> Place:
+        """The place an offload setting names: "none" (stay on the device), "cpu" or "nvme"."""
+        return {"none": cls.DEVICE, "cpu": cls.HOST, "nvme": cls.NVME}[device]
 
 
 @dataclass(frozen=True)
