@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from zerorun.runtime.nvme import MEMORY_FILESYSTEMS, filesystem_type
+from zerorun.runtime.offload.nvme import MEMORY_FILESYSTEMS, filesystem_type
 
 
 def _direct_io_works(directory: Path) -> bool:

@@ -13,6 +13,7 @@ from zerorun import estimate as est
 from zerorun.bench.gpt import GPT, GPTConfig
 from zerorun.bench.scale_plan import GIB, Budget, Family, gpt_params, largest_fitting, next_to_try, predict
 from zerorun.cli import app
+from zerorun.runtime.offload.placement import Place
 
 TINY = ["--base-layers", "1", "--base-d-model", "64", "--d-step", "64", "--layer-step", "1", "--vocab", "128",
         "--seq-len", "16"]
@@ -75,7 +76,7 @@ def test_prediction_agrees_with_estimate_for_the_model_states() -> None:
     total, block, root = gpt_params(*family.shape(2)[:2], family.vocab, family.seq_len)
     states = est.placed_states(est.ModelShape(total, block, root), 2, 3, "fp32", "cpu", "cpu")
     cpu = predict("zero3-cpu", family, 2, budget)
-    assert cpu.ram_per_rank > sum(states["cpu"].values()) + sum(states["gpu"].values())
+    assert cpu.ram_per_rank > sum(states[Place.HOST].values()) + sum(states[Place.DEVICE].values())
 
 
 def test_search_verifies_the_prediction_then_walks_down_and_stops_at_the_first_success() -> None:

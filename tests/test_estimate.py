@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from tests.harness import run_ranks
 from zerorun import estimate as planner
 from zerorun.cli import app
+from zerorun.runtime.offload.placement import Place
 from zerorun.runtime.memory import MODEL_STATE_KINDS
 
 PRECISIONS = ("fp32", "bf16")
@@ -137,8 +138,8 @@ def test_estimate_matches_engine_model_states_within_5_percent(world: int) -> No
         for (dtype, stage, opt, param), places in measured.items():
             placed = planner.placed_states(shape, world, stage, dtype, opt, param)
             # on a CPU-only machine the "GPU" is the host: both appear as place "cpu" in the engine's report
-            expected = {"cpu": sum(placed["gpu"].values()) + sum(placed["cpu"].values()),
-                        "nvme": sum(placed["nvme"].values())}
+            expected = {"cpu": sum(placed[Place.DEVICE].values()) + sum(placed[Place.HOST].values()),
+                        "nvme": sum(placed[Place.NVME].values())}
             for where, nbytes in places.items():
                 assert abs(nbytes - expected[where]) <= 0.05 * max(nbytes, expected[where]), (
                     f"{dtype} stage {stage} offload {opt}/{param} rank {rank}/{world} {where}: "

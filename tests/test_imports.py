@@ -91,12 +91,34 @@ def _packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 def test_the_graph_sees_lazy_and_type_checking_imports() -> None:
     graph = _graph()
-    assert "zerorun.runtime.checkpoint" in graph["zerorun.runtime.engine"]  # imported inside a method
+    assert "zerorun.runtime.checkpoint.sharded" in graph["zerorun.runtime.engine"]  # imported inside a method
     assert "zerorun.runtime.engine" in graph["zerorun"]  # imported under TYPE_CHECKING and lazily
 
 
+def _runtime_packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The runtime's own graph with each of its subpackages (comm, offload, stage3, ...) as one node."""
+    def node(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:3]) if parts[:2] == ["zerorun", "runtime"] and len(parts) > 3 else module
+
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if module.startswith("zerorun.runtime."):
+            out.setdefault(node(module), set()).update(
+                node(t) for t in targets if t.startswith("zerorun.runtime.") and node(t) != node(module))
+    for targets in out.values():
+        targets &= set(out)
+    return out
+
+
 def _all_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    return _cycles(graph) + _cycles(_packages(graph))
+    return _cycles(graph) + _cycles(_packages(graph)) + _cycles(_runtime_packages(graph))
+
+
+def test_runtime_subpackages_are_nodes_of_their_own() -> None:
+    graph = {"zerorun.runtime.comm.a": {"zerorun.runtime.store"}, "zerorun.runtime.store": {"zerorun.runtime.comm.b"},
+             "zerorun.runtime.comm.b": set()}
+    assert _cycles(graph) == [] and _cycles(_runtime_packages(graph)) == [["zerorun.runtime.comm", "zerorun.runtime.store"]]
 
 
 def test_no_import_cycle_anywhere_in_zerorun() -> None:
@@ -115,3 +137,31 @@ def test_the_cycle_finder_finds_module_and_package_cycles() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = {"zerorun.x.m": {"zerorun.y.n"}, "zerorun.y.n": set(), "zerorun.y.k": {"zerorun.x.j"}, "zerorun.x.j": set()}
     assert _cycles(graph) == [] and _cycles(_packages(graph)) == [["zerorun.x", "zerorun.y"]]
+
+
+# What each runtime subpackage may import from the rest of the runtime (its __init__ docstring says why);
+# "core" is any module at runtime/'s top level but the engine.
+RUNTIME_LAYERS = {
+    "comm": set(),
+    "offload": {"memory", "partition"},
+    "optim": {"offload", "core"},
+    "stage3": {"comm", "offload", "core"},
+    "checkpoint": {"comm", "offload", "optim", "core"},
+}
+
+
+def test_runtime_subpackages_import_only_the_layers_below_them() -> None:
+    wrong = []
+    for module, targets in _graph().items():
+        parts = module.split(".")
+        if parts[:2] != ["zerorun", "runtime"] or len(parts) < 4:
+            continue
+        allowed = RUNTIME_LAYERS[parts[2]]
+        for target in targets:
+            tparts = target.split(".")
+            if tparts[:2] != ["zerorun", "runtime"] or len(tparts) < 3 or tparts[2] == parts[2]:
+                continue
+            layer = tparts[2] if len(tparts) > 3 else tparts[2] if tparts[2] in allowed else "core"
+            if layer not in allowed or target == "zerorun.runtime.engine":
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "; ".join(wrong)

@@ -32,8 +32,8 @@ def recipe() -> Recipe:
 
 
 def sharded_init() -> Any:
-    """Context manager: models built inside never exist whole on any rank (see zerorun.runtime.sharded_init)."""
-    from zerorun.runtime.sharded_init import sharded_init as _sharded_init
+    """Context manager: models built inside never exist whole on any rank (see zerorun.runtime.stage3.sharded_init)."""
+    from zerorun.runtime.stage3.sharded_init import sharded_init as _sharded_init
 
     return _sharded_init()
 
@@ -88,6 +88,6 @@ def _recipe_choices(recipe: Recipe, optimizer: Any, lr_scheduler: Any) -> tuple[
     if lr_scheduler is not None:
         raise ZerorunError(f"the recipe's scheduler section ({where}: {recipe.scheduler.type}) and the script's "
                            f"lr_scheduler= both ask to drive the learning rate; remove one of them.")
-    from zerorun.runtime import schedules
+    from zerorun.runtime.optim import schedules
 
     return (lambda opt: schedules.build(recipe.scheduler, opt, recipe.train.steps)), f"scheduler.type at {where}"

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from zerorun.errors import ZerorunError
+from zerorun.runtime.offload.placement import Place
 
 GIB = 2**30
 MIB = 2**20
@@ -178,10 +179,10 @@ def activation_bytes(act: Activations, precision: str, checkpointing: bool) -> f
 
 
 def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload_optimizer: str = "none",
-                  offload_param: str = "none") -> dict[str, dict[str, float]]:
-    """Model-state bytes per rank by place ("gpu", "cpu", "nvme") and kind, as `Engine.memory()` holds them.
+                  offload_param: str = "none") -> dict[Place, dict[str, float]]:
+    """Model-state bytes per rank by `Place` and kind, as `Engine.memory()` holds them.
 
-    Optimizer offload (`runtime/placement.py`, `runtime/homes.py`) moves the fp32 master and the
+    Optimizer offload (`runtime/offload/placement.py`, `runtime/offload/homes.py`) moves the fp32 master and the
     moments (12 Psi/N) to the host or to NVMe; in fp32 the master then becomes a copy (the GPU keeps its parameters). The
     reduced fp32 gradient shard stays on the GPU and is streamed to the CPU tile by tile at the step
     (DeepSpeed moves it to the CPU after every micro-batch instead: 4 Psi/N less GPU memory, one
@@ -190,20 +191,20 @@ def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload
     """
     p, psi = PARAM_BYTES[precision], shape.params
     states = model_states(shape, n, stage, precision)
-    out = {"gpu": dict(states), "cpu": {}, "nvme": {}}
+    out: dict[Place, dict[str, float]] = {Place.DEVICE: dict(states), Place.HOST: {}, Place.NVME: {}}
     if offload_optimizer != "none":
-        home = out[offload_optimizer]
-        out["gpu"]["master"], out["gpu"]["moments"] = 0, 0
+        home = out[Place.of_setting(offload_optimizer)]
+        out[Place.DEVICE]["master"], out[Place.DEVICE]["moments"] = 0, 0
         home["master"], home["moments"] = 4 * psi / n, states["moments"]
         if stage == 3:
-            shard_place = "gpu" if offload_param == "none" else offload_param
-            out[shard_place]["params"] = out[shard_place].get("params", 0) + p * psi / n
+            shard = out[Place.of_setting(offload_param)]
+            shard["params"] = shard.get("params", 0) + p * psi / n
     return out
 
 
 def network_copies(psi: float, n: int, stage: int, settings: Settings) -> float:
     """Bytes of the parameter copies ZeRO++ keeps to spare the link: hpZ's secondary partition (stage 3: the
-    model in p bytes / hpz_partition_size, `runtime/hpz.py`) and, with qwZ on stages 1/2 in fp32, the master
+    model in p bytes / hpz_partition_size, `runtime/stage3/hpz.py`) and, with qwZ on stages 1/2 in fp32, the master
     kept apart from the parameters computed with (4 Psi/N, `runtime/flat_params.py`)."""
     extra = 0.0
     if stage == 3 and settings.hpz_partition_size > 1:
@@ -216,8 +217,8 @@ def network_copies(psi: float, n: int, stage: int, settings: Settings) -> float:
 def offload_buffers(settings: Settings, offload_optimizer: str, gpu: bool = True) -> float:
     """Host bytes of offload staging: two gradient and two update tiles of `offload_buffer_mb`
     (pinned), one of each on a CPU-only machine, plus the NVMe store's ring of master + moment tiles."""
-    from zerorun.runtime.nvme import RING_SLOTS
-    from zerorun.runtime.transfers import StagingRing
+    from zerorun.runtime.offload.nvme import RING_SLOTS
+    from zerorun.runtime.offload.transfers import StagingRing
 
     if offload_optimizer == "none":
         return 0.0
@@ -229,7 +230,7 @@ def offload_buffers(settings: Settings, offload_optimizer: str, gpu: bool = True
 def checkpoint_snapshot(psi: float, n: int, stage: int, offload_optimizer: str) -> int:
     """Host bytes of a background checkpoint's snapshot on the rank holding the most state: the fp32
     master and moments of its shard (stage 0: all of them, on rank 0), or one chunk when they stream from NVMe."""
-    from zerorun.runtime.checkpoint_snapshot import snapshot_bytes
+    from zerorun.runtime.checkpoint.snapshot import snapshot_bytes
 
     numel = int(psi) if stage == 0 else -(-int(psi) // n)
     return snapshot_bytes([numel], streamed=offload_optimizer == "nvme")
@@ -243,13 +244,13 @@ def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, o
     placed = placed_states(shape, n, stage, settings.precision, offload_optimizer, offload_param)
     out = Footprint(stage, offload_optimizer, offload_param,
                     paper_model_states=round(paper_model_states(psi, n, stage)))
-    gpu = dict(placed["gpu"])
+    gpu = dict(placed[Place.DEVICE])
     gpu["params"] = gpu.get("params", 0) + network_copies(psi, n, stage, settings)
     gpu["buffers"] = working_buffers(shape, stage, settings)
     gpu["activations"] = activation_bytes(activations, settings.precision, settings.checkpointing) if activations else 0
     out.gpu = {k: round(v) for k, v in gpu.items()}
-    out.cpu_per_rank = round(sum(placed["cpu"].values()) + offload_buffers(settings, offload_optimizer))
-    out.nvme_per_rank = round(sum(placed["nvme"].values()))
+    out.cpu_per_rank = round(sum(placed[Place.HOST].values()) + offload_buffers(settings, offload_optimizer))
+    out.nvme_per_rank = round(sum(placed[Place.NVME].values()))
     if settings.async_checkpoints:
         out.snapshot_per_rank = checkpoint_snapshot(psi, n, stage, offload_optimizer)
     host = (out.cpu_per_rank + out.snapshot_per_rank) * cluster.gpus_per_node
@@ -348,8 +349,8 @@ def build_on_meta(spec: str) -> nn.Module:
 
 
 def shape_of(model: nn.Module, wrap: list[str], persistence_threshold: int, bucket_mb: float) -> ModelShape:
-    """Count a model's parameters the way stage 3 plans its units (`runtime/module_units.py`)."""
-    from zerorun.runtime.module_units import split_modules, wrapped_modules
+    """Count a model's parameters the way stage 3 plans its units (`runtime/stage3/module_units.py`)."""
+    from zerorun.runtime.stage3.module_units import split_modules, wrapped_modules
 
     trainable = {p for p in model.parameters() if p.requires_grad}
     persistent = {p for p in trainable if p.numel() < persistence_threshold}

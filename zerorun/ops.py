@@ -3,7 +3,7 @@
 `adamw_step` updates one flat fp32 shard in place. It runs our kernel for the tensors' device
 (`cpu_adam` on CPU, `fused_adam` on CUDA) when that kernel is built or can be built now, else
 torch's fused Adam(W) with the same numerics, after one warning that says why. `aio_library` is the
-asynchronous O_DIRECT reader/writer behind the NVMe store (`zerorun/runtime/aio.py` wraps it; its
+asynchronous O_DIRECT reader/writer behind the NVMe store (`zerorun/runtime/offload/aio.py` wraps it; its
 fallback is a Python thread pool).
 
 Build and cache. The sources have no torch headers (they compile in seconds and expose a C ABI
@@ -77,7 +77,7 @@ SPECS = {
                            cflags=("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"), ldflags=("-fopenmp",)),
     "fused_adam": KernelSpec("fused_adam", "fused_adam.cu", cuda=True, cflags=("-O3",),
                              cuda_cflags=("-O3", "-std=c++17", "--fmad=false")),
-    # asynchronous O_DIRECT reads/writes for the NVMe store (zerorun/runtime/aio.py); raw syscalls, no libaio
+    # asynchronous O_DIRECT reads/writes for the NVMe store (zerorun/runtime/offload/aio.py); raw syscalls, no libaio
     "aio": KernelSpec("aio", "aio.cpp", cuda=False, cflags=("-O2", "-pthread"), ldflags=("-pthread",), headers=()),
 }
 

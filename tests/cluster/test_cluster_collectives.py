@@ -16,8 +16,8 @@ def _reduce_scatter_over_the_link(rank: int, world: int, quantized: bool = False
 
     import torch.distributed as dist
 
-    from zerorun.runtime.collectives import Collectives
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.collectives import Collectives
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     comm = Collectives(cpu="auto", quantized_gradients=quantized)  # auto: no shared memory across nodes: gloo

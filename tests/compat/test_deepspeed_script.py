@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from tests.compat.real_deepspeed import deepspeed_python
-from tests.compat.scripts.ds_model import batch, make_model
+from tests.runtime.reference import batch, make_model
 from tests.harness import run_ranks
 from tests.launch.launched import subprocess_env
 
@@ -83,11 +83,11 @@ def _reference(rank: int, world: int, dtype_name: str) -> list[float]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    master = make_model(0)
+    master = make_model(0, plain=True)
     compute = copy.deepcopy(master).to(dtype)
     model = DDP(compute) if dtype == torch.float32 else compute
     opt = torch.optim.AdamW(master.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zerorun import config
-from zerorun.runtime import schedules as schedulers
+from zerorun.runtime.optim import schedules as schedulers
 
 CASES = {  # DeepSpeed's constructor arguments (its names) per schedule
     "WarmupLR": dict(warmup_min_lr=0.001, warmup_max_lr=0.01, warmup_num_steps=10),

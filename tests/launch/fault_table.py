@@ -230,8 +230,8 @@ def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
 
 def _killed_writer(work: Path, local: Callable[..., Callable[[Path], LaunchedJob]]) -> Row:
     """Rank 1 SIGKILLs itself in its checkpoint writer thread while training goes on (the test hook
-    of runtime/checkpoint.py); the row's leftovers add whether `latest` still names the save before."""
-    from zerorun.runtime.checkpoint import CRASH_ENV
+    of runtime/checkpoint/sharded.py); the row's leftovers add whether `latest` still names the save before."""
+    from zerorun.runtime.checkpoint.sharded import CRASH_ENV
 
     ckpt = work / "ckpt"
     row = _run("rank SIGKILL in a background checkpoint write", work,

@@ -57,7 +57,7 @@ def test_nccl_takes_one_rank_per_gpu_and_gloo_lets_ranks_share_one():
     import torch
 
     from zerorun.errors import ZerorunError
-    from zerorun.runtime.dist import check_one_rank_per_gpu, choose_backend
+    from zerorun.runtime.comm.dist import check_one_rank_per_gpu, choose_backend
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert choose_backend(cuda, "auto") == "nccl" and choose_backend(cpu, "auto") == "gloo"

@@ -19,32 +19,41 @@ VOCAB, DIM, HIDDEN, SEQ, BATCH = 37, 13, 29, 9, 3
 
 
 class OddNet(nn.Module):
-    def __init__(self) -> None:
+    """`plain`: no frozen parameter, no tie, no buffer (the DeepSpeed-style script's model, tests/compat)."""
+
+    def __init__(self, plain: bool = False) -> None:
         super().__init__()
+        self.plain = plain
         self.embed = nn.Embedding(VOCAB, DIM)
         self.norm = nn.LayerNorm(DIM)
         self.up = nn.Linear(DIM, HIDDEN)
         self.down = nn.Linear(HIDDEN, DIM)
-        self.frozen = nn.Parameter(torch.randn(DIM), requires_grad=False)
+        if not plain:
+            self.frozen = nn.Parameter(torch.randn(DIM), requires_grad=False)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.embed.weight  # tied
-        self.register_buffer("position_scale", torch.linspace(0.5, 1.5, SEQ).unsqueeze(-1))
+        if not plain:
+            self.head.weight = self.embed.weight  # tied
+            self.register_buffer("position_scale", torch.linspace(0.5, 1.5, SEQ).unsqueeze(-1))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) * self.position_scale.to(self.embed.weight.dtype)
-        x = x + self.down(F.gelu(self.up(self.norm(x)))) + self.frozen
+        x = self.embed(tokens)
+        if not self.plain:
+            x = x * self.position_scale.to(self.embed.weight.dtype)
+        x = x + self.down(F.gelu(self.up(self.norm(x))))
+        if not self.plain:
+            x = x + self.frozen
         logits = self.head(x).float()
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def make_model(seed: int = 0) -> OddNet:
+def make_model(seed: int = 0, plain: bool = False) -> OddNet:
     torch.manual_seed(seed)
-    return OddNet()
+    return OddNet(plain)
 
 
-def batch(seed: int, rank: int, micro_step: int) -> torch.Tensor:
+def batch(seed: int, rank: int, micro_step: int, size: int = BATCH) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + micro_step)
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    return torch.randint(0, VOCAB, (size, SEQ), generator=gen)
 
 
 @dataclass

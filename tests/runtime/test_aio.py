@@ -1,4 +1,4 @@
-"""zerorun.runtime.aio: the aio kernel's two backends and the Python fallback move the same bytes,
+"""zerorun.runtime.offload.aio: the aio kernel's two backends and the Python fallback move the same bytes,
 and fail with messages that say what went wrong (misalignment, short reads)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from zerorun import ops
-from zerorun.runtime.aio import AioError, AioSettings, KernelEngine, PythonEngine, open_engine
-from zerorun.runtime.nvme import aligned_empty
+from zerorun.runtime.offload.aio import AioError, AioSettings, KernelEngine, PythonEngine, open_engine
+from zerorun.runtime.offload.nvme import aligned_empty
 
 BACKENDS = ("libaio", "threads", "python")
 

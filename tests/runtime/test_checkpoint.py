@@ -104,7 +104,7 @@ def _phase(rank: int, world: int, root: str, exact: list, resumes: list, damaged
     import torch.distributed as dist
 
     from zerorun.errors import ZerorunError
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     out: dict = {"exact": {}, "resumed": {}, "damaged": {}, "ddp": _ddp_state_after_half(rank, world) if ddp else {}}
@@ -232,7 +232,7 @@ def _ddp_state_after_half(rank: int, world: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("case", ["stage2", "stage3"])
 def test_consolidated_state_dict_equals_ddp_and_the_engine_and_loads_strict(root, on_two, case, tmp_path):
     from zerorun.cli import app
-    from zerorun.runtime import checkpoint_format as checkpoint
+    from zerorun.runtime.checkpoint import files as checkpoint
 
     directory = root / f"w2-{case}"
     state = checkpoint.consolidate(directory)
@@ -314,7 +314,7 @@ def test_damaged_checkpoints_fail_on_every_rank_with_a_message_naming_the_file(o
 def test_truncated_file_bad_manifest_and_missing_tag_are_errors_naming_the_file(root, on_two, tmp_path):
     from zerorun.cli import app
     from zerorun.errors import ZerorunError
-    from zerorun.runtime import checkpoint_format as checkpoint
+    from zerorun.runtime.checkpoint import files as checkpoint
 
     def error(directory: Path, tag: str | None = None) -> str:
         with pytest.raises(ZerorunError) as info:
@@ -339,7 +339,7 @@ def test_truncated_file_bad_manifest_and_missing_tag_are_errors_naming_the_file(
 
 def test_a_same_tag_save_interrupted_between_its_renames_keeps_the_old_copy_and_the_next_save_restores_it(
         root, on_two, tmp_path):
-    from zerorun.runtime import checkpoint_format as checkpoint
+    from zerorun.runtime.checkpoint import files as checkpoint
 
     ckpt = shutil.copytree(root / "w2-stage1", tmp_path / "ckpt")
     (ckpt / "step-10").rename(ckpt / ".old-step-10")  # replace_dir moved it aside, then the job died
@@ -355,14 +355,14 @@ def test_a_full_checkpoint_disk_names_the_path_and_the_checkpoint_kept(tmp_path:
     import subprocess
 
     from zerorun.errors import ZerorunError
-    from zerorun.runtime.checkpoint_format import write_tensors
+    from zerorun.runtime.checkpoint.files import write_tensors
 
     root = tmp_path / "ckpt"
     root.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
-        from zerorun.runtime.checkpoint_format import MANIFEST
+        from zerorun.runtime.checkpoint.files import MANIFEST
 
         for tag in ("step-1", "step-5"):
             (root / tag).mkdir()

@@ -21,9 +21,9 @@ import torch
 
 from tests.harness import run_ranks
 from tests.runtime.reference import OPT, batch, make_model
-from zerorun.runtime import checkpoint_async
-from zerorun.runtime.checkpoint_async import SLOW_ENV
-from zerorun.runtime.checkpoint_format import tags
+from zerorun.runtime.checkpoint import background as checkpoint_async
+from zerorun.runtime.checkpoint.background import SLOW_ENV
+from zerorun.runtime.checkpoint.files import tags
 
 _NVME_DIR = tempfile.mkdtemp(prefix="zerorun-async-nvme-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None)
 OFFLOAD = ["zero.offload_optimizer.device=cpu"]
@@ -155,7 +155,7 @@ def _small_host_case(rank: int, world: int, root: str) -> dict:
     engine = _engine(["zero.stage=1", f"checkpoint.dir={root}"])
     _train(engine, rank, 0, 1)
     available = 1000 if rank == 1 else 1 << 40  # only rank 1 lacks memory; both must save the same way
-    with mock.patch("zerorun.runtime.checkpoint_async.psutil.virtual_memory",
+    with mock.patch("zerorun.runtime.checkpoint.background.psutil.virtual_memory",
                     return_value=SimpleNamespace(available=available)):
         engine.save_checkpoint()
         _train(engine, rank, 1, 1)

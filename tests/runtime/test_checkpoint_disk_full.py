@@ -20,7 +20,7 @@ import torch
 
 from tests.harness import run_ranks
 from tests.runtime.test_checkpoint_async import _engine, _train
-from zerorun.runtime.checkpoint_format import tags
+from zerorun.runtime.checkpoint.files import tags
 
 
 @pytest.fixture

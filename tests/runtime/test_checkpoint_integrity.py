@@ -39,7 +39,7 @@ def _engine(overrides: list[str] = ()):
 
 
 def _save(rank: int, world: int, directory: str) -> None:
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     engine = _engine()
@@ -71,7 +71,7 @@ def _edited(saved: Path, name: str, edit: Callable[[dict], Any], reseal: bool = 
 
 
 def _write_manifest(target: Path, manifest: dict, reseal: bool) -> None:
-    from zerorun.runtime.checkpoint_manifest import CHECKSUM, sealed
+    from zerorun.runtime.checkpoint.manifest import CHECKSUM, sealed
 
     if reseal:
         manifest = sealed({k: v for k, v in manifest.items() if k != CHECKSUM})
@@ -167,11 +167,11 @@ def _extras_broadcastable(saved: Path) -> Path:
     manifest's file entry updated to its size and CRC32 and sealed: only the tensor headers disagree."""
     from safetensors.torch import load_file
 
-    from zerorun.runtime.checkpoint_format import write_tensors
+    from zerorun.runtime.checkpoint.files import write_tensors
 
     target = shutil.copytree(saved, saved.parent / "extras-shape")
     extras = target / f"step-{SAVED_STEP}" / "model-extras.safetensors"
-    tensors = load_file(extras)
+    tensors = {name: t.clone() for name, t in load_file(extras).items()}  # not views of the file rewritten
     tensors["position_scale"] = tensors["position_scale"][:1].clone()
     size, crc = write_tensors(extras, tensors)
     manifest = json.loads(_manifest(target).read_text())
@@ -198,7 +198,7 @@ def _fingerprint(engine) -> dict[str, Any]:
 
 def _resume_all(rank: int, world: int, copies: dict[str, str], good: str) -> dict[str, Any]:
     from zerorun.errors import ZerorunError
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     engine = _engine()
@@ -274,7 +274,7 @@ def test_info_of_an_intact_checkpoint_shows_its_step_learning_rates_loss_scale_a
 def test_a_format_1_checkpoint_is_upgraded_after_its_files_are_checked_and_then_loads_as_saved(saved, damaged,
                                                                                                tmp_path):
     from zerorun.cli import app
-    from zerorun.runtime import checkpoint_format
+    from zerorun.runtime.checkpoint import files as checkpoint_format
 
     v1 = shutil.copytree(damaged["v1-format"], tmp_path / "v1")
     message = " ".join(CliRunner().invoke(app, ["checkpoint", "info", str(v1)]).output.split())
@@ -325,7 +325,7 @@ def _changed(value: Any) -> Any:
 
 
 def test_changing_any_single_value_of_the_manifest_is_refused(saved):
-    from zerorun.runtime.checkpoint_manifest import CHECKSUM, check_integrity
+    from zerorun.runtime.checkpoint.manifest import CHECKSUM, check_integrity
 
     manifest = json.loads(_manifest(saved).read_text())
     leaves = [p for p in _leaves(manifest) if p != (CHECKSUM,)]
@@ -341,7 +341,7 @@ def test_changing_any_single_value_of_the_manifest_is_refused(saved):
 
 def test_a_flipped_bit_anywhere_in_the_manifest_is_refused_or_changes_nothing(saved, tmp_path):
     from zerorun.errors import ZerorunError
-    from zerorun.runtime.checkpoint_format import Checkpoint
+    from zerorun.runtime.checkpoint.files import Checkpoint
 
     copy = shutil.copytree(saved, tmp_path / "flips")
     original = _manifest(saved).read_bytes()

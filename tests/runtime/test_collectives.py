@@ -14,9 +14,9 @@ PIECE = 5  # elements per rank: odd, so nothing lines up by accident
 
 
 def _exercise(rank: int, world: int, cpu: str = "gloo") -> dict:
-    from zerorun.runtime import shm_collectives
-    from zerorun.runtime.collectives import Collectives, Pending
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm import shm_collectives
+    from zerorun.runtime.comm.collectives import Collectives, Pending
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     shm_collectives.SLOT_BYTES = 24  # 6 fp32 per slot: a 5-element piece takes 2 or 3 chunks
@@ -68,9 +68,9 @@ def test_collectives_give_the_sums_and_pieces_they_promise(world: int, cpu: str)
 def _both_transports(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from zerorun.runtime import shm_collectives
-    from zerorun.runtime.collectives import Collectives
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm import shm_collectives
+    from zerorun.runtime.comm.collectives import Collectives
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     shm_collectives.SLOT_BYTES = 4096  # a 3001-element piece crosses several chunks in every dtype
@@ -119,9 +119,9 @@ _UNIT = {str(torch.float32): 2.0**-24, str(torch.bfloat16): 2.0**-8, str(torch.f
 
 def _without_shm(rank: int, world: int, setting: str) -> str:
     from zerorun.errors import ZerorunError
-    from zerorun.runtime import shm_collectives
-    from zerorun.runtime.collectives import Collectives
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm import shm_collectives
+    from zerorun.runtime.comm.collectives import Collectives
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     shm_collectives.SHM_DIR = "/nonexistent-shm"  # as on a host without a writable /dev/shm
@@ -141,8 +141,8 @@ def test_without_shared_memory_auto_falls_back_to_gloo_and_shm_refuses_naming_wh
 def _one_rank_stays_away(rank: int, world: int) -> str:
     import time
 
-    from zerorun.runtime.collectives import Collectives
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.collectives import Collectives
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     comm = Collectives(cpu="shm", timeout_s=2.0)

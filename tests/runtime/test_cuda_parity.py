@@ -45,7 +45,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def _compare(rank: int, world: int, cases: dict[str, list[str]]) -> tuple[float, dict[str, tuple[float, float]]]:
     """(drift between torch's two AdamWs, {case: (worst loss rel. diff, worst param diff)}) on this rank."""
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     info = init_distributed()
     assert info.device.type == "cuda" and info.backend == "gloo", info

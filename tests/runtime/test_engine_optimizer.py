@@ -30,7 +30,7 @@ def _schedule(step: int) -> float:
 def _train(rank: int, world: int, stage: int, opt_cls: type) -> tuple[list[float], list[float]]:
     import zerorun
     from zerorun import config
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     losses = {}
@@ -102,7 +102,7 @@ def _scheduled(rank: int, world: int, cases: list[tuple[str, str, int]]) -> dict
     (when the scheduler is built, which optimizer it is built on, stage); warnings recorded."""
     import zerorun
     from zerorun import config
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     model = make_model(0)

@@ -21,7 +21,7 @@ def _compare(rank: int, world: int, cases: list[tuple[int, int, float | None]],
     """Run every (stage, accum, clip) case and DDP on this rank; return mismatch descriptions."""
     import torch.distributed as dist
 
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     problems = []

@@ -95,7 +95,7 @@ def _problems(label: str, run: Run, masters: dict[str, torch.Tensor], ref: Run, 
 
 
 def _compare_low_precision(rank: int, world: int) -> list[str]:
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     problems = []
@@ -114,7 +114,7 @@ def test_bf16_and_fp16_match_same_precision_reference_at_every_stage_on_2_and_3_
 
 
 def _compare_with_mistakes(rank: int, world: int) -> dict[str, list[str]]:
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     run, masters = _engine(rank, "fp16", 2)
@@ -154,7 +154,7 @@ def test_fp16_overflow_on_one_rank_skips_exactly_that_step_on_every_rank() -> No
 
 def _state_dicts(rank: int, world: int) -> dict[int, dict[str, tuple[str, float]]]:
     """engine.state_dict() after 2 bf16 steps at each stage: every tensor's dtype and sum."""
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
     from tests.runtime.reference import engine_run
 
     init_distributed()

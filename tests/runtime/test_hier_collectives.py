@@ -19,7 +19,7 @@ def _as_nodes(rank: int, world: int, fn, *args):
 
 
 def _collectives(rank: int, world: int) -> dict:
-    from zerorun.runtime.collectives import Collectives
+    from zerorun.runtime.comm.collectives import Collectives
     from zerorun.runtime.dist import init_distributed
 
     init_distributed()

@@ -13,7 +13,7 @@ STAGE3 = ["zero.stage=3", "train.grad_accum_steps=2"]
 
 def _runs(rank: int, world: int, hpz: int, cpu: str, extra: tuple[str, ...] = ()) -> dict:
     from tests.runtime.reference import engine_run, tied_gpt
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     base = [*STAGE3, f"zero.cpu_collectives={cpu}", *extra]

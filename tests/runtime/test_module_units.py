@@ -8,7 +8,7 @@ import torch
 
 from tests.harness import run_ranks
 from tests.runtime.reference import OPT, VOCAB, ddp_reference, engine_run, tied_gpt
-from zerorun.runtime.module_units import UnitKind, UnitState, plan_stage3
+from zerorun.runtime.stage3.module_units import UnitKind, UnitState, plan_stage3
 
 
 def _plan(threshold: int, world: int = 2):
@@ -21,7 +21,8 @@ def _plan(threshold: int, world: int = 2):
 def test_the_plan_puts_blocks_in_units_shared_weights_in_the_root_and_small_ones_in_the_persistent_set() -> None:
     model, plan = _plan(threshold=30)
     assert [mu.name for mu in plan.gathered_units()] == ["blocks.0", "blocks.1", "blocks.2"]
-    assert [mu.kind for mu in plan.module_units[-2:]] == [UnitKind.ROOT, UnitKind.PERSISTENT]
+    assert [plan.root.kind, plan.persistent.kind] == [UnitKind.ROOT, UnitKind.PERSISTENT]
+    assert plan.module_units[-2:] == [plan.root, plan.persistent]
     params_of = lambda mu: {p for k in mu.units for p in plan.units[k].params}  # noqa: E731
     assert model.tok.weight in params_of(plan.root)  # tied to the head: shared, so the root's
     assert all(p.numel() < 30 for p in params_of(plan.persistent)) and params_of(plan.persistent)
@@ -34,11 +35,11 @@ def test_the_plan_puts_blocks_in_units_shared_weights_in_the_root_and_small_ones
 
 def _transitions(rank: int, world: int) -> dict:
     from zerorun import config
-    from zerorun.runtime.collectives import Collectives
-    from zerorun.runtime.dist import init_distributed
-    from zerorun.runtime.placement import Placement
+    from zerorun.runtime.comm.collectives import Collectives
+    from zerorun.runtime.comm.dist import init_distributed
+    from zerorun.runtime.offload.placement import Placement
     from zerorun.runtime.precision import PrecisionPolicy
-    from zerorun.runtime.sharded_params import ShardedParams
+    from zerorun.runtime.stage3.sharded_params import ShardedParams
 
     info = init_distributed()
     model, plan = _plan(threshold=30, world=world)
@@ -47,7 +48,7 @@ def _transitions(rank: int, world: int) -> dict:
     recipe = config.loads("script: t.py", "t.yaml", ["zero.stage=3"])
     store = ShardedParams(model, plan, Placement.from_recipe(recipe, info.device, rank), PrecisionPolicy(), Collectives())
     from zerorun.runtime.flat_params import FlatParams
-    from zerorun.runtime.homes import Home
+    from zerorun.runtime.offload.homes import Home
     from zerorun.runtime.store import ParamStore
 
     flat = FlatParams([list(tied_gpt(1).parameters())], Placement.from_recipe(recipe, info.device, rank),
@@ -119,12 +120,12 @@ def test_automatic_units_descend_into_a_transformer_encoder_to_its_layers() -> N
     model = _encoder_model(0)
     groups = [[p for p in model.parameters() if p.requires_grad]]
     plan = plan_stage3(model, groups, [], 0, auto_numel=100, chunk_numel=10**6, world=2, dtype=torch.float32)
-    names = [mu.name for mu in plan.gathered_units() if not mu.split]
+    names = [mu.name for mu in plan.gathered_units() if mu.kind is UnitKind.WRAPPED]
     assert names == ["embed", "encoder.layers.0", "encoder.layers.1", "encoder.layers.2", "head"], names
 
 
 def _encoder_parity(rank: int, world: int) -> list[str]:
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     ref = ddp_reference(rank, 6, 2, model_fn=_encoder_model)

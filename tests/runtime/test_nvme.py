@@ -1,4 +1,4 @@
-"""zerorun.runtime.nvme: the tile store keeps data bit-exact through whole-tensor writes/reads and the
+"""zerorun.runtime.offload.nvme: the tile store keeps data bit-exact through whole-tensor writes/reads and the
 pipelined tile pass (any span alignment, tiles smaller than a block, write-back subsets), on every
 I/O backend; check_nvme_path refuses unusable directories with the key and the reason."""
 
@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from zerorun import ops
 from zerorun.errors import ZerorunError
-from zerorun.runtime import nvme
-from zerorun.runtime.aio import ALIGN, AioSettings
-from zerorun.runtime.nvme import NvmeStore, aligned_empty, check_nvme_path, plan_tiles
+from zerorun.runtime.offload import nvme
+from zerorun.runtime.offload.aio import ALIGN, AioSettings
+from zerorun.runtime.offload.nvme import NvmeFiles, aligned_empty, check_nvme_path, plan_tiles
 
 KEY = "zero.offload_optimizer.nvme_path"
 
@@ -39,8 +39,8 @@ def aio(request: pytest.FixtureRequest, aio_kernel: None) -> AioSettings:
 
 
 def _store(root: Path, aio: AioSettings, numel: int, tile_numel: int, dtype: torch.dtype = torch.float32,
-           names: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq")) -> NvmeStore:
-    store = NvmeStore(root, {name: numel for name in names}, tile_numel=tile_numel, aio=aio, dtype=dtype)
+           names: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq")) -> NvmeFiles:
+    store = NvmeFiles(root, {name: numel for name in names}, tile_numel=tile_numel, aio=aio, dtype=dtype)
     assert store.backend == aio.backend
     return store
 

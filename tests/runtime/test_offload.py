@@ -14,8 +14,8 @@ import torch
 
 from tests.harness import run_ranks
 from tests.runtime.reference import ddp_reference, engine_run
-from zerorun.runtime.homes import NvmeHome
-from zerorun.runtime.placement import Place
+from zerorun.runtime.offload.homes import NvmeHome
+from zerorun.runtime.offload.placement import Place
 
 STEPS = 12
 ACCUM = 2
@@ -26,7 +26,7 @@ PARAM_ATOL = 5e-7  # as tests/runtime/test_engine_parity.py
 def _offload_equals_in_memory(rank: int, world: int, cases: list[tuple[list[str], list[str]]]) -> list[str]:
     import torch.distributed as dist
 
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     problems = []

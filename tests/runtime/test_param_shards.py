@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from zerorun.config import AioConfig
-from zerorun.runtime.param_shards import FileShard
+from zerorun.runtime.stage3.param_shards import FileShard
 
 
 def _file(path, sizes: list[int], tile: int = 64) -> tuple[FileShard, list[SimpleNamespace]]:

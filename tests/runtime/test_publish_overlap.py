@@ -41,7 +41,7 @@ def _train(rank: int, overrides: list[str], overlap: bool, ckpt_dir: str | None 
     import zerorun
     from zerorun import config
     from tests.runtime.reference import OPT, batch, make_model, tied_gpt
-    from zerorun.runtime.module_units import UnitState
+    from zerorun.runtime.stage3.module_units import UnitState
 
     recipe = config.loads("script: t.py\n", "t.yaml", ["zero.bucket_mb=0.0005", *overrides,
                                                         f"zero.overlap_comm={str(overlap).lower()}",
@@ -80,7 +80,7 @@ def _train(rank: int, overrides: list[str], overlap: bool, ckpt_dir: str | None 
 
 
 def _both(rank: int, world: int, cases: list[list[str]]) -> list[str]:
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     problems = []
@@ -117,7 +117,7 @@ def test_overlapped_publish_is_bit_identical_and_deferred(world: int) -> None:
 
 
 def _checkpoints(rank: int, world: int, root: str) -> None:
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     for overlap in (True, False):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
-from zerorun.runtime.quantize import BLOCK, Quantized, dequantize_add, quantize
+from zerorun.runtime.comm.quantize import BLOCK, Quantized, dequantize_add, quantize
 
 
 def test_each_element_comes_back_within_half_a_step_of_its_own_blocks_scale():
@@ -30,8 +30,8 @@ def test_zeros_and_a_bf16_input_round_trip():
 
 
 def _reduce_scatter(rank: int, world: int) -> tuple[list[float], list[float], float]:
-    from zerorun.runtime.collectives import Collectives
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.collectives import Collectives
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     full = torch.randn(world * 5000, generator=torch.Generator().manual_seed(rank))
@@ -51,7 +51,7 @@ def test_a_quantized_reduce_scatter_is_within_half_a_step_per_peer_of_the_exact_
 
 def _losses(rank: int, world: int) -> tuple[list[float], list[float]]:
     from tests.runtime.reference import engine_run
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     exact, _ = engine_run(rank, 20, 2, ["zero.stage=2", "zero.cpu_collectives=gloo"], None)
@@ -67,8 +67,8 @@ def test_training_with_quantized_gradients_stays_within_two_percent_of_exact_los
 
 
 def _gather(rank: int, world: int) -> list[float]:
-    from zerorun.runtime.collectives import Collectives
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.collectives import Collectives
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     full = torch.zeros(world * 3000)
@@ -86,7 +86,7 @@ def test_a_quantized_gather_gives_every_rank_the_same_weights_close_to_each_owne
 
 def _stage3_losses(rank: int, world: int) -> tuple[list[float], list[float]]:
     from tests.runtime.reference import engine_run
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     base = ["zero.stage=3", "zero.cpu_collectives=gloo"]
@@ -104,7 +104,7 @@ def test_stage_3_with_quantized_weights_and_gradients_stays_within_two_percent_o
 
 def _stage2_run(rank: int, world: int) -> tuple[list[float], list[float], dict, dict]:
     from tests.runtime.reference import engine_run
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     base = ["zero.stage=2", "zero.cpu_collectives=gloo"]

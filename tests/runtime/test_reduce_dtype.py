@@ -46,7 +46,7 @@ def _differences(run, ref) -> tuple[float, float, float]:
 
 
 def _two_ranks_no_accumulation(rank: int, world: int) -> list[str]:
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     bf16_ref, fp32_ref = ddp_reference(rank, STEPS, 1, bf16_reduce=True), ddp_reference(rank, STEPS, 1)
@@ -70,7 +70,7 @@ def test_bf16_reduction_on_two_ranks_equals_ddp_with_a_bf16_all_reduce_and_fp32_
 
 
 def _three_ranks_accumulating(rank: int, world: int) -> list[str]:
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     ref = ddp_reference(rank, STEPS, 2, bf16_reduce=True)

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_leaves
 
 from tests.harness import run_ranks
 from zerorun.bench.gpt import GPT, GPTConfig
-from zerorun.runtime.shm_collectives import HEADER_BYTES, SEGMENT_BYTES
+from zerorun.runtime.comm.shm_collectives import HEADER_BYTES, SEGMENT_BYTES
 
 CFG = GPTConfig(layers=4, d_model=48, heads=4, vocab=500, seq_len=16)
 STAGE3 = ["zero.stage=3", "zero.wrap=[Block]", "zero.param_persistence_threshold=100"]

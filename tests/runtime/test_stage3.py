@@ -10,6 +10,7 @@ from torch import nn
 
 from tests.harness import run_ranks
 from tests.runtime.reference import ddp_reference, engine_run, tied_gpt
+from zerorun.runtime.stage3.module_units import UnitKind
 
 STEPS = 8
 LOSS_RTOL = 1e-5
@@ -33,7 +34,7 @@ BASE = ["zero.stage=3", "zero.wrap=[Block]", "zero.param_persistence_threshold=3
 
 
 def _compare(rank: int, world: int, cases: list[tuple[str, int, list[str]]]) -> list[str]:
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     problems = []
@@ -176,7 +177,7 @@ def quirky(seed: int = 0) -> nn.Module:
 
 
 def _quirky(rank: int, world: int) -> list[str]:
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     ref = ddp_reference(rank, STEPS, 2, model_fn=quirky, eval_every=3)
@@ -226,7 +227,7 @@ def _split(rank: int, world: int, indexed: bool) -> tuple[list[str], list[str], 
     import contextlib
     import io
 
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     model_fn = functools.partial(indexed_positions, indexed=indexed)
@@ -241,7 +242,7 @@ def _split(rank: int, world: int, indexed: bool) -> tuple[list[str], list[str], 
     for pname, value in ref.params.items():
         if _param_diff(pname, run.params[pname], value) > PARAM_ATOL:
             problems.append(f"rank {rank}: parameter {pname} differs")
-    split = [mu.name for mu in engine.store.module_units if mu.split]
+    split = [mu.name for mu in engine.store.module_units if mu.kind is UnitKind.SPLIT]
     return problems, split, engine.store.scheduler.kept_whole, printed.getvalue()
 
 

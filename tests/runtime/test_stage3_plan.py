@@ -15,7 +15,7 @@ from tests.harness import run_ranks
 from tests.launch.launched import REPO, LaunchedJob
 from zerorun.bench.gpt import GPT, GPTConfig
 from zerorun.errors import ZerorunError
-from zerorun.runtime.module_units import wrapped_modules
+from zerorun.runtime.stage3.module_units import wrapped_modules
 
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 

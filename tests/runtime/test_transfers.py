@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerorun.runtime.transfers import StagingRing, TransferStats
+from zerorun.runtime.offload.transfers import StagingRing, TransferStats
 
 
 @pytest.mark.parametrize("slots", [None, 2, 3])

@@ -14,6 +14,7 @@ from torch import nn
 from zerorun import config
 from zerorun.runtime import events
 from zerorun.runtime.memory import MemoryReport
+from zerorun.telemetry import probe as probe_module
 from zerorun.telemetry.collector import Collector
 from zerorun.telemetry.probe import OUTBOX, Probe, where
 
@@ -199,3 +200,40 @@ def test_once_the_script_has_ended_samples_no_longer_say_where_the_training_thre
         assert probe._sample()["where"] is None
     finally:
         collector.close()  # the probe's thread was never started
+
+
+def test_after_an_exception_samples_say_where_it_was_raised_and_whether_a_collective_raised_it(tmp_path: Path):
+    """The last periodic sample can predate the raise (a rank seen in a barrier it has since left, then
+    raising in its own code): the launcher must judge it by where it raised, or blame its peer."""
+    namespace: dict = {}
+    exec(compile("def all_reduce():\n    raise RuntimeError('peer closed')\n", "/x/torch/distributed/c10d.py", "exec"),
+         namespace)
+
+    def own_code() -> None:
+        raise ValueError("the script's own bug")
+
+    def victim() -> None:
+        namespace["all_reduce"]()
+
+    raised = {}
+    for name, fn in (("own", own_code), ("victim", victim)):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the test's exceptions
+            raised[name] = exc
+    own, in_peer_wait = probe_module.where_raised(raised["own"]), probe_module.where_raised(raised["victim"])
+    assert own is not None and own["function"] == "own_code" and not own["in_collective"]
+    assert in_peer_wait is not None and in_peer_wait["function"] == "all_reduce" and in_peer_wait["in_collective"]
+
+    collector = Collector(tmp_path / "telemetry.jsonl")
+    probe = Probe(collector.start(), FAST, rank=0, host="h")
+    saved = probe_module._probe
+    probe_module._probe = probe
+    try:
+        probe_module.script_ended(raised["own"])
+        assert probe._sample()["where"] == own and probe._sample(final=True)["where"] == own
+        probe_module.script_ended(None)
+        assert probe._sample()["where"] is None
+    finally:
+        probe_module._probe = saved
+        collector.close()

@@ -25,6 +25,7 @@ niceness is `checkpoint_async.WRITER_NICE`), to measure what the writer's priori
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -103,7 +104,7 @@ class BenchResult:
 def _set_mode(engine: Any, mode: str, default_nice: int) -> None:
     """Switch the engine's next save between synchronous and background (and the writer's niceness).
     The benchmark alone does this: the checkpointer reads `checkpoint.async_save` at each save."""
-    from zerorun.runtime import checkpoint_async
+    from zerorun.runtime.checkpoint import background as checkpoint_async
 
     engine.recipe.checkpoint.async_save = mode != "sync"
     nice = _NICE_MODE.match(mode)
@@ -113,15 +114,21 @@ def _set_mode(engine: Any, mode: str, default_nice: int) -> None:
 def _train(rank: int, world: int, cfg: CkptBenchConfig, root: str) -> dict[str, Any]:
     import zerorun
     from zerorun import config
-    from zerorun.runtime import checkpoint_async, events
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.checkpoint import background as checkpoint_async
+    from zerorun.runtime import events
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
+    from zerorun.runtime import host_allocator
+
+    host_allocator.install()  # as the worker does: zero.host_memory applies
     default_nice = checkpoint_async.WRITER_NICE
     torch.manual_seed(0)
-    model = GPT(cfg.model)
+    # stage 3 builds the way a user of a large model does: never whole on any rank
+    with zerorun.sharded_init() if cfg.stage == 3 else contextlib.nullcontext():
+        model = GPT(cfg.model)
     keys = [f"zero.stage={cfg.stage}", "optimizer.lr=1e-4", "name=bench-ckpt", "checkpoint.resume=never",
-            f"checkpoint.dir={root}", "checkpoint.every_steps=0", "checkpoint.keep_last=1"]
+            f"checkpoint.dir={root}", "checkpoint.every_steps=0", "checkpoint.keep_last=1", "zero.wrap=[Block]"]
     if cfg.nvme_path:
         keys += ["zero.offload_optimizer.device=nvme", f"zero.offload_optimizer.nvme_path={cfg.nvme_path}"]
     engine = zerorun.initialize(model, None, config.loads("script: bench", "<bench>", keys))

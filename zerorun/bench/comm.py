@@ -1,6 +1,6 @@
 """`zerorun bench comm`: the backend's own collectives against the ones zerorun uses instead.
 
-This is the measurement behind `zerorun.runtime.collectives`: on gloo a pairwise reduce-scatter and
+This is the measurement behind `zerorun.runtime.comm.collectives`: on gloo a pairwise reduce-scatter and
 an all-gather done as one broadcast per owner, against gloo's own and an all-reduce that keeps one
 piece; ranks on one host do better still through shared memory (`zero.cpu_collectives`), measured
 alongside. `--cluster 2x1 --link 1gbit` measures them across an emulated link instead of loopback.
@@ -28,8 +28,8 @@ class CommResult:
 
 
 def _measure(rank: int, world: int, sizes_mib: list[float], repeats: int) -> list[CommResult]:
-    from zerorun.runtime.collectives import Collectives
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.collectives import Collectives
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     comm = Collectives()

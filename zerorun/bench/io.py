@@ -102,7 +102,7 @@ def cases(block_sizes: list[int], queue_depths: list[int], threads: list[int], b
 def run(path: str, size: int, block_sizes: list[int], queue_depths: list[int], threads: list[int],
         backends: list[str], rounds: int = 3, progress: Callable[[str], None] = lambda line: None) -> IoBench:
     """Each case once per round, writes then reads, in a shuffled order; GB/s per round."""
-    from zerorun.runtime.nvme import aligned_empty, check_nvme_path, filesystem_type
+    from zerorun.runtime.offload.nvme import aligned_empty, check_nvme_path, filesystem_type
 
     size = -(-size // BASELINE_BLOCK) * BASELINE_BLOCK  # dd moves whole 8 MiB blocks
     if any(b % 4096 for b in block_sizes):
@@ -150,7 +150,7 @@ def _time_case(case: IoCase, op: str, target: Path, size: int, buffer) -> float:
 
 def _ours(case: IoCase, op: str, target: Path, size: int, buffer) -> float:
     """Seconds to move the file with our engine: all requests submitted at once, then waited for."""
-    from zerorun.runtime.aio import AioSettings, open_engine
+    from zerorun.runtime.offload.aio import AioSettings, open_engine
 
     engine = open_engine(AioSettings(case.block_size, case.queue_depth, case.threads, case.backend))
     fd = os.open(target, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)

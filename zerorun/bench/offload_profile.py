@@ -42,6 +42,9 @@ def main() -> None:
     recipe = config.loads("script: offload_profile.py", "<offload_profile>", [
         f"zero.stage={args.stage}", "zero.offload_optimizer=cpu", "precision.dtype=bf16", "zero.bucket_mb=200",
         "zero.allgather_bucket_mb=200", "optimizer.lr=1e-4", "telemetry.enabled=false", *args.set])
+    from zerorun.runtime import host_allocator
+
+    host_allocator.install()  # as the worker does: zero.host_memory applies
     engine = zerorun.initialize(model, None, recipe)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     phases = []

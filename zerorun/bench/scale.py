@@ -128,10 +128,13 @@ def _io_counters(engine: Any) -> dict[str, float]:
 def _train(rank: int, world: int, system: str, model_cfg: GPTConfig, cfg: ScaleConfig) -> dict[str, Any]:
     import zerorun
     from zerorun import config
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     _watch_rss(cfg.budget.ram_bytes // world)
     init_distributed()
+    from zerorun.runtime import host_allocator
+
+    host_allocator.install()  # as the worker does: zero.host_memory applies
     torch.manual_seed(0)
     with zerorun.sharded_init() if system != "ddp" else contextlib.nullcontext():
         model = GPT(model_cfg)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from zerorun import estimate as est
 from zerorun.bench.shape import BENCHMARK
+from zerorun.runtime.offload.placement import Place
 
 MIB = 2**20
 GIB = 2**30
@@ -102,11 +103,11 @@ def predict(system: str, family: Family, rung: int, budget: Budget) -> Predictio
     else:
         offload = system.removeprefix("zero3-")
         placed = est.placed_states(shape, n, 3, "fp32", offload, offload)
-        ram = (sum(placed["gpu"].values()) + sum(placed["cpu"].values()) + est.working_buffers(shape, 3, settings)
+        ram = (sum(placed[Place.DEVICE].values()) + sum(placed[Place.HOST].values()) + est.working_buffers(shape, 3, settings)
                + est.offload_buffers(settings, offload, gpu=False))
         if offload == "nvme":  # the parameter file: two bounce buffers of a unit's shard, the store's bounce
             ram += 2 * 4 * block / n + 3 * settings.offload_buffer_mb * MIB  # tile and two queued writes
-        disk = round(sum(placed["nvme"].values()) * n)
+        disk = round(sum(placed[Place.NVME].values()) * n)
     ram_per_rank = round(ram + working)
     fits = ram_per_rank * n <= budget.ram_bytes and disk <= budget.disk_bytes
     return Prediction(system, rung, layers, d_model, params, ram_per_rank, disk, fits)

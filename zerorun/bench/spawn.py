@@ -2,7 +2,7 @@
 
 Used by the benchmarks and by the multi-process tests (`tests/harness.py`): each rank is a fresh
 spawned process with torchrun's variables set and `threads` CPU threads, so
-`zerorun.runtime.dist.init_distributed` and the engine behave exactly as under `zerorun launch`.
+`zerorun.runtime.comm.dist.init_distributed` and the engine behave exactly as under `zerorun launch`.
 """
 
 from __future__ import annotations

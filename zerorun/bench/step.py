@@ -151,9 +151,12 @@ def _peer_state_mib(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float
 def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
     import zerorun
     from zerorun import config
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
+    from zerorun.runtime import host_allocator
+
+    host_allocator.install()  # as the worker does: zero.host_memory applies
     torch.manual_seed(0)
     # stage 3 builds the way a user of a large model does: never whole on any rank (same values)
     with zerorun.sharded_init() if system.startswith("zero3") else contextlib.nullcontext():

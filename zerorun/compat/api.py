@@ -22,12 +22,12 @@ import torch
 import zerorun
 from zerorun import config as recipes
 from zerorun.config import ds_config
-from zerorun.runtime import schedules
+from zerorun.runtime.optim import schedules
 from zerorun.compat.engine import DeepSpeedEngine
 from zerorun.config import Recipe
 from zerorun.errors import ConfigError, ZerorunError
-from zerorun.runtime.dist import DistInfo
-from zerorun.runtime.dist import init_distributed as _init_distributed
+from zerorun.runtime.comm.dist import DistInfo
+from zerorun.runtime.comm.dist import init_distributed as _init_distributed
 from zerorun.runtime.engine import Engine
 
 
@@ -75,7 +75,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         print("zerorun: warning: initialize(optimizer=...) is used and the DeepSpeed config's `optimizer` section "
               "is not (as in DeepSpeed).", file=sys.stderr)
     # the engine steps the schedule after every applied update (DeepSpeed's contract), and so saves it in
-    # every checkpoint and restores it on resume as its own (runtime/lr_schedules.py)
+    # every checkpoint and restores it on resume as its own (runtime/optim/lr_schedules.py)
     engine = zerorun.start(Engine(model, user_optimizer, recipe, lambda opt: _lr_scheduler(lr_scheduler, opt,
                                                                                            recipe)))
     schedule = engine.lr_schedules.owned

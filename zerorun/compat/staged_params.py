@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
-from zerorun.runtime import sharded_init
+from zerorun.runtime.stage3 import sharded_init
 
 
 @dataclass

@@ -153,7 +153,7 @@ RULES: dict[str, Rule] = {
     "optimizer.params.amsgrad": Rule("zerorun's Adam has no AMSGrad", harmless=(False,), level=Level.ERROR),
     "optimizer.params.fused": Rule("zerorun picks its fused kernel itself"),
     "optimizer.params.foreach": Rule("zerorun picks its fused kernel itself"),
-    # --- scheduler: DeepSpeed's formulas in zerorun.runtime.schedules
+    # --- scheduler: DeepSpeed's formulas in zerorun.runtime.optim.schedules
     "scheduler.type": Rule("scheduler.type (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)",
                            handled=True),
     **{f"scheduler.params.{name}": Rule(f"scheduler.{name}", target=f"scheduler.{name}") for name in (

@@ -11,7 +11,7 @@
 4. Run the user's script as `__main__` with `runpy`, with `sys.argv` and `sys.path[0]` as
    `python script.py args` would set them. Nothing is seeded: that is the script's (or the
    engine's) business.
-5. Wait for a checkpoint still being written in the background (`checkpoint_async.wait_all`):
+5. Wait for a checkpoint still being written in the background (`checkpoint.background.wait_all`):
    the job ends once it is committed, or with its error.
 6. Stop the probe (a last sample and what is still queued, for at most 2 s). Destroy the process
    group on a clean exit. After a failure it is left alone: tearing down a communicator whose
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
 def run_script(script: str, args: list[str]) -> int:
     """Join the process group, run `script` as `__main__`, and return the process exit code."""
     from zerorun import config
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     recipe = config.from_env()
     info = init_distributed(recipe.launch.timeout_s if recipe else 300.0)
@@ -72,8 +72,10 @@ def run_script(script: str, args: list[str]) -> int:
         from zerorun.compat import shim
 
         args = shim.install(recipe, args)
-    from zerorun.runtime import clip
+    from zerorun.runtime import host_allocator
+    from zerorun.runtime.optim import clip
 
+    host_allocator.install()  # zero.host_memory: this process's allocator follows each engine's setup
     clip.install()  # before the script imports clip_grad_norm_: its calls on the engine's parameters reach the engine
     script = os.path.abspath(script)
     sys.argv = [script, *args]
@@ -106,14 +108,18 @@ def _run_path(script: str) -> dict[str, Any]:
     """Run the script as `__main__`; the moment it returns or raises, the probe (if any) stops reporting where it is."""
     from zerorun.telemetry import probe
 
-    from zerorun.runtime import checkpoint_async
+    from zerorun.runtime.checkpoint import background as checkpoint_async
 
+    raised: BaseException | None = None
     try:
         namespace = runpy.run_path(script, run_name="__main__")
         checkpoint_async.wait_all()  # a background save commits before the job ends, or its error ends it
         return namespace
+    except BaseException as exc:
+        raised = exc
+        raise
     finally:
-        probe.script_ended()
+        probe.script_ended(raised)
 
 
 def _start_probe(recipe: Any, info: Any) -> Callable[[], None] | None:

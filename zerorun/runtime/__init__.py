@@ -1,1 +1,9 @@
-"""runtime"""
+"""The ZeRO runtime injected into the user's script: the Engine and what it drives.
+
+Top level, the step's core: engine (the public Engine), store (the ParamStore protocol the engine
+calls), flat_params and deferred_publish (stages 0-2), grad_reducer (every stage's gradient
+buckets), accumulation, phase, precision, memory, events, units and partition. Subpackages, each
+owning one concern: comm (collectives), offload (where state lives), optim (the update), stage3
+(sharded parameters) and checkpoint. Dependencies point from the engine down to comm; no
+subpackage imports another in a circle (tests/test_imports.py).
+"""

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Literal
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zerorun.runtime.collectives import Pending
+from zerorun.runtime.comm.collectives import Pending
 from zerorun.runtime.units import Unit
 
 

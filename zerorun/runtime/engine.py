@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from functools import partial
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
@@ -33,28 +34,31 @@ from torch import nn
 
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
-from zerorun.runtime import checkpoint_async, clip, events, sharded_init
+from zerorun.runtime.checkpoint import background as checkpoint_async
+from zerorun.runtime.optim import clip
+from zerorun.runtime import events
+from zerorun.runtime.stage3 import sharded_init
 from zerorun.runtime.accumulation import AccumulationWindow
-from zerorun.runtime.clip import ClipCall
-from zerorun.runtime.lr_schedules import LrSchedules
+from zerorun.runtime.optim.clip import ClipCall
+from zerorun.runtime.optim.lr_schedules import LrSchedules
 from zerorun.runtime.events import StepWindow
-from zerorun.runtime.adam_step import AdamStep, Piece
-from zerorun.runtime.checkpoint_async import Checkpointer
-from zerorun.runtime.collectives import Collectives
+from zerorun.runtime.optim.adam_step import AdamStep, Piece
+from zerorun.runtime.checkpoint.background import Checkpointer
+from zerorun.runtime.comm.collectives import Collectives
 from zerorun.runtime.deferred_publish import publish_overlaps
-from zerorun.runtime.dist import init_distributed
+from zerorun.runtime.devices import place_inputs, to_device
+from zerorun.runtime.comm.dist import init_distributed
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
-from zerorun.runtime.host_allocator import set_host_allocator
-from zerorun.runtime.hpz import SecondaryPartition
+from zerorun.runtime.stage3.hpz import SecondaryPartition
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
-from zerorun.runtime.module_units import describe as describe_plan
-from zerorun.runtime.module_units import plan_stage3, warn_if_nothing_sharded
-from zerorun.runtime.optimizer import ShardedAdamW, param_groups_from
+from zerorun.runtime.stage3.module_units import describe as describe_plan
+from zerorun.runtime.stage3.module_units import plan_stage3, warn_if_nothing_sharded
+from zerorun.runtime.optim.optimizer import ShardedAdamW, param_groups_from
 from zerorun.runtime.phase import Phase, TrainingPhase
-from zerorun.runtime.placement import Placement
+from zerorun.runtime.offload.placement import Placement
 from zerorun.runtime.precision import LossScaler, PrecisionPolicy
-from zerorun.runtime.scheduled_params import ScheduledParams
+from zerorun.runtime.stage3.scheduled_params import ScheduledParams
 from zerorun.runtime.store import ParamStore, units_of
 
 log = logging.getLogger("zerorun")
@@ -78,15 +82,14 @@ class Engine:
                                 quantized_weights=recipe.zero.quantized_weights)
         self.phase = TrainingPhase()
         self.placement = Placement.from_recipe(recipe, self.device, self.info.rank)
-        host_memory = recipe.zero.host_memory
-        tune_host = host_memory == "lean" or (self.stage == 3 and self.device.type == "cpu")
-        if tune_host:  # setup's one-off buffers (the whole model, sharded away) get mappings of their own, so
-            set_host_allocator("lean")  # they leave no holes in the heap that training would fault in again
+        setup = partial(events.EngineSetup, host_memory=recipe.zero.host_memory, stage=self.stage,
+                        device_type=self.device.type)
+        events.emit_setup(setup(done=False))  # process-wide tuning (the worker's host_allocator) follows
         init_log = sharded_init.log_for(model)
         if init_log is not None and self.stage < 3:  # stages 0-2 hold whole parameters anyway
             init_log.replay(sharded_init.materialize, self.device)
             init_log = None
-        self.module = _to_device(model, self.device)
+        self.module = to_device(model, self.device)
         groups, decoupled = param_groups_from(optimizer, model, recipe.optimizer)
         self._sync_buffers()
         self.store: ParamStore
@@ -118,8 +121,7 @@ class Engine:
         clip.route_to(self)
         self.checkpoints = Checkpointer(self)  # saves: in the background, at most one in flight
         self.checkpoints.clean_start()
-        if tune_host:
-            set_host_allocator(host_memory)  # for training (fast: a step's activations reuse the last one's pages)
+        events.emit_setup(setup(done=True))
 
     # -- setup helpers ----------------------------------------------------------------------
     def _build_stage(self, model: nn.Module, groups: list[list[nn.Parameter]],
@@ -172,7 +174,7 @@ class Engine:
         """Run the module; tensor inputs move to the engine's device (as FSDP's root does), and
         floating-point ones are cast to the compute dtype."""
         self.lr_schedules.engine_entered()
-        args, kwargs = _place_inputs((args, kwargs), self.device, self.policy.param_dtype)
+        args, kwargs = place_inputs((args, kwargs), self.device, self.policy.param_dtype)
         self._window.count_inputs(args, kwargs, self.tokens_per_sample)
         with self.phase.running(Phase.FORWARD), self.store.forward_context():
             out = self.module(*args, **kwargs)
@@ -367,7 +369,7 @@ class Engine:
             self.checkpoints.before_update()
         return self.store.gathered(params, modify, src)
 
-    # -- checkpoints (runtime/checkpoint.py) -------------------------------------------------
+    # -- checkpoints (runtime/checkpoint/sharded.py) -------------------------------------------------
     resumed_from: str | None = None  # the tag `resume()` or `load_checkpoint()` restored
 
     @property
@@ -398,7 +400,7 @@ class Engine:
 
     def load_checkpoint(self, dir: str | None = None, tag: str | None = None) -> dict | None:
         """Restore from `tag` (default: the latest); returns its client_state, or None when there is no checkpoint."""
-        from zerorun.runtime import checkpoint
+        from zerorun.runtime.checkpoint import sharded as checkpoint
 
         self.wait_published()  # loading writes the pieces an unfinished publish may still be sending
         checkpoint_async.wait_all()  # and the state a save in flight reads; `latest` is final once it commits
@@ -426,34 +428,3 @@ class Engine:
 def _numel(mib: float) -> int:
     """fp32 elements in `mib` MiB (at least one)."""
     return max(1, int(mib * 2**20 // 4))
-
-
-def _to_device(model: nn.Module, device: torch.device) -> nn.Module:
-    """Move parameters and buffers to `device`, leaving `sharded_init`'s meta parameters to the store."""
-    for module in model.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None:
-                module._buffers[name] = buffer.to(device)
-        for param in module._parameters.values():
-            if param is not None and not param.is_meta and param.device != device:
-                param.data = param.data.to(device)
-    return model
-
-
-def _place_inputs(obj: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """Tensors in (nested lists, tuples, dicts of) `obj` on `device`; floating ones in `dtype` unless it is fp32.
-
-    A batch built on the CPU (a data loader without `.to(device)`) would otherwise stop the first
-    forward on a GPU with torch's "Expected all tensors to be on the same device"."""
-    if isinstance(obj, torch.Tensor):
-        cast = dtype if dtype != torch.float32 and obj.is_floating_point() else None
-        if obj.device == device and cast in (None, obj.dtype):
-            return obj
-        return obj.to(device=device, dtype=cast, non_blocking=obj.device.type == "cpu" and obj.is_pinned())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_place_inputs(o, device, dtype) for o in obj)
-    if isinstance(obj, tuple):  # a namedtuple
-        return type(obj)(*(_place_inputs(o, device, dtype) for o in obj))
-    if isinstance(obj, dict):
-        return {k: _place_inputs(v, device, dtype) for k, v in obj.items()}
-    return obj

@@ -51,8 +51,19 @@ class CheckpointStats:
     snapshot_bytes: int  # host memory the snapshot holds (kept between saves)
 
 
+@dataclass
+class EngineSetup:
+    """An engine's setup starting (`done` False) or finished (`done` True): what process-wide tuning follows."""
+
+    done: bool
+    host_memory: str  # zero.host_memory: "fast" or "lean"
+    stage: int
+    device_type: str  # "cpu", "cuda"
+
+
 _listeners: list[Callable[[StepStats], None]] = []
 _checkpoint_listeners: list[Callable[[CheckpointStats], None]] = []
+_setup_listeners: list[Callable[[EngineSetup], None]] = []
 
 
 def subscribe(listener: Callable[[StepStats], None]) -> Callable[[], None]:
@@ -63,6 +74,15 @@ def subscribe(listener: Callable[[StepStats], None]) -> Callable[[], None]:
 def subscribe_checkpoints(listener: Callable[[CheckpointStats], None]) -> Callable[[], None]:
     """Call `listener` once per checkpoint save, when it is committed (on the training thread)."""
     return _add(_checkpoint_listeners, listener)
+
+
+def subscribe_setup(listener: Callable[[EngineSetup], None]) -> Callable[[], None]:
+    """Call `listener` when an engine starts and finishes building (the worker's host-memory tuning)."""
+    return _add(_setup_listeners, listener)
+
+
+def emit_setup(setup: EngineSetup) -> None:
+    _notify(_setup_listeners, setup)
 
 
 def emit(stats: StepStats) -> None:

@@ -35,10 +35,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from zerorun.runtime.collectives import Collectives, Pending
+from zerorun.runtime.comm.collectives import Collectives, Pending
 from zerorun.runtime.deferred_publish import DeferredPublish
 from zerorun.runtime.memory import MemoryReport
-from zerorun.runtime.placement import Place, Placement
+from zerorun.runtime.offload.placement import Place, Placement
 from zerorun.runtime.precision import PrecisionPolicy
 from zerorun.runtime.store import InMaster, ParamIO, ParamTensor, UpdateTarget, master_state_dict, units_of
 from zerorun.runtime.units import Unit, cut_units, group_numels

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from zerorun.errors import ZerorunError
-from zerorun.runtime.collectives import Collectives, Handle
+from zerorun.runtime.comm.collectives import Collectives, Handle
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.phase import Phase, TrainingPhase
 from zerorun.runtime.store import ParamStore, units_of

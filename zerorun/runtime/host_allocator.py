@@ -1,8 +1,9 @@
 """How glibc treats the host memory freed during training (`zero.host_memory`: fast or lean).
 
-Not memory accounting (`memory`) but a process-wide setting of the C library's allocator: the
-engine applies it around its setup. It belongs in the worker, so that building an engine does not tune
-the whole process.
+Not memory accounting (`memory`) but a process-wide setting of the C library's allocator, so the
+process that owns it decides: the worker calls `install()`, which follows the engine's setup through
+`events.EngineSetup` (lean while the engine shards the model away, the recipe's mode after). An
+engine built outside `zerorun launch` (a test, a notebook) tunes nothing unless its process installs it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from typing import Callable
+
+from zerorun.runtime import events
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 
@@ -28,8 +32,8 @@ def set_host_allocator(mode: str) -> bool:
     (`BlockCache`). `zerorun bench step --systems zero3,zero3-lean --steps 40` measures the trade:
     lean is slower by its page faults, fast's RSS creeps up by fragmentation over the first steps.
 
-    Both modes hand the free memory the heap holds now back to the OS: the engine sets `lean` for
-    its own setup (the model it shards away, one-off buffers) and the training mode after it.
+    Both modes hand the free memory the heap holds now back to the OS: `install` sets `lean` while
+    an engine sets up (the model it shards away, one-off buffers) and the training mode after it.
     """
     if not sys.platform.startswith("linux"):
         return False
@@ -45,3 +49,15 @@ def set_host_allocator(mode: str) -> bool:
         done = bool(mallopt(M_MMAP_THRESHOLD, 128 * 2**10)) and bool(mallopt(M_TRIM_THRESHOLD, 128 * 2**10))
     malloc_trim(0)  # the free memory the heap kept from before (building the model, say) goes back now
     return done
+
+
+def install() -> Callable[[], None]:
+    """Tune this process's allocator around every engine it builds (the worker's call); returns the undo."""
+    return events.subscribe_setup(follow_engine_setup)
+
+
+def follow_engine_setup(setup: events.EngineSetup) -> None:
+    """Lean while an engine sets up, then the recipe's mode: only where the recipe asks (lean) or stage 3
+    trains on the CPU (its gathered units come and go every step), else the C library's defaults stay."""
+    if setup.host_memory == "lean" or (setup.stage == 3 and setup.device_type == "cpu"):
+        set_host_allocator(setup.host_memory if setup.done else "lean")

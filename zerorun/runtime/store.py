@@ -23,10 +23,10 @@ from typing import Callable, Iterable, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from zerorun.runtime.collectives import Collectives, Pending
-from zerorun.runtime.homes import Home
+from zerorun.runtime.comm.collectives import Collectives, Pending
+from zerorun.runtime.offload.homes import Home
 from zerorun.runtime.memory import MemoryReport
-from zerorun.runtime.transfers import Transfers
+from zerorun.runtime.offload.transfers import Transfers
 from zerorun.runtime.units import Unit
 
 

@@ -66,7 +66,7 @@ MAX_BACKOFF_S = 5.0
 _BATCH_BYTES = 256 * 1024
 # A training thread whose stack passes through these is waiting for other ranks.
 _COLLECTIVE_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep,
-                     os.path.join("zerorun", "runtime", "collectives.py"))
+                     os.path.join("zerorun", "runtime", "comm", "collectives.py"))
 
 _probe: Probe | None = None
 _flops_override: dict[str, float | None] = {}
@@ -93,14 +93,19 @@ def stop(timeout: float = 2.0) -> None:
         _probe = None
 
 
-def script_ended() -> None:
+def script_ended(raised: BaseException | None = None) -> None:
     """The script has returned or raised: samples stop saying where the training thread is.
 
     From here on its frames are the worker's exit (printing a traceback, shutting down), which
     would read as "not in a collective" and overwrite what the launcher last saw: a rank that
     failed waiting for a hung peer then looked like a culprit itself, and the report could not
-    name the peer (seen in CI with shared-memory collectives)."""
+    name the peer (seen in CI with shared-memory collectives).
+
+    When it raised, later samples say where the exception came from instead (`where_raised`): the
+    last periodic sample may be older than the raise (it can find the rank in a barrier it has
+    since left), and a rank that raised in its own code must not pass for a victim of its peers."""
     if _probe is not None:
+        _probe.raised_at = where_raised(raised) if raised is not None else None
         _probe.script_running = False
 
 
@@ -137,6 +142,7 @@ class Probe:
         self._process = psutil.Process()
         self._main_thread = threading.main_thread().ident
         self.script_running = True  # False once the script has ended (`script_ended`): `where` is then None
+        self.raised_at: dict[str, Any] | None = None  # or where the script's exception was raised
         self._steps: deque[tuple[Any, Any, float | None]] = deque(maxlen=STEP_QUEUE)
         self._outbox: deque[bytes] = deque(maxlen=OUTBOX)
         self._dropped = 0
@@ -295,7 +301,7 @@ class Probe:
             record["io"] = _io_bytes(self._process)
         record["cuda"] = _cuda_memory(self.device)
         record["memory"] = _engine_memory(self.engine())
-        record["where"] = where(self._main_thread) if self.script_running and not final else None
+        record["where"] = where(self._main_thread) if self.script_running and not final else self.raised_at
         record["dropped"] = self._dropped
         return record
 
@@ -385,9 +391,27 @@ def where(thread_id: int | None) -> dict[str, Any] | None:
     spot = {"file": frame.f_code.co_filename, "line": frame.f_lineno, "function": frame.f_code.co_name}
     in_collective = False
     while frame is not None and not in_collective:
-        in_collective = any(part in frame.f_code.co_filename for part in _COLLECTIVE_FILES)
+        in_collective = _in_collective_file(frame.f_code.co_filename)
         frame = frame.f_back
     return dict(spot, in_collective=in_collective)
+
+
+def where_raised(exc: BaseException) -> dict[str, Any] | None:
+    """Where `exc` was raised (its traceback's innermost frame), and whether it came out of a collective."""
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    in_collective = False
+    while tb.tb_next is not None:
+        in_collective = in_collective or _in_collective_file(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return {"file": code.co_filename, "line": tb.tb_lineno, "function": code.co_name,
+            "in_collective": in_collective or _in_collective_file(code.co_filename)}
+
+
+def _in_collective_file(filename: str) -> bool:
+    return any(part in filename for part in _COLLECTIVE_FILES)
 
 
 def _engine_memory(engine: Any) -> dict[str, dict[str, int]] | None:

@@ -10,12 +10,15 @@ it loads the latest one and continues from the step its client_state names.
 
 import argparse
 import json
+import os
+import sys
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
-from ds_model import batch, make_model
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the checkout
+from tests.runtime.reference import batch, make_model  # noqa: E402 - the tests' one tiny model (plain=True here)
 
 
 def parse_args():
@@ -34,7 +37,7 @@ def parse_args():
 def main():
     args = parse_args()
     deepspeed.init_distributed()
-    model = make_model(args.seed)
+    model = make_model(args.seed, plain=True)
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(args=args, model=model,
                                                               model_parameters=model.parameters())
     rank = dist.get_rank()

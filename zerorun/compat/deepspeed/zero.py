@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from zerorun.compat import staged_params
-from zerorun.runtime import sharded_init
+from zerorun.runtime.stage3 import sharded_init
 
 
 def Init(module: Any = None, data_parallel_group: Any = None, mem_efficient_linear: bool = True,  # noqa: N802

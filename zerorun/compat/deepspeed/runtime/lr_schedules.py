@@ -1,4 +1,4 @@
-"""`deepspeed.runtime.lr_schedules`: DeepSpeed's schedules with its formulas (zerorun.runtime.schedules).
+"""`deepspeed.runtime.lr_schedules`: DeepSpeed's schedules with its formulas (zerorun.runtime.optim.schedules).
 
 accelerate reads `VALID_LR_SCHEDULES` to tell a DeepSpeed schedule (handed to `deepspeed.initialize`)
 from a torch one (stepped by accelerate itself).
@@ -6,7 +6,7 @@ from a torch one (stepped by accelerate itself).
 
 from __future__ import annotations
 
-from zerorun.runtime.schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zerorun.runtime.optim.schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zerorun.config.ds_config import SCHEDULERS
 
 LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR = (

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from zerorun.runtime.collectives import Collectives
+    from zerorun.runtime.comm.collectives import Collectives
 
 
 def local_world_for(world_size: int, backend: str) -> int | None:

@@ -13,7 +13,7 @@ the fallback when the kernel cannot be built: a Python thread pool of `os.preadv
 Both cut a request into `block_size` chunks and keep at most `queue_depth` of them in flight (the
 thread pools: at most `threads`). On an O_DIRECT fd, buffers, lengths and offsets must be 4096-byte
 aligned: a request that is not fails with EINVAL at once, even where the file system would quietly
-fall back to buffered I/O (ext4 on recent kernels does). `zerorun.runtime.nvme` aligns everything.
+fall back to buffered I/O (ext4 on recent kernels does). `zerorun.runtime.offload.nvme` aligns everything.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@
 
 Tensors are safetensors: a plain header plus raw bytes, sliced lazily, never unpickled. The manifest
 lists every file with its size and CRC32, and carries a checksum of itself; `Checkpoint.open`
-refuses a manifest whose checksum or structure is wrong (`checkpoint_manifest.py`), and a file
+refuses a manifest whose checksum or structure is wrong (`manifest.py`), and a file
 whose size, CRC32 or tensor names, dtypes and shapes are not what the manifest says is an error
 that names it. `latest` must hold one plain tag. Nothing here needs a process group:
-`zerorun checkpoint info|consolidate|upgrade` use it as is, and `runtime/checkpoint.py` (the
+`zerorun checkpoint info|consolidate|upgrade` use it as is, and `runtime/checkpoint/sharded.py` (the
 engine's save and load) builds on it.
 """
 
@@ -26,7 +26,6 @@ import errno
 import json
 import os
 import shutil
-import zlib
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,11 +34,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from zerorun.errors import ZerorunError
-from zerorun.runtime import safetensors_writer
-from zerorun.runtime.checkpoint_manifest import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, STATE_KINDS,
+from zerorun.runtime.checkpoint import safetensors_writer
+from zerorun.runtime.checkpoint.manifest import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, STATE_KINDS,
                                                  UNSEALED_VERSION, VERSION, check_integrity, sealed, shard_file,
                                                  validate)
-from zerorun.runtime.safetensors_writer import Source
+from zerorun.runtime.checkpoint.safetensors_writer import Source, file_crc32
 
 # safetensors' names of the dtypes a checkpoint holds (others are not compared)
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
@@ -107,7 +106,7 @@ class Checkpoint:
             return MISSING
         if file.stat().st_size != entry["bytes"]:
             return WRONG_SIZE
-        if crc and _crc32(file) != entry["crc32"]:
+        if crc and file_crc32(file) != entry["crc32"]:
             return WRONG_CRC
         return WRONG_TENSORS if (crc if tensors is None else tensors) and self._tensor_problem(name) else 0
 
@@ -177,7 +176,8 @@ class Checkpoint:
             return self.manifest.get("client_state")
         file = self.path / self.manifest["client_state_file"]
         try:
-            return torch.load(file, weights_only=True)
+            loaded: dict | None = torch.load(file, weights_only=True)
+            return loaded
         except Exception as exc:  # noqa: BLE001 - unpickling errors have many types
             raise ZerorunError(f"{file}: unreadable ({type(exc).__name__}: {exc}).") from None
 
@@ -364,7 +364,7 @@ def disk_full(path: Path, exc: BaseException | None = None) -> str:
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    """The manifest with its checksum (`checkpoint_manifest.sealed`), written atomically."""
+    """The manifest with its checksum (`manifest.sealed`), written atomically."""
     write_atomic(path, json.dumps(sealed(manifest), indent=1).encode())
 
 
@@ -372,15 +372,7 @@ def seal(path: Path) -> tuple[int, int]:
     """fsync `path`; its size and CRC32 (read back from the page cache)."""
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
-    return path.stat().st_size, _crc32(path)
-
-
-def _crc32(path: Path) -> int:
-    crc, chunk = 0, bytearray(1 << 24)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(chunk):
-            crc = zlib.crc32(memoryview(chunk)[:n], crc)
-    return crc
+    return path.stat().st_size, file_crc32(path)
 
 
 def as_entry(sealed: tuple[int, int]) -> dict[str, int]:

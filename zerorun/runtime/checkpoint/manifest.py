@@ -249,7 +249,7 @@ def _number(file: Path, key: str, value: Any, lo: float, hi: float = math.inf, l
 def _choice(file: Path, key: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         _fail(file, key, value, " or ".join(choices))
-    return value
+    return str(value)
 
 
 def _list(file: Path, key: str, value: Any, length: int | None = None) -> list:

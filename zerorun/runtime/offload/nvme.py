@@ -1,7 +1,7 @@
 """NVMe tile store: one rank's offloaded state in O_DIRECT files, streamed through a ring of aligned buffers.
 
     check_nvme_path(path, "zero.offload_optimizer.nvme_path", need_bytes)    # before training starts
-    store = NvmeStore(root, {"master": n, "exp_avg": n, "exp_avg_sq": n}, tile_numel=t, aio=recipe.zero.aio)
+    store = NvmeFiles(root, {"master": n, "exp_avg": n, "exp_avg_sq": n}, tile_numel=t, aio=recipe.zero.aio)
     store.write("master", master)                                          # place whole tensors
     store.for_each_tile(names, spans, update, write_back=names)            # the optimizer's pass
 
@@ -41,7 +41,7 @@ import torch
 from zerorun.errors import ZerorunError
 from zerorun.offload_files import MEMORY_FILESYSTEMS, check_nvme_path, filesystem_type  # noqa: F401 - re-exported
 from zerorun.offload_files import size_text
-from zerorun.runtime.aio import ALIGN, AioEngine, AioError, open_engine
+from zerorun.runtime.offload.aio import ALIGN, AioEngine, AioError, open_engine
 
 RING_SLOTS = 3  # tiles in flight per tensor: read of tile k+1, update of tile k, write of tile k-1
 
@@ -113,13 +113,13 @@ class IoStats:
 Batch = list[tuple[object, int]]  # requests submitted together: (handle, bytes)
 
 
-class NvmeStore:
+class NvmeFiles:
     """Named flat tensors of one dtype in O_DIRECT files under `root`; see the module docstring."""
 
     def __init__(self, root: str | Path, tensors: dict[str, int], *, tile_numel: int, aio: Any, pin: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
         if tile_numel < 1:
-            raise ValueError(f"NvmeStore: tile_numel must be positive, got {tile_numel}")
+            raise ValueError(f"NvmeFiles: tile_numel must be positive, got {tile_numel}")
         self.root = Path(root)
         self.dtype = dtype
         self.itemsize = torch.empty((), dtype=dtype).element_size()
@@ -149,7 +149,7 @@ class NvmeStore:
 
     def _create(self, name: str, numel: int) -> int:
         if not name or "/" in name or name.startswith("."):
-            raise ValueError(f"NvmeStore: {name!r} cannot be a file name")
+            raise ValueError(f"NvmeFiles: {name!r} cannot be a file name")
         path = self.root / f"{name}.bin"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
@@ -222,11 +222,11 @@ class NvmeStore:
 
     def _checked(self, name: str, tensor: torch.Tensor, start: int) -> torch.Tensor:
         if name not in self.numels:
-            raise KeyError(f"NvmeStore: no file {name!r}; it holds {sorted(self.numels)}")
+            raise KeyError(f"NvmeFiles: no file {name!r}; it holds {sorted(self.numels)}")
         if tensor.dtype != self.dtype:
-            raise ValueError(f"NvmeStore: {name} holds {self.dtype}, got a {tensor.dtype} tensor")
+            raise ValueError(f"NvmeFiles: {name} holds {self.dtype}, got a {tensor.dtype} tensor")
         if start < 0 or start + tensor.numel() > self.numels[name]:
-            raise IndexError(f"NvmeStore: elements [{start}, {start + tensor.numel()}) are outside {name} "
+            raise IndexError(f"NvmeFiles: elements [{start}, {start + tensor.numel()}) are outside {name} "
                              f"({self.numels[name]} elements)")
         return tensor
 
@@ -261,12 +261,12 @@ class NvmeStore:
         raises, the tiles before are on disk and the rest untouched."""
         unknown = [n for n in [*names, *write_back] if n not in self.numels]
         if unknown or not set(write_back) <= set(names):
-            raise KeyError(f"NvmeStore.for_each_tile: names {names} and write_back {write_back} must be files of "
+            raise KeyError(f"NvmeFiles.for_each_tile: names {names} and write_back {write_back} must be files of "
                            f"this store ({sorted(self.numels)}), write_back a subset of names")
         tiles = plan_tiles(spans, self.tile_numel, self.itemsize)
         for name in names:
             if tiles and tiles[-1].end > self.numels[name]:
-                raise IndexError(f"NvmeStore.for_each_tile: span end {tiles[-1].end} is past the end of {name} "
+                raise IndexError(f"NvmeFiles.for_each_tile: span end {tiles[-1].end} is past the end of {name} "
                                  f"({self.numels[name]} elements)")
         ring = {name: self._slots(name) for name in names}
         reads: dict[int, Batch] = {}

@@ -127,10 +127,10 @@ class NvmeHome:
     """Master and moments in files, streamed through the NVMe store's ring of aligned buffers."""
 
     def __init__(self, root: Path, group_numels: Sequence[int], tile_numel: int, aio: Any, pin: bool) -> None:
-        from zerorun.runtime.nvme import NvmeStore  # the aio kernel builds on first use only
+        from zerorun.runtime.offload.nvme import NvmeFiles  # the aio kernel builds on first use only
 
         self.group_numels = list(group_numels)
-        self.stores = [NvmeStore(root / f"group-{g}", {name: n for name in KINDS}, tile_numel=tile_numel,
+        self.stores = [NvmeFiles(root / f"group-{g}", {name: n for name in KINDS}, tile_numel=tile_numel,
                                  aio=aio, pin=pin) for g, n in enumerate(self.group_numels)]
         zeros = torch.zeros(min(max(self.group_numels, default=0), 2**22), dtype=torch.float32)
         for g, numel in enumerate(self.group_numels):  # moments start at zero; the store writes the master

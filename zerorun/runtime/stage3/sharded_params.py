@@ -19,14 +19,14 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from zerorun.runtime.collectives import Collectives, Pending
-from zerorun.runtime.hpz import SecondaryPartition
+from zerorun.runtime.comm.collectives import Collectives, Pending
+from zerorun.runtime.stage3.hpz import SecondaryPartition
 from zerorun.runtime.memory import MemoryReport, gather_blocks
-from zerorun.runtime.module_units import ModuleUnit, Stage3Plan, UnitKind, UnitState
-from zerorun.runtime.param_shards import build_param_shard
-from zerorun.runtime.placement import Placement
+from zerorun.runtime.stage3.module_units import AROUND_USE, ModuleUnit, Stage3Plan, UnitState
+from zerorun.runtime.stage3.param_shards import build_param_shard
+from zerorun.runtime.offload.placement import Placement
 from zerorun.runtime.precision import PrecisionPolicy
-from zerorun.runtime.sharded_init import InitLog, materialize
+from zerorun.runtime.stage3.sharded_init import InitLog, materialize
 from zerorun.runtime.store import ParamIO, UpdateTarget, master_state_dict, units_of
 from zerorun.runtime.units import Unit
 
@@ -234,7 +234,7 @@ class ShardedParams:
         return self.shard.io()
 
     def account(self, report: MemoryReport) -> None:
-        window = {k for mu in self.module_units if mu.kind is UnitKind.WRAPPED for k in mu.units}
+        window = {k for mu in self.module_units if mu.kind in AROUND_USE for k in mu.units}
         held = [(k in window, t.untyped_storage().nbytes()) for k, t in enumerate(self.full)]
         secondary = self.hpz.nbytes() if self.hpz is not None else 0
         report.add("params", self.device.type, sum(n for in_window, n in held if not in_window) + secondary)

@@ -1,13 +1,15 @@
 """What a background checkpoint writes for this rank: its flat state, captured off the training path.
 
-Two ways to capture, chosen by where the state lives (`checkpoint_async.py` picks):
+Two ways to capture, chosen by where the state lives (`background.py` picks):
 
 | class           | home            | capture                                          | host memory           |
 |-----------------|-----------------|--------------------------------------------------|-----------------------|
 | `HostSnapshot`  | device or host  | copy every `<kind>.<group>` into host buffers    | the whole state, kept |
 | `StreamedState` | NVMe            | the writer reads the files chunk by chunk         | one chunk             |
 
-`HostSnapshot` copies on a side stream into pinned buffers on CUDA, after an event the training
+`HostSnapshot` holds the tensors back to back in one buffer starting on a 4096-byte boundary, as
+the rank file holds them, so the writer sends them to the disk with O_DIRECT from where they are
+(`safetensors_writer`). It copies on a side stream into pinned buffers on CUDA, after an event the training
 thread recorded at the save (so the copy sees the finished step and the compute stream never
 waits for it); on the CPU the same code copies with memcpy. The buffers are allocated once and
 reused by every save: at most one save is in flight, so one snapshot is enough.
@@ -24,9 +26,9 @@ from typing import Any, Iterator
 
 import torch
 
-from zerorun.runtime.homes import KINDS, Home
-from zerorun.runtime.nvme import aligned_empty
-from zerorun.runtime.safetensors_writer import Source
+from zerorun.runtime.offload.homes import KINDS, Home
+from zerorun.runtime.offload.nvme import aligned_empty
+from zerorun.runtime.checkpoint.safetensors_writer import Source
 
 STREAM_CHUNK = 1 << 24  # fp32 elements per NVMe read (64 MiB), a multiple of the 4096-byte O_DIRECT block
 
@@ -68,7 +70,10 @@ class HostSnapshot(RankState):
     def __init__(self, home: Home, numels: list[int], device: torch.device) -> None:
         self.home = home
         pin = device.type == "cuda" and torch.cuda.is_available()
-        self.buffers = {name: torch.empty(n, dtype=torch.float32, pin_memory=pin) for name, _, _, n in _names(numels)}
+        # one aligned buffer, the tensors back to back as in the rank file (whose data starts aligned):
+        # every tensor's address and file offset agree modulo the O_DIRECT block, so it is written in place
+        whole = aligned_empty(sum(n for *_, n in _names(numels)), torch.float32, pin=pin)
+        self.buffers = dict(zip([name for name, *_ in _names(numels)], whole.split([n for *_, n in _names(numels)])))
         self._where = {name: (g, kind) for name, g, kind, _ in _names(numels)}
         self.side = torch.cuda.Stream(device) if pin else None
         self.nbytes = self.bytes_for(numels)
@@ -86,7 +91,7 @@ class HostSnapshot(RankState):
 
     def capture(self, ready: Any) -> None:
         with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
-            if ready is not None:
+            if ready is not None and self.side is not None:
                 self.side.wait_event(ready)
             for name, buffer in self.buffers.items():
                 group, kind = self._where[name]

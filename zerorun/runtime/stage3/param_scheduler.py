@@ -28,9 +28,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from zerorun.runtime.module_units import ModuleUnit, UnitKind
+from zerorun.runtime.stage3.module_units import AROUND_USE, ModuleUnit, UnitKind
 from zerorun.runtime.phase import Phase, TrainingPhase
-from zerorun.runtime.sharded_params import ShardedParams
+from zerorun.runtime.stage3.sharded_params import ShardedParams
 
 
 class ParamScheduler:
@@ -42,12 +42,15 @@ class ParamScheduler:
         self.store, self.prefetch, self.phase, self.say = store, prefetch, phase, say
         self.order: list[ModuleUnit] | None = None  # forward execution order, recorded on the first pass
         self._observed: list[ModuleUnit] = []
-        self._backward_seen: set[int] = set()
+        self._backward_seen: set[ModuleUnit] = set()
         self._reduced: set[int] = set()
         self._hooks: list[RemovableHandle] = []
         self._inside: set[ModuleUnit] = set()  # module units whose forward is running now (the first pass's watch)
         self._own_work = 0  # > 0 while a hook of this scheduler runs: its gathers are not the model's uses
         self.root = store.plan.root
+        # what the first pass learns, not written back into the plan: split units gathered for the whole
+        # pass, as the root (all of them until the first pass has seen which are used outside their forward)
+        self.whole_pass: set[ModuleUnit] = {mu for mu in store.module_units if mu.kind is UnitKind.SPLIT}
         self.kept_whole: list[str] = []  # split units the first pass saw used outside their forward
         for mu in store.plan.gathered_units():
             self._hook(mu.module, lambda mu=mu: self._before_forward(mu),
@@ -78,7 +81,7 @@ class ParamScheduler:
         if not self._in_backward:
             self._observed = []
         for mu in self.store.module_units:  # the root, and split units gathered for the whole pass
-            if mu is self.root or mu.whole_pass:
+            if mu is self.root or mu in self.whole_pass:
                 self.store.ensure_gathered(mu)
 
     def _root_after(self, out: object) -> None:
@@ -89,14 +92,14 @@ class ParamScheduler:
         self._guard(self.root, out)
         keep_root = torch.is_grad_enabled()  # backward will need the root (and shared) parameters
         for mu in self.store.module_units:
-            held = keep_root and (mu.whole_pass or self._first_in_backward(mu))
-            if (mu.kind is UnitKind.WRAPPED and not held) or (mu.kind is UnitKind.ROOT and not keep_root):
+            held = keep_root and (mu in self.whole_pass or self._first_in_backward(mu))
+            if (mu.kind in AROUND_USE and not held) or (mu.kind is UnitKind.ROOT and not keep_root):
                 self.store.release_if_held(mu)  # prefetched ones too
 
     def _first_in_backward(self, mu: ModuleUnit) -> bool:
         """A split unit that ends the forward (an output head) stays for backward, which starts with it."""
         order = self.order or []
-        return mu.split and torch.is_grad_enabled() and bool(order) and mu is order[-1]
+        return mu.kind is UnitKind.SPLIT and torch.is_grad_enabled() and bool(order) and mu is order[-1]
 
     def _before_forward(self, mu: ModuleUnit) -> None:
         self._inside.add(mu)
@@ -113,7 +116,7 @@ class ParamScheduler:
         self._inside.discard(mu)
         self._guard(mu, out)
         # during backward this is checkpoint recomputation: backward needs them
-        if not self._in_backward and not mu.whole_pass and not self._first_in_backward(mu):
+        if not self._in_backward and mu not in self.whole_pass and not self._first_in_backward(mu):
             self.store.release(mu)
 
     @contextlib.contextmanager
@@ -121,7 +124,7 @@ class ParamScheduler:
         """Around the engine's forwards: the first one, while split units are still gathered for the whole
         pass, notes which split units' parameters are used outside their own forward; the others are
         gathered around their use from then on. A forward that raises decides nothing."""
-        split = [] if self.order is not None else [mu for mu in self.store.module_units if mu.split and mu.whole_pass]
+        split = [] if self.order is not None else [mu for mu in self.store.module_units if mu in self.whole_pass]
         if not split:
             yield
             return
@@ -129,9 +132,8 @@ class ParamScheduler:
         outside: set[ModuleUnit] = set()
         with _UseWatch(self, owner, outside):
             yield
-        for mu in split:
-            mu.whole_pass = mu in outside
-        self.kept_whole = [mu.name for mu in split if mu.whole_pass]
+        self.whole_pass = {mu for mu in split if mu in outside}
+        self.kept_whole = [mu.name for mu in split if mu in self.whole_pass]
         if self.kept_whole and self.say is not None:
             self.say(kept_whole_message(self.kept_whole))
 
@@ -148,12 +150,12 @@ class ParamScheduler:
         if mu.units and all(k in self._reduced for k in mu.units):
             return  # its gradients are already on their way: a late hook (e.g. on a persistent submodule's output)
         self.store.ensure_gathered(mu)
-        if id(mu) in self._backward_seen or self.order is None or mu not in self.order:
+        if mu in self._backward_seen or self.order is None or mu not in self.order:
             return
-        self._backward_seen.add(id(mu))
+        self._backward_seen.add(mu)
         position = len(self.order) - 1 - self.order[::-1].index(mu)
         for nxt in reversed(self.order[max(0, position - self.prefetch):position]):
-            if id(nxt) not in self._backward_seen:
+            if nxt not in self._backward_seen:
                 self.store.prefetch(nxt)
 
     def prefetch_next_forward(self) -> None:
@@ -169,7 +171,7 @@ class ParamScheduler:
     def unit_reduced(self, k: int) -> None:
         """The reducer launched unit k's gradients: free its module unit once all its units have gone."""
         mu = self.store.plan.owner[k]
-        if mu.kind is UnitKind.WRAPPED and not mu.whole_pass and all(j in self._reduced for j in mu.units if j != k):
+        if mu.kind in AROUND_USE and mu not in self.whole_pass and all(j in self._reduced for j in mu.units if j != k):
             self.store.release_if_held(mu)  # released already when unused in this pass (its zeros are reduced)
         self._reduced.add(k)
 

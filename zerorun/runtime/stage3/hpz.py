@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
-from zerorun.runtime.collectives import Collectives, CpuCollectives, Handle
+from zerorun.runtime.comm.collectives import Collectives, CpuCollectives, Handle
 from zerorun.runtime.units import Unit
 
 

@@ -27,8 +27,8 @@ import torch
 from zerorun.config import AioConfig, OffloadConfig, Recipe
 from zerorun.offload_files import owner as offload_owner
 from zerorun.offload_files import rank_dir
-from zerorun.runtime.homes import Home, MemoryHome, NvmeHome
-from zerorun.runtime.transfers import Direct, StagingRing, Transfers
+from zerorun.runtime.offload.homes import Home, MemoryHome, NvmeHome
+from zerorun.runtime.offload.transfers import Direct, StagingRing, Transfers
 
 HOST = torch.device("cpu")
 
@@ -42,7 +42,12 @@ class Place(Enum):
 
     @classmethod
     def of(cls, offload: OffloadConfig) -> Place:
-        return {"none": cls.DEVICE, "cpu": cls.HOST, "nvme": cls.NVME}[offload.device]
+        return cls.of_setting(offload.device)
+
+    @classmethod
+    def of_setting(cls, device: str) -> Place:
+        """The place an offload setting names: "none" (stay on the device), "cpu" or "nvme"."""
+        return {"none": cls.DEVICE, "cpu": cls.HOST, "nvme": cls.NVME}[device]
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ class Placement:
             return MemoryHome(group_numels, self.device, master)
         if self.optimizer is Place.HOST:
             return MemoryHome(group_numels, HOST)
-        from zerorun.runtime.nvme import check_nvme_path  # builds the aio kernel: only when used
+        from zerorun.runtime.offload.nvme import check_nvme_path  # builds the aio kernel: only when used
 
         assert self.optimizer_nvme is not None, "an optimizer on NVMe has a zero.offload_optimizer.nvme_path"
         root = rank_dir(self.optimizer_nvme, self.run, self.rank)

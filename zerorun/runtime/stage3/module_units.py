@@ -5,14 +5,15 @@ The model is cut into *module units*, each gathered and released as a whole:
 | `UnitKind`   | parameters                                                         | gathered                       |
 |--------------|--------------------------------------------------------------------|--------------------------------|
 | `WRAPPED`    | one module of a `zero.wrap` class (with an empty list: a layer)    | around its forward, backward   |
-| `WRAPPED`, split | outside them, a module of half a bucket or more (an embedding, a head) | around its use, once the first pass allows |
+| `SPLIT`      | outside them, a module of half a bucket or more (an embedding, a head) | around its use, once the first pass allows |
 | `ROOT`       | the rest, and parameters shared between units (a tied embedding)   | for all of forward and backward |
 | `PERSISTENT` | parameters under `zero.param_persistence_threshold` elements       | always                         |
 
 A split module is gathered for the whole pass, like the root, until the first forward has run
 under a watch (`ParamScheduler`): a parameter of it used outside its own forward (`self.pos.weight[:t]`
 in the model's forward, a weight tied by hand through a function) keeps it gathered for the whole
-pass from then on, so that use never meets a released parameter.
+pass from then on, so that use never meets a released parameter. The plan itself never changes: what
+the first pass learns is the scheduler's own state (`ParamScheduler.whole_pass`).
 
 Each module unit holds one or more `Unit`s (units.py) per param group, of at most
 `zero.allgather_bucket_mb`: each is one all-gather and one reduce-scatter. A module unit's
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from zerorun.errors import ZerorunError, ZerorunWarning
-from zerorun.runtime.collectives import Pending
+from zerorun.runtime.comm.collectives import Pending
 from zerorun.runtime.units import Unit, cut_units, group_numels
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -43,8 +44,12 @@ CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 class UnitKind(Enum):
     WRAPPED = "wrapped"
+    SPLIT = "split"  # a module outside every wrapped one, split off the root (see the module docstring)
     ROOT = "root"
     PERSISTENT = "persistent"
+
+
+AROUND_USE = (UnitKind.WRAPPED, UnitKind.SPLIT)  # the kinds gathered around their use, not for the whole pass
 
 
 class UnitState(Enum):
@@ -63,8 +68,6 @@ class ModuleUnit:
     units: list[int] = field(default_factory=list)  # indices into the store's units
     state: UnitState = UnitState.RELEASED
     pending: Pending | None = None  # the all-gather of a GATHERING unit
-    split: bool = False  # a module outside every wrapped one, split off the root (see the module docstring)
-    whole_pass: bool = False  # gathered all pass, as the root (a split unit, until its use is known)
 
     def expect(self, *states: UnitState) -> None:
         assert self.state in states, (f"stage 3 unit {self.name}: expected {' or '.join(s.value for s in states)}, "
@@ -75,22 +78,16 @@ class ModuleUnit:
 class Stage3Plan:
     """The module units and their flat units, before any memory is allocated."""
 
-    module_units: list[ModuleUnit]  # wrapped ones in model order, then the root, then the persistent one
+    module_units: list[ModuleUnit]  # wrapped and split ones in model order, then the root, then the persistent one
     units: list[Unit]  # in optimizer-state order (reverse module order: backward's)
     owner: list[ModuleUnit]  # per unit, its module unit
     group_numels: list[int]
-
-    @property
-    def root(self) -> ModuleUnit:
-        return self.module_units[-2]
-
-    @property
-    def persistent(self) -> ModuleUnit:
-        return self.module_units[-1]
+    root: ModuleUnit
+    persistent: ModuleUnit
 
     def gathered_units(self) -> list[ModuleUnit]:
-        """Module units that are gathered and released around their use."""
-        return [mu for mu in self.module_units if mu.kind is UnitKind.WRAPPED and mu.units]
+        """Module units that are gathered and released around their use (wrapped and split ones)."""
+        return [mu for mu in self.module_units if mu.kind in AROUND_USE and mu.units]
 
 
 def plan_stage3(model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[str], threshold: int,
@@ -100,7 +97,7 @@ def plan_stage3(model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[s
     split = split_modules(model, [mod for _, mod in wrapped], max(1, auto_numel // 2))
     position = {mod: i for i, (_, mod) in enumerate(model.named_modules())}
     ordered = sorted([ModuleUnit(name, mod, UnitKind.WRAPPED) for name, mod in wrapped]
-                     + [ModuleUnit(name, mod, UnitKind.WRAPPED, split=True, whole_pass=True) for name, mod in split],
+                     + [ModuleUnit(name, mod, UnitKind.SPLIT) for name, mod in split],
                      key=lambda mu: position[mu.module])
     root = ModuleUnit("<root>", model, UnitKind.ROOT)
     persistent = ModuleUnit("<persistent>", model, UnitKind.PERSISTENT)
@@ -115,7 +112,7 @@ def plan_stage3(model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[s
                 units.append(unit)
                 owner.append(mu)
                 offsets[g] += unit.shard_numel
-    return Stage3Plan([*ordered, root, persistent], units, owner, group_numels(units, len(groups)))
+    return Stage3Plan([*ordered, root, persistent], units, owner, group_numels(units, len(groups)), root, persistent)
 
 
 def _param_units(model: nn.Module, groups: list[list[nn.Parameter]], wrapped: list[ModuleUnit], root: ModuleUnit,
@@ -125,12 +122,11 @@ def _param_units(model: nn.Module, groups: list[list[nn.Parameter]], wrapped: li
     for mu in wrapped:
         for sub in mu.module.modules():
             unit_of_module.setdefault(sub, mu)
-    users: dict[nn.Parameter, set[int]] = {}
+    users: dict[nn.Parameter, set[ModuleUnit]] = {}
     for mod in model.modules():
         for param in mod._parameters.values():
             if param is not None:
-                users.setdefault(param, set()).add(id(unit_of_module.get(mod, root)))
-    by_id = {id(mu): mu for mu in [*wrapped, root]}
+                users.setdefault(param, set()).add(unit_of_module.get(mod, root))
     trainable = {p for g in groups for p in g}
     out: dict[nn.Parameter, ModuleUnit] = {}
     for param, owners in users.items():
@@ -139,7 +135,7 @@ def _param_units(model: nn.Module, groups: list[list[nn.Parameter]], wrapped: li
         if param.numel() < threshold:
             out[param] = persistent
         else:  # shared between units: gathered for the whole pass
-            out[param] = by_id[next(iter(owners))] if len(owners) == 1 else root
+            out[param] = next(iter(owners)) if len(owners) == 1 else root
     return out
 
 
@@ -222,8 +218,8 @@ def check_wrap_names(model: nn.Module, wrap: list[str]) -> None:
 
 def describe(plan: Stage3Plan) -> str:
     """One line: how stage 3 cut the model (what `zerorun.initialize` prints on rank 0)."""
-    gathered = [mu for mu in plan.gathered_units() if not mu.split]
-    split = [mu for mu in plan.gathered_units() if mu.split]
+    gathered = [mu for mu in plan.gathered_units() if mu.kind is UnitKind.WRAPPED]
+    split = [mu for mu in plan.gathered_units() if mu.kind is UnitKind.SPLIT]
     classes = sorted({type(mu.module).__name__ for mu in gathered})
     sharded = sum(_numel(plan, mu) for mu in gathered)
     apart = (f", {len(split)} split off the root ({', '.join(mu.name for mu in split)}; "

@@ -1,6 +1,6 @@
 """Sharded checkpoints of an engine: every rank saves its own flat state, rank 0 a manifest.
 
-The files are described in `checkpoint_format.py`. A save writes into `DIR/.tmp-<tag>/`: each rank
+The files are described in `files.py`. A save writes into `DIR/.tmp-<tag>/`: each rank
 its `rank-<r>.safetensors` (fsynced; its size and CRC32 recorded); then all ranks meet (an
 all-reduce of those sizes: the barrier before the commit); rank 0 writes buffers and frozen
 parameters, then the manifest (temporary name, fsync, rename), fsyncs the directory, renames it
@@ -39,15 +39,15 @@ from torch import nn
 
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
-from zerorun.runtime import resume_check
-from zerorun.runtime.checkpoint_format import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, VERSION, Checkpoint,
+from zerorun.runtime.checkpoint import resume_check
+from zerorun.runtime.checkpoint.files import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, VERSION, Checkpoint,
                                                as_entry, check_tag, clean_crashed_saves, fsync_dir, prune, replace_dir,
                                                os_error, seal, shard_file, write_atomic, write_manifest,
                                                write_tensors)
-from zerorun.runtime.collectives import Collectives
-from zerorun.runtime.homes import KINDS
-from zerorun.runtime.lr_schedules import LrSchedules
-from zerorun.runtime.optimizer import ShardedAdamW
+from zerorun.runtime.comm.collectives import Collectives
+from zerorun.runtime.offload.homes import KINDS
+from zerorun.runtime.optim.lr_schedules import LrSchedules
+from zerorun.runtime.optim.optimizer import ShardedAdamW
 from zerorun.runtime.partition import range_copies
 from zerorun.runtime.precision import LossScaler
 from zerorun.runtime.store import ParamStore

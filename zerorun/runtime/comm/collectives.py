@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
-from zerorun.runtime.hier_collectives import Hierarchical, local_world_for
-from zerorun.runtime.quantize import Quantized, dequantize_add, dequantize_into, quantize
-from zerorun.runtime.shm_collectives import ShmCollectives, Unavailable
+from zerorun.runtime.comm.hier_collectives import Hierarchical, local_world_for
+from zerorun.runtime.comm.quantize import Quantized, dequantize_add, dequantize_into, quantize
+from zerorun.runtime.comm.shm_collectives import ShmCollectives, Unavailable
 
 log = logging.getLogger("zerorun")
 CpuCollectives = Literal["auto", "shm", "gloo"]
@@ -176,11 +176,14 @@ class Collectives:
         self.stats.by_level[kind]["node"] += nbytes
         self.stats.by_level[kind]["network"] += nbytes // self.hier.local
 
-    def _on_shm(self, *tensors: torch.Tensor) -> bool:
-        return self.shm is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    def _on_shm(self, *tensors: torch.Tensor) -> ShmCollectives | None:
+        """The shared-memory transport, where it carries these tensors (contiguous, on the CPU)."""
+        if self.shm is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+            return self.shm
+        return None
 
-    def _shm_handle(self, kind: str, operation: Callable[..., None], *args: object) -> Handle:
-        return Handle([_FutureWork(self.shm.submit(operation, *args))], None, self.stats, kind)
+    def _shm_handle(self, kind: str, shm: ShmCollectives, operation: Callable[..., None], *args: object) -> Handle:
+        return Handle([_FutureWork(shm.submit(operation, *args))], None, self.stats, kind)
 
     def _record(self, kind: str, tensor: torch.Tensor, flat: bool = True) -> None:
         self.stats.calls[kind] += 1
@@ -192,8 +195,9 @@ class Collectives:
                    async_op: bool = True) -> Handle:
         """Sum (or `op`) `tensor` across ranks, in place."""
         self._record("all_reduce", tensor)
-        if self._on_shm(tensor) and self.shm.handles(op):
-            return self._shm_handle("all_reduce", self.shm.all_reduce, tensor, op)
+        shm = self._on_shm(tensor)
+        if shm is not None and shm.handles(op):
+            return self._shm_handle("all_reduce", shm, shm.all_reduce, tensor, op)
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
         return Handle([work], None, self.stats, "all_reduce")
 
@@ -211,8 +215,9 @@ class Collectives:
             return Handle([_FutureWork(future)], None, self.stats, "reduce_scatter")
         if self.world_size == 1:
             return Handle([], lambda: _store(out, full, accumulate), self.stats, "reduce_scatter")
-        if self._on_shm(full, out):
-            return self._shm_handle("reduce_scatter", self.shm.reduce_scatter, full, out, accumulate)
+        shm = self._on_shm(full, out)
+        if shm is not None:
+            return self._shm_handle("reduce_scatter", shm, shm.reduce_scatter, full, out, accumulate)
         if self.backend == "gloo" and self.quantized_gradients and full.is_floating_point():
             return self._quantized_reduce_scatter(full, out, accumulate)
         if self.backend == "gloo":
@@ -290,8 +295,9 @@ class Collectives:
             return Handle([_FutureWork(self.hier.all_gather(full, compute_copy))], None, self.stats, "all_gather")
         if self.world_size == 1:
             return Handle([], None, self.stats, "all_gather")
-        if self._on_shm(full):
-            return self._shm_handle("all_gather", self.shm.all_gather, full)
+        shm = self._on_shm(full)
+        if shm is not None:
+            return self._shm_handle("all_gather", shm, shm.all_gather, full)
         pieces = full.view(self.world_size, -1)
         if compute_copy and self.quantized_weights and self.backend == "gloo" and full.is_floating_point():
             boxes = [quantize(pieces[r]) if r == self.rank else Quantized.empty(pieces.shape[1])
@@ -310,8 +316,9 @@ class Collectives:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Handle:
         self._record("broadcast", tensor)
-        if self._on_shm(tensor) and self.world_size > 1:
-            return self._shm_handle("broadcast", self.shm.broadcast, tensor, src)
+        shm = self._on_shm(tensor)
+        if shm is not None and self.world_size > 1:
+            return self._shm_handle("broadcast", shm, shm.broadcast, tensor, src)
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
         return Handle([work], None, self.stats, "broadcast")
 
@@ -330,6 +337,7 @@ def _shared_memory(group: dist.ProcessGroup | None, rank: int, world_size: int, 
                                f"{backend}. Use auto (shm only where ranks are on CPU) or gloo.")
         return None
     key = group or dist.group.WORLD  # a re-initialised process group gets a segment of its own
+    assert key is not None  # the default group exists once the process group is initialised
     if key in _SHM:  # one segment per group and process, whatever the number of engines
         return _SHM[key]
     try:

@@ -21,8 +21,8 @@ An asynchronous save (`checkpoint.async_save`, the default), on every rank:
    thread never touches the process group (collectives issued from two threads would interleave
    in different orders on different ranks).
 
-A thread, not a process: the writer spends its time in `os.write`, `fsync`, `zlib.crc32` and
-tensor copies, which release the GIL, and a thread reads the snapshot without a second copy
+A thread, not a process: the writer spends its time in `os.write` (O_DIRECT), `fsync`, the CRC32
+and tensor copies, which release the GIL, and a thread reads the snapshot without a second copy
 (`zerorun bench ckpt` measures the stall it leaves).
 
 Failures lose nothing: until the commit, `latest` names the previous checkpoint. A failed write
@@ -46,10 +46,11 @@ import psutil
 import torch
 
 from zerorun.errors import ZerorunError
-from zerorun.runtime import checkpoint, events
-from zerorun.runtime.checkpoint_format import clean_crashed_saves, shard_file, write_atomic, write_tensors
-from zerorun.runtime.checkpoint_snapshot import HostSnapshot, RankState, StreamedState
-from zerorun.runtime.homes import MemoryHome
+from zerorun.runtime.checkpoint import sharded as checkpoint
+from zerorun.runtime import events
+from zerorun.runtime.checkpoint.files import clean_crashed_saves, shard_file, write_atomic, write_tensors
+from zerorun.runtime.checkpoint.snapshot import HostSnapshot, RankState, StreamedState
+from zerorun.runtime.offload.homes import MemoryHome
 from zerorun.runtime.memory import MemoryReport
 
 log = logging.getLogger("zerorun")
@@ -128,6 +129,7 @@ class Checkpointer:
             self._emit(events.CheckpointStats(tag, self.engine.global_step, mode, stall, waited, 0.0,
                                               self._rank_bytes(path), 0))
             return path
+        assert self.state is not None  # built by _host_too_small() for a save that goes to the background
         root, tmp = checkpoint.begin(self.engine, directory, tag)
         rng = checkpoint.gather_rng(self.engine)
         save = Save(tag, self.engine.global_step, root, tmp, started, waited_s=waited)
@@ -178,7 +180,7 @@ class Checkpointer:
         busy = save is not None and not save.finished.is_set()  # rank 0 finishes last: it commits
         self.wait()
         waited = time.perf_counter() - started
-        if busy and self.rank == 0:
+        if busy and save is not None and self.rank == 0:
             log.warning("zerorun: checkpoint %s waited %.2f s for %s to finish writing (at most one save is in "
                         "flight; save less often or on faster storage)", tag, waited, save.tag)
         return waited
@@ -248,6 +250,7 @@ class _Job:
                  ready: object) -> None:
         self.owner, self.save, self.manifest, self.extras, self.client, self.ready = \
             owner, save, manifest, extras, client, ready
+        assert owner.state is not None  # a background save has its snapshot
         self.rank, self.shards, self.state = owner.rank, owner.shards, owner.state
         self.timeout_s = owner.engine.recipe.launch.timeout_s
         slow = float(os.environ.get(SLOW_ENV, "0") or 0)

@@ -6,7 +6,7 @@ from collections import namedtuple
 
 import torch
 
-from zerorun.runtime.engine import _place_inputs
+from zerorun.runtime.devices import place_inputs
 
 Pair = namedtuple("Pair", "tokens mask")
 
@@ -15,7 +15,7 @@ def test_inputs_reach_the_engines_device_nested_and_untouched_otherwise() -> Non
     # the meta device stands in for a GPU: a CPU batch must leave the CPU, whatever its nesting
     batch = {"ids": torch.arange(6).view(2, 3), "pair": Pair(torch.ones(2), [torch.zeros(3, dtype=torch.float64), 7]),
              "name": "b0"}
-    (args, kwargs) = _place_inputs(((batch,), {"scale": torch.tensor(0.5)}), torch.device("meta"), torch.bfloat16)
+    (args, kwargs) = place_inputs(((batch,), {"scale": torch.tensor(0.5)}), torch.device("meta"), torch.bfloat16)
     placed = args[0]
     assert placed["ids"].device.type == "meta" and placed["ids"].dtype == torch.int64  # integers keep their type
     assert isinstance(placed["pair"], Pair) and placed["pair"].tokens.dtype == torch.bfloat16
@@ -26,5 +26,5 @@ def test_inputs_reach_the_engines_device_nested_and_untouched_otherwise() -> Non
 
 def test_inputs_already_in_place_are_the_same_objects() -> None:
     x, y = torch.randn(3), torch.randn(3, dtype=torch.float64)
-    (out_x, out_y), _ = _place_inputs(((x, y), {}), torch.device("cpu"), torch.float32)
+    (out_x, out_y), _ = place_inputs(((x, y), {}), torch.device("cpu"), torch.float32)
     assert out_x is x and out_y is y  # fp32 compute: nothing is cast, nothing copied

@@ -20,9 +20,9 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from zerorun.runtime.homes import Home
+from zerorun.runtime.offload.homes import Home
 from zerorun.runtime.memory import MemoryReport
-from zerorun.runtime.placement import Place, Placement
+from zerorun.runtime.offload.placement import Place, Placement
 from zerorun.runtime.store import InMaster, ParamFile, ParamIO, ParamTensor, UpdateTarget
 from zerorun.runtime.units import Unit
 
@@ -110,7 +110,7 @@ class FileShard:
                  largest_piece: int) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from zerorun.runtime.nvme import NvmeStore, aligned_empty, check_nvme_path
+        from zerorun.runtime.offload.nvme import NvmeFiles, aligned_empty, check_nvme_path
         from zerorun.offload_files import rank_dir
 
         self.dtype = dtype
@@ -118,7 +118,7 @@ class FileShard:
         assert placement.params_nvme is not None, "parameters on NVMe have a zero.offload_param.nvme_path"
         root = rank_dir(placement.params_nvme, placement.run, placement.rank) / "params"
         check_nvme_path(placement.params_nvme, "zero.offload_param.nvme_path", dtype.itemsize * sum(group_numels), root)
-        self.store = NvmeStore(root, {self._file(g): n for g, n in enumerate(group_numels)},
+        self.store = NvmeFiles(root, {self._file(g): n for g, n in enumerate(group_numels)},
                                tile_numel=placement.tile_numel, aio=placement.aio, pin=placement.param_pin, dtype=dtype)
         self._bounces = [aligned_empty(largest_piece, dtype, placement.param_pin) for _ in range(2)]
         self._write_slots = [aligned_empty(min(placement.tile_numel, largest_piece), dtype, placement.param_pin)
