@@ -20,7 +20,7 @@ def _as_nodes(rank: int, world: int, fn, *args):
 
 def _collectives(rank: int, world: int) -> dict:
     from zerorun.runtime.comm.collectives import Collectives
-    from zerorun.runtime.dist import init_distributed
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     os.environ["LOCAL_WORLD_SIZE"] = NODE
