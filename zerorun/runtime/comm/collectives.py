@@ -26,8 +26,9 @@ Where the world spans several nodes of several ranks each, reduce-scatters and a
 world group are hierarchical (hier_collectives.py): within the node first, across nodes only each
 local rank's share.
 
-Byte and call counts are kept per kind of collective, and per level (within the node, across). Time is measured from launch to the end
-of `wait()` on the host, so accounting never adds a synchronisation of its own.
+Byte and call counts are kept per kind of collective, and per level (within the node, across).
+Time is measured from launch to the end of `wait()` on the host, so accounting never adds a
+synchronisation of its own.
 """
 
 from __future__ import annotations
@@ -211,6 +212,7 @@ class Collectives:
         self._record("reduce_scatter", full, flat=not hierarchical)
         if hierarchical:
             self._record_levels("reduce_scatter", full)
+            assert self.hier is not None
             future = self.hier.reduce_scatter(full, out, accumulate)
             return Handle([_FutureWork(future)], None, self.stats, "reduce_scatter")
         if self.world_size == 1:
@@ -292,6 +294,7 @@ class Collectives:
         self._record("all_gather", full, flat=not hierarchical)
         if hierarchical:
             self._record_levels("all_gather", full)
+            assert self.hier is not None
             return Handle([_FutureWork(self.hier.all_gather(full, compute_copy))], None, self.stats, "all_gather")
         if self.world_size == 1:
             return Handle([], None, self.stats, "all_gather")

@@ -22,13 +22,25 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from zerorun.runtime.comm.collectives import Collectives
+
+class _Waitable(Protocol):
+    def wait(self) -> object: ...
+
+
+class LevelCollectives(Protocol):
+    """What one level needs of `collectives.Collectives` (named here so that this module does not import it:
+    collectives.py builds the levels and calls into this module)."""
+
+    transport: str
+
+    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> _Waitable: ...
+
+    def all_gather(self, full: torch.Tensor, compute_copy: bool = False) -> _Waitable: ...
 
 
 def local_world_for(world_size: int, backend: str) -> int | None:
@@ -43,7 +55,7 @@ def local_world_for(world_size: int, backend: str) -> int | None:
 class Hierarchical:
     """Reduce-scatter and all-gather of the world group, node level first (see the module docstring)."""
 
-    def __init__(self, make: Callable[..., Collectives], rank: int, world_size: int, local: int) -> None:
+    def __init__(self, make: Callable[[dist.ProcessGroup, bool], LevelCollectives], rank: int, world_size: int, local: int) -> None:
         """`make(group, node_level)` builds the `Collectives` of one level's group."""
         self.local, self.nodes = local, world_size // local
         self.node_index, self.local_rank = divmod(rank, local)
