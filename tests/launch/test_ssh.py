@@ -35,6 +35,12 @@ def test_two_ssh_nodes_all_reduce_with_host_rank_prefixes_and_telemetry_from_bot
     assert job.leftovers() == []
 
 
+def _numbers(text: str) -> tuple[float, float]:
+    """(final loss, checksum) from "rank R of W final loss L checksum C"."""
+    words = text.split()
+    return float(words[words.index("loss") + 1]), float(words[words.index("checksum") + 1])
+
+
 def _results(job) -> dict[int, str]:
     """rank -> "final loss ... checksum ..." from the train_tiny.py lines (the prefix dropped)."""
     found = {}
@@ -45,14 +51,22 @@ def _results(job) -> dict[int, str]:
     return found
 
 
-def test_two_ssh_nodes_by_two_ranks_train_exactly_like_one_local_node_of_four(launch, launch_ssh):
+def test_two_ssh_nodes_by_two_ranks_train_like_one_local_node_of_four(launch, launch_ssh):
     keys = {"train": {"steps": 4}, "zero": {"stage": 2}, "telemetry": {"enabled": False}}
     over_ssh = launch_ssh("train_tiny.py", nproc=2, **keys)
     assert over_ssh.wait() == 0, over_ssh.output
     one_node = launch("train_tiny.py", nproc_per_node=4, **keys)
     assert one_node.wait() == 0, one_node.output
     assert sorted(_results(over_ssh)) == [0, 1, 2, 3]
-    assert _results(over_ssh) == _results(one_node)
+    # Two nodes of two ranks reduce hierarchically (the node's sum first, then across nodes): the same
+    # gradients summed in another order, so fp32 rounding may differ in the last bits (seen: 8e-11
+    # relative on the parameter checksum after 4 steps). A wrong sum (a rank's share lost or counted
+    # twice) moves them by far more than 1e-6.
+    for rank, text in _results(over_ssh).items():
+        ssh_loss, ssh_sum = _numbers(text)
+        node_loss, node_sum = _numbers(_results(one_node)[rank])
+        assert ssh_loss == pytest.approx(node_loss, rel=1e-6) and ssh_sum == pytest.approx(node_sum, rel=1e-6), \
+            (text, _results(one_node)[rank])
     assert any(line.startswith("[127.0.0.2:3] rank 3 of 4 final loss") for line in over_ssh.stdout)
     assert over_ssh.leftovers() == [] and one_node.leftovers() == []
 
