@@ -168,7 +168,7 @@ class Collectives:
                            quantized_weights=self.quantized_weights and not node_level)
 
     def _hierarchical(self, *tensors: torch.Tensor) -> bool:
-        return self.hier is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        return self.hier is not None and _host_contiguous(tensors)
 
     def _record_levels(self, kind: str, full: torch.Tensor) -> None:
         """A hierarchical collective: all of `full` moves within the node, one local rank's share across."""
@@ -179,7 +179,7 @@ class Collectives:
 
     def _on_shm(self, *tensors: torch.Tensor) -> ShmCollectives | None:
         """The shared-memory transport, where it carries these tensors (contiguous, on the CPU)."""
-        if self.shm is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        if self.shm is not None and _host_contiguous(tensors):
             return self.shm
         return None
 
@@ -327,6 +327,11 @@ class Collectives:
 
 
 _SHM: dict[dist.ProcessGroup, ShmCollectives] = {}
+
+
+def _host_contiguous(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """What the shared-memory and hierarchical paths can carry: contiguous tensors on the CPU."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
 def _shared_memory(group: dist.ProcessGroup | None, rank: int, world_size: int, backend: str,
