@@ -58,6 +58,7 @@ def _train(rank: int, overrides: list[str], overlap: bool, ckpt_dir: str | None 
             engine.step()
             out["losses"].append(loss.item())
             micro += 1
+        engine.memory(), engine.num_parameters()  # what telemetry reads: sizes, so no wait for the publish
         if engine.stage == 3:  # stage 3: the next forward's first unit is on its way
             out["outstanding"].append(sum(mu.state is UnitState.GATHERING for mu in engine.store.module_units))
         else:
@@ -191,3 +192,56 @@ def test_the_parameter_guard_waits_keeps_the_class_and_leaves_copies_plain() -> 
     torch.save(model, io.BytesIO())
     list(model[0].parameters())  # a submodule is not guarded (documented: wait_published)
     assert owner.waits == 2
+
+
+class _GatedGather:
+    """A pending gather that lands (writes `value` into `param`) only once `gate` is set."""
+
+    def __init__(self, param: torch.Tensor, value: float) -> None:
+        import threading
+        self.param, self.value = param, value
+        self.gate, self.waiting = threading.Event(), threading.Event()
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.waiting.set()
+        assert self.gate.wait(timeout=30), "the test never opened the gate"
+        with torch.no_grad():
+            self.param.fill_(self.value)
+        self.done = True
+
+
+def test_a_forward_waits_for_a_gather_another_thread_is_already_waiting_for() -> None:
+    """The telemetry thread reads the root's parameters (guarded: it waits for the publish) while the
+    training thread starts its forward. The forward's hook must not find the unit "taken" and read the
+    stale bytes: it waits until the other thread's wait has landed the values. Without the lock, the
+    forward returned at once with the previous step's weight (a loss off in the 3rd digit, under load)."""
+    import threading
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from zerorun.runtime.deferred_publish import DeferredPublish
+
+    model = nn.Sequential(nn.Linear(1, 1, bias=False))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)  # the previous step's value
+    deferred = DeferredPublish(model, [SimpleNamespace(params=[model[0].weight])])  # type: ignore[list-item]
+    gather = _GatedGather(model[0].weight, 2.0)  # the step's update, still on the wire
+    deferred.start(lambda order: {k: gather for k in order})  # type: ignore[misc]
+
+    telemetry = threading.Thread(target=lambda: list(model.parameters()))
+    telemetry.start()
+    assert gather.waiting.wait(timeout=30)  # the telemetry thread is inside the wait
+    read = []
+    training = threading.Thread(target=lambda: read.append(model(torch.ones(1, 1)).detach().item()))
+    training.start()
+    training.join(timeout=0.5)
+    assert training.is_alive(), f"the forward did not wait for the gather in flight (read {read})"
+    gather.gate.set()
+    training.join(timeout=30)
+    telemetry.join(timeout=30)
+    assert read == [2.0]  # the landed value
+    assert deferred.outstanding == 0

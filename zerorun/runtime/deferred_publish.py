@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copyreg
 import os
+import threading
 import weakref
 from typing import Any, Callable, Iterator, Literal
 
@@ -53,6 +54,10 @@ class DeferredPublish:
 
     def __init__(self, root: nn.Module, units: list[Unit]) -> None:
         self._pending: dict[int, Pending] = {}
+        # Waits come from the training thread (hooks, the engine) and from any other thread that reads the
+        # root's parameters (the telemetry probe counts them). A unit leaves `_pending` only once its gather
+        # has landed, and under this lock: a hook that finds it gone knows its values are current.
+        self._lock = threading.Lock()
         self.order = _forward_order(root, units)
         self._hooks: list[RemovableHandle] = []
         for module, ks in _reads(root, units, self.order).items():
@@ -64,7 +69,9 @@ class DeferredPublish:
     def start(self, publish: Callable[[list[int]], dict[int, Pending]]) -> None:
         """Start every unit's gather (in forward order) through `publish`; waits happen later."""
         self.wait_all()  # a previous publish must land before its buffer is gathered into again
-        self._pending = publish(self.order)
+        started = publish(self.order)
+        with self._lock:
+            self._pending = started
 
     @property
     def outstanding(self) -> int:
@@ -77,11 +84,15 @@ class DeferredPublish:
             self._wait(k)
 
     def _wait(self, k: int) -> bool:
-        """Wait for unit `k`'s gather if it is still pending; whether it was."""
-        pending = self._pending.pop(k, None)
-        if pending is not None:
+        """Wait for unit `k`'s gather if it is still pending; whether it was. Another thread waiting for the
+        same unit holds the lock until the gather has landed, so this returns only once it has."""
+        with self._lock:
+            pending = self._pending.get(k)
+            if pending is None:
+                return False
             pending.wait()
-        return pending is not None
+            del self._pending[k]
+            return True
 
     def _waiter(self, ks: list[int]) -> Callable[[nn.Module, object], None]:
         def wait_units(module: nn.Module, args: object) -> None:

@@ -326,20 +326,25 @@ class Engine:
         """Parameters of the whole model, each once, however sharded or offloaded (stage 3 and
         `sharded_init` included): the trainable ones the engine steps, plus frozen ones."""
         trainable = sum(unit.layout.numel for unit in self.store.units)
-        return trainable + sum(p.numel() for p in self.module.parameters() if not p.requires_grad)
+        return trainable + sum(p.numel() for p in self._frozen_parameters())
 
     def memory(self) -> MemoryReport:
         """Bytes this rank holds, per kind of state and place (and, at stage 3, how many units it made)."""
         place = self.device.type
         report = MemoryReport()
         self.store.account(report)
-        report.add("params", place, tensor_bytes([p for p in self.module.parameters() if not p.requires_grad]))
+        report.add("params", place, tensor_bytes(self._frozen_parameters()))
         report.add("buffers", place, tensor_bytes(list(self.module.buffers())))
         self.reducer.account(report)
         self.update.account(report)
         self.checkpoints.account(report)
         report.units = self.store.unit_count()
         return report
+
+    def _frozen_parameters(self) -> list[nn.Parameter]:
+        """The module's frozen parameters, found without the root's guarded `named_parameters()`: counting
+        sizes needs no values, and the telemetry thread calls this while a publish may be in flight."""
+        return [p for _, p in nn.Module.named_parameters(self.module) if not p.requires_grad]
 
     def parameters(self) -> Any:
         self.wait_published()
