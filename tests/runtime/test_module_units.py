@@ -1,5 +1,5 @@
-"""Stage 3's plan and unit state machine: who goes where, strict transitions that refuse wrong orders,
-and the forgiving helpers that accept every legitimate state; both stores implement `ParamStore`."""
+"""Stage 3's plan and each unit group's state machine: who goes where, strict transitions that refuse
+wrong orders, and the forgiving helpers that accept every legitimate state; both stores implement `ParamStore`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 
 from tests.harness import run_ranks
 from tests.runtime.reference import OPT, VOCAB, ddp_reference, engine_run, tied_gpt
-from zerorun.runtime.stage3.module_units import UnitKind, UnitState, plan_stage3
+from zerorun.runtime.stage3.module_units import plan_stage3
+from zerorun.runtime.stage3.unit_group import UnitKind, UnitState
 
 
 def _plan(threshold: int, world: int = 2):
@@ -20,14 +21,15 @@ def _plan(threshold: int, world: int = 2):
 
 def test_the_plan_puts_blocks_in_units_shared_weights_in_the_root_and_small_ones_in_the_persistent_set() -> None:
     model, plan = _plan(threshold=30)
-    assert [mu.name for mu in plan.gathered_units()] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert [group.name for group in plan.gathered_units()] == ["blocks.0", "blocks.1", "blocks.2"]
     assert [plan.root.kind, plan.persistent.kind] == [UnitKind.ROOT, UnitKind.PERSISTENT]
-    assert plan.module_units[-2:] == [plan.root, plan.persistent]
-    params_of = lambda mu: {p for k in mu.units for p in plan.units[k].params}  # noqa: E731
-    assert model.tok.weight in params_of(plan.root)  # tied to the head: shared, so the root's
-    assert all(p.numel() < 30 for p in params_of(plan.persistent)) and params_of(plan.persistent)
-    assert all(plan.units[k].layout.numel <= 500 or len(plan.units[k].params) == 1 for k in range(len(plan.units)))
-    assert [plan.owner[k] for k in plan.module_units[0].units] == [plan.module_units[0]] * len(plan.module_units[0].units)
+    assert plan.groups[-2:] == [plan.root, plan.persistent]
+    assert model.tok.weight in plan.root.params  # tied to the head: shared, so the root's
+    assert all(p.numel() < 30 for p in plan.persistent.params) and plan.persistent.params
+    assert all(u.layout.numel <= 500 or len(u.params) == 1 for u in plan.units)
+    first = plan.groups[0]
+    assert [plan.group_of[k] for k in first.slots] == [first] * len(first.units) and first.units
+    assert [plan.units[k] for k in first.slots] == first.units
     everything = [p for u in plan.units for p in u.params]
     assert len(everything) == len(set(everything)) == len([p for p in model.parameters() if p.requires_grad])
     assert sum(u.shard_numel for u in plan.units) == plan.group_numels[0]
@@ -53,33 +55,33 @@ def _transitions(rank: int, world: int) -> dict:
 
     flat = FlatParams([list(tied_gpt(1).parameters())], Placement.from_recipe(recipe, info.device, rank),
                       PrecisionPolicy(), Collectives(), world, 100)
-    block = plan.module_units[0]
+    block = plan.groups[0]
     out = {"protocols": all(isinstance(s, ParamStore) and isinstance(s.home, Home) for s in (store, flat)),
            "released_is_empty": weight.numel() == 0 and block.state is UnitState.RELEASED,
            "persistent_gathered": plan.persistent.state is UnitState.GATHERED}
     refused = []
-    for wrong in (store.finish_gather, store.release):
+    for wrong in (block.finish_gather, block.release):
         try:
-            wrong(block)
+            wrong()
         except AssertionError as exc:
             refused.append(str(exc))
-    store.start_gather(block)
+    block.start_gather()
     try:
-        store.start_gather(block)
+        block.start_gather()
     except AssertionError as exc:
         refused.append(str(exc))
-    store.finish_gather(block)
+    block.finish_gather()
     out["gathered_values"] = torch.equal(weight.detach(), original)
     out["refused"] = refused
-    store.release(block)
-    store.prefetch(block)
+    block.release()
+    block.prefetch()
     out["prefetch_starts"] = block.state is UnitState.GATHERING
-    store.prefetch(block)
-    store.ensure_gathered(block)
-    store.ensure_gathered(block)
+    block.prefetch()
+    block.ensure_gathered()
+    block.ensure_gathered()
     out["ensure_finishes"] = block.state is UnitState.GATHERED
-    store.release_if_held(block)
-    store.release_if_held(block)
+    block.release_if_held()
+    block.release_if_held()
     out["release_if_held"] = block.state is UnitState.RELEASED and weight.numel() == 0
     return out
 
@@ -120,7 +122,7 @@ def test_automatic_units_descend_into_a_transformer_encoder_to_its_layers() -> N
     model = _encoder_model(0)
     groups = [[p for p in model.parameters() if p.requires_grad]]
     plan = plan_stage3(model, groups, [], 0, auto_numel=100, chunk_numel=10**6, world=2, dtype=torch.float32)
-    names = [mu.name for mu in plan.gathered_units() if mu.kind is UnitKind.WRAPPED]
+    names = [g.name for g in plan.gathered_units() if g.kind is UnitKind.WRAPPED]
     assert names == ["embed", "encoder.layers.0", "encoder.layers.1", "encoder.layers.2", "head"], names
 
 

@@ -41,7 +41,7 @@ def _train(rank: int, overrides: list[str], overlap: bool, ckpt_dir: str | None 
     import zerorun
     from zerorun import config
     from tests.runtime.reference import OPT, batch, make_model, tied_gpt
-    from zerorun.runtime.stage3.module_units import UnitState
+    from zerorun.runtime.stage3.unit_group import UnitState
 
     recipe = config.loads("script: t.py\n", "t.yaml", ["zero.bucket_mb=0.0005", *overrides,
                                                         f"zero.overlap_comm={str(overlap).lower()}",
@@ -60,7 +60,7 @@ def _train(rank: int, overrides: list[str], overlap: bool, ckpt_dir: str | None 
             micro += 1
         engine.memory(), engine.num_parameters()  # what telemetry reads: sizes, so no wait for the publish
         if engine.stage == 3:  # stage 3: the next forward's first unit is on its way
-            out["outstanding"].append(sum(mu.state is UnitState.GATHERING for mu in engine.store.module_units))
+            out["outstanding"].append(sum(g.state is UnitState.GATHERING for g in engine.store.groups))
         else:
             out["outstanding"].append(0 if engine.store.deferred is None else engine.store.deferred.outstanding)
         if ckpt_dir is not None and len(out["outstanding"]) == STEPS:

@@ -10,7 +10,7 @@ from torch import nn
 
 from tests.harness import run_ranks
 from tests.runtime.reference import ddp_reference, engine_run, tied_gpt
-from zerorun.runtime.stage3.module_units import UnitKind
+from zerorun.runtime.stage3.unit_group import UnitKind
 
 STEPS = 8
 LOSS_RTOL = 1e-5
@@ -91,12 +91,12 @@ def _memory(rank: int, world: int) -> dict:
         engine.backward(engine(synthetic_tokens(cfg, 2, 0, rank, i)))
         engine.step()
     store = engine.store
-    unit_bytes = {mu.kind.value: [sum(store.full[k].numel() * 4 for k in mu.units)] for mu in store.module_units}
-    blocks = [sum(store.full[k].numel() * 4 for k in mu.units) for mu in store.plan.gathered_units()]
+    unit_bytes = {g.kind.value: [sum(store.full[k].numel() * 4 for k in g.slots)] for g in store.groups}
+    blocks = [sum(store.full[k].numel() * 4 for k in g.slots) for g in store.plan.gathered_units()]
     # overlap_comm: the next forward's first block is already gathering when step() returns (reported as
     # "gathered" working memory, not as a model state)
-    prefetched = sum(sum(store.full[k].numel() * 4 for k in mu.units) for mu in store.plan.gathered_units()
-                     if mu.kind.value == "wrapped" and mu.state.value != "released")
+    prefetched = sum(sum(store.full[k].numel() * 4 for k in g.slots) for g in store.plan.gathered_units()
+                     if g.kind.value == "wrapped" and g.state.value != "released")
     return {"model_states": engine.memory().model_states(), "params": params, "persistent": persistent,
             "prefetched": prefetched,
             "peak": store.peak_gathered_bytes, "root": unit_bytes["root"][0], "persistent_bytes": unit_bytes["persistent"][0],
@@ -242,7 +242,7 @@ def _split(rank: int, world: int, indexed: bool) -> tuple[list[str], list[str], 
     for pname, value in ref.params.items():
         if _param_diff(pname, run.params[pname], value) > PARAM_ATOL:
             problems.append(f"rank {rank}: parameter {pname} differs")
-    split = [mu.name for mu in engine.store.module_units if mu.kind is UnitKind.SPLIT]
+    split = [g.name for g in engine.store.groups if g.kind is UnitKind.SPLIT]
     return problems, split, engine.store.scheduler.kept_whole, printed.getvalue()
 
 

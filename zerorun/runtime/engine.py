@@ -149,7 +149,7 @@ class Engine:
                                   prefetch_after_step=zero.overlap_comm, say=say)
         # each unit's gradients are reduce-scattered as soon as backward completes it; then it is released
         reducer = GradReducer(sharded, self.comm, reduce_dtype, self.device, Reduction.SCATTER_SHARD, LaunchOrder.READY,
-                              zero.overlap_comm, self.phase, on_launch=sharded.scheduler.unit_reduced)
+                              zero.overlap_comm, self.phase, on_launch=sharded.scheduler.gradients_sent)
         return sharded, reducer
 
     def _sync_buffers(self) -> None:

@@ -1,4 +1,4 @@
-"""Stage 3's plan: which modules become units, and the explicit state of each.
+"""Stage 3's plan: which modules become units, built once before any memory is allocated.
 
 The model is cut into *module units*, each gathered and released as a whole:
 
@@ -15,79 +15,42 @@ in the model's forward, a weight tied by hand through a function) keeps it gathe
 pass from then on, so that use never meets a released parameter. The plan itself never changes: what
 the first pass learns is the scheduler's own state (`ParamScheduler.whole_pass`).
 
-Each module unit holds one or more `Unit`s (units.py) per param group, of at most
-`zero.allgather_bucket_mb`: each is one all-gather and one reduce-scatter. A module unit's
-`UnitState` moves only along
-
-    RELEASED --start_gather--> GATHERING --finish_gather--> GATHERED --release--> RELEASED
-
-and every transition asserts where it starts (`ModuleUnit.expect`, like FSDP2's
-`_assert_in_states`): a hook firing in an order nobody planned is a loud bug, not a silent repair.
+Each module unit is a `UnitGroup` (unit_group.py), which owns its state and its transitions, and
+holds one or more `Unit`s (units.py) per param group, of at most `zero.allgather_bucket_mb`: each
+is one all-gather and one reduce-scatter.
 """
 
 from __future__ import annotations
 
 import difflib
 import warnings
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from zerorun.errors import ZerorunError, ZerorunWarning
-from zerorun.runtime.comm.collectives import Pending
+from zerorun.runtime.stage3.unit_group import AROUND_USE, UnitGroup, UnitKind
 from zerorun.runtime.units import Unit, cut_units, group_numels
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
-class UnitKind(Enum):
-    WRAPPED = "wrapped"
-    SPLIT = "split"  # a module outside every wrapped one, split off the root (see the module docstring)
-    ROOT = "root"
-    PERSISTENT = "persistent"
-
-
-AROUND_USE = (UnitKind.WRAPPED, UnitKind.SPLIT)  # the kinds gathered around their use, not for the whole pass
-
-
-class UnitState(Enum):
-    RELEASED = "released"  # storage freed; parameters are empty tensors
-    GATHERING = "gathering"  # this rank's pieces in place, all-gather in flight
-    GATHERED = "gathered"  # full parameters, safe to compute with
-
-
-@dataclass(eq=False)  # compared by identity: two units of equal contents are still two units
-class ModuleUnit:
-    """Parameters gathered and released together."""
-
-    name: str
-    module: nn.Module
-    kind: UnitKind
-    units: list[int] = field(default_factory=list)  # indices into the store's units
-    state: UnitState = UnitState.RELEASED
-    pending: Pending | None = None  # the all-gather of a GATHERING unit
-
-    def expect(self, *states: UnitState) -> None:
-        assert self.state in states, (f"stage 3 unit {self.name}: expected {' or '.join(s.value for s in states)}, "
-                                      f"but it is {self.state.value}")
-
-
 @dataclass
 class Stage3Plan:
-    """The module units and their flat units, before any memory is allocated."""
+    """The module units and their flat units, before any memory is allocated. Built once: what the first
+    pass learns is the scheduler's (param_scheduler.py), and each group's state is its own."""
 
-    module_units: list[ModuleUnit]  # wrapped and split ones in model order, then the root, then the persistent one
+    groups: list[UnitGroup]  # wrapped and split ones in model order, then the root, then the persistent one
     units: list[Unit]  # in optimizer-state order (reverse module order: backward's)
-    owner: list[ModuleUnit]  # per unit, its module unit
-    group_numels: list[int]
-    root: ModuleUnit
-    persistent: ModuleUnit
+    group_of: list[UnitGroup]  # per unit (by its slot in `units`), the group it belongs to
+    group_numels: list[int]  # this rank's state elements per param group
+    root: UnitGroup
+    persistent: UnitGroup
 
-    def gathered_units(self) -> list[ModuleUnit]:
-        """Module units that are gathered and released around their use (wrapped and split ones)."""
-        return [mu for mu in self.module_units if mu.kind in AROUND_USE and mu.units]
+    def gathered_units(self) -> list[UnitGroup]:
+        """Groups that are gathered and released around their use (wrapped and split ones)."""
+        return [g for g in self.groups if g.kind in AROUND_USE and g.units]
 
 
 def plan_stage3(model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[str], threshold: int,
@@ -96,39 +59,41 @@ def plan_stage3(model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[s
     wrapped = wrapped_modules(model, wrap, auto_numel)
     split = split_modules(model, [mod for _, mod in wrapped], max(1, auto_numel // 2))
     position = {mod: i for i, (_, mod) in enumerate(model.named_modules())}
-    ordered = sorted([ModuleUnit(name, mod, UnitKind.WRAPPED) for name, mod in wrapped]
-                     + [ModuleUnit(name, mod, UnitKind.SPLIT) for name, mod in split],
-                     key=lambda mu: position[mu.module])
-    root = ModuleUnit("<root>", model, UnitKind.ROOT)
-    persistent = ModuleUnit("<persistent>", model, UnitKind.PERSISTENT)
-    home = _param_units(model, groups, ordered, root, persistent, threshold)
+    ordered = sorted([UnitGroup(name, mod, UnitKind.WRAPPED) for name, mod in wrapped]
+                     + [UnitGroup(name, mod, UnitKind.SPLIT) for name, mod in split],
+                     key=lambda unit_group: position[unit_group.module])
+    root = UnitGroup("<root>", model, UnitKind.ROOT)
+    persistent = UnitGroup("<persistent>", model, UnitKind.PERSISTENT)
+    owner_of = _owners(model, groups, ordered, root, persistent, threshold)
     units: list[Unit] = []
-    owner: list[ModuleUnit] = []
+    group_of: list[UnitGroup] = []
     offsets = [0] * len(groups)
-    for mu in reversed([*ordered, root, persistent]):  # bounded buffers stay reusable by the host allocator
-        for g, params in enumerate(groups):
-            for unit in cut_units(g, [p for p in params if home.get(p) is mu], chunk_numel, world, dtype, offsets[g]):
-                mu.units.append(len(units))
+    for owner in reversed([*ordered, root, persistent]):  # bounded buffers stay reusable by the host allocator
+        for g, params in enumerate(groups):  # g: the optimizer's param group
+            for unit in cut_units(g, [p for p in params if owner_of.get(p) is owner], chunk_numel, world, dtype,
+                                  offsets[g]):
+                owner.add(len(units), unit)
                 units.append(unit)
-                owner.append(mu)
+                group_of.append(owner)
                 offsets[g] += unit.shard_numel
-    return Stage3Plan([*ordered, root, persistent], units, owner, group_numels(units, len(groups)), root, persistent)
+    return Stage3Plan([*ordered, root, persistent], units, group_of, group_numels(units, len(groups)), root,
+                      persistent)
 
 
-def _param_units(model: nn.Module, groups: list[list[nn.Parameter]], wrapped: list[ModuleUnit], root: ModuleUnit,
-                 persistent: ModuleUnit, threshold: int) -> dict[nn.Parameter, ModuleUnit]:
+def _owners(model: nn.Module, groups: list[list[nn.Parameter]], wrapped: list[UnitGroup], root: UnitGroup,
+            persistent: UnitGroup, threshold: int) -> dict[nn.Parameter, UnitGroup]:
     """The module unit of every trainable parameter (frozen ones stay whole, outside every unit)."""
-    unit_of_module: dict[nn.Module, ModuleUnit] = {}
-    for mu in wrapped:
-        for sub in mu.module.modules():
-            unit_of_module.setdefault(sub, mu)
-    users: dict[nn.Parameter, set[ModuleUnit]] = {}
+    unit_of_module: dict[nn.Module, UnitGroup] = {}
+    for group in wrapped:
+        for sub in group.module.modules():
+            unit_of_module.setdefault(sub, group)
+    users: dict[nn.Parameter, set[UnitGroup]] = {}
     for mod in model.modules():
         for param in mod._parameters.values():
             if param is not None:
                 users.setdefault(param, set()).add(unit_of_module.get(mod, root))
     trainable = {p for g in groups for p in g}
-    out: dict[nn.Parameter, ModuleUnit] = {}
+    out: dict[nn.Parameter, UnitGroup] = {}
     for param, owners in users.items():
         if param not in trainable:
             continue
@@ -218,19 +183,15 @@ def check_wrap_names(model: nn.Module, wrap: list[str]) -> None:
 
 def describe(plan: Stage3Plan) -> str:
     """One line: how stage 3 cut the model (what `zerorun.initialize` prints on rank 0)."""
-    gathered = [mu for mu in plan.gathered_units() if mu.kind is UnitKind.WRAPPED]
-    split = [mu for mu in plan.gathered_units() if mu.kind is UnitKind.SPLIT]
-    classes = sorted({type(mu.module).__name__ for mu in gathered})
-    sharded = sum(_numel(plan, mu) for mu in gathered)
-    apart = (f", {len(split)} split off the root ({', '.join(mu.name for mu in split)}; "
-             f"{sum(_numel(plan, mu) for mu in split):,} parameters)" if split else "")
+    gathered = [g for g in plan.gathered_units() if g.kind is UnitKind.WRAPPED]
+    split = [g for g in plan.gathered_units() if g.kind is UnitKind.SPLIT]
+    classes = sorted({type(g.module).__name__ for g in gathered})
+    sharded = sum(g.numel for g in gathered)
+    apart = (f", {len(split)} split off the root ({', '.join(g.name for g in split)}; "
+             f"{sum(g.numel for g in split):,} parameters)" if split else "")
     return (f"zerorun: stage 3: {len(gathered)} units ({', '.join(classes) or 'none'}; {sharded:,} parameters "
-            f"gathered around their use){apart}, {_numel(plan, plan.root):,} in the root unit, "
-            f"{_numel(plan, plan.persistent):,} persistent")
-
-
-def _numel(plan: Stage3Plan, mu: ModuleUnit) -> int:
-    return sum(plan.units[k].layout.numel for k in mu.units)
+            f"gathered around their use){apart}, {plan.root.numel:,} in the root unit, "
+            f"{plan.persistent.numel:,} persistent")
 
 
 def warn_if_nothing_sharded(plan: Stage3Plan, wrap: list[str], threshold: int) -> None:
@@ -238,7 +199,7 @@ def warn_if_nothing_sharded(plan: Stage3Plan, wrap: list[str], threshold: int) -
     if plan.gathered_units():
         return
     total = sum(u.layout.numel for u in plan.units)
-    in_root, persistent = _numel(plan, plan.root), _numel(plan, plan.persistent)
+    in_root, persistent = plan.root.numel, plan.persistent.numel
     warnings.warn(
         f"zerorun stage 3 made no units: of {total:,} trainable parameters, {in_root:,} are in the root unit "
         f"(gathered for all of forward and backward) and {persistent:,} are persistent (fewer than "

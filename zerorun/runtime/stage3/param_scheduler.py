@@ -13,9 +13,12 @@
 The execution order is recorded on the first pass and re-recorded when it changes (that unit is then
 gathered on demand). The first forward runs under `watch_first_pass`: a split unit (module_units.py)
 whose parameters are used outside its own forward stays gathered for the whole pass, as the root.
-Whether backward is running is the engine's `phase`, read here and by the
-gradient reducer alike. The store's forgiving helpers are used where a unit may legitimately be in
-more than one state (a prefetched unit, a unit called twice); the strict ones elsewhere.
+Whether backward is running is the engine's `phase`, read here and by the gradient reducer alike.
+The scheduler sees the pass (its order, what to prefetch, what the first pass keeps whole); each
+group moves itself (unit_group.py), by its forgiving forms where a unit may legitimately be in more
+than one state (a prefetched unit, a unit called twice), by its strict ones elsewhere. The reducer
+tells the scheduler which unit's gradients went out (`gradients_sent`), which frees the group once
+all of its units' have.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from zerorun.runtime.stage3.module_units import AROUND_USE, ModuleUnit, UnitKind
 from zerorun.runtime.phase import Phase, TrainingPhase
 from zerorun.runtime.stage3.sharded_params import ShardedParams
+from zerorun.runtime.stage3.unit_group import AROUND_USE, UnitGroup, UnitKind
 
 
 class ParamScheduler:
@@ -40,25 +43,24 @@ class ParamScheduler:
                  say: Callable[[str], None] | None = None) -> None:
         """`say` tells the user (rank 0) which split units the first pass keeps whole, and why."""
         self.store, self.prefetch, self.phase, self.say = store, prefetch, phase, say
-        self.order: list[ModuleUnit] | None = None  # forward execution order, recorded on the first pass
-        self._observed: list[ModuleUnit] = []
-        self._backward_seen: set[ModuleUnit] = set()
-        self._reduced: set[int] = set()
+        self.order: list[UnitGroup] | None = None  # forward execution order, recorded on the first pass
+        self._observed: list[UnitGroup] = []
+        self._backward_seen: set[UnitGroup] = set()
         self._hooks: list[RemovableHandle] = []
-        self._inside: set[ModuleUnit] = set()  # module units whose forward is running now (the first pass's watch)
+        self._inside: set[UnitGroup] = set()  # module units whose forward is running now (the first pass's watch)
         self._own_work = 0  # > 0 while a hook of this scheduler runs: its gathers are not the model's uses
         self.root = store.plan.root
         # what the first pass learns, not written back into the plan: split units gathered for the whole
         # pass, as the root (all of them until the first pass has seen which are used outside their forward)
-        self.whole_pass: set[ModuleUnit] = {mu for mu in store.module_units if mu.kind is UnitKind.SPLIT}
+        self.whole_pass: set[UnitGroup] = {group for group in store.groups if group.kind is UnitKind.SPLIT}
         self.kept_whole: list[str] = []  # split units the first pass saw used outside their forward
-        for mu in store.plan.gathered_units():
-            self._hook(mu.module, lambda mu=mu: self._before_forward(mu),
-                       lambda out, mu=mu: self._after_forward(mu, out))
-            owned = {p for k in mu.units for p in store.units[k].params}
-            for sub in mu.module.modules():  # submodules called on their own, outside their unit's forward
-                if sub is not mu.module and any(p in owned for p in sub._parameters.values()):
-                    self._hook(sub, lambda mu=mu: store.ensure_gathered(mu), lambda out, mu=mu: self._guard(mu, out))
+        for group in store.plan.gathered_units():
+            self._hook(group.module, lambda group=group: self._before_forward(group),
+                       lambda out, group=group: self._after_forward(group, out))
+            owned = set(group.params)
+            for sub in group.module.modules():  # submodules called on their own, outside their unit's forward
+                if sub is not group.module and any(p in owned for p in sub._parameters.values()):
+                    self._hook(sub, lambda group=group: group.ensure_gathered(), lambda out, group=group: self._guard(group, out))
         self._hook(self.root.module, self._root_before, self._root_after)
 
     def _hook(self, module: torch.nn.Module, before: Callable[..., None], after: Callable[..., None]) -> None:
@@ -80,9 +82,9 @@ class ParamScheduler:
     def _root_before(self) -> None:
         if not self._in_backward:
             self._observed = []
-        for mu in self.store.module_units:  # the root, and split units gathered for the whole pass
-            if mu is self.root or mu in self.whole_pass:
-                self.store.ensure_gathered(mu)
+        for group in self.store.groups:  # the root, and split units gathered for the whole pass
+            if group is self.root or group in self.whole_pass:
+                group.ensure_gathered()
 
     def _root_after(self, out: object) -> None:
         if self._in_backward:
@@ -91,95 +93,95 @@ class ParamScheduler:
             self.order = list(self._observed)  # first pass, or the execution order changed: re-record
         self._guard(self.root, out)
         keep_root = torch.is_grad_enabled()  # backward will need the root (and shared) parameters
-        for mu in self.store.module_units:
-            held = keep_root and (mu in self.whole_pass or self._first_in_backward(mu))
-            if (mu.kind in AROUND_USE and not held) or (mu.kind is UnitKind.ROOT and not keep_root):
-                self.store.release_if_held(mu)  # prefetched ones too
+        for group in self.store.groups:
+            held = keep_root and (group in self.whole_pass or self._first_in_backward(group))
+            if (group.kind in AROUND_USE and not held) or (group.kind is UnitKind.ROOT and not keep_root):
+                group.release_if_held()  # prefetched ones too
 
-    def _first_in_backward(self, mu: ModuleUnit) -> bool:
+    def _first_in_backward(self, group: UnitGroup) -> bool:
         """A split unit that ends the forward (an output head) stays for backward, which starts with it."""
         order = self.order or []
-        return mu.kind is UnitKind.SPLIT and torch.is_grad_enabled() and bool(order) and mu is order[-1]
+        return group.kind is UnitKind.SPLIT and torch.is_grad_enabled() and bool(order) and group is order[-1]
 
-    def _before_forward(self, mu: ModuleUnit) -> None:
-        self._inside.add(mu)
+    def _before_forward(self, group: UnitGroup) -> None:
+        self._inside.add(group)
         if not self._in_backward:
-            self._observed.append(mu)
-        self.store.ensure_gathered(mu)  # a second call of the same unit, or one not prefetched
+            self._observed.append(group)
+        group.ensure_gathered()  # a second call of the same unit, or one not prefetched
         if not self._in_backward and self.order is not None:
             position = len(self._observed) - 1
-            if position < len(self.order) and self.order[position] is mu:
+            if position < len(self.order) and self.order[position] is group:
                 for nxt in self.order[position + 1:position + 1 + self.prefetch]:
-                    self.store.prefetch(nxt)
+                    nxt.prefetch()
 
-    def _after_forward(self, mu: ModuleUnit, out: object) -> None:
-        self._inside.discard(mu)
-        self._guard(mu, out)
+    def _after_forward(self, group: UnitGroup, out: object) -> None:
+        self._inside.discard(group)
+        self._guard(group, out)
         # during backward this is checkpoint recomputation: backward needs them
-        if not self._in_backward and mu not in self.whole_pass and not self._first_in_backward(mu):
-            self.store.release(mu)
+        if not self._in_backward and group not in self.whole_pass and not self._first_in_backward(group):
+            group.release()
 
     @contextlib.contextmanager
     def watch_first_pass(self) -> Iterator[None]:
         """Around the engine's forwards: the first one, while split units are still gathered for the whole
         pass, notes which split units' parameters are used outside their own forward; the others are
         gathered around their use from then on. A forward that raises decides nothing."""
-        split = [] if self.order is not None else [mu for mu in self.store.module_units if mu in self.whole_pass]
+        split = [] if self.order is not None else [group for group in self.store.groups if group in self.whole_pass]
         if not split:
             yield
             return
-        owner = {id(p): mu for mu in split for k in mu.units for p in self.store.units[k].params}
-        outside: set[ModuleUnit] = set()
+        owner: dict[torch.Tensor, UnitGroup] = {p: group for group in split for p in group.params}
+        outside: set[UnitGroup] = set()
         with _UseWatch(self, owner, outside):
             yield
-        self.whole_pass = {mu for mu in split if mu in outside}
-        self.kept_whole = [mu.name for mu in split if mu in self.whole_pass]
+        self.whole_pass = {group for group in split if group in outside}
+        self.kept_whole = [group.name for group in split if group in self.whole_pass]
         if self.kept_whole and self.say is not None:
             self.say(kept_whole_message(self.kept_whole))
 
     # -- backward -------------------------------------------------------------------------------
-    def _guard(self, mu: ModuleUnit, out: object) -> None:
-        """Gather `mu` again when gradients reach its outputs, before its backward runs."""
+    def _guard(self, group: UnitGroup, out: object) -> None:
+        """Gather `group` again when gradients reach its outputs, before its backward runs."""
         if not torch.is_grad_enabled():
             return
         for tensor in _tensors(out):
             if tensor.requires_grad:
-                tensor.register_hook(lambda grad, mu=mu: self._before_backward(mu))
+                tensor.register_hook(lambda grad, group=group: self._before_backward(group))
 
-    def _before_backward(self, mu: ModuleUnit) -> None:
-        if mu.units and all(k in self._reduced for k in mu.units):
+    def _before_backward(self, group: UnitGroup) -> None:
+        if group.all_sent:
             return  # its gradients are already on their way: a late hook (e.g. on a persistent submodule's output)
-        self.store.ensure_gathered(mu)
-        if mu in self._backward_seen or self.order is None or mu not in self.order:
+        group.ensure_gathered()
+        if group in self._backward_seen or self.order is None or group not in self.order:
             return
-        self._backward_seen.add(mu)
-        position = len(self.order) - 1 - self.order[::-1].index(mu)
+        self._backward_seen.add(group)
+        position = len(self.order) - 1 - self.order[::-1].index(group)
         for nxt in reversed(self.order[max(0, position - self.prefetch):position]):
             if nxt not in self._backward_seen:
-                self.store.prefetch(nxt)
+                nxt.prefetch()
 
     def prefetch_next_forward(self) -> None:
         """After a step: start gathering the first `prefetch` units of the recorded order, so the next
         forward's first gathers overlap with what runs before it (a unit then not used is released
         with the others when that forward ends)."""
-        for mu in (self.order or [])[:self.prefetch]:
-            self.store.prefetch(mu)
+        for group in (self.order or [])[:self.prefetch]:
+            group.prefetch()
 
     def begin_backward(self) -> None:
         self._backward_seen = set()
 
-    def unit_reduced(self, k: int) -> None:
-        """The reducer launched unit k's gradients: free its module unit once all its units have gone."""
-        mu = self.store.plan.owner[k]
-        if mu.kind in AROUND_USE and mu not in self.whole_pass and all(j in self._reduced for j in mu.units if j != k):
-            self.store.release_if_held(mu)  # released already when unused in this pass (its zeros are reduced)
-        self._reduced.add(k)
+    def gradients_sent(self, slot: int) -> None:
+        """The reducer sent the gradients of the unit at `slot`: its group is released once all of its have
+        gone (unless the pass keeps it whole)."""
+        group = self.store.plan.group_of[slot]
+        if group.gradients_sent(slot) and group.kind in AROUND_USE and group not in self.whole_pass:
+            group.release_if_held()  # released already when unused in this pass (its zeros are reduced)
 
     def end_backward(self) -> None:
-        self._reduced.clear()
-        for mu in self.store.module_units:
-            if mu.kind is not UnitKind.PERSISTENT:
-                self.store.release_if_held(mu)
+        for group in self.store.groups:
+            group.end_backward()
+            if group.kind is not UnitKind.PERSISTENT:
+                group.release_if_held()
         self.store.drop_idle_blocks()
 
     def remove(self) -> None:
@@ -195,19 +197,19 @@ def kept_whole_message(names: list[str]) -> str:
 
 
 class _UseWatch(TorchFunctionMode):
-    """Notes split units (`owner`: parameter id -> unit) whose parameters a torch function receives while
+    """Notes split units (`owner`: parameter -> its group) whose parameters a torch function receives while
     their own forward is not running and no scheduler hook is (`outside` gets them)."""
 
-    def __init__(self, scheduler: ParamScheduler, owner: dict[int, ModuleUnit], outside: set[ModuleUnit]) -> None:
+    def __init__(self, scheduler: ParamScheduler, owner: dict[torch.Tensor, UnitGroup], outside: set[UnitGroup]) -> None:
         super().__init__()
         self.scheduler, self.owner, self.outside = scheduler, owner, outside
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if not self.scheduler._own_work:
             for leaf in tree_leaves((args, kwargs or {})):
-                mu = self.owner.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
-                if mu is not None and mu not in self.scheduler._inside:
-                    self.outside.add(mu)
+                group = self.owner.get(leaf) if isinstance(leaf, torch.Tensor) else None
+                if group is not None and group not in self.scheduler._inside:
+                    self.outside.add(group)
         return func(*args, **(kwargs or {}))
 
 

@@ -6,9 +6,9 @@ stay valid across release and re-gather. The memory comes from a `BlockCache` (m
 host, and from the allocator (`resize_`) on CUDA, whose caching allocator keeps freed blocks
 itself. A gather fills this rank's piece from the parameter shard (`param_shards.py`: the master
 itself, a compute-dtype tensor, or NVMe files) and all-gathers the rest; with hpZ (hpz.py), a unit
-whose node-group piece is still valid is gathered within the node instead. The transitions of a
-module unit (module_units.py) are strict; `ensure_gathered`, `prefetch` and `release_if_held` are
-the forgiving forms the scheduler uses where more than one state is legitimate. When to call them is the scheduler's business (param_scheduler.py).
+whose node-group piece is still valid is gathered within the node instead. That is all the store does
+for a gather (`GatherBuffers`): each module unit's state and transitions are its `UnitGroup`'s
+(unit_group.py), and when a group gathers and releases is the scheduler's (param_scheduler.py).
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from zerorun.runtime.comm.collectives import Collectives, Pending
-from zerorun.runtime.stage3.hpz import SecondaryPartition
+from zerorun.runtime.comm.collectives import Collectives, Handle, Pending
 from zerorun.runtime.memory import MemoryReport, gather_blocks
-from zerorun.runtime.stage3.module_units import AROUND_USE, ModuleUnit, Stage3Plan, UnitState
-from zerorun.runtime.stage3.param_shards import build_param_shard
 from zerorun.runtime.offload.placement import Placement
 from zerorun.runtime.precision import PrecisionPolicy
+from zerorun.runtime.stage3.hpz import SecondaryPartition
+from zerorun.runtime.stage3.module_units import Stage3Plan
+from zerorun.runtime.stage3.param_shards import build_param_shard
 from zerorun.runtime.stage3.sharded_init import InitLog, materialize
+from zerorun.runtime.stage3.unit_group import AROUND_USE, UnitState
 from zerorun.runtime.store import ParamIO, UpdateTarget, master_state_dict, units_of
 from zerorun.runtime.units import Unit
 
@@ -43,7 +44,7 @@ class ShardedParams:
         self.blocks = gather_blocks(self.device)  # where gathered buffers get their memory
         self.shard_world, self.shard_rank = comm.world_size, comm.rank
         self.plan, self.units, self.group_numels = plan, plan.units, plan.group_numels
-        self.module_units, self.persistent = plan.module_units, plan.persistent
+        self.groups, self.persistent = plan.groups, plan.persistent
         self.home = placement.optimizer_home(self.group_numels)
         self.shard = build_param_shard(placement, self.home, self.units, self.group_numels, policy.param_dtype)
         self.full = [torch.empty(u.padded_numel, dtype=policy.param_dtype, device=self.device) for u in self.units]
@@ -56,9 +57,10 @@ class ShardedParams:
             self._shard_from(model)
         for k in range(len(self.units)):
             self.full[k].untyped_storage().resize_(0)  # never used: back to the allocator, not into `blocks`
-            self._free(k)
-        self.start_gather(self.persistent)
-        self.finish_gather(self.persistent)
+            self.free(k)
+        for group in self.groups:
+            group.bind(self)
+        self.persistent.ensure_gathered()
 
     # -- the first values -------------------------------------------------------------------------
     def _set_piece(self, group: int, start: int, values: torch.Tensor) -> None:
@@ -96,77 +98,33 @@ class ShardedParams:
                 if param.is_meta:  # becomes a real (empty until gathered) parameter
                     materialize(param, torch.empty(0, dtype=self.policy.param_dtype, device=self.device))
 
-    # -- the state machine: strict transitions ------------------------------------------------
-    def start_gather(self, mu: ModuleUnit) -> None:
-        """RELEASED -> GATHERING: this rank's pieces into place, the all-gathers launched."""
-        mu.expect(UnitState.RELEASED)
-        handles = []
-        for k in mu.units:
-            unit, full = self.units[k], self.full[k]
-            self._allocate(k)
-            if self.hpz is not None and self.hpz.holds(k):
-                handles.append(self.hpz.gather(k, full))
-            else:
-                self.shard.fill(unit, unit.piece(full, self.shard_rank))
-                handles.append(self.comm.all_gather(full, compute_copy=True))
-                if self.hpz is not None:
-                    self._full_gathers[k] = self.hpz.generation  # kept when it lands, unless stale by then
-            for param, view in zip(unit.params, self.views[k]):
-                param.data = view
-        mu.pending, mu.state = Pending(handles), UnitState.GATHERING
+    # -- a gather's memory and collectives (`GatherBuffers`, for the unit groups) ----------------------
+    def gather(self, slot: int) -> Handle:
+        unit, full = self.units[slot], self.full[slot]
+        self.blocks.fill(full.untyped_storage(), full.numel() * full.element_size())
+        if self.hpz is not None and self.hpz.holds(slot):
+            handle = self.hpz.gather(slot, full)
+        else:
+            self.shard.fill(unit, unit.piece(full, self.shard_rank))
+            handle = self.comm.all_gather(full, compute_copy=True)
+            if self.hpz is not None:
+                self._full_gathers[slot] = self.hpz.generation  # kept when it lands, unless stale by then
+        for param, view in zip(unit.params, self.views[slot]):
+            param.data = view
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+        return handle
 
-    def finish_gather(self, mu: ModuleUnit) -> None:
-        """GATHERING -> GATHERED: wait for the all-gathers."""
-        mu.expect(UnitState.GATHERING)
-        assert mu.pending is not None, "a GATHERING unit has its all-gathers pending"
-        mu.pending.wait()
-        mu.pending, mu.state = None, UnitState.GATHERED
-        if self.hpz is not None:
-            self._keep_secondary(mu, self.hpz)
+    def landed(self, slot: int) -> None:
+        """hpZ: keep the node-group piece of a unit gathered from every rank, unless stale since."""
+        if self.hpz is not None and self._full_gathers.pop(slot, None) == self.hpz.generation:
+            self.hpz.keep(slot, self.full[slot])
 
-    def _keep_secondary(self, mu: ModuleUnit, hpz: SecondaryPartition) -> None:
-        """hpZ: keep the node-group pieces of `mu`'s units gathered from every rank, unless stale since."""
-        for k in mu.units:
-            if self._full_gathers.pop(k, None) == hpz.generation:
-                hpz.keep(k, self.full[k])
-
-    def release(self, mu: ModuleUnit) -> None:
-        """GATHERED -> RELEASED: free the buffers (never while a collective writes into them)."""
-        mu.expect(UnitState.GATHERED)
-        for k in mu.units:
-            self._free(k)
-        mu.state = UnitState.RELEASED
-
-    def _allocate(self, k: int) -> None:
-        self.blocks.fill(self.full[k].untyped_storage(), self.full[k].numel() * self.full[k].element_size())
-
-    def _free(self, k: int) -> None:
-        self.blocks.take(self.full[k].untyped_storage())
+    def free(self, slot: int) -> None:
+        self.blocks.take(self.full[slot].untyped_storage())
         # a stray read of a released parameter is then an empty tensor, not freed memory; tensors
         # autograd saved keep the resizable storage and see the data again once re-gathered
-        for param in self.units[k].params:
+        for param in self.units[slot].params:
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-
-    # -- forgiving forms, for callers where several states are legitimate ---------------------------
-    def ensure_gathered(self, mu: ModuleUnit) -> None:
-        """Whatever its state, return with `mu` GATHERED."""
-        if mu.state is UnitState.RELEASED:
-            self.start_gather(mu)
-        if mu.state is UnitState.GATHERING:
-            self.finish_gather(mu)
-
-    def prefetch(self, mu: ModuleUnit) -> None:
-        """Start gathering `mu` if it is released (a prefetch of a unit already there is a no-op)."""
-        if mu.state is UnitState.RELEASED:
-            self.start_gather(mu)
-
-    def release_if_held(self, mu: ModuleUnit) -> None:
-        """Whatever its state, return with `mu` RELEASED (an in-flight gather is finished first)."""
-        if mu.state is UnitState.GATHERING:
-            self.finish_gather(mu)
-        if mu.state is UnitState.GATHERED:
-            self.release(mu)
 
     def drop_idle_blocks(self) -> None:
         """Hand back the memory of released units kept for re-gathers (at the end of a backward)."""
@@ -178,16 +136,16 @@ class ShardedParams:
 
     def publish(self) -> Pending:
         """After a step: refresh the units gathered right now (the persistent one; the rest gather later)."""
-        live = [mu for mu in self.module_units if mu.state is not UnitState.RELEASED]
-        for mu in live:
-            self.release_if_held(mu)
+        live = [group for group in self.groups if group.state is not UnitState.RELEASED]
+        for group in live:
+            group.release_if_held()
         self._parameters_changed()
-        for mu in live:
-            self.start_gather(mu)
+        for group in live:
+            group.start_gather()
 
         def gather_live() -> None:
-            for mu in live:
-                self.ensure_gathered(mu)
+            for group in live:
+                group.ensure_gathered()
         return Pending(then=gather_live)
 
     def publish_after_step(self) -> None:
@@ -234,7 +192,7 @@ class ShardedParams:
         return self.shard.io()
 
     def account(self, report: MemoryReport) -> None:
-        window = {k for mu in self.module_units if mu.kind in AROUND_USE for k in mu.units}
+        window = {k for group in self.groups if group.kind in AROUND_USE for k in group.slots}
         held = [(k in window, t.untyped_storage().nbytes()) for k, t in enumerate(self.full)]
         secondary = self.hpz.nbytes() if self.hpz is not None else 0
         report.add("params", self.device.type, sum(n for in_window, n in held if not in_window) + secondary)
@@ -248,19 +206,18 @@ class ShardedParams:
 def _gathered(store: ShardedParams, params: Iterable[nn.Parameter] | None, modify: bool, src: int) -> Iterator[None]:
     """Full parameters inside the block; with `modify`, rank `src`'s values are written back to every shard."""
     wanted = set(params) if params is not None else None
-    chosen = [mu for mu in store.module_units
-              if wanted is None or any(p in wanted for k in mu.units for p in store.units[k].params)]
-    released = [mu for mu in chosen if mu.state is UnitState.RELEASED]
-    for mu in chosen:
-        store.prefetch(mu)
-    for mu in chosen:
-        store.ensure_gathered(mu)
+    chosen = [group for group in store.groups if wanted is None or any(p in wanted for p in group.params)]
+    released = [group for group in chosen if group.state is UnitState.RELEASED]
+    for group in chosen:
+        group.prefetch()
+    for group in chosen:
+        group.ensure_gathered()
     try:
         yield
     finally:
-        for mu in chosen:
-            for k in mu.units if modify else []:
+        for group in chosen:
+            for k, unit in zip(group.slots, group.units) if modify else []:
                 store.comm.broadcast(store.full[k], src=src).wait()
-                store.set_piece(store.units[k], store.units[k].piece(store.full[k], store.shard_rank))
-        for mu in released:
-            store.release(mu)
+                store.set_piece(unit, unit.piece(store.full[k], store.shard_rank))
+        for group in released:
+            group.release()

@@ -1,0 +1,158 @@
+"""A stage 3 module unit's life, owned by one object, as FSDP2's `FSDPParamGroup` owns a group's.
+
+A `UnitGroup` is one module unit of the plan (module_units.py): a module (or the root, or the
+persistent parameters), its kind, and its flat units (units.py), each one all-gather and one
+reduce-scatter. The group holds where it is and moves itself between states, only along
+
+    RELEASED --start_gather--> GATHERING --finish_gather--> GATHERED --release--> RELEASED
+
+Every transition asserts where it starts (`expect`, like FSDP2's `_assert_in_states`): a hook
+firing in an order nobody planned is a loud bug, not a silent repair. `ensure_gathered`, `prefetch`
+and `release_if_held` are the forgiving forms, for callers where more than one state is legitimate
+(a prefetched unit, a unit called twice). The group also counts which of its units' gradients the
+reducer has sent in this backward (`gradients_sent`): once all have gone, its parameters may go.
+
+What a gather *does* to memory and the wire (a buffer filled from the shard, an all-gather or hpZ's
+gather within the node, the parameters pointed at the buffer) is the store's (sharded_params.py),
+through the three calls of `GatherBuffers`; *when* a group gathers and releases is the scheduler's
+(param_scheduler.py), which alone sees the order of the pass.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Protocol
+
+from torch import nn
+
+from zerorun.runtime.comm.collectives import Handle, Pending
+from zerorun.runtime.units import Unit
+
+
+class UnitKind(Enum):
+    WRAPPED = "wrapped"
+    SPLIT = "split"  # a module outside every wrapped one, split off the root (module_units.py)
+    ROOT = "root"
+    PERSISTENT = "persistent"
+
+
+AROUND_USE = (UnitKind.WRAPPED, UnitKind.SPLIT)  # the kinds gathered around their use, not for the whole pass
+
+
+class UnitState(Enum):
+    RELEASED = "released"  # storage freed; parameters are empty tensors
+    GATHERING = "gathering"  # this rank's pieces in place, all-gather in flight
+    GATHERED = "gathered"  # full parameters, safe to compute with
+
+
+class GatherBuffers(Protocol):
+    """What a group asks of the store that holds its units' buffers, by a unit's slot in the plan."""
+
+    def gather(self, slot: int) -> Handle:
+        """Give the slot's buffer memory, put this rank's piece in place, point the parameters at it and
+        start the gather of the rest."""
+
+    def landed(self, slot: int) -> None:
+        """The slot's gather has finished (hpZ may keep a copy of it)."""
+
+    def free(self, slot: int) -> None:
+        """Hand the slot's buffer memory back; its parameters become empty tensors."""
+
+
+class UnitGroup:
+    """Parameters gathered and released together, with the state they are in."""
+
+    def __init__(self, name: str, module: nn.Module, kind: UnitKind) -> None:
+        self.name, self.module, self.kind = name, module, kind
+        self.units: list[Unit] = []  # its flat units, in optimizer-state order
+        self.slots: list[int] = []  # their positions in the plan's units: the store's buffers, the reducer's index
+        self.state = UnitState.RELEASED
+        self.pending: Pending | None = None  # the all-gathers of a GATHERING group
+        self._buffers: GatherBuffers | None = None
+        self._sent: set[int] = set()  # slots whose gradients the reducer sent in this backward
+
+    def __repr__(self) -> str:
+        return f"UnitGroup({self.name!r}, {self.kind.value}, {self.state.value}, {len(self.units)} units)"
+
+    def add(self, slot: int, unit: Unit) -> None:
+        self.slots.append(slot)
+        self.units.append(unit)
+
+    def bind(self, buffers: GatherBuffers) -> None:
+        """The store whose buffers this group's gathers fill (once, when the store is built)."""
+        self._buffers = buffers
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for unit in self.units for p in unit.params]
+
+    @property
+    def numel(self) -> int:
+        return sum(unit.layout.numel for unit in self.units)
+
+    def expect(self, *states: UnitState) -> None:
+        assert self.state in states, (f"stage 3 unit {self.name}: expected {' or '.join(s.value for s in states)}, "
+                                      f"but it is {self.state.value}")
+
+    # -- strict transitions ---------------------------------------------------------------------------
+    def start_gather(self) -> None:
+        """RELEASED -> GATHERING: this rank's pieces into place, the all-gathers launched."""
+        self.expect(UnitState.RELEASED)
+        buffers = self._bound()
+        self.pending, self.state = Pending([buffers.gather(k) for k in self.slots]), UnitState.GATHERING
+
+    def finish_gather(self) -> None:
+        """GATHERING -> GATHERED: wait for the all-gathers."""
+        self.expect(UnitState.GATHERING)
+        assert self.pending is not None, "a GATHERING unit has its all-gathers pending"
+        self.pending.wait()
+        self.pending, self.state = None, UnitState.GATHERED
+        for k in self.slots:
+            self._bound().landed(k)
+
+    def release(self) -> None:
+        """GATHERED -> RELEASED: free the buffers (never while a collective writes into them)."""
+        self.expect(UnitState.GATHERED)
+        for k in self.slots:
+            self._bound().free(k)
+        self.state = UnitState.RELEASED
+
+    def _bound(self) -> GatherBuffers:
+        assert self._buffers is not None, f"stage 3 unit {self.name} is not bound to a store"
+        return self._buffers
+
+    # -- forgiving forms --------------------------------------------------------------------------------
+    def ensure_gathered(self) -> None:
+        """Whatever its state, return GATHERED."""
+        if self.state is UnitState.RELEASED:
+            self.start_gather()
+        if self.state is UnitState.GATHERING:
+            self.finish_gather()
+
+    def prefetch(self) -> None:
+        """Start gathering if released (a prefetch of a group already there is a no-op)."""
+        if self.state is UnitState.RELEASED:
+            self.start_gather()
+
+    def release_if_held(self) -> None:
+        """Whatever its state, return RELEASED (an in-flight gather is finished first)."""
+        if self.state is UnitState.GATHERING:
+            self.finish_gather()
+        if self.state is UnitState.GATHERED:
+            self.release()
+
+    # -- gradients ----------------------------------------------------------------------------------------
+    def gradients_sent(self, slot: int) -> bool:
+        """The reducer sent the gradients of its unit at `slot`; whether all of this group's have gone now
+        (its parameters are then not needed again in this backward)."""
+        assert slot in self.slots, f"unit {slot} is not in stage 3 unit {self.name}"
+        self._sent.add(slot)
+        return len(self._sent) == len(self.slots)
+
+    @property
+    def all_sent(self) -> bool:
+        """Every unit's gradients went out in this backward (a gradient hook firing now is a late one)."""
+        return bool(self.slots) and len(self._sent) == len(self.slots)
+
+    def end_backward(self) -> None:
+        self._sent.clear()
