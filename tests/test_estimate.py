@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from tests.harness import run_ranks
 from zerorun import estimate as planner
 from zerorun.cli import app
-from zerorun.runtime.offload.placement import Place
 from zerorun.runtime.memory import MODEL_STATE_KINDS
+from zerorun.runtime.offload.placement import Place
 
 PRECISIONS = ("fp32", "bf16")
 

@@ -29,9 +29,9 @@ import pytest
 import torch
 
 from tests.compat.real_deepspeed import deepspeed_python
-from tests.runtime.reference import batch, make_model
 from tests.harness import run_ranks
 from tests.launch.launched import subprocess_env
+from tests.runtime.reference import batch, make_model
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "scripts" / "ds_train.py"

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from zerorun.runtime.checkpoint import files as checkpoint_format
-from zerorun.runtime.checkpoint.sharded import CRASH_ENV
 from zerorun.runtime.checkpoint.background import SLOW_ENV
+from zerorun.runtime.checkpoint.sharded import CRASH_ENV
 
 TEARDOWN_LIMIT_S = 15.0
 

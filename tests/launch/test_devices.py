@@ -6,8 +6,8 @@ import pytest
 
 from zerorun.errors import LaunchError
 from zerorun.launch import devices, node
-from zerorun.launch.node import NodeJob
 from zerorun.launch.devices import visible_devices
+from zerorun.launch.node import NodeJob
 
 
 def test_slots_are_indices_of_the_gpus_the_node_sees():

@@ -223,13 +223,12 @@ class _Exited:
 
 
 def test_stopping_many_nodes_asks_every_node_at_once_and_waits_on_a_bounded_pool():
+    from tests.harness import Concurrency
     from zerorun import config
     from zerorun.hostfile import Node
     from zerorun.launch import supervisor as module
     from zerorun.launch.plan import MachineFacts, plan
     from zerorun.launch.supervisor import Supervisor
-
-    from tests.harness import Concurrency
 
     counter, asked = Concurrency(), []
 

@@ -23,8 +23,7 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
-from tests.launch.launched import (BIG_RECIPE_ENV, SCRIPTS, LaunchedJob, recipe_files_shown, subprocess_env,
-                                   write_recipe)
+from tests.launch.launched import BIG_RECIPE_ENV, SCRIPTS, LaunchedJob, recipe_files_shown, subprocess_env, write_recipe
 from tests.launch.slurm_cluster import PrivateSlurm, missing_programs
 from zerorun import config
 from zerorun.cli import app

@@ -65,9 +65,8 @@ def test_stages_0_1_2_match_ddp_adamw_fp32(world: int) -> None:
 
 
 def _overlap(rank: int, world: int, overlap: bool) -> tuple[int, int]:
-    from tests.runtime.reference import batch, make_model
-
     import zerorun
+    from tests.runtime.reference import batch, make_model
     from zerorun import config
 
     recipe = config.loads("script: t.py", "t.yaml", ["zero.stage=2", "zero.bucket_mb=0.0005",

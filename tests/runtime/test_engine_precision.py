@@ -154,8 +154,8 @@ def test_fp16_overflow_on_one_rank_skips_exactly_that_step_on_every_rank() -> No
 
 def _state_dicts(rank: int, world: int) -> dict[int, dict[str, tuple[str, float]]]:
     """engine.state_dict() after 2 bf16 steps at each stage: every tensor's dtype and sum."""
-    from zerorun.runtime.comm.dist import init_distributed
     from tests.runtime.reference import engine_run
+    from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
     out = {}

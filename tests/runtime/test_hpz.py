@@ -47,9 +47,9 @@ def test_hpz_is_bit_identical_to_stage_3_and_gathers_within_the_node(world: int,
 
 def _refused(rank: int, world: int) -> str:
     import zerorun
+    from tests.runtime.reference import make_model
     from zerorun import config
     from zerorun.errors import ZerorunError
-    from tests.runtime.reference import make_model
 
     recipe = config.loads("script: t.py\n", "t.yaml", ["zero.stage=3", "zero.hpz_partition_size=2"])
     try:

@@ -39,8 +39,8 @@ def _landing_at_wait(all_gather):
 
 def _train(rank: int, overrides: list[str], overlap: bool, ckpt_dir: str | None = None) -> dict:
     import zerorun
-    from zerorun import config
     from tests.runtime.reference import OPT, batch, make_model, tied_gpt
+    from zerorun import config
     from zerorun.runtime.stage3.unit_group import UnitState
 
     recipe = config.loads("script: t.py\n", "t.yaml", ["zero.bucket_mb=0.0005", *overrides,
@@ -152,8 +152,8 @@ def _engine_defers(rank: int, world: int, local_world: int) -> bool:
     import os
 
     import zerorun
-    from zerorun import config
     from tests.runtime.reference import make_model
+    from zerorun import config
 
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world)  # as the launcher sets it: ranks on this node
     recipe = config.loads("script: t.py\n", "t.yaml", ["zero.stage=2"])  # overlap_publish: auto by default
@@ -245,3 +245,41 @@ def test_a_forward_waits_for_a_gather_another_thread_is_already_waiting_for() ->
     telemetry.join(timeout=30)
     assert read == [2.0]  # the landed value
     assert deferred.outstanding == 0
+
+
+def _torn_down(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import zerorun
+    from tests.runtime.reference import OPT, batch, make_model, tied_gpt
+    from zerorun import config
+    from zerorun.launch.worker import _settle_before_teardown
+    from zerorun.runtime.comm.dist import init_distributed
+    from zerorun.runtime.stage3.unit_group import UnitState
+
+    init_distributed()
+    engines = {}
+    for stage, overrides in ((2, ["zero.overlap_publish=true"]), (3, [*STAGE3, "zero.overlap_comm=true"])):
+        recipe = config.loads("script: t.py\n", "t.yaml", ["zero.bucket_mb=0.0005", f"zero.stage={stage}", *overrides])
+        model = tied_gpt(0) if stage == 3 else make_model(0)
+        engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), **OPT), recipe)
+        for micro in range(2):
+            engine.backward(engine(batch(0, rank, micro)))
+            engine.step()
+        engines[stage] = engine
+    in_flight = lambda: {  # noqa: E731
+        2: engines[2].store.deferred.outstanding,
+        3: sum(g.state is UnitState.GATHERING for g in engines[3].store.groups)}
+    before = in_flight()
+    _settle_before_teardown()  # what the worker installs before the script runs
+    dist.destroy_process_group()  # the script's own, at the end of training (a DDP habit)
+    return {"before": before, "after": in_flight()}
+
+
+def test_a_scripts_own_destroy_process_group_first_finishes_the_collectives_in_flight() -> None:
+    """After the last step a deferred publish (stages 1/2) or a prefetch (stage 3) is on the wire; tearing the
+    group down under it aborts a gloo process ("terminate called without an active exception"), now and then.
+    The worker's wrapper settles every engine first."""
+    for out in run_ranks(_torn_down, 2):
+        assert out["before"][2] > 0 and out["before"][3] > 0, out  # there was something in flight to settle
+        assert out["after"] == {2: 0, 3: 0}, out

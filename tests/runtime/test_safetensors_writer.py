@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from zerorun.runtime.checkpoint import safetensors_writer
-from zerorun.runtime.offload.nvme import aligned_empty
 from zerorun.runtime.checkpoint.safetensors_writer import ALIGN, BOUNCE, Source
+from zerorun.runtime.offload.nvme import aligned_empty
 
 SIZES = {"a": 5000, "b": 1024, "c": 3 * BOUNCE // 4 + 7, "d": 1, "e": 0, "f": 2 * ALIGN // 4}
 METADATA = {"format": "test"}

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from typer.testing import CliRunner
 
 from zerorun.cli import app

@@ -10,8 +10,8 @@ from pathlib import Path
 from tests.telemetry.test_console import job_records
 from zerorun import config
 from zerorun.hostfile import Node
-from zerorun.launch.plan import MachineFacts, plan
 from zerorun.launch.monitor import Monitor
+from zerorun.launch.plan import MachineFacts, plan
 
 
 def make_monitor(tmp_path: Path, live: bool, **telemetry: float) -> tuple[Monitor, io.BytesIO, io.BytesIO]:

@@ -114,8 +114,8 @@ def _set_mode(engine: Any, mode: str, default_nice: int) -> None:
 def _train(rank: int, world: int, cfg: CkptBenchConfig, root: str) -> dict[str, Any]:
     import zerorun
     from zerorun import config
-    from zerorun.runtime.checkpoint import background as checkpoint_async
     from zerorun.runtime import events
+    from zerorun.runtime.checkpoint import background as checkpoint_async
     from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()

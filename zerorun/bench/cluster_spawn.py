@@ -90,11 +90,14 @@ def _main(payload: str, result: str, threads: str) -> int:
     import torch
     import torch.distributed as dist
 
+    from zerorun.runtime.engine import settle_all
+
     torch.set_num_threads(int(threads))
     fn, args = pickle.loads(Path(payload).read_bytes())
     code = 0
     try:
         outcome = (True, fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *args))
+        settle_all()  # collectives still in flight abort a gloo process at teardown
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         outcome, code = (False, traceback.format_exc()), 1
     finally:

@@ -25,8 +25,17 @@ import torch
 import torch.distributed as dist
 
 from zerorun.bench.gpt import GPT, GPTConfig, synthetic_tokens
-from zerorun.bench.scale_plan import DESCRIPTIONS, GIB, OVERRIDES, Budget, Family, Prediction, largest_fitting, \
-    next_to_try, predict
+from zerorun.bench.scale_plan import (
+    DESCRIPTIONS,
+    GIB,
+    OVERRIDES,
+    Budget,
+    Family,
+    Prediction,
+    largest_fitting,
+    next_to_try,
+    predict,
+)
 from zerorun.bench.spawn import RankFailure, run_ranks
 
 OVER_BUDGET_EXIT = 86

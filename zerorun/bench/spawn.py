@@ -33,9 +33,13 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, thread
     import torch
     import torch.distributed as dist
 
+    from zerorun.runtime.engine import settle_all
+
     torch.set_num_threads(threads)
     try:
-        results.put((rank, True, fn(rank, world_size, *args)))
+        result = fn(rank, world_size, *args)
+        settle_all()  # collectives still in flight abort a gloo process at teardown
+        results.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:

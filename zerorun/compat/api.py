@@ -21,14 +21,13 @@ import torch
 
 import zerorun
 from zerorun import config as recipes
-from zerorun.config import ds_config
-from zerorun.runtime.optim import schedules
 from zerorun.compat.engine import DeepSpeedEngine
-from zerorun.config import Recipe
+from zerorun.config import Recipe, ds_config
 from zerorun.errors import ConfigError, ZerorunError
 from zerorun.runtime.comm.dist import DistInfo
 from zerorun.runtime.comm.dist import init_distributed as _init_distributed
 from zerorun.runtime.engine import Engine
+from zerorun.runtime.optim import schedules
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

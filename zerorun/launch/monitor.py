@@ -29,8 +29,8 @@ stops watching once every rank has reached `train.steps`.
 from __future__ import annotations
 
 import io
-import json
 import ipaddress
+import json
 import os
 import secrets
 import signal
@@ -46,12 +46,12 @@ from rich.text import Text
 
 from zerorun import config
 from zerorun.launch import JOB_ID_ENV
-from zerorun.launch.plan import LaunchPlan, is_local
 from zerorun.launch.outcome import Output
+from zerorun.launch.plan import LaunchPlan, is_local
 from zerorun.telemetry import RUNS_DIR, console
 from zerorun.telemetry.collector import Collector
-from zerorun.telemetry.trackers import TrackerUnavailable, open_trackers
 from zerorun.telemetry.state import Culprit, RankState
+from zerorun.telemetry.trackers import TrackerUnavailable, open_trackers
 
 PLAIN_EVERY_S = 30.0
 LIVE_REFRESH_S = 0.25

@@ -77,6 +77,7 @@ def run_script(script: str, args: list[str]) -> int:
 
     host_allocator.install()  # zero.host_memory: this process's allocator follows each engine's setup
     clip.install()  # before the script imports clip_grad_norm_: its calls on the engine's parameters reach the engine
+    _settle_before_teardown()
     script = os.path.abspath(script)
     sys.argv = [script, *args]
     # The script's directory comes first, as for `python script.py`; the entries after it stay, so
@@ -106,9 +107,8 @@ def run_script(script: str, args: list[str]) -> int:
 
 def _run_path(script: str) -> dict[str, Any]:
     """Run the script as `__main__`; the moment it returns or raises, the probe (if any) stops reporting where it is."""
-    from zerorun.telemetry import probe
-
     from zerorun.runtime.checkpoint import background as checkpoint_async
+    from zerorun.telemetry import probe
 
     raised: BaseException | None = None
     try:
@@ -156,15 +156,37 @@ def _print_user_traceback(exc: BaseException, script: str) -> None:
     traceback.print_exception(type(exc), exc, walk)  # None: the script did not start (SyntaxError)
 
 
+def _settle_before_teardown() -> None:
+    """A script's own `dist.destroy_process_group()` (a DDP habit at the end of training) first finishes the
+    engines' collectives still in flight (`engine.settle_all`): gloo aborts a process whose group is torn
+    down under a running one, and after the last `step()` a deferred publish or a prefetch may be."""
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def settled_destroy(*args: Any, **kwargs: Any) -> None:
+        _settle_engines()
+        destroy(*args, **kwargs)
+
+    dist.destroy_process_group = settled_destroy
+
+
+def _settle_engines() -> None:
+    from zerorun.runtime.engine import settle_all
+
+    settle_all()
+
+
 def _destroy_process_group() -> None:
     """Tear the process group down once every rank is done with its collectives.
 
-    Without the barrier a rank whose last collective finished early closes its connections while a
-    peer may still be receiving; an abort at exit ("terminate called without an active exception")
-    was seen once in loaded 4-rank CPU runs, and this is the suspected cause.
+    The engines' collectives still in flight are finished first (`_settle_engines`). Without the barrier a
+    rank whose last collective finished early closes its connections while a peer may still be receiving.
+    Either one left out aborts the process at exit ("terminate called without an active exception").
     """
     import torch.distributed as dist
 
+    _settle_engines()
     if dist.is_initialized():
         try:
             dist.barrier()

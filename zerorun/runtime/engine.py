@@ -24,9 +24,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import weakref
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,34 +35,44 @@ from torch import nn
 
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
-from zerorun.runtime.checkpoint import background as checkpoint_async
-from zerorun.runtime.optim import clip
 from zerorun.runtime import events
-from zerorun.runtime.stage3 import sharded_init
 from zerorun.runtime.accumulation import AccumulationWindow
-from zerorun.runtime.optim.clip import ClipCall
-from zerorun.runtime.optim.lr_schedules import LrSchedules
-from zerorun.runtime.events import StepWindow
-from zerorun.runtime.optim.adam_step import AdamStep, Piece
+from zerorun.runtime.checkpoint import background as checkpoint_async
 from zerorun.runtime.checkpoint.background import Checkpointer
 from zerorun.runtime.comm.collectives import Collectives
+from zerorun.runtime.comm.dist import init_distributed
 from zerorun.runtime.deferred_publish import publish_overlaps
 from zerorun.runtime.devices import place_inputs, to_device
-from zerorun.runtime.comm.dist import init_distributed
+from zerorun.runtime.events import StepWindow
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
-from zerorun.runtime.stage3.hpz import SecondaryPartition
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
-from zerorun.runtime.stage3.module_units import describe as describe_plan
-from zerorun.runtime.stage3.module_units import plan_stage3, warn_if_nothing_sharded
+from zerorun.runtime.offload.placement import Placement
+from zerorun.runtime.optim import clip
+from zerorun.runtime.optim.adam_step import AdamStep, Piece
+from zerorun.runtime.optim.clip import ClipCall
+from zerorun.runtime.optim.lr_schedules import LrSchedules
 from zerorun.runtime.optim.optimizer import ShardedAdamW, param_groups_from
 from zerorun.runtime.phase import Phase, TrainingPhase
-from zerorun.runtime.offload.placement import Placement
 from zerorun.runtime.precision import LossScaler, PrecisionPolicy
+from zerorun.runtime.stage3 import sharded_init
+from zerorun.runtime.stage3.hpz import SecondaryPartition
+from zerorun.runtime.stage3.module_units import describe as describe_plan
+from zerorun.runtime.stage3.module_units import plan_stage3, warn_if_nothing_sharded
 from zerorun.runtime.stage3.scheduled_params import ScheduledParams
 from zerorun.runtime.store import ParamStore, units_of
 
 log = logging.getLogger("zerorun")
+_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()  # every engine of this process, for `settle_all`
+
+
+def settle_all() -> None:
+    """Finish the collectives every engine of this process still has in flight. The worker calls it when the
+    script ends (and before a script's own `destroy_process_group()`): after the last `step()` a deferred
+    publish or a prefetch may still be on the wire, and gloo aborts a process whose group is torn down
+    under a running collective ("terminate called without an active exception")."""
+    for engine in list(_LIVE):
+        engine.store.settle()
 
 
 class Engine:
@@ -121,6 +132,7 @@ class Engine:
         clip.route_to(self)
         self.checkpoints = Checkpointer(self)  # saves: in the background, at most one in flight
         self.checkpoints.clean_start()
+        _LIVE.add(self)
         events.emit_setup(setup(done=True))
 
     # -- setup helpers ----------------------------------------------------------------------

@@ -126,6 +126,9 @@ class FlatParams:
         if self.deferred is not None:
             self.deferred.wait_all()
 
+    def settle(self) -> None:
+        self.wait_published()  # the deferred publish is the only collective left between steps
+
     def forward_context(self) -> AbstractContextManager:
         return contextlib.nullcontext()  # whole parameters: nothing to gather around a forward
 

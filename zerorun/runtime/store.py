@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from zerorun.runtime.comm.collectives import Collectives, Pending
-from zerorun.runtime.offload.homes import Home
 from zerorun.runtime.memory import MemoryReport
+from zerorun.runtime.offload.homes import Home
 from zerorun.runtime.offload.transfers import Transfers
 from zerorun.runtime.units import Unit
 
@@ -114,6 +114,10 @@ class ParamStore(Protocol):
 
     def wait_published(self) -> None:
         """Return once the last step's publish has reached every rank (a no-op where it was waited for)."""
+
+    def settle(self) -> None:
+        """Finish every collective still in flight (the deferred publish, stage 3's prefetched gathers): before
+        the process group is torn down, which aborts a gloo process whose collectives are still running."""
 
     def forward_context(self) -> AbstractContextManager:
         """Entered around every engine forward (stage 3's first-pass watch; nothing elsewhere)."""

@@ -34,7 +34,6 @@ from zerorun.tune.output import ranked, trial_json
 from zerorun.tune.space import Candidate, gib
 from zerorun.tune.tuner import Session, TuneOptions, TuneResult, prepare
 
-
 REFERENCE_EVERY = 6  # the recipe's own configuration runs again after this many candidates
 
 

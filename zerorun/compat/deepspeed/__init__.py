@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from zerorun import __version__ as _zerorun_version
-from zerorun.compat.deepspeed import accelerator, checkpoint, comm, ops, runtime, utils, zero
 from zerorun.compat.api import add_config_arguments, init_distributed, initialize
+from zerorun.compat.deepspeed import accelerator, checkpoint, comm, ops, runtime, utils, zero
 from zerorun.compat.engine import DeepSpeedEngine
 
 API_VERSION = "0.19.8"  # the DeepSpeed release whose API this follows (transformers and accelerate check it)

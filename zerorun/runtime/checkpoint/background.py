@@ -46,12 +46,12 @@ import psutil
 import torch
 
 from zerorun.errors import ZerorunError
-from zerorun.runtime.checkpoint import sharded as checkpoint
 from zerorun.runtime import events
+from zerorun.runtime.checkpoint import sharded as checkpoint
 from zerorun.runtime.checkpoint.files import clean_crashed_saves, shard_file, write_atomic, write_tensors
 from zerorun.runtime.checkpoint.snapshot import HostSnapshot, RankState, StreamedState
-from zerorun.runtime.offload.homes import MemoryHome
 from zerorun.runtime.memory import MemoryReport
+from zerorun.runtime.offload.homes import MemoryHome
 
 log = logging.getLogger("zerorun")
 

@@ -35,9 +35,20 @@ import torch
 
 from zerorun.errors import ZerorunError
 from zerorun.runtime.checkpoint import safetensors_writer
-from zerorun.runtime.checkpoint.manifest import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, STATE_KINDS,
-                                                 UNSEALED_VERSION, VERSION, check_integrity, sealed, shard_file,
-                                                 validate)
+from zerorun.runtime.checkpoint.manifest import (
+    CLIENT_STATE,
+    EXTRAS,
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    STATE_KINDS,
+    UNSEALED_VERSION,
+    VERSION,
+    check_integrity,
+    sealed,
+    shard_file,
+    validate,
+)
 from zerorun.runtime.checkpoint.safetensors_writer import Source, file_crc32
 
 # safetensors' names of the dtypes a checkpoint holds (others are not compared)

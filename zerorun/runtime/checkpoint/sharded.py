@@ -40,10 +40,27 @@ from torch import nn
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
 from zerorun.runtime.checkpoint import resume_check
-from zerorun.runtime.checkpoint.files import (CLIENT_STATE, EXTRAS, FORMAT, LATEST, MANIFEST, VERSION, Checkpoint,
-                                               as_entry, check_tag, clean_crashed_saves, fsync_dir, prune, replace_dir,
-                                               os_error, seal, shard_file, write_atomic, write_manifest,
-                                               write_tensors)
+from zerorun.runtime.checkpoint.files import (
+    CLIENT_STATE,
+    EXTRAS,
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    VERSION,
+    Checkpoint,
+    as_entry,
+    check_tag,
+    clean_crashed_saves,
+    fsync_dir,
+    os_error,
+    prune,
+    replace_dir,
+    seal,
+    shard_file,
+    write_atomic,
+    write_manifest,
+    write_tensors,
+)
 from zerorun.runtime.comm.collectives import Collectives
 from zerorun.runtime.offload.homes import KINDS
 from zerorun.runtime.optim.lr_schedules import LrSchedules

@@ -26,9 +26,9 @@ from typing import Any, Iterator
 
 import torch
 
+from zerorun.runtime.checkpoint.safetensors_writer import Source
 from zerorun.runtime.offload.homes import KINDS, Home
 from zerorun.runtime.offload.nvme import aligned_empty
-from zerorun.runtime.checkpoint.safetensors_writer import Source
 
 STREAM_CHUNK = 1 << 24  # fp32 elements per NVMe read (64 MiB), a multiple of the 4096-byte O_DIRECT block
 

@@ -39,8 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from zerorun.errors import ZerorunError
-from zerorun.offload_files import MEMORY_FILESYSTEMS, check_nvme_path, filesystem_type  # noqa: F401 - re-exported
-from zerorun.offload_files import size_text
+from zerorun.offload_files import MEMORY_FILESYSTEMS, check_nvme_path, filesystem_type, size_text  # noqa: F401 - re-exported
 from zerorun.runtime.offload.aio import ALIGN, AioEngine, AioError, open_engine
 
 RING_SLOTS = 3  # tiles in flight per tensor: read of tile k+1, update of tile k, write of tile k-1

@@ -22,11 +22,11 @@ from functools import partial
 import torch
 
 from zerorun import ops
-from zerorun.runtime.offload.homes import Home
 from zerorun.runtime.memory import MemoryReport
+from zerorun.runtime.offload.homes import Home
+from zerorun.runtime.offload.transfers import Transfers
 from zerorun.runtime.optim.optimizer import ShardedAdamW
 from zerorun.runtime.store import UpdateTarget
-from zerorun.runtime.offload.transfers import Transfers
 
 
 @dataclass

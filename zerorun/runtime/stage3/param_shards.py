@@ -20,8 +20,8 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from zerorun.runtime.offload.homes import Home
 from zerorun.runtime.memory import MemoryReport
+from zerorun.runtime.offload.homes import Home
 from zerorun.runtime.offload.placement import Place, Placement
 from zerorun.runtime.store import InMaster, ParamFile, ParamIO, ParamTensor, UpdateTarget
 from zerorun.runtime.units import Unit
@@ -110,8 +110,8 @@ class FileShard:
                  largest_piece: int) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from zerorun.runtime.offload.nvme import NvmeFiles, aligned_empty, check_nvme_path
         from zerorun.offload_files import rank_dir
+        from zerorun.runtime.offload.nvme import NvmeFiles, aligned_empty, check_nvme_path
 
         self.dtype = dtype
         self.group_numels = list(group_numels)

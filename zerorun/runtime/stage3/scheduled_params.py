@@ -14,12 +14,12 @@ from typing import Callable
 from torch import nn
 
 from zerorun.runtime.comm.collectives import Collectives
+from zerorun.runtime.offload.placement import Placement
+from zerorun.runtime.phase import TrainingPhase
+from zerorun.runtime.precision import PrecisionPolicy
 from zerorun.runtime.stage3.hpz import SecondaryPartition
 from zerorun.runtime.stage3.module_units import Stage3Plan
 from zerorun.runtime.stage3.param_scheduler import ParamScheduler
-from zerorun.runtime.phase import TrainingPhase
-from zerorun.runtime.offload.placement import Placement
-from zerorun.runtime.precision import PrecisionPolicy
 from zerorun.runtime.stage3.sharded_init import InitLog
 from zerorun.runtime.stage3.sharded_params import ShardedParams
 

@@ -154,6 +154,11 @@ class ShardedParams:
     def wait_published(self) -> None:
         pass  # `publish_after_step` waited for the units gathered then; the rest gather when used
 
+    def settle(self) -> None:
+        for group in self.groups:  # a prefetch for the next forward (`overlap_comm`) may still be in flight
+            if group.state is UnitState.GATHERING:
+                group.finish_gather()
+
     def forward_context(self) -> AbstractContextManager:
         return nullcontext()  # no scheduler: the caller gathers and releases (`ScheduledParams` has one)
 

@@ -6,8 +6,8 @@ from a torch one (stepped by accelerate itself).
 
 from __future__ import annotations
 
-from zerorun.runtime.optim.schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zerorun.config.ds_config import SCHEDULERS
+from zerorun.runtime.optim.schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR = (
     "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
