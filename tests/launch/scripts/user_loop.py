@@ -10,7 +10,8 @@ AdamW and a LambdaLR warm-up + cosine built by the script. Rank 0 prints, for ev
 --schedule after|before|none   build the LambdaLR after zerorun.initialize, before it, or not at all
 --clip X          torch.nn.utils.clip_grad_norm_(model.parameters(), X) before every step (prints its norm)
 --no-optimizer    zerorun.initialize(model): the recipe's optimizer
---fail-at U --once FILE   rank 1 is SIGKILLed before update U, while FILE does not exist (created first)
+--fail-at U --once FILE   rank 1 is SIGKILLed before update U, while FILE does not exist (created first),
+                          once every rank has waited for the checkpoint in flight to commit
 """
 
 import argparse
@@ -102,6 +103,8 @@ def clip(max_norm: float) -> None:
 
 
 for update in range(engine.global_step, steps):
+    if update == args.fail_at:  # every rank: the fault comes once the background save before it is committed
+        engine.wait_checkpoint()  # (else, under load, the kill can land first and the restart starts from scratch)
     if rank == 1 and update == args.fail_at and not Path(args.once).exists():
         Path(args.once).touch()
         os.kill(os.getpid(), signal.SIGKILL)
