@@ -275,6 +275,17 @@ class Collectives:
             _store(out, total.to(out.dtype), accumulate)
         return Handle(works, then, self.stats, "reduce_scatter")
 
+    def _pairwise_exchange(self, pieces: torch.Tensor) -> list:
+        """An all-gather as point-to-point transfers: this rank's piece to every peer, each peer's piece into
+        place, all in flight at once. Each byte crosses once, as with one broadcast per owner, but
+        gloo's transport carries them directly, in both directions at once, instead of queueing
+        them behind one another on its worker threads."""
+        peers = [(self.rank + step) % self.world_size for step in range(1, self.world_size)]  # no one first in line
+        tag = self._next_tag()
+        works = [dist.irecv(pieces[peer], src=self._global(peer), group=self.group, tag=tag) for peer in peers]
+        works += [dist.isend(pieces[self.rank], dst=self._global(peer), group=self.group, tag=tag) for peer in peers]
+        return works
+
     def _next_tag(self) -> int:
         """A tag per point-to-point operation: every rank issues them in the same order, so tags match."""
         self._tag += 1
@@ -310,10 +321,7 @@ class Collectives:
             then = lambda: [dequantize_into(box, piece) for box, piece in zip(boxes, pieces)]  # noqa: E731
             return Handle(works, then, self.stats, "all_gather")
         if self.backend == "gloo":
-            works = [dist.broadcast(pieces[src], src=dist.get_global_rank(self.group, src) if self.group else src,
-                                    group=self.group, async_op=True)
-                     for src in range(self.world_size)]
-            return Handle(works, None, self.stats, "all_gather")
+            return Handle(self._pairwise_exchange(pieces), None, self.stats, "all_gather")
         work = dist.all_gather_into_tensor(full, pieces[self.rank], group=self.group, async_op=True)
         return Handle([work], None, self.stats, "all_gather")
 
