@@ -1,7 +1,7 @@
 """`zerorun bench comm`: the backend's own collectives against the ones zerorun uses instead.
 
 This is the measurement behind `zerorun.runtime.comm.collectives`: on gloo a pairwise reduce-scatter and
-an all-gather done as one broadcast per owner, against gloo's own and an all-reduce that keeps one
+a pairwise all-gather, against gloo's own and an all-reduce that keeps one
 piece; ranks on one host do better still through shared memory (`zero.cpu_collectives`), measured
 alongside. `--cluster 2x1 --link 1gbit` measures them across an emulated link instead of loopback.
 """

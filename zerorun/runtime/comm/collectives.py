@@ -9,14 +9,15 @@ Per backend (the gloo column is what `zerorun bench comm` measured fastest; docs
 | operation      | nccl                              | gloo                                     |
 |----------------|-----------------------------------|------------------------------------------|
 | reduce-scatter | reduce_scatter_tensor             | pairwise send/recv, summed in rank order |
-| all-gather     | all_gather_into_tensor (in place) | one broadcast per owner                  |
+| all-gather     | all_gather_into_tensor (in place) | pairwise send/recv, straight into place  |
 | all-reduce     | all_reduce                        | all_reduce                               |
 
 Gloo's reduce-scatter runs as a full all-reduce plus a copy, and so would an all-reduce that keeps
 one piece: either sends every byte twice, which is what costs over a real link (`zerorun bench comm
 --cluster 2x1`). Pairwise, each rank sends every other rank that rank's piece and adds what it
-receives, so each byte crosses the network once ((n-1)/n of the buffer per rank). Its all-gather is
-slower than broadcasting each rank's shard, which also sends each byte once.
+receives, so each byte crosses the network once ((n-1)/n of the buffer per rank). The all-gather is
+pairwise too: one broadcast per owner also sends each byte once, but its broadcasts queue behind one
+another on gloo's worker threads and left a link partly idle (`zerorun bench comm --cluster 2x1`).
 
 CPU ranks that all share one host skip gloo's TCP loopback altogether (`zero.cpu_collectives`,
 default auto): every operation goes through a shared-memory segment (shm_collectives.py), at
