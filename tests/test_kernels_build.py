@@ -162,7 +162,7 @@ def test_compile_error_is_summarised_and_logged(fresh_cache: Path, monkeypatch: 
 
 def test_status_builds_nothing_and_reports_each_kernel(fresh_cache: Path) -> None:
     status = ops.status()
-    assert set(status) == {"cpu_adam", "fused_adam", "aio"}
+    assert set(status) == {"cpu_adam", "fused_adam", "aio", "quantize"}
     assert status["cpu_adam"].startswith("not built yet")
     if not torch.cuda.is_available():
         assert status["fused_adam"] == "unavailable: no CUDA device"

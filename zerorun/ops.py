@@ -4,7 +4,8 @@
 (`cpu_adam` on CPU, `fused_adam` on CUDA) when that kernel is built or can be built now, else
 torch's fused Adam(W) with the same numerics, after one warning that says why. `aio_library` is the
 asynchronous O_DIRECT reader/writer behind the NVMe store (`zerorun/runtime/offload/aio.py` wraps it; its
-fallback is a Python thread pool).
+fallback is a Python thread pool). `quantize_blocks` / `dequantize_blocks` are the block int8 codec of
+qwZ and qgZ (`zerorun/runtime/comm/quantize.py` calls them; its fallback is torch, with the same bits).
 
 Build and cache. The sources have no torch headers (they compile in seconds and expose a C ABI
 called through ctypes), and are built with `torch.utils.cpp_extension.load` into
@@ -48,7 +49,7 @@ from zerorun.toolchain import BuildError, cuda_home, cxx, first_error, preflight
 
 _cuda_home = cuda_home  # the name `zerorun bench gpu` reports
 
-KINDS = ("cpu_adam", "fused_adam", "aio")
+KINDS = ("cpu_adam", "fused_adam", "aio", "quantize")
 LOCK_TIMEOUT_S = 900.0  # a CUDA build on a busy node can take minutes; a hung one should not hang a job forever
 FAILURE_REUSE_S = 60.0  # a failure this recent is another rank's of the same job: reuse it, do not rebuild
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -79,6 +80,9 @@ SPECS = {
                              cuda_cflags=("-O3", "-std=c++17", "--fmad=false")),
     # asynchronous O_DIRECT reads/writes for the NVMe store (zerorun/runtime/offload/aio.py); raw syscalls, no libaio
     "aio": KernelSpec("aio", "aio.cpp", cuda=False, cflags=("-O2", "-pthread"), ldflags=("-pthread",), headers=()),
+    # block int8 for qwZ/qgZ (zerorun/runtime/comm/quantize.py); the same bits as torch's path, in one sweep
+    "quantize": KernelSpec("quantize", "quantize.cpp", cuda=False,
+                           cflags=("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"), ldflags=("-fopenmp",)),
 }
 
 
@@ -244,6 +248,12 @@ def _open(kind: str, library: Path) -> ctypes.CDLL:
         lib.zr_cpu_adam_isa.restype = i32
         lib.zr_cpu_adam_isa_name.argtypes = [i32]
         lib.zr_cpu_adam_isa_name.restype = ctypes.c_char_p
+    elif kind == "quantize":
+        lib.zr_quantize.argtypes = [pointer, i32, i64, i64, pointer, pointer, i32]
+        lib.zr_dequantize.argtypes = [pointer, pointer, i64, i64, pointer, i32, i32, i32]
+        lib.zr_quantize.restype = lib.zr_dequantize.restype = lib.zr_quantize_use_isa.restype = i32
+        lib.zr_quantize_use_isa.argtypes = [i32]
+        lib.zr_quantize_isa_name.restype = ctypes.c_char_p
     elif kind == "aio":
         text = ctypes.c_char_p
         for name, args, result in (("zr_aio_create", [i32, i32, i32, i64, text, i32], pointer),
@@ -284,13 +294,23 @@ def _load(kind: str, retry_failed: bool = False) -> _Loaded:
         return state
 
 
+_FALLBACKS = {  # what runs instead of each kernel, for the one warning per process
+    "cpu_adam": "Adam runs on torch's fused implementation instead (same results; a low-precision copy takes a "
+                "second pass)",
+    "fused_adam": "Adam runs on torch's fused implementation instead (same results; a low-precision copy takes a "
+                  "second pass)",
+    "aio": "NVMe offload I/O runs on a Python thread pool instead (same results, more CPU per byte)",
+    "quantize": "block int8 (qwZ/qgZ) runs on torch instead (the same bits, several passes over memory where the "
+                "kernel makes one)",
+}
+
+
 def _kernel(kind: str) -> ctypes.CDLL | None:
-    """The loaded kernel, or None after warning once (per process) why torch's implementation runs instead."""
+    """The loaded kernel, or None after warning once (per process) what runs instead and why."""
     state = _load(kind)
     if state.lib is None and not state.unavailable and kind not in _warned:
         _warned.add(kind)
-        warnings.warn(f"zerorun: the {kind} kernel is unavailable ({state.reason}); Adam runs on torch's fused "
-                      "implementation instead (same results; a low-precision copy takes a second pass). "
+        warnings.warn(f"zerorun: the {kind} kernel is unavailable ({state.reason}); {_FALLBACKS[kind]}. "
                       "`zerorun env --build` retries and shows the status.", KernelWarning, stacklevel=3)
     return state.lib
 
@@ -363,6 +383,36 @@ def _torch_adamw_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.
         lowp_out.copy_(params)
 
 
+def quantize_blocks(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, block: int) -> bool:
+    """Block int8 of `x` (contiguous fp32/bf16/fp16 on the CPU) into `values` (int8, at least
+    ceil(n / block) * block, the padding zeroed) and `scales` (fp32, one per block), in one sweep.
+    False, having written nothing, where the kernel is not here: the caller runs torch's path (same bits)."""
+    usable = x.device.type == "cpu" and x.dtype in _DTYPE_CODES and x.is_contiguous()
+    lib = _kernel("quantize") if usable else None
+    if lib is None:
+        return False
+    code = lib.zr_quantize(x.data_ptr(), _DTYPE_CODES[x.dtype], x.numel(), block, values.data_ptr(),
+                           scales.data_ptr(), torch.get_num_threads())
+    assert code == 0, f"zr_quantize rejected its arguments (code {code})"
+    return True
+
+
+def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int,
+                      accumulate: bool = False) -> bool:
+    """`out` (contiguous, on the CPU) = the block int8 `values` times their `scales`, or += them when
+    `accumulate` (fp32 `out` only); one sweep. False, having written nothing, where the kernel is not
+    here: the caller runs torch's path (same bits)."""
+    usable = out.device.type == "cpu" and out.dtype in _DTYPE_CODES and out.is_contiguous() \
+        and (out.dtype == torch.float32 or not accumulate)
+    lib = _kernel("quantize") if usable else None
+    if lib is None:
+        return False
+    code = lib.zr_dequantize(values.data_ptr(), scales.data_ptr(), out.numel(), block, out.data_ptr(),
+                             _DTYPE_CODES[out.dtype], int(accumulate), torch.get_num_threads())
+    assert code == 0, f"zr_dequantize rejected its arguments (code {code})"
+    return True
+
+
 def status() -> dict[str, str]:
     """Per kernel, one line: loaded / built / not built yet / failed / unavailable, and why. Builds nothing."""
     out = {}
@@ -378,6 +428,8 @@ def status() -> dict[str, str]:
                 if kind == "cpu_adam" else ""
             if kind == "aio":
                 isa = f", {_aio_backend(state.lib)} backend"
+            if kind == "quantize":
+                isa = f", {state.lib.zr_quantize_isa_name().decode()}"
             out[kind] = f"loaded{isa} (cached at {directory})"
         elif _library(directory) is not None:
             out[kind] = f"built (cached at {directory})"
@@ -422,13 +474,7 @@ def aio_backend() -> str:
 
 def aio_library() -> ctypes.CDLL | None:
     """The aio kernel, or None after warning once (per process) that NVMe I/O runs on Python threads."""
-    state = _load("aio")
-    if state.lib is None and not state.unavailable and "aio" not in _warned:
-        _warned.add("aio")
-        warnings.warn(f"zerorun: the aio kernel is unavailable ({state.reason}); NVMe offload I/O runs on a Python "
-                      "thread pool instead (same results, more CPU per byte). `zerorun env --build` retries and "
-                      "shows the status.", KernelWarning, stacklevel=3)
-    return state.lib
+    return _kernel("aio")
 
 
 def use_cpu_isa(level: int) -> str:
@@ -437,3 +483,12 @@ def use_cpu_isa(level: int) -> str:
     if lib is None:
         raise BuildError(_loaded["cpu_adam"].reason)
     return lib.zr_cpu_adam_isa_name(lib.zr_cpu_adam_use_isa(level)).decode()
+
+
+def use_quantize_isa(level: int) -> str:
+    """Restrict the quantize kernel to an instruction set (-1 best, 0 generic, 1 avx2); the name of the one in use."""
+    lib = _load("quantize").lib
+    if lib is None:
+        raise BuildError(_loaded["quantize"].reason)
+    lib.zr_quantize_use_isa(level)
+    return lib.zr_quantize_isa_name().decode()

@@ -39,7 +39,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -234,15 +234,11 @@ class Collectives:
         """Send each peer its piece of `full`, receive theirs of mine, sum in rank order (the same bits on every
         rank, shared memory's, and gloo's own with 2 ranks), then store the sum in `out`."""
         pieces = full.view(self.world_size, -1)
-        peers = [(self.rank + step) % self.world_size for step in range(1, self.world_size)]  # no one first in line
-        received = torch.empty((self.world_size - 1, pieces.shape[1]), dtype=full.dtype)
-        tag = self._next_tag()
-        works = [dist.irecv(received[i], src=self._global(peer), group=self.group, tag=tag)
-                 for i, peer in enumerate(peers)]
-        works += [dist.isend(pieces[peer], dst=self._global(peer), group=self.group, tag=tag) for peer in peers]
+        received = {peer: torch.empty(pieces.shape[1], dtype=full.dtype) for peer in self._peers()}
+        works = self._exchange(lambda peer: [pieces[peer]], lambda peer: [received[peer]])
 
         def then() -> None:
-            parts = [pieces[self.rank] if r == self.rank else received[peers.index(r)] for r in range(self.world_size)]
+            parts = [received.get(r, pieces[self.rank]) for r in range(self.world_size)]
             total = torch.add(parts[0], parts[1], out=parts[1])  # never into a summand still to come
             for part in parts[2:]:
                 total.add_(part)
@@ -253,38 +249,39 @@ class Collectives:
         """Pairwise, each piece sent as block int8 (quantize.py): a quarter of the bytes; the receiver adds the
         dequantized pieces and its own exact one in fp32, in rank order (the same bits on every rank)."""
         pieces = full.view(self.world_size, -1)
-        peers = [(self.rank + step) % self.world_size for step in range(1, self.world_size)]
-        inbox = [Quantized.empty(pieces.shape[1]) for _ in peers]
-        outbox = [quantize(pieces[peer]) for peer in peers]
-        values_tag, scales_tag = self._next_tag(), self._next_tag()
-        works = []
-        for box, peer in zip(inbox, peers):
-            works += [dist.irecv(box.payload(), src=self._global(peer), group=self.group, tag=values_tag),
-                      dist.irecv(box.scales, src=self._global(peer), group=self.group, tag=scales_tag)]
-        for box, peer in zip(outbox, peers):
-            works += [dist.isend(box.payload(), dst=self._global(peer), group=self.group, tag=values_tag),
-                      dist.isend(box.scales, dst=self._global(peer), group=self.group, tag=scales_tag)]
+        inbox = {peer: Quantized.empty(pieces.shape[1]) for peer in self._peers()}
+        outbox = {peer: quantize(pieces[peer]) for peer in self._peers()}
+        works = self._exchange(lambda peer: outbox[peer].wire(), lambda peer: inbox[peer].wire())
 
         def then() -> None:
-            total = torch.zeros(pieces.shape[1], dtype=torch.float32)
-            for r in range(self.world_size):
+            direct = not accumulate and out.dtype == torch.float32 and out.is_contiguous() and not _overlap(out, full)
+            total = out if direct else torch.empty(pieces.shape[1], dtype=torch.float32)
+            for r in range(self.world_size):  # the first part written, the others added (no pass over zeros)
                 if r == self.rank:
-                    total.add_(pieces[r])
+                    total.add_(pieces[r]) if r else total.copy_(pieces[r])
                 else:
-                    dequantize_add(inbox[peers.index(r)], total)
-            del outbox[:]  # the sends are complete: their buffers may go
-            _store(out, total.to(out.dtype), accumulate)
+                    dequantize_add(inbox[r], total) if r else dequantize_into(inbox[r], total)
+            outbox.clear()  # the sends are complete: their buffers may go
+            if not direct:
+                _store(out, total.to(out.dtype), accumulate)
         return Handle(works, then, self.stats, "reduce_scatter")
 
-    def _pairwise_exchange(self, pieces: torch.Tensor) -> list:
-        """An all-gather as point-to-point transfers: this rank's piece to every peer, each peer's piece into
-        place, all in flight at once. Each byte crosses once, as with one broadcast per owner, but
-        gloo's transport carries them directly, in both directions at once, instead of queueing
-        them behind one another on its worker threads."""
-        peers = [(self.rank + step) % self.world_size for step in range(1, self.world_size)]  # no one first in line
-        tag = self._next_tag()
-        works = [dist.irecv(pieces[peer], src=self._global(peer), group=self.group, tag=tag) for peer in peers]
-        works += [dist.isend(pieces[self.rank], dst=self._global(peer), group=self.group, tag=tag) for peer in peers]
+    def _peers(self) -> list[int]:
+        """The other ranks, each rank starting from its successor: no rank is everyone's first in line."""
+        return [(self.rank + step) % self.world_size for step in range(1, self.world_size)]
+
+    def _exchange(self, outgoing: Callable[[int], Sequence[torch.Tensor]],
+                  incoming: Callable[[int], Sequence[torch.Tensor]]) -> list:
+        """Point to point with every peer at once: `outgoing(peer)`'s tensors to it, `incoming(peer)`'s filled
+        from it, the i-th of each under one tag. Each byte crosses once, in both directions at once; gloo's
+        transport carries them directly instead of queueing collectives behind one another on its worker
+        threads (an all-gather as one broadcast per owner ran at 80% of a real link, this at its floor)."""
+        peers = self._peers()
+        tags = [self._next_tag() for _ in incoming(peers[0])]
+        works = [dist.irecv(tensor, src=self._global(peer), group=self.group, tag=tag)
+                 for peer in peers for tensor, tag in zip(incoming(peer), tags)]
+        works += [dist.isend(tensor, dst=self._global(peer), group=self.group, tag=tag)
+                  for peer in peers for tensor, tag in zip(outgoing(peer), tags)]
         return works
 
     def _next_tag(self) -> int:
@@ -317,12 +314,12 @@ class Collectives:
         if compute_copy and self.quantized_weights and self.backend == "gloo" and full.is_floating_point():
             boxes = [quantize(pieces[r]) if r == self.rank else Quantized.empty(pieces.shape[1])
                      for r in range(self.world_size)]
-            works = [dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
-                     for src, box in enumerate(boxes) for tensor in (box.payload(), box.scales)]
+            works = self._exchange(lambda peer: boxes[self.rank].wire(), lambda peer: boxes[peer].wire())
             then = lambda: [dequantize_into(box, piece) for box, piece in zip(boxes, pieces)]  # noqa: E731
             return Handle(works, then, self.stats, "all_gather")
         if self.backend == "gloo":
-            return Handle(self._pairwise_exchange(pieces), None, self.stats, "all_gather")
+            works = self._exchange(lambda peer: [pieces[self.rank]], lambda peer: [pieces[peer]])
+            return Handle(works, None, self.stats, "all_gather")
         work = dist.all_gather_into_tensor(full, pieces[self.rank], group=self.group, async_op=True)
         return Handle([work], None, self.stats, "all_gather")
 
@@ -380,6 +377,12 @@ class _FutureWork:
 
     def is_completed(self) -> bool:
         return self.future.done()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory may overlap (by address range: a conservative answer)."""
+    a_end = a.data_ptr() + a.numel() * a.element_size()
+    return a.data_ptr() < b.data_ptr() + b.numel() * b.element_size() and b.data_ptr() < a_end
 
 
 def _store(out: torch.Tensor, value: torch.Tensor, accumulate: bool) -> None:

@@ -5,6 +5,11 @@ largest magnitude / 127), a quarter of fp32's bytes plus 0.2%. Rounding to the n
 each element within half a step (scale / 2) of its value, and a block's error scales with its own
 range, not the tensor's, so a small gradient next to a large one keeps its precision. The receiver
 dequantizes to fp32 and accumulates in fp32: one quantization per hop, never a sum in int8.
+
+The codec runs on the training thread for every piece that crosses the network, twice a step with
+qwZ and qgZ on, so it runs in zerorun's kernel (`kernels/quantize.cpp`: one sweep of memory each
+way) where that is built, else in torch (several sweeps). Both give the same bits, so ranks with
+and without the kernel agree; `tests/test_quantize_kernel.py` holds them to it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from zerorun import ops
 
 BLOCK = 2048  # elements per scale: 0.2% overhead in scales
 
@@ -34,17 +41,26 @@ class Quantized:
         """The int8 values that travel: the padding of the last block stays home."""
         return self.values.view(-1)[: self.numel]
 
+    def wire(self) -> list[torch.Tensor]:
+        """What crosses the network, in order: the int8 values (without the last block's padding), the scales."""
+        return [self.payload(), self.scales]
+
     def nbytes(self) -> int:
         return self.numel + 4 * self.scales.numel()
 
 
 def quantize(x: torch.Tensor) -> Quantized:
-    """`x` (any float dtype, contiguous) as block-scaled int8.
+    """`x` (any float dtype, contiguous) as block-scaled int8."""
+    out = Quantized.empty(x.numel())
+    if ops.quantize_blocks(x.reshape(-1), out.values, out.scales, BLOCK):
+        return out
+    return _torch_quantize(x)
 
-    It runs on the training thread for every piece that crosses the network, twice a step with qwZ
-    and qgZ on, so it makes as few passes as it can: the block maxima without an `abs()` copy, and the
-    division written straight into the one fp32 scratch (`zerorun bench step`'s second table shows
-    the training thread's CPU)."""
+
+def _torch_quantize(x: torch.Tensor) -> Quantized:
+    """The kernel's arithmetic in torch, with as few passes as torch allows: the block maxima without an
+    `abs()` copy, and the division written straight into the one fp32 scratch. An inf or a NaN in a block
+    makes every value it dequantizes to a NaN, as in the kernel (not the same int8 and scale bits there)."""
     numel, flat = x.numel(), x.reshape(-1)
     blocks, whole = -(-numel // BLOCK), numel // BLOCK
     grid = torch.empty((blocks, BLOCK), dtype=torch.float32)
@@ -69,12 +85,16 @@ def quantize(x: torch.Tensor) -> Quantized:
 def dequantize_add(q: Quantized, into: torch.Tensor) -> torch.Tensor:
     """`into` (fp32) += the dequantized values of `q`; returns `into` (the same bits as adding
     `dequantize_into`'s result: a product, then a sum, never a fused multiply-add)."""
+    if ops.dequantize_blocks(q.values, q.scales, into, BLOCK, accumulate=True):
+        return into
     return into.add_(dequantize_into(q, torch.empty_like(into)))
 
 
 def dequantize_into(q: Quantized, out: torch.Tensor) -> torch.Tensor:
     """`out` (any float dtype) = the dequantized values of `q`; returns `out`. Whole blocks go straight
     into `out` when it is fp32 (one pass); the rest through a block of scratch."""
+    if ops.dequantize_blocks(q.values, q.scales, out, BLOCK):
+        return out
     whole = q.numel // BLOCK
     flat = out.view(-1)
     if out.dtype == torch.float32:
