@@ -39,7 +39,17 @@ def _collectives(rank: int, world: int) -> dict:
             "gathered": torch.equal(full.view(world, -1)[:, 0], torch.stack([x.view(world, -1)[r, 0]
                                                                               for r, x in enumerate(inputs)])),
             "levels": {kind: (entry["node_bytes"], entry["network_bytes"]) for kind, entry in stats.items()},
-            "transport": comm.transport}
+            "transport": comm.transport, "quantized_levels": _quantized_levels(n)}
+
+
+def _quantized_levels(n: int) -> dict:
+    """With qgZ and qwZ, what the telemetry counts across: each cross piece's int8 values and scales."""
+    from zerorun.runtime.comm.collectives import Collectives
+
+    comm = Collectives(cpu="auto", quantized_gradients=True, quantized_weights=True)
+    comm.reduce_scatter(torch.randn(n), torch.empty(n // 4)).wait()
+    comm.all_gather(torch.randn(n), compute_copy=True).wait()
+    return {kind: (entry["node_bytes"], entry["network_bytes"]) for kind, entry in comm.stats.as_dict().items()}
 
 
 def test_reduce_scatter_sums_every_rank_and_all_gather_fills_every_piece_with_half_the_bytes_across() -> None:
@@ -51,6 +61,8 @@ def test_reduce_scatter_sums_every_rank_and_all_gather_fills_every_piece_with_ha
         assert out["levels"]["reduce_scatter"] == (nbytes, nbytes // 2), out["levels"]
         assert out["levels"]["all_gather"] == (nbytes, nbytes // 2), out["levels"]
         assert out["transport"] == "shared memory within the node, gloo across", out["transport"]
+        across = 2 * (3001 + 4 * 2)  # the half that crosses, in 2 pieces of 3001 int8 values and 2 scales each
+        assert out["quantized_levels"] == {"reduce_scatter": (nbytes, across), "all_gather": (nbytes, across)}
 
 
 def test_stages_1_to_3_match_ddp_through_the_hierarchy_on_2_nodes_of_2_ranks() -> None:

@@ -73,12 +73,17 @@ def _gather(rank: int, world: int) -> list[float]:
     init_distributed()
     full = torch.zeros(world * 3000)
     full.view(world, -1)[rank] = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
-    Collectives(cpu="gloo", quantized_weights=True).all_gather(full, compute_copy=True).wait()
-    return full.tolist()
+    comm = Collectives(cpu="gloo", quantized_weights=True)
+    comm.all_gather(full, compute_copy=True).wait()
+    comm.all_gather(full.clone()).wait()  # a buffer that is stored back: exact
+    return full.tolist(), comm.stats.level_bytes()["network"]
 
 
 def test_a_quantized_gather_gives_every_rank_the_same_weights_close_to_each_owners():
-    gathered = [torch.tensor(x) for x in run_ranks(_gather, 3)]
+    runs = run_ranks(_gather, 3)
+    gathered = [torch.tensor(x) for x, _ in runs]
+    quantized = 3 * 3000 + 4 * 3 * 2  # int8 values, and a scale per block of each rank's 3000-element piece
+    assert all(network == quantized + 3 * 3000 * 4 for _, network in runs)  # the telemetry counts what crossed
     assert all(torch.equal(g, gathered[0]) for g in gathered)  # the owner's piece too: replicas agree
     exact = torch.cat([torch.randn(3000, generator=torch.Generator().manual_seed(r)) for r in range(3)])
     assert 0 < (gathered[0] - exact).abs().max() <= exact.abs().max() / 127 / 2 * 1.001

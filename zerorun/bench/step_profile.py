@@ -8,7 +8,8 @@ over the timed steps and divided by them, say which:
 - **CPU, other threads**: gloo's transport threads and the shared-memory worker, plus the kernel's
   network stack they drive. On a machine with fewer cores than threads this competes with compute.
 - **bytes per level** (zerorun's systems): what rank 0's collectives moved within the node (shared
-  memory) and across nodes (the backend), by zerorun's own count, payload only.
+  memory) and across nodes (the backend), by zerorun's own count, payload only (with qwZ/qgZ, the
+  int8 values and scales that crossed).
 - **blocked in wait()**, per collective kind (zerorun's systems only): the communication compute
   did not hide. For stages 1/2 the `all_gather` line is the publish, waited for by the next
   forward's hooks (`zero.overlap_publish`) or inside `step()`.

@@ -171,12 +171,23 @@ class Collectives:
     def _hierarchical(self, *tensors: torch.Tensor) -> bool:
         return self.hier is not None and _host_contiguous(tensors)
 
-    def _record_levels(self, kind: str, full: torch.Tensor) -> None:
-        """A hierarchical collective: all of `full` moves within the node, one local rank's share across."""
+    def _record_levels(self, kind: str, full: torch.Tensor, quantized: bool) -> None:
+        """A hierarchical collective: all of `full` moves within the node, one local rank's share across (as block
+        int8 where `quantized`: the level counts what crossed)."""
         assert self.hier is not None
         nbytes = full.numel() * full.element_size()
         self.stats.by_level[kind]["node"] += nbytes
-        self.stats.by_level[kind]["network"] += nbytes // self.hier.local
+        share = full.numel() // self.hier.local  # split in pieces among the nodes, each quantized on its own
+        nodes = self.world_size // self.hier.local
+        self.stats.by_level[kind]["network"] += (nodes * Quantized.wire_bytes(share // nodes) if quantized
+                                                 else nbytes // self.hier.local)
+
+    def _record_quantized(self, kind: str, full: torch.Tensor) -> None:
+        """A flat collective that travels as block int8: its level counts the int8 values and scales, not
+        `full`'s bytes (which `_record` counted), so the telemetry says what crossed."""
+        exact = full.numel() * full.element_size()
+        quantized = self.world_size * Quantized.wire_bytes(full.numel() // self.world_size)  # each piece its blocks
+        self.stats.by_level[kind][self.stats.level] -= exact - quantized
 
     def _on_shm(self, *tensors: torch.Tensor) -> ShmCollectives | None:
         """The shared-memory transport, where it carries these tensors (contiguous, on the CPU)."""
@@ -212,7 +223,7 @@ class Collectives:
         hierarchical = self._hierarchical(full, out)
         self._record("reduce_scatter", full, flat=not hierarchical)
         if hierarchical:
-            self._record_levels("reduce_scatter", full)
+            self._record_levels("reduce_scatter", full, self.quantized_gradients and full.is_floating_point())
             assert self.hier is not None
             future = self.hier.reduce_scatter(full, out, accumulate)
             return Handle([_FutureWork(future)], None, self.stats, "reduce_scatter")
@@ -222,6 +233,7 @@ class Collectives:
         if shm is not None:
             return self._shm_handle("reduce_scatter", shm, shm.reduce_scatter, full, out, accumulate)
         if self.backend == "gloo" and self.quantized_gradients and full.is_floating_point():
+            self._record_quantized("reduce_scatter", full)
             return self._quantized_reduce_scatter(full, out, accumulate)
         if self.backend == "gloo":
             return self._pairwise_reduce_scatter(full, out, accumulate)
@@ -302,7 +314,8 @@ class Collectives:
         hierarchical = self._hierarchical(full)
         self._record("all_gather", full, flat=not hierarchical)
         if hierarchical:
-            self._record_levels("all_gather", full)
+            self._record_levels("all_gather", full,
+                                compute_copy and self.quantized_weights and full.is_floating_point())
             assert self.hier is not None
             return Handle([_FutureWork(self.hier.all_gather(full, compute_copy))], None, self.stats, "all_gather")
         if self.world_size == 1:
@@ -312,6 +325,7 @@ class Collectives:
             return self._shm_handle("all_gather", shm, shm.all_gather, full)
         pieces = full.view(self.world_size, -1)
         if compute_copy and self.quantized_weights and self.backend == "gloo" and full.is_floating_point():
+            self._record_quantized("all_gather", full)
             boxes = [quantize(pieces[r]) if r == self.rank else Quantized.empty(pieces.shape[1])
                      for r in range(self.world_size)]
             works = self._exchange(lambda peer: boxes[self.rank].wire(), lambda peer: boxes[peer].wire())
