@@ -1,4 +1,5 @@
-"""`zerorun bench adam` runs every implementation side by side (tiny sizes here; no timing asserts)."""
+"""`zerorun bench adam` and `bench quantize` run every implementation side by side (tiny sizes here; no timing
+asserts)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,17 @@ def test_bench_adam_rejects_unknown_implementations_and_sizes() -> None:
 
 def test_sizes_are_parameter_counts_in_powers_of_ten() -> None:
     assert [adam.parse_size(s) for s in ("1M", "16m", "2.5K", "100")] == [10**6, 16 * 10**6, 2500, 100]
+
+
+def test_bench_quantize_times_each_operation_of_both_implementations() -> None:
+    from zerorun.bench import quantize
+
+    bench = quantize.run([1000, 4097], threads=1, repeats=2, budget_s=0.5, bandwidth_numel=10**5)
+    assert [(r.numel, r.operation, r.implementation) for r in bench.results] == \
+        [(n, op, name) for n in (1000, 4097) for op in quantize.OPERATIONS for name in quantize.IMPLEMENTATIONS]
+    assert all((r.median_s is not None and r.runs >= 1) or r.note for r in bench.results)
+    result = CliRunner().invoke(app, ["bench", "quantize", "--sizes", "5K", "--repeats", "1", "--bandwidth-size", "100K"])
+    assert result.exit_code == 0, result.output
+    assert "roofline" in result.output and "dequantize+add" in result.output
+    result = CliRunner().invoke(app, ["bench", "quantize", "--sizes", "-3M"])
+    assert result.exit_code == 2 and "zerorun: error:" in result.output, result.output

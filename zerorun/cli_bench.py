@@ -176,6 +176,30 @@ def bench_adam(
     Console(width=200).print(adam.render(adam.run(numels, threads, repeats, chosen, bandwidth_numel=bandwidth_numel)))
 
 
+@bench_app.command("quantize")
+def bench_quantize(
+    sizes: Annotated[str, typer.Option(help="Comma-separated tensor sizes in elements (K/M/G = 10^3/6/9).")] =
+        "1M,16M",
+    threads: Annotated[int, typer.Option(help="CPU threads (torch's and our kernel's).")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed calls per operation and size, after one warm-up.")] = 10,
+    bandwidth_size: Annotated[str, typer.Option(help="Elements of the torch add that measures memory bandwidth; "
+                                                     "make it larger than the last-level cache.")] = "64M",
+) -> None:
+    """GB/s of qwZ/qgZ's block int8 codec, our kernel and torch's path, against the measured memory bandwidth."""
+    from rich.console import Console
+
+    from zerorun.bench import adam, quantize
+
+    try:
+        numels = [adam.parse_size(s) for s in sizes.split(",") if s.strip()]
+        bandwidth_numel = adam.parse_size(bandwidth_size)
+    except ValueError as exc:
+        raise ZerorunError(f"--sizes/--bandwidth-size: {exc}") from None
+    if threads < 1 or repeats < 1:
+        raise ZerorunError("--threads and --repeats must be at least 1.")
+    Console(width=200).print(quantize.render(quantize.run(numels, threads, repeats, bandwidth_numel=bandwidth_numel)))
+
+
 @bench_app.command("io")
 def bench_io(
     path: Annotated[str, typer.Option(help="A directory on the disk to measure (a real disk, not tmpfs).",

@@ -46,7 +46,12 @@ class Quantized:
         return [self.payload(), self.scales]
 
     def nbytes(self) -> int:
-        return self.numel + 4 * self.scales.numel()
+        return self.wire_bytes(self.numel)
+
+    @staticmethod
+    def wire_bytes(numel: int) -> int:
+        """Bytes a tensor of `numel` elements takes on the wire: its int8 values and one fp32 scale per block."""
+        return numel + 4 * -(-numel // BLOCK)
 
 
 def quantize(x: torch.Tensor) -> Quantized:
@@ -87,14 +92,22 @@ def dequantize_add(q: Quantized, into: torch.Tensor) -> torch.Tensor:
     `dequantize_into`'s result: a product, then a sum, never a fused multiply-add)."""
     if ops.dequantize_blocks(q.values, q.scales, into, BLOCK, accumulate=True):
         return into
-    return into.add_(dequantize_into(q, torch.empty_like(into)))
+    return _torch_dequantize_add(q, into)
+
+
+def _torch_dequantize_add(q: Quantized, into: torch.Tensor) -> torch.Tensor:
+    return into.add_(_torch_dequantize_into(q, torch.empty_like(into)))
 
 
 def dequantize_into(q: Quantized, out: torch.Tensor) -> torch.Tensor:
-    """`out` (any float dtype) = the dequantized values of `q`; returns `out`. Whole blocks go straight
-    into `out` when it is fp32 (one pass); the rest through a block of scratch."""
+    """`out` (any float dtype) = the dequantized values of `q`; returns `out`."""
     if ops.dequantize_blocks(q.values, q.scales, out, BLOCK):
         return out
+    return _torch_dequantize_into(q, out)
+
+
+def _torch_dequantize_into(q: Quantized, out: torch.Tensor) -> torch.Tensor:
+    """Whole blocks go straight into `out` when it is fp32 (one pass); the rest through a block of scratch."""
     whole = q.numel // BLOCK
     flat = out.view(-1)
     if out.dtype == torch.float32:
