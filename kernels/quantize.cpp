@@ -20,6 +20,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "adam.h"
@@ -127,7 +128,7 @@ __attribute__((target("avx2,f16c"))) void dequantize_blocks_avx2(const int8_t* v
 
 enum Isa : int { kGeneric = 0, kAvx2 = 1 };
 const char* const kIsaNames[] = {"generic", "avx2"};
-int g_isa = -1;
+std::atomic<int> g_isa{-1};  // chosen on first use; zr_quantize_use_isa may lower it (tests, benchmarks)
 
 int best_isa() {
 #ifdef ZR_X86_DISPATCH

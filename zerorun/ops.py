@@ -317,6 +317,12 @@ def _kernel(kind: str) -> ctypes.CDLL | None:
 
 # ---- the public interface ----
 
+def prepare(kind: str) -> bool:
+    """Load (building it if need be) a kernel now, where a job sets up, rather than at its first use in a
+    step; whether it is there. Where it is not, the one warning that says what runs instead comes now."""
+    return _kernel(kind) is not None
+
+
 def adamw_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                decoupled: bool = True, grad_divisor: float = 1.0, lowp_out: torch.Tensor | None = None) -> None:

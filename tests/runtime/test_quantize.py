@@ -141,3 +141,19 @@ def test_quantized_weights_on_stage_0_are_refused_naming_why():
 
     with pytest.raises(ConfigError, match="zero.quantized_weights: stage 0 gathers no weights"):
         config.loads("script: x\nzero:\n  stage: 0\n  quantized_weights: true\n", "r.yaml")
+
+
+def _setup_loads(rank: int, world: int) -> tuple[bool, bool]:
+    from zerorun import ops
+    from zerorun.runtime.comm.collectives import Collectives
+    from zerorun.runtime.comm.dist import init_distributed
+
+    init_distributed()
+    Collectives(cpu="gloo")
+    exact_loaded = "quantize" in ops._loaded
+    Collectives(cpu="gloo", quantized_gradients=True)
+    return exact_loaded, "quantize" in ops._loaded
+
+
+def test_quantized_collectives_load_the_int8_kernel_at_setup_not_in_the_first_backward():
+    assert run_ranks(_setup_loads, 2) == [(False, True), (False, True)]

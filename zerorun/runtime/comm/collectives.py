@@ -44,6 +44,7 @@ from typing import Callable, Literal, Sequence
 import torch
 import torch.distributed as dist
 
+from zerorun import ops
 from zerorun.errors import ZerorunError
 from zerorun.runtime.comm.hier_collectives import Hierarchical, local_world_for
 from zerorun.runtime.comm.quantize import Quantized, dequantize_add, dequantize_into, quantize
@@ -156,6 +157,8 @@ class Collectives:
                                    f"{self.backend}. Leave it off.")
         self.quantized_gradients = quantized_gradients  # reduce-scatters over the network send block int8
         self.quantized_weights = quantized_weights  # so do all-gathers of compute copies (stage 3, stages 1/2 with qwZ)
+        if quantized_gradients or quantized_weights:
+            ops.prepare("quantize")  # built (or its fallback announced) at setup, not inside the first backward
         local = local_world_for(self.world_size, self.backend) if group is None else None
         self.hier = Hierarchical(self._level, self.rank, self.world_size, local) if local else None
         if self.hier is not None:
