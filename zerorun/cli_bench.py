@@ -144,6 +144,20 @@ def bench_comm(
                                          where=f" on {cluster} nodes, link {link} (measured Gbit/s: {measured})"))
 
 
+def _kernel_bench_sizes(sizes: str, bandwidth_size: str, threads: int, repeats: int) -> tuple[list[int], int]:
+    """`bench adam`'s and `bench quantize`'s sizes, parsed, and their counts checked."""
+    from zerorun.bench import adam
+
+    try:
+        numels = [adam.parse_size(s) for s in sizes.split(",") if s.strip()]
+        bandwidth_numel = adam.parse_size(bandwidth_size)
+    except ValueError as exc:
+        raise ZerorunError(f"--sizes/--bandwidth-size: {exc}") from None
+    if threads < 1 or repeats < 1:
+        raise ZerorunError("--threads and --repeats must be at least 1.")
+    return numels, bandwidth_numel
+
+
 @bench_app.command("adam")
 def bench_adam(
     sizes: Annotated[str, typer.Option(help="Comma-separated shard sizes in parameters (K/M/G = 10^3/6/9).")] =
@@ -161,18 +175,12 @@ def bench_adam(
 
     from zerorun.bench import adam
 
-    try:
-        numels = [adam.parse_size(s) for s in sizes.split(",") if s.strip()]
-        bandwidth_numel = adam.parse_size(bandwidth_size)
-    except ValueError as exc:
-        raise ZerorunError(f"--sizes/--bandwidth-size: {exc}") from None
+    numels, bandwidth_numel = _kernel_bench_sizes(sizes, bandwidth_size, threads, repeats)
     chosen = tuple(s.strip() for s in implementations.split(",") if s.strip()) or adam.IMPLEMENTATIONS
     unknown = [s for s in chosen if s not in adam.IMPLEMENTATIONS]
     if unknown:
         raise ZerorunError(f"--implementations: unknown {', '.join(unknown)}; "
                            f"choose from {', '.join(adam.IMPLEMENTATIONS)}.")
-    if threads < 1 or repeats < 1:
-        raise ZerorunError("--threads and --repeats must be at least 1.")
     Console(width=200).print(adam.render(adam.run(numels, threads, repeats, chosen, bandwidth_numel=bandwidth_numel)))
 
 
@@ -188,15 +196,9 @@ def bench_quantize(
     """GB/s of qwZ/qgZ's block int8 codec, our kernel and torch's path, against the measured memory bandwidth."""
     from rich.console import Console
 
-    from zerorun.bench import adam, quantize
+    from zerorun.bench import quantize
 
-    try:
-        numels = [adam.parse_size(s) for s in sizes.split(",") if s.strip()]
-        bandwidth_numel = adam.parse_size(bandwidth_size)
-    except ValueError as exc:
-        raise ZerorunError(f"--sizes/--bandwidth-size: {exc}") from None
-    if threads < 1 or repeats < 1:
-        raise ZerorunError("--threads and --repeats must be at least 1.")
+    numels, bandwidth_numel = _kernel_bench_sizes(sizes, bandwidth_size, threads, repeats)
     Console(width=200).print(quantize.render(quantize.run(numels, threads, repeats, bandwidth_numel=bandwidth_numel)))
 
 

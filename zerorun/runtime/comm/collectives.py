@@ -174,6 +174,12 @@ class Collectives:
     def _hierarchical(self, *tensors: torch.Tensor) -> bool:
         return self.hier is not None and _host_contiguous(tensors)
 
+    def _int8(self, kind: str, full: torch.Tensor, compute_copy: bool = False) -> bool:
+        """Whether this collective crosses the network as block int8: a reduce-scatter with qgZ, an all-gather of
+        a compute copy with qwZ, on gloo, of floating-point data."""
+        wanted = self.quantized_gradients if kind == "reduce_scatter" else compute_copy and self.quantized_weights
+        return wanted and self.backend == "gloo" and full.is_floating_point()
+
     def _record_levels(self, kind: str, full: torch.Tensor, quantized: bool) -> None:
         """A hierarchical collective: all of `full` moves within the node, one local rank's share across (as block
         int8 where `quantized`: the level counts what crossed)."""
@@ -226,7 +232,7 @@ class Collectives:
         hierarchical = self._hierarchical(full, out)
         self._record("reduce_scatter", full, flat=not hierarchical)
         if hierarchical:
-            self._record_levels("reduce_scatter", full, self.quantized_gradients and full.is_floating_point())
+            self._record_levels("reduce_scatter", full, self._int8("reduce_scatter", full))
             assert self.hier is not None
             future = self.hier.reduce_scatter(full, out, accumulate)
             return Handle([_FutureWork(future)], None, self.stats, "reduce_scatter")
@@ -235,7 +241,7 @@ class Collectives:
         shm = self._on_shm(full, out)
         if shm is not None:
             return self._shm_handle("reduce_scatter", shm, shm.reduce_scatter, full, out, accumulate)
-        if self.backend == "gloo" and self.quantized_gradients and full.is_floating_point():
+        if self._int8("reduce_scatter", full):
             self._record_quantized("reduce_scatter", full)
             return self._quantized_reduce_scatter(full, out, accumulate)
         if self.backend == "gloo":
@@ -317,8 +323,7 @@ class Collectives:
         hierarchical = self._hierarchical(full)
         self._record("all_gather", full, flat=not hierarchical)
         if hierarchical:
-            self._record_levels("all_gather", full,
-                                compute_copy and self.quantized_weights and full.is_floating_point())
+            self._record_levels("all_gather", full, self._int8("all_gather", full, compute_copy))
             assert self.hier is not None
             return Handle([_FutureWork(self.hier.all_gather(full, compute_copy))], None, self.stats, "all_gather")
         if self.world_size == 1:
@@ -327,7 +332,7 @@ class Collectives:
         if shm is not None:
             return self._shm_handle("all_gather", shm, shm.all_gather, full)
         pieces = full.view(self.world_size, -1)
-        if compute_copy and self.quantized_weights and self.backend == "gloo" and full.is_floating_point():
+        if self._int8("all_gather", full, compute_copy):
             self._record_quantized("all_gather", full)
             boxes = [quantize(pieces[r]) if r == self.rank else Quantized.empty(pieces.shape[1])
                      for r in range(self.world_size)]
