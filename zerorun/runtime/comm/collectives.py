@@ -4,20 +4,15 @@ Hooks and the optimizer decide *when* to communicate; this module decides *how*.
 run asynchronously and returns a `Handle`; finishing work that must follow the transfer (copying
 a reduced piece out of a bucket) is attached to the handle and runs in `wait()`.
 
-Per backend (the gloo column is what `zerorun bench comm` measured fastest; docs/benchmarks.md):
-
-| operation      | nccl                              | gloo                                     |
-|----------------|-----------------------------------|------------------------------------------|
-| reduce-scatter | reduce_scatter_tensor             | pairwise send/recv, summed in rank order |
-| all-gather     | all_gather_into_tensor (in place) | pairwise send/recv, straight into place  |
-| all-reduce     | all_reduce                        | all_reduce                               |
-
-Gloo's reduce-scatter runs as a full all-reduce plus a copy, and so would an all-reduce that keeps
-one piece: either sends every byte twice, which is what costs over a real link (`zerorun bench comm
---cluster 2x1`). Pairwise, each rank sends every other rank that rank's piece and adds what it
-receives, so each byte crosses the network once ((n-1)/n of the buffer per rank). The all-gather is
-pairwise too: one broadcast per owner also sends each byte once, but its broadcasts queue behind one
-another on gloo's worker threads and left a link partly idle (`zerorun bench comm --cluster 2x1`).
+Which backend primitive each collective uses, per (backend, device), is one table (wire.py). On gloo
+the reduce-scatter and the all-gather go pairwise, point to point: gloo's reduce-scatter runs as a full
+all-reduce plus a copy, and so would an all-reduce that keeps one piece: either sends every byte
+twice, which is what costs over a real link (`zerorun bench comm --cluster 2x1`). Pairwise, each rank
+sends every other rank that rank's piece and adds what it receives, so each byte crosses the network
+once ((n-1)/n of the buffer per rank). The all-gather is pairwise too: one broadcast per owner also
+sends each byte once, but its broadcasts queue behind one another on gloo's worker threads and left a
+link partly idle (`zerorun bench comm --cluster 2x1`). Gloo's point-to-point carries host memory only,
+so CUDA tensors on gloo (ranks sharing a GPU: `launch.backend: gloo`) go through pinned host copies.
 
 CPU ranks that all share one host skip gloo's TCP loopback altogether (`zero.cpu_collectives`,
 default auto): every operation goes through a shared-memory segment (shm_collectives.py), at
@@ -49,6 +44,7 @@ from zerorun.errors import ZerorunError
 from zerorun.runtime.comm.hier_collectives import Hierarchical, local_world_for
 from zerorun.runtime.comm.quantize import Quantized, dequantize_add, dequantize_into, quantize
 from zerorun.runtime.comm.shm_collectives import ShmCollectives, Unavailable
+from zerorun.runtime.comm.wire import Op, Primitive, route
 
 log = logging.getLogger("zerorun")
 CpuCollectives = Literal["auto", "shm", "gloo"]
@@ -111,6 +107,18 @@ class Handle:
             self._then()
         self._stats.seconds[self._kind] += time.perf_counter() - self._started
         self.done = True
+
+    def followed_by(self, then: Callable[[], object]) -> Handle:
+        """This handle's work with `then` run after its own follow-up (one handle: its time counted once)."""
+        first = self._then
+
+        def both() -> None:
+            if first is not None:
+                first()
+            then()
+        chained = Handle(self._works, both, self._stats, self._kind)
+        chained._started = self._started
+        return chained
 
 
 class Pending:
@@ -216,6 +224,9 @@ class Collectives:
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    async_op: bool = True) -> Handle:
         """Sum (or `op`) `tensor` across ranks, in place."""
+        if route(Op.ALL_REDUCE, self.backend, tensor.device.type).staged:
+            host = _to_host(tensor)
+            return self.all_reduce(host, op, async_op).followed_by(lambda: tensor.copy_(host, non_blocking=True))
         self._record("all_reduce", tensor)
         shm = self._on_shm(tensor)
         if shm is not None and shm.handles(op):
@@ -229,6 +240,26 @@ class Collectives:
         `full` is consumed (its contents are undefined afterwards) and must stay alive until `wait()`.
         """
         assert full.numel() == out.numel() * self.world_size, "reduce_scatter: full must be world_size x out"
+        if self.world_size == 1:
+            self._record("reduce_scatter", full)
+            return Handle([], lambda: _store(out, full, accumulate), self.stats, "reduce_scatter")
+        way = route(Op.REDUCE_SCATTER, self.backend, full.device.type)
+        if way.staged:
+            host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=torch.cuda.is_available())
+            handle = self._reduce_scatter_host(_to_host(full), host_out, accumulate=False)
+            return handle.followed_by(lambda: _store(out, host_out.to(out.device, non_blocking=True), accumulate))
+        if way.primitive is Primitive.POINT_TO_POINT:
+            return self._reduce_scatter_host(full, out, accumulate)
+        assert way.primitive is Primitive.REDUCE_SCATTER_TENSOR, way
+        self._record("reduce_scatter", full)
+        target = torch.empty_like(out) if accumulate else out
+        work = dist.reduce_scatter_tensor(target, full, group=self.group, async_op=True)
+        then = (lambda: out.add_(target)) if accumulate else None
+        return Handle([work], then, self.stats, "reduce_scatter")
+
+    def _reduce_scatter_host(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool) -> Handle:
+        """A reduce-scatter of host memory over gloo: hierarchical across nodes of several ranks, else through
+        shared memory on one host, else pairwise (as block int8 with qgZ)."""
         hierarchical = self._hierarchical(full, out)
         self._record("reduce_scatter", full, flat=not hierarchical)
         if hierarchical:
@@ -236,20 +267,13 @@ class Collectives:
             assert self.hier is not None
             future = self.hier.reduce_scatter(full, out, accumulate)
             return Handle([_FutureWork(future)], None, self.stats, "reduce_scatter")
-        if self.world_size == 1:
-            return Handle([], lambda: _store(out, full, accumulate), self.stats, "reduce_scatter")
         shm = self._on_shm(full, out)
         if shm is not None:
             return self._shm_handle("reduce_scatter", shm, shm.reduce_scatter, full, out, accumulate)
         if self._int8("reduce_scatter", full):
             self._record_quantized("reduce_scatter", full)
             return self._quantized_reduce_scatter(full, out, accumulate)
-        if self.backend == "gloo":
-            return self._pairwise_reduce_scatter(full, out, accumulate)
-        target = torch.empty_like(out) if accumulate else out
-        work = dist.reduce_scatter_tensor(target, full, group=self.group, async_op=True)
-        then = (lambda: out.add_(target)) if accumulate else None
-        return Handle([work], then, self.stats, "reduce_scatter")
+        return self._pairwise_reduce_scatter(full, out, accumulate)
 
     def _pairwise_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool) -> Handle:
         """Send each peer its piece of `full`, receive theirs of mine, sum in rank order (the same bits on every
@@ -320,14 +344,31 @@ class Collectives:
         parameters when their master is kept apart), so with `quantized_weights` it may travel as block int8
         (qwZ); every rank's piece, this one's included, then holds the dequantized values, so all ranks compute
         with the same weights."""
+        if self.world_size == 1:
+            self._record("all_gather", full)
+            return Handle([], None, self.stats, "all_gather")
+        way = route(Op.ALL_GATHER, self.backend, full.device.type)
+        if way.staged:
+            host = torch.empty(full.shape, dtype=full.dtype, pin_memory=torch.cuda.is_available())
+            own = slice(self.rank * (full.numel() // self.world_size), (self.rank + 1) * (full.numel() // self.world_size))
+            host.view(-1)[own].copy_(full.view(-1)[own])  # waits for the device's work on it, as any device-to-host copy
+            return self._all_gather_host(host, compute_copy).followed_by(lambda: full.copy_(host, non_blocking=True))
+        if way.primitive is Primitive.POINT_TO_POINT:
+            return self._all_gather_host(full, compute_copy)
+        assert way.primitive is Primitive.ALL_GATHER_INTO_TENSOR, way
+        self._record("all_gather", full)
+        work = dist.all_gather_into_tensor(full, full.view(self.world_size, -1)[self.rank], group=self.group,
+                                           async_op=True)
+        return Handle([work], None, self.stats, "all_gather")
+
+    def _all_gather_host(self, full: torch.Tensor, compute_copy: bool) -> Handle:
+        """An all-gather of host memory over gloo: hierarchical, else shared memory, else pairwise (int8 with qwZ)."""
         hierarchical = self._hierarchical(full)
         self._record("all_gather", full, flat=not hierarchical)
         if hierarchical:
             self._record_levels("all_gather", full, self._int8("all_gather", full, compute_copy))
             assert self.hier is not None
             return Handle([_FutureWork(self.hier.all_gather(full, compute_copy))], None, self.stats, "all_gather")
-        if self.world_size == 1:
-            return Handle([], None, self.stats, "all_gather")
         shm = self._on_shm(full)
         if shm is not None:
             return self._shm_handle("all_gather", shm, shm.all_gather, full)
@@ -339,13 +380,13 @@ class Collectives:
             works = self._exchange(lambda peer: boxes[self.rank].wire(), lambda peer: boxes[peer].wire())
             then = lambda: [dequantize_into(box, piece) for box, piece in zip(boxes, pieces)]  # noqa: E731
             return Handle(works, then, self.stats, "all_gather")
-        if self.backend == "gloo":
-            works = self._exchange(lambda peer: [pieces[self.rank]], lambda peer: [pieces[peer]])
-            return Handle(works, None, self.stats, "all_gather")
-        work = dist.all_gather_into_tensor(full, pieces[self.rank], group=self.group, async_op=True)
-        return Handle([work], None, self.stats, "all_gather")
+        works = self._exchange(lambda peer: [pieces[self.rank]], lambda peer: [pieces[peer]])
+        return Handle(works, None, self.stats, "all_gather")
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Handle:
+        if route(Op.BROADCAST, self.backend, tensor.device.type).staged:
+            host = _to_host(tensor)
+            return self.broadcast(host, src).followed_by(lambda: tensor.copy_(host, non_blocking=True))
         self._record("broadcast", tensor)
         shm = self._on_shm(tensor)
         if shm is not None and self.world_size > 1:
@@ -399,6 +440,13 @@ class _FutureWork:
 
     def is_completed(self) -> bool:
         return self.future.done()
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` in host memory (pinned where CUDA exists); returns once the copy is complete, so the
+    device's work that wrote `tensor` is complete too."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+    return host.copy_(tensor)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
