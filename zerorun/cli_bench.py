@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -276,12 +277,13 @@ def bench_scale(
 @bench_app.command("gpu")
 def bench_gpu(
     steps: Annotated[str, typer.Option(help="Comma-separated subset of: environment, build, numerics, bandwidth, "
-                                            "pytest, launch (default: all).")] = "",
-    out: Annotated[Path | None, typer.Option(help="Write gpu_check.json here (a directory).")] = None,
+                                            "pytest, launch, sanitizer, deepspeed (default: all).")] = "",
+    out: Annotated[Path, typer.Option(help="Write gpu_check.json here (a directory).")] = Path("runs/bench-gpu"),
     max_numel: Annotated[int, typer.Option(help="Skip numerics cases with more elements than this.")] = 10**12,
     timeout_s: Annotated[float, typer.Option(help="Limit for the CUDA tests and for each launch, seconds.")] = 300.0,
 ) -> None:
-    """Check a GPU machine: CUDA environment, kernel build, numerics, bandwidth, CUDA tests, 1-GPU launches."""
+    """Prove a GPU machine: environment, kernel build, numerics, bandwidth, CUDA tests, launches (NCCL and ranks
+    sharing the GPU over gloo), the CUDA stream sanitizer, ZeRO-Offload beside DeepSpeed's."""
     from zerorun.bench import gpu
 
     chosen = tuple(s.strip() for s in steps.split(",") if s.strip()) or gpu.STEPS
@@ -289,11 +291,12 @@ def bench_gpu(
     if unknown:
         raise ZerorunError(f"--steps: unknown {', '.join(unknown)}; choose from {', '.join(gpu.STEPS)}.")
     options = gpu.Options(steps=chosen, root=Path.cwd(), max_numel=max_numel, timeout_s=timeout_s)
-    results = gpu.run(options, report=lambda r: typer.echo(f"{r.status.value} {r.step}: {r.detail}"))
-    typer.echo(gpu.summary(results))
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        gpu.write_json(results, out / "gpu_check.json")
+    started = time.perf_counter()
+    results = gpu.run(options, report=lambda r: typer.echo(r.line()))
+    typer.echo(gpu.summary(results, time.perf_counter() - started))
+    out.mkdir(parents=True, exist_ok=True)
+    gpu.write_json(results, out / "gpu_check.json", options.root)
+    typer.echo(f"results: {out / 'gpu_check.json'}")
     if any(r.status is gpu.Status.FAIL for r in results):
         raise typer.Exit(1)
 

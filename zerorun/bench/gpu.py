@@ -1,21 +1,36 @@
-"""`zerorun bench gpu`: everything that needs a GPU, checked in one command on a new GPU machine.
+"""`zerorun bench gpu`: the whole proof of a GPU machine, in one command (docs/gpu.md).
 
-CI has no GPU, so the CUDA paths are written to run their logic on the CPU too; this command runs
-what only a GPU can: the environment (torch's CUDA build, nvcc, CUDA_HOME), the build of the CUDA
-Adam kernel, its numerics and bandwidth (`bench/gpu_kernel.py`), the CUDA tests of a checkout, and
-the quick start on one GPU at stages 2 and 3. Each step says PASS, FAIL or SKIP with its reason;
+CI has no GPU, so the CUDA paths are written to run their logic on the CPU too (the CUDA stand-in:
+tests/runtime/test_cuda_standin.py); this command runs what only a GPU can, in order:
+
+- environment: torch's CUDA build, nvcc, CUDA_HOME, and the checkout's commit (the figures it gives
+  are that commit's);
+- build, numerics, bandwidth: the CUDA Adam kernel (`bench/gpu_kernel.py`);
+- pytest: the CUDA tests of a checkout, each failure named;
+- launch: the quick start as users start it, shortened: world-size-1 NCCL at stages 2 and 3 with and
+  without offload, and 2 and 3 ranks sharing the GPU over gloo at stages 0-3, a few at a time;
+- sanitizer: torch's CUDA stream sanitizer (`TORCH_CUDA_SANITIZER=1`) over the CUDA parity tests and
+  one offloaded launch with the publish overlapped (side streams, pinned staging): zero reports;
+- deepspeed: where `deepspeed` imports, ZeRO-Offload side by side (`zerorun bench offload --quick`).
+
+Each step says PASS, FAIL or SKIP with its reason, and a FAIL names the failing test or launch;
 without CUDA every step after the environment skips, so the command stays runnable anywhere.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass
+import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -24,14 +39,37 @@ import torch
 from zerorun import ops
 from zerorun.bench import gpu_kernel
 
-STEPS = ("environment", "build", "numerics", "bandwidth", "pytest", "launch")
-CUDA_TESTS = ("tests/test_kernels_cuda.py", "tests/runtime/test_cuda_parity.py")
-LAUNCHES = {  # the quick start on one GPU: name -> --set overrides
-    "stage 2, bf16": ["zero.stage=2", "precision=bf16"],
-    "stage 3, bf16": ["zero.stage=3", "precision=bf16"],
-    "stage 3, bf16, optimizer on the CPU": ["zero.stage=3", "precision=bf16", "zero.offload_optimizer=cpu"],
-}
+STEPS = ("environment", "build", "numerics", "bandwidth", "pytest", "launch", "sanitizer", "deepspeed")
+CUDA_TESTS = ("tests/test_kernels_cuda.py", "tests/runtime/test_cuda_parity.py", "tests/runtime/test_wire.py")
+SANITIZED_TESTS = ("tests/runtime/test_cuda_parity.py",)
 BANDWIDTH_FLOOR = 0.7  # of a device-to-device copy: the update is memory-bound, so less is a slow kernel
+LAUNCH_STEPS = 8  # optimizer steps per launch: enough for the loss to fall, short enough for a dozen launches
+PARALLEL_LAUNCHES = 4  # launches at once: small jobs, one GPU and a host of many cores
+BUDGET_S = 480  # the whole command on one H100/H200: what a session lent a GPU can afford, with a rerun
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The quick start on `ranks` workers with `overrides`."""
+
+    name: str
+    ranks: int
+    overrides: tuple[str, ...]
+
+
+_NCCL = ("launch.backend=nccl", "precision=bf16")
+LAUNCHES = (
+    Launch("1 GPU, nccl, stage 2", 1, (*_NCCL, "zero.stage=2")),
+    Launch("1 GPU, nccl, stage 2, optimizer on the CPU", 1, (*_NCCL, "zero.stage=2", "zero.offload_optimizer=cpu")),
+    Launch("1 GPU, nccl, stage 3", 1, (*_NCCL, "zero.stage=3")),
+    Launch("1 GPU, nccl, stage 3, optimizer and parameters on the CPU", 1,
+           (*_NCCL, "zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_param=cpu")),
+    *(Launch(f"{n} ranks on 1 GPU, gloo, stage {stage}", n, ("launch.backend=gloo", f"zero.stage={stage}"))
+      for n in (2, 3) for stage in range(4)),
+)
+SANITIZED_LAUNCH = Launch("1 GPU, stage 2, optimizer on the CPU, publish overlapped, sanitized", 1,
+                          (*_NCCL, "zero.stage=2", "zero.offload_optimizer=cpu", "zero.overlap_publish=true"))
+SANITIZER_REPORT = re.compile(r"CSAN detected|CUDASanitizerErrors|data race", re.I)
 
 
 class Status(enum.Enum):
@@ -45,6 +83,10 @@ class StepResult:
     step: str
     status: Status
     detail: str
+    seconds: float = 0.0  # its own time (launches run several at once)
+
+    def line(self) -> str:
+        return f"{self.status.value} {self.step}: {self.detail} ({self.seconds:.0f} s)"
 
 
 @dataclass(frozen=True)
@@ -55,10 +97,24 @@ class Options:
     timeout_s: float = 300.0  # per subprocess (the tests, each launch)
 
 
-def environment() -> StepResult:
+def commit(root: Path) -> str:
+    """The checkout's commit (short), "+changes" where its tracked files differ from it; "unknown" outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root, capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if head.returncode:
+        return "unknown"
+    return head.stdout.strip() + ("+changes" if dirty.returncode else "")
+
+
+def environment(root: Path = Path(".")) -> StepResult:
     cuda = torch.version.cuda
     home = ops._cuda_home() if cuda else None
-    line = f"torch {torch.__version__}, CUDA build {cuda or 'none'}, CUDA_HOME {home or 'none'}"
+    line = (f"torch {torch.__version__}, CUDA build {cuda or 'none'}, CUDA_HOME {home or 'none'}, "
+            f"commit {commit(root)}")
     if not torch.cuda.is_available():
         return StepResult("environment", Status.SKIP, f"no CUDA device: {line}")
     return StepResult("environment", Status.PASS, f"{torch.cuda.get_device_name(0)}; {line}")
@@ -93,41 +149,101 @@ def bandwidth() -> StepResult:
     return StepResult("bandwidth", Status.PASS if ours >= BANDWIDTH_FLOOR * copy else Status.FAIL, detail)
 
 
-def _run(argv: list[str], root: Path, timeout_s: float) -> tuple[int, str]:
+def _run(argv: list[str], root: Path, timeout_s: float, env: dict[str, str] | None = None) -> tuple[int, str]:
     try:
-        done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired as exc:
         output = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o for o in (exc.stdout, exc.stderr) if o)
         return 124, f"{output}\n(timed out after {timeout_s:.0f} s)"
     return done.returncode, done.stdout + done.stderr
 
 
-def pytest(root: Path, timeout_s: float) -> StepResult:
-    tests = [t for t in CUDA_TESTS if (root / t).is_file()]
-    if not tests:
-        return StepResult("pytest", Status.SKIP, f"no CUDA tests under {root} (they are in a checkout)")
-    code, out = _run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *tests], root, timeout_s)
-    counts = re.findall(r"\d+ (?:passed|failed|skipped|errors?)", out)
-    return StepResult("pytest", Status.PASS if code == 0 else Status.FAIL, ", ".join(counts) or out[-300:])
+def pytest(root: Path, timeout_s: float, tests: tuple[str, ...] = CUDA_TESTS, step: str = "pytest",
+           env: dict[str, str] | None = None) -> StepResult:
+    """`tests` of the checkout at `root`; a failure is named with its first line."""
+    present = [t for t in tests if (root / t).is_file()]
+    if not present:
+        return StepResult(step, Status.SKIP, f"no CUDA tests under {root} (they are in a checkout)")
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        code, out = _run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                          f"--junitxml={report}", *present], root, timeout_s, env)
+        counts, failures = _junit(report) if report.is_file() else ({}, [])
+    detail = ", ".join(f"{n} {what}" for what, n in counts.items() if n) or out[-300:].strip()
+    if failures:
+        detail += "; FAILED " + "; ".join(failures)
+    sanitizer = _sanitizer_reports(out) if env and "TORCH_CUDA_SANITIZER" in env else []
+    if sanitizer:
+        detail += "; sanitizer: " + " | ".join(sanitizer)
+    return StepResult(step, Status.PASS if code == 0 and not sanitizer else Status.FAIL, detail)
+
+
+def _junit(path: Path) -> tuple[dict[str, int], list[str]]:
+    """({passed, failed, errors, skipped}: count, ["file::test: first line of the failure", ...]) of a JUnit report."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures = []
+    for case in ElementTree.parse(path).iter("testcase"):
+        outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+        kind = {"failure": "failed", "error": "errors", "skipped": "skipped"}.get(getattr(outcome, "tag", ""), "passed")
+        counts[kind] += 1
+        if kind in ("failed", "errors") and outcome is not None:
+            name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+            why = (outcome.get("message") or outcome.text or "").strip().splitlines()
+            failures.append(f"{name}: {why[0][:200] if why else kind}")
+    return counts, failures
+
+
+def _sanitizer_reports(output: str) -> list[str]:
+    return [line.strip()[:200] for line in output.splitlines() if SANITIZER_REPORT.search(line)][:3]
+
+
+def launch(root: Path, spec: Launch, timeout_s: float, env: dict[str, str] | None = None) -> StepResult:
+    """One shortened quick start; PASS when it exits 0, says done, used the CUDA kernel and its loss fell."""
+    step = f"launch {spec.name}"
+    recipe = root / "recipes/quickstart.yaml"
+    if not recipe.is_file():
+        return StepResult(step, Status.SKIP, f"no {recipe} (it is in a checkout)")
+    name = "gpucheck-" + re.sub(r"[^a-z0-9]+", "-", spec.name.lower()).strip("-")
+    sets = [f"nproc_per_node={spec.ranks}", f"name={name}", f"train.steps={LAUNCH_STEPS}", "args=--log-every 1",
+            *spec.overrides]
+    argv = [sys.executable, "-m", "zerorun.cli", "launch", str(recipe), *(a for kv in sets for a in ("--set", kv))]
+    started = time.perf_counter()
+    code, out = _run(argv, root, timeout_s, env)
+    seconds = time.perf_counter() - started
+    losses = [float(x) for x in re.findall(r"step +\d+ +loss ([\d.]+)", out)]
+    sanitizer = _sanitizer_reports(out) if env and "TORCH_CUDA_SANITIZER" in env else []
+    why = [w for w, bad in (
+        (f"exit code {code}", code != 0), ("no 'done:' line", "done: " not in out),
+        ("the kernel fell back to torch", "kernel is unavailable" in out),
+        ("the loss did not fall", len(losses) < 2 or losses[-1] >= losses[0]),
+        ("sanitizer: " + " | ".join(sanitizer), bool(sanitizer))) if bad]
+    detail = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" if len(losses) >= 2 else out[-300:].strip()
+    return StepResult(step, Status.FAIL if why else Status.PASS, f"{'; '.join(why)}: {detail}" if why else detail,
+                      seconds)
 
 
 def launches(root: Path, timeout_s: float) -> list[StepResult]:
-    recipe = root / "recipes/quickstart.yaml"
-    if not recipe.is_file():
-        return [StepResult("launch", Status.SKIP, f"no {recipe} (it is in a checkout)")]
-    results = []
-    for name, overrides in LAUNCHES.items():
-        sets = [arg for kv in ["nproc_per_node=1", "name=gpucheck", *overrides] for arg in ("--set", kv)]
-        code, out = _run([sys.executable, "-m", "zerorun.cli", "launch", str(recipe), *sets], root, timeout_s)
-        losses = [float(x) for x in re.findall(r"step +\d+ +loss ([\d.]+)", out)]
-        why = [w for w, bad in (
-            (f"exit code {code}", code != 0), ("no 'done:' line", "done: " not in out),
-            ("the kernel fell back to torch", "kernel is unavailable" in out),
-            ("the loss did not fall", len(losses) < 2 or losses[-1] >= losses[0])) if bad]
-        detail = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" if len(losses) >= 2 else out[-300:].strip()
-        results.append(StepResult(f"launch {name}", Status.FAIL if why else Status.PASS,
-                                  f"{'; '.join(why)}: {detail}" if why else detail))
-    return results
+    """Every launch of LAUNCHES, PARALLEL_LAUNCHES at a time, reported in LAUNCHES' order."""
+    with ThreadPoolExecutor(PARALLEL_LAUNCHES) as pool:
+        return list(pool.map(lambda spec: launch(root, spec, timeout_s), LAUNCHES))
+
+
+def sanitizer(root: Path, timeout_s: float) -> list[StepResult]:
+    """The CUDA parity tests and one offloaded launch under torch's CUDA stream sanitizer: no reports."""
+    env = {"TORCH_CUDA_SANITIZER": "1"}
+    return [pytest(root, timeout_s, SANITIZED_TESTS, "sanitizer pytest", env),
+            launch(root, SANITIZED_LAUNCH, timeout_s, env)]
+
+
+def deepspeed_offload(root: Path, timeout_s: float) -> StepResult:
+    """ZeRO-Offload beside DeepSpeed's, where DeepSpeed imports (docs/gpu.md says how to carry it offline)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return StepResult("deepspeed", Status.SKIP, "deepspeed does not import here: install it (or carry its wheel, "
+                                                    "docs/gpu.md) to run ZeRO-Offload beside it")
+    code, out = _run([sys.executable, "-m", "zerorun.cli", "bench", "offload", "--quick"], root, timeout_s)
+    lines = [line for line in out.splitlines() if line.strip()]
+    return StepResult("deepspeed", Status.PASS if code == 0 else Status.FAIL, " ".join(lines[-3:])[-400:])
 
 
 def run(options: Options, report: Callable[[StepResult], None] = lambda r: None) -> list[StepResult]:
@@ -139,7 +255,7 @@ def run(options: Options, report: Callable[[StepResult], None] = lambda r: None)
             results.append(result)
             report(result)
 
-    env = environment()
+    env = environment(options.root)
     add(env)
     if env.status is not Status.PASS:
         add(*(StepResult(s, Status.SKIP, "no CUDA device") for s in options.steps if s != "environment"))
@@ -151,6 +267,8 @@ def run(options: Options, report: Callable[[StepResult], None] = lambda r: None)
         "bandwidth": lambda: [bandwidth()],
         "pytest": lambda: [pytest(options.root, options.timeout_s)],
         "launch": lambda: launches(options.root, options.timeout_s),
+        "sanitizer": lambda: sanitizer(options.root, options.timeout_s),
+        "deepspeed": lambda: [deepspeed_offload(options.root, options.timeout_s)],
     }
     for step in options.steps:
         if step == "environment":
@@ -160,14 +278,17 @@ def run(options: Options, report: Callable[[StepResult], None] = lambda r: None)
             new = actions[step]()
         except Exception as exc:  # a check that crashes is a failed check, and the next ones still run
             new = [StepResult(step, Status.FAIL, f"{type(exc).__name__}: {exc}")]
-        add(*(StepResult(r.step, r.status, f"{r.detail} ({time.perf_counter() - start:.0f} s)") for r in new))
+        elapsed = time.perf_counter() - start
+        add(*(r if r.seconds else replace(r, seconds=elapsed) for r in new))
     return results
 
 
-def write_json(results: list[StepResult], path: Path) -> None:
-    path.write_text(json.dumps([dict(asdict(r), status=r.status.value) for r in results], indent=1))
+def write_json(results: list[StepResult], path: Path, root: Path = Path(".")) -> None:
+    steps = [dict(asdict(r), status=r.status.value) for r in results]
+    path.write_text(json.dumps({"commit": commit(root), "torch": torch.__version__, "steps": steps}, indent=1))
 
 
-def summary(results: list[StepResult]) -> str:
+def summary(results: list[StepResult], seconds: float) -> str:
     counts = ", ".join(f"{s.value} {sum(r.status is s for r in results)}" for s in Status)
-    return f"zerorun bench gpu: {counts}"
+    over = f" (over the {BUDGET_S // 60:.0f}-minute budget)" if seconds > BUDGET_S else ""
+    return f"zerorun bench gpu: {counts} in {seconds:.0f} s{over}"
