@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import io
 import re
+import subprocess
 import tokenize
 from pathlib import Path
 
@@ -150,3 +151,36 @@ def test_no_lab_notebook_or_measured_figure_in_the_code(path: Path) -> None:
                 if match:
                     offences.append(f"{start + offset}: {what}: {match.group(0)!r}: {line.strip()[:100]}")
     assert not offences, f"{path.relative_to(ROOT)}: say why and name the benchmark:\n  " + "\n  ".join(offences)
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+
+
+MEASURED = re.compile(r"^Measured on (?P<machine>.+?) at `(?P<commit>[0-9a-f]{7,40})`.*?describes\s+"
+                      r"(?P<paths>(?:`[^`]+`(?:,\s*)?)+)\.", re.S)
+
+
+def test_every_gpu_figure_names_its_commit_and_says_when_the_code_it_describes_changed() -> None:
+    """docs/gpu.md: each measured section opens with 'Measured on <machine> at `<commit>`; describes `<paths>`.';
+    where those paths changed since that commit, the paragraph says 'Stale:' (the figures wait for a GPU machine),
+    and where they did not, it does not."""
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    paragraphs = [p for p in _prose(page).split("\n\n") if p.startswith("Measured on ")]
+    assert len(paragraphs) >= 5, "docs/gpu.md: every measured section opens with a 'Measured on ...' line"
+    if _git("rev-parse", "HEAD").returncode:
+        pytest.skip("not a git checkout: the commits cannot be compared with the code")
+    wrong = []
+    for paragraph in paragraphs:
+        match = MEASURED.match(paragraph)
+        assert match, f"docs/gpu.md: not 'Measured on <machine> at `<commit>`; describes `<paths>`.': {paragraph[:120]}"
+        commit, paths = match["commit"], re.findall(r"`([^`]+)`", match["paths"])
+        assert paths and all((ROOT / p).exists() for p in paths), f"docs/gpu.md: {paths} must be files of the project"
+        if _git("cat-file", "-e", f"{commit}^{{commit}}").returncode:
+            continue  # a shallow clone: the commit is not here to compare with
+        changed = _git("diff", "--quiet", commit, "HEAD", "--", *paths).returncode != 0
+        if changed != ("Stale:" in paragraph):
+            wrong.append(f"{match['machine']} at {commit} ({', '.join(paths)}): "
+                         + ("the code changed since: re-measure with `zerorun bench gpu`, or say 'Stale:' and why"
+                            if changed else "the code is unchanged since, so the figures are current: drop 'Stale:'"))
+    assert not wrong, "docs/gpu.md:\n" + "\n".join(wrong)
