@@ -47,7 +47,9 @@ from zerorun.runtime.events import StepWindow
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
+from zerorun.runtime.offload.overlap import OverlappedUpdate, overlaps
 from zerorun.runtime.offload.placement import Placement
+from zerorun.runtime.offload.transfers import Direct
 from zerorun.runtime.optim import clip
 from zerorun.runtime.optim.adam_step import AdamStep, Piece
 from zerorun.runtime.optim.clip import ClipCall
@@ -113,11 +115,19 @@ class Engine:
         self.lr_schedules = LrSchedules(self.optimizer, optimizer, lr_scheduler, scheduler_source)
         largest_piece = max((u.shard_numel for u in self.store.units), default=1)
         self.update = AdamStep(self.optimizer, self.store.home, self.placement.transfers(largest_piece),
-                               self.placement.step_tile_numel)
+                               self.placement.step_tile_numel, Direct(self.device), self.device)
         self._pieces = [[Piece(g, u.state_offset, u.shard_numel, grad, target)
                          for u, grad, target in zip(units_of(self.store.units, g), self.reducer.grad_pieces(g),
                                                     self.store.update_targets(g), strict=True)]
                         for g in range(len(groups))]
+        self.overlap: OverlappedUpdate | None = None  # the host optimizer under the backward (offload/overlap.py)
+        say = (lambda text: log.warning("%s", text)) if self.comm.rank == 0 else None
+        if overlaps(recipe.zero.overlap_optimizer, recipe.zero.offload_optimizer.device, sum(self.store.group_numels),
+                    say):
+            in_order = [iter(group) for group in self._pieces]
+            self.overlap = OverlappedUpdate(self.update, self.optimizer, self._pieces,
+                                            [next(in_order[u.group]) for u in self.store.units], self.store.group_numels)
+            self.reducer.on_reduced = self.overlap.unit_reduced
         self.grad_accum_steps = recipe.train.grad_accum_steps
         self.clip_grad_norm = recipe.train.clip_grad_norm
         self.window = AccumulationWindow()
@@ -186,6 +196,7 @@ class Engine:
         """Run the module; tensor inputs move to the engine's device (as FSDP's root does), and
         floating-point ones are cast to the compute dtype."""
         self.lr_schedules.engine_entered()
+        self._roll_back_speculation()
         args, kwargs = place_inputs((args, kwargs), self.device, self.policy.param_dtype)
         self._window.count_inputs(args, kwargs, self.tokens_per_sample)
         with self.phase.running(Phase.FORWARD), self.store.forward_context():
@@ -198,6 +209,12 @@ class Engine:
         `overlap_publish` publish them under the next forward). The engine's own methods, forwards and
         `state_dict()` calls do this themselves; call it before reading `p.data` right after `step()`."""
         self.store.wait_published()
+
+    def _roll_back_speculation(self) -> None:
+        """Undo an update the host made under the backward for a step() that has not come (offload/overlap.py):
+        what follows reads or changes the parameters or their state, and must see them as they are."""
+        if self.overlap is not None and self.overlap.current is not None:
+            self.overlap.rollback()
 
     @property
     def is_boundary(self) -> bool:
@@ -220,6 +237,7 @@ class Engine:
         accum = self.grad_accum_steps if self._boundary is None else 1
         self.window.check_backward(accum, self.stage, self.recipe.given.get("train.grad_accum_steps"))
         self._window.add_loss(loss)
+        self._roll_back_speculation()
         self.wait_published()  # the forward may have run on the module itself, outside the engine
         self.window.backward_started(reduce or self.stage >= 2)
         if self._clip_call is not None:
@@ -227,6 +245,9 @@ class Engine:
         with self.phase.running(Phase.BACKWARD):
             self.reducer.begin_backward(reduce=reduce)
             self.store.begin_backward()
+            if self.overlap is not None and reduce:  # the window's last backward: its units' updates can start
+                self.checkpoints.before_update()  # a background save must have captured the state first
+                self.overlap.begin(self.comm.world_size * self.scaler.scale)
             try:
                 (loss * (self.scaler.scale / self.grad_accum_steps)).backward()
             finally:
@@ -289,6 +310,7 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (steps already do this; for loops that skip a step)."""
+        self._roll_back_speculation()
         self.reducer.zero()
         self.window.reset()
 
@@ -296,6 +318,7 @@ class Engine:
         """Update from the reduced gradients unless any rank overflowed; (skipped, global norm)."""
         self.wait_published()  # the update writes into the pieces the last publish sends
         self.checkpoints.before_update()  # a background save must have captured the state it changes
+        speculated = self.overlap is not None and self.overlap.settle() is not None  # updated under the backward
         sum_divisor = self.comm.world_size * self.scaler.scale  # reduced gradients are sums of scaled grads
         call, self._clip_call = self._clip_call or ClipCall(), None
         if call.value is not None:
@@ -310,8 +333,13 @@ class Engine:
         else:
             max_norm = call.max_norm if call.max_norm is not None else self.clip_grad_norm
             coef = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
-            self.update.run(self._pieces, sum_divisor / coef)
+            if speculated and self.overlap is not None and self.overlap.matches(sum_divisor / coef, call.value is not None):
+                self.overlap.commit()  # the update made under the backward is this step's
+            else:
+                self._roll_back_speculation()
+                self.update.run(self._pieces, sum_divisor / coef)
             self.store.publish_after_step()
+        self._roll_back_speculation()  # a skipped step: the speculation is undone
         self.scaler.update(found_inf)
         self.optimizer.count_step()  # skipped or not, scheduler.step() after engine.step() is the right order
         self.reducer.zero()
@@ -349,6 +377,8 @@ class Engine:
         report.add("buffers", place, tensor_bytes(list(self.module.buffers())))
         self.reducer.account(report)
         self.update.account(report)
+        if self.overlap is not None:
+            self.overlap.account(report)
         self.checkpoints.account(report)
         report.units = self.store.unit_count()
         return report
@@ -359,6 +389,7 @@ class Engine:
         return [p for _, p in nn.Module.named_parameters(self.module) if not p.requires_grad]
 
     def parameters(self) -> Any:
+        self._roll_back_speculation()
         self.wait_published()
         return self.module.parameters()
 
@@ -373,6 +404,7 @@ class Engine:
         """The full state dict, trainable parameters in fp32 (the master weights) at every stage and
         precision: on every rank at stages 0-2; stage 3 consolidates on rank 0 ({} elsewhere), one unit at a
         time. Buffers and frozen parameters are as the module holds them."""
+        self._roll_back_speculation()
         self.wait_published()
         return self.store.full_state_dict(self.module)
 
@@ -381,6 +413,7 @@ class Engine:
 
         With `modify=True`, rank `src`'s values are written back to every rank's shard on exit.
         """
+        self._roll_back_speculation()
         self.wait_published()
         if modify:
             self.checkpoints.before_update()
@@ -407,6 +440,7 @@ class Engine:
         With `checkpoint.async_save` (the default) it returns once the state is snapshotted and the files
         are written in the background; `latest` moves when every rank's files are durable. `block=True`
         (or `wait_checkpoint()`) waits for that."""
+        self._roll_back_speculation()
         self.wait_published()
         state = self.client_state if client_state is None else client_state
         return self.checkpoints.save(self._checkpoint_dir(dir), tag or f"step-{self.global_step}", state, block)
@@ -419,6 +453,7 @@ class Engine:
         """Restore from `tag` (default: the latest); returns its client_state, or None when there is no checkpoint."""
         from zerorun.runtime.checkpoint import sharded as checkpoint
 
+        self._roll_back_speculation()
         self.wait_published()  # loading writes the pieces an unfinished publish may still be sending
         checkpoint_async.wait_all()  # and the state a save in flight reads; `latest` is final once it commits
         loaded = checkpoint.load(self, self._checkpoint_dir(dir), tag)

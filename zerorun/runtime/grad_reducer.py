@@ -116,6 +116,7 @@ class GradReducer:
         self.units, self.group_numels, self.rank = store.units, store.group_numels, store.shard_rank
         self.comm, self.reduction, self.order, self.overlap = comm, reduction, order, overlap
         self.phase, self.on_launch = phase, on_launch
+        self.on_reduced: Callable[[int], None] | None = None  # told when unit k's reduced gradient is ready (waited)
         self.staged = reduction is Reduction.SCATTER_SHARD  # per-unit staging; only this rank's shard is kept
         total = 0 if self.staged else sum(u.padded_numel for u in self.units)
         self.full_grads = torch.zeros(total, dtype=dtype, device=device)  # stages 0/1: laid out like the parameters
@@ -270,6 +271,8 @@ class GradReducer:
         staging = self._staging.pop(k, None)
         if staging is not None and k not in self._direct:
             self.pool.put(staging)
+        if self.on_reduced is not None:
+            self.on_reduced(k)
 
     # -- optimizer side ---------------------------------------------------------------------
     def grad_pieces(self, group: int) -> list[torch.Tensor]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -58,7 +58,8 @@ class TransferStats:
 class Transfers(Protocol):
     """Moves one step's gradient tiles to the kernel and its updates back (see the module docstring)."""
 
-    def begin(self, grad_tiles: list[torch.Tensor]) -> None: ...
+    def begin(self, grad_tiles: list[torch.Tensor], after: Any = None) -> None:
+        """Start a pass over `grad_tiles`; `after`: a CUDA event their copies wait for (else the current stream)."""
 
     def fetch(self, k: int) -> torch.Tensor: ...
 
@@ -76,32 +77,38 @@ class Transfers(Protocol):
 
 
 class Direct:
-    """The state lives in device memory with the gradients and parameters: nothing moves."""
+    """The state lives in device memory with the gradients: the kernel reads each gradient where it is and writes
+    the parameters in place; parameters kept in host memory (stage 3's offloaded shard beside a device share of the
+    optimizer) get their tile through a device scratch buffer and a copy down, queued on the same stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self._tiles: list[torch.Tensor] = []
+        self._scratch: torch.Tensor | None = None  # made at the first parameter tile bound for the host
 
-    def begin(self, grad_tiles: list[torch.Tensor]) -> None:
+    def begin(self, grad_tiles: list[torch.Tensor], after: Any = None) -> None:
         self._tiles = grad_tiles
 
     def fetch(self, k: int) -> torch.Tensor:
         return self._tiles[k]
 
     def reaches(self, dest: torch.Tensor) -> bool:
-        return True
+        return dest.device == self.device
 
     def out_slot(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        raise AssertionError("device-resident optimizer state has no staging slots (NVMe parameters need an "
-                             "offloaded optimizer; config validation refuses the rest)")
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._scratch[:nbytes].view(dtype)
 
     def send(self, dest: torch.Tensor, staged: torch.Tensor) -> None:
-        raise AssertionError("device-resident optimizer state writes its updates in place")
+        dest.copy_(staged, non_blocking=True)  # stream-ordered before the scratch is written again
 
     def finish(self) -> None:
         self._tiles = []
 
     def held_bytes(self) -> int:
-        return 0
+        return self._scratch.numel() if self._scratch is not None else 0
 
     def stats(self) -> dict[str, dict[str, float]]:
         return {}
@@ -147,11 +154,16 @@ class StagingRing:
         return self._stats.as_dict()
 
     # -- gradients, device -> host -----------------------------------------------------------
-    def begin(self, grad_tiles: list[torch.Tensor]) -> None:
-        """Start a pass over `grad_tiles` (device views); the first copy starts now."""
+    def begin(self, grad_tiles: list[torch.Tensor], after: Any = None) -> None:
+        """Start a pass over `grad_tiles` (device views); the first copy starts now, once the gradients are
+        complete: after the CUDA event `after` (recorded where they were written), else everything queued on
+        the current stream."""
         self._tiles, self._launched = grad_tiles, -1
         if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # gradients are complete
+            if after is not None:
+                self._stream.wait_event(after)
+            else:
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
         self._launch(0)
 
     def _launch(self, k: int) -> None:

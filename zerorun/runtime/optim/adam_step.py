@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, Callable
 
 import torch
 
@@ -51,36 +52,85 @@ def cut(pieces: list[Piece], tile_numel: int) -> list[Tile]:
 class AdamStep:
     """Runs Adam(W) over pieces whose state lives in `home`, moving data through `transfers`."""
 
-    def __init__(self, optimizer: ShardedAdamW, home: Home, transfers: Transfers, tile_numel: int) -> None:
+    def __init__(self, optimizer: ShardedAdamW, home: Home, transfers: Transfers, tile_numel: int,
+                 direct: Transfers | None = None, device: torch.device = torch.device("cpu")) -> None:
+        """`transfers` carry the tiles whose state is away from the device (host, NVMe); `direct` those whose state is
+        on it (the device's share with `offload_optimizer_ratio` < 1; everything when nothing is offloaded)."""
         self.optimizer = optimizer  # param groups, hyper-parameters and step counts
         self.home = home
         self.transfers = transfers
+        self.direct = direct or transfers
         self.tile_numel = tile_numel
+        self.device = device
 
     @torch.no_grad()
     def run(self, pieces: list[list[Piece]], grad_divisor: float) -> None:
         """Update every group; gradients are divided by `grad_divisor` (world x loss scale / clip) in the kernel."""
         for g in range(len(self.optimizer.param_groups)):
-            tiles = cut(pieces[g], self.tile_numel)
-            if not tiles:
-                continue
-            hyper = self.optimizer.group_step(g, grad_divisor)
-            self.transfers.begin([piece.grad[lo:hi] for piece, lo, hi in tiles])
-            spans = [(piece.start + lo, piece.start + hi) for piece, lo, hi in tiles]
-            self.home.visit(g, spans, partial(self._update, tiles, hyper))
-        self.transfers.finish()
+            if any(piece.numel for piece in pieces[g]):
+                self.run_pieces(g, pieces[g], self.optimizer.group_step(g, grad_divisor))
+        self.finish()
 
-    def _update(self, tiles: list[Tile], hyper: dict, k: int, master: torch.Tensor, exp_avg: torch.Tensor,
+    def finish(self) -> None:
+        """End a pass: the device's compute stream waits for every copy of it."""
+        self.transfers.finish()
+        if self.direct is not self.transfers:
+            self.direct.finish()
+
+    def on_device(self, piece: Piece) -> bool:
+        """Whether the piece's state lives on the device (updated there, by the device's kernel)."""
+        return self.home.place_of(piece.group, piece.start) == "device"
+
+    @torch.no_grad()
+    def run_pieces(self, g: int, pieces: list[Piece], hyper: dict[str, Any], after: Any = None,
+                   before: Callable[..., None] | None = None) -> list[Tile]:
+        """Update `pieces` of group `g` with the kernel arguments `hyper`; returns the tiles updated. The pieces
+        whose state is on the device go first (their kernels queue on the device), then the host's, which the host
+        updates meanwhile. `after`: a CUDA event the gradients' copies wait for; `before(k, span, master, exp_avg,
+        exp_avg_sq)` sees each tile's state just before its update (the overlap's backup). The caller ends the
+        pass with `finish()`."""
+        done: list[Tile] = []
+        for transfers, chosen in ((self.direct, [p for p in pieces if self.on_device(p)]),
+                                  (self.transfers, [p for p in pieces if not self.on_device(p)])):
+            tiles = cut(chosen, self.tile_numel)
+            if tiles:
+                transfers.begin([piece.grad[lo:hi] for piece, lo, hi in tiles], after)
+                spans = [(piece.start + lo, piece.start + hi) for piece, lo, hi in tiles]
+                self.home.visit(g, spans, partial(self._update, transfers, tiles, spans, hyper, before))
+            done += tiles
+        return done
+
+    @torch.no_grad()
+    def restore(self, g: int, tiles: list[Tile], saved: Callable[[int, int, str], torch.Tensor]) -> None:
+        """Put back group `g`'s state of `tiles` from `saved(lo, hi, kind)` (state offsets), and send the
+        parameters the restored master's compute-dtype values (the cast the kernel's copy-out makes). The tiles are
+        host tiles (only those are updated under the backward); the caller ends the pass with `finish()`."""
+        spans = [(piece.start + lo, piece.start + hi) for piece, lo, hi in tiles]
+
+        def put_back(k: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+            for kind, tensor in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                tensor.copy_(saved(*spans[k], kind))
+            piece, lo, hi = tiles[k]
+            out = piece.target.staging(self.transfers, lo, hi)
+            if out is not None:
+                out.copy_(master)
+                piece.target.deliver(self.transfers, lo, hi, out)
+        self.home.visit(g, spans, put_back)
+
+    def _update(self, transfers: Transfers, tiles: list[Tile], spans: list[tuple[int, int]], hyper: dict,
+                before: Callable[..., None] | None, k: int, master: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor) -> None:
         piece, lo, hi = tiles[k]
-        grad = self.transfers.fetch(k)
-        out = piece.target.staging(self.transfers, lo, hi)
+        if before is not None:
+            before(k, spans[k], master, exp_avg, exp_avg_sq)
+        grad = transfers.fetch(k)
+        out = piece.target.staging(transfers, lo, hi)
         lowp = out if out is not None and out.dtype != torch.float32 else None
         ops.adamw_step(master, grad, exp_avg, exp_avg_sq, lowp_out=lowp, **hyper)
         if out is not None:
             if lowp is None:  # an fp32 copy of the master (stage 3's offloaded fp32 shard)
                 out.copy_(master)
-            piece.target.deliver(self.transfers, lo, hi, out)
+            piece.target.deliver(transfers, lo, hi, out)
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Cumulative offload traffic: `d2h`, `h2d`, `nvme_read`, `nvme_write` and `wait` (empty in memory)."""
@@ -95,3 +145,5 @@ class AdamStep:
     def account(self, report: MemoryReport) -> None:
         self.home.account(report)
         report.add("comm", "cpu", self.transfers.held_bytes())  # staging slots are host memory
+        if self.direct is not self.transfers:
+            report.add("comm", self.device.type, self.direct.held_bytes())  # its scratch: device memory

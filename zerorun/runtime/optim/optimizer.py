@@ -78,10 +78,15 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def group_step(self, group: int, grad_divisor: float) -> dict[str, Any]:
         """Count one update of `group` and return the kernel's arguments for it (`ops.adamw_step`)."""
+        hyper = self.preview(group, grad_divisor)
         self.steps[group] += 1
+        return hyper
+
+    def preview(self, group: int, grad_divisor: float) -> dict[str, Any]:
+        """The kernel's arguments for `group`'s next update, as they stand now, without counting it."""
         hyper = self.param_groups[group]
         beta1, beta2 = hyper["betas"]
-        return dict(step=self.steps[group], lr=float(hyper["lr"]), beta1=float(beta1), beta2=float(beta2),
+        return dict(step=self.steps[group] + 1, lr=float(hyper["lr"]), beta1=float(beta1), beta2=float(beta2),
                     eps=float(hyper["eps"]), weight_decay=float(hyper["weight_decay"]), decoupled=self.decoupled,
                     grad_divisor=grad_divisor)
 

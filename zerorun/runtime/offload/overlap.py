@@ -1,0 +1,198 @@
+"""The host optimizer under the backward (`zero.overlap_optimizer`): speculate, then validate, exactly.
+
+With the optimizer state on the host, a step used to run in two halves that waited for each other:
+the GPU computed the backward while the host sat idle, then the host ran Adam while the GPU sat
+idle. Here each unit's piece is updated as soon as its reduced gradient is final, during the
+backward of the window's last micro-batch:
+
+    backward (training thread)          worker thread (this module)
+    unit k's reduce-scatter lands  -->  gradient tile to the host, back up the tile's state,
+    ... backward goes on ...            Adam on the host, updated parameters back to the device
+
+The update of a step depends on every gradient, though: gradient clipping scales the whole step by
+the global norm, and a non-finite gradient anywhere (an fp16 overflow) skips it. So the update is
+speculative: it assumes the step is applied as is (no clip, no skip, the hyper-parameters of the
+backward's start). `engine.step()` computes what the step really is; when it matches (the common
+case) the speculation is the step. When it does not (the norm says clip, a gradient is not finite,
+a scheduler or the script changed a learning rate in between, `clip_grad_value_` clamps), every
+touched tile is restored from its backup, bit for bit, its parameters are re-cast from the restored
+master, and the step runs as without the overlap. Either way the result is bit-identical to
+`overlap_optimizer: false` (tests/runtime/test_overlap_optimizer.py).
+
+The backup is a copy of each touched tile's master and moments made just before its update: host
+memory for this rank's whole optimizer state once more (12 bytes per parameter of the shard, reported
+as "backup"; `zerorun estimate` counts it), and one more read and write of it per step on the
+host, which the backward hides. Where host memory is the wall (the largest models on one GPU), `auto`
+leaves the optimizer after the backward and says why (`overlaps`). Anything that reads or changes the state between the backward and
+`step()` (a state dict, a checkpoint, `gathered()`, a forward, another backward, `zero_grad()`)
+first rolls the speculation back, so it sees the state as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from zerorun.runtime.memory import MemoryReport
+from zerorun.runtime.optim.adam_step import AdamStep, Piece, Tile
+from zerorun.runtime.optim.optimizer import ShardedAdamW
+
+OverlapSetting = Any  # Literal["auto", True, False], as the recipe spells it
+
+
+BACKUP_SHARE = 0.5  # auto: the backup may take at most this share of the host memory available to a rank
+
+
+def overlaps(setting: OverlapSetting, offload: str, state_numel: int, say: Callable[[str], None] | None = None) -> bool:
+    """Whether the host optimizer runs under the backward: where the optimizer state is in host memory (the recipe
+    refuses true elsewhere) and, for auto, where its backup (12 bytes per element of this rank's state) fits in
+    BACKUP_SHARE of the host memory available to each rank of the node; `say` tells why not, once."""
+    if offload != "cpu" or setting is False:
+        return False
+    if setting is True:
+        return True
+    import psutil
+
+    backup = 12 * state_numel
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    available = psutil.virtual_memory().available / local
+    if backup <= BACKUP_SHARE * available:
+        return True
+    if say is not None:
+        say(f"zero.overlap_optimizer: auto runs the host optimizer after the backward, not under it: its backup of "
+            f"the optimizer state ({backup / 2**30:.1f} GiB per rank) would take more than {BACKUP_SHARE:.0%} of the "
+            f"host memory available per rank ({available / 2**30:.1f} GiB). Set it to true to insist.")
+    return False
+
+
+@dataclass
+class Speculation:
+    """One window's speculative update: what it assumed, and which tiles it changed."""
+
+    divisor: float  # world size x loss scale: the step applied unclipped
+    hypers: list[dict[str, Any]]  # per group, the kernel's arguments it used (`ShardedAdamW.preview`)
+    touched: list[list[Tile]] = field(default_factory=list)  # per group, the tiles updated
+    pending: list[Future] = field(default_factory=list)
+    groups_updated: set[int] = field(default_factory=set)
+
+
+class OverlappedUpdate:
+    """Runs `AdamStep`'s update per unit on a worker thread while the backward goes on (module docstring)."""
+
+    def __init__(self, update: AdamStep, optimizer: ShardedAdamW, pieces: list[list[Piece]],
+                 piece_of_unit: list[Piece], group_numels: list[int]) -> None:
+        """`pieces`: per group, every piece of the step; `piece_of_unit`: the piece of each of the store's units, by
+        unit index. Pieces whose state is on the device (`offload_optimizer_ratio` < 1) are updated at `commit`."""
+        self.update, self.optimizer = update, optimizer
+        self.pieces, self.piece_of_unit = pieces, piece_of_unit
+        self.group_numels = group_numels
+        self._backup: list[dict[str, torch.Tensor]] | None = None  # per group, per kind: allocated at first use
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerorun-overlap")
+        self.current: Speculation | None = None
+        self.rollbacks = 0  # speculations that step() did not apply as they were (telemetry, tests)
+        self.applied = 0
+
+    # -- during the backward --------------------------------------------------------------------
+    def begin(self, divisor: float) -> None:
+        """The window's last backward starts: units reduced from now on are updated at once."""
+        assert self.current is None, "a speculation is pending: step() or a rollback ends it first"
+        hypers = [self.optimizer.preview(g, divisor) for g in range(len(self.optimizer.param_groups))]
+        self.current = Speculation(divisor, hypers, [[] for _ in self.group_numels])
+
+    def unit_reduced(self, k: int) -> None:
+        """Unit k's gradient piece is final (its reduction has been waited for, on the training thread)."""
+        spec = self.current
+        if spec is None:
+            return
+        piece = self.piece_of_unit[k]
+        if piece.numel == 0 or self.update.on_device(piece):
+            return
+        ready = _device_event(piece.grad)
+        spec.pending.append(self._worker.submit(self._update_piece, spec, piece, ready))
+
+    def _update_piece(self, spec: Speculation, piece: Piece, ready: Any) -> None:
+        backup = self._backups()[piece.group]
+
+        def save(k: int, span: tuple[int, int], master: torch.Tensor, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor) -> None:
+            lo, hi = span
+            for name, tensor in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                backup[name][lo:hi].copy_(tensor)
+
+        tiles = self.update.run_pieces(piece.group, [piece], spec.hypers[piece.group], after=ready, before=save)
+        spec.touched[piece.group].extend(tiles)
+        spec.groups_updated.add(piece.group)
+
+    def _backups(self) -> list[dict[str, torch.Tensor]]:
+        if self._backup is None:
+            self._backup = [{name: torch.empty(n, dtype=torch.float32) for name in ("master", "exp_avg", "exp_avg_sq")}
+                            for n in self.group_numels]
+        return self._backup
+
+    # -- at step() ------------------------------------------------------------------------------
+    def settle(self) -> Speculation | None:
+        """Wait for every update in flight (their copies to the device included); the speculation, if any."""
+        spec = self.current
+        if spec is None:
+            return None
+        for future in spec.pending:
+            future.result()  # an update's error is raised here, on the training thread
+        spec.pending.clear()
+        self.update.finish()
+        return spec
+
+    def matches(self, divisor: float, clamped: bool) -> bool:
+        """Whether the step `step()` is about to run is the one speculated."""
+        spec = self.current
+        assert spec is not None and not spec.pending, "settle() first"
+        same_hyper = all(spec.hypers[g] == self.optimizer.preview(g, divisor) for g in spec.groups_updated)
+        return not clamped and divisor == spec.divisor and same_hyper
+
+    def commit(self) -> None:
+        """The speculation is the step: count it for every group, as `AdamStep.run` does, and update the pieces it
+        did not (those whose state is on the device) with the same arguments."""
+        spec = self.current
+        assert spec is not None and not spec.pending, "settle() first"
+        for g, pieces in enumerate(self.pieces):
+            if any(piece.numel for piece in pieces):
+                hyper = self.optimizer.group_step(g, spec.divisor)
+                rest = [piece for piece in pieces if not any(piece is done for done, _, _ in spec.touched[g])]
+                if rest:
+                    self.update.run_pieces(g, rest, hyper)
+        self.update.finish()
+        self.current = None
+        self.applied += 1
+
+    def rollback(self) -> None:
+        """Restore every touched tile's state from its backup and its parameters from the restored master."""
+        spec = self.settle()
+        if spec is None:
+            return
+        backup = self._backup
+        for g, tiles in enumerate(spec.touched):
+            if tiles:
+                assert backup is not None
+                self.update.restore(g, tiles, lambda lo, hi, kind, g=g: backup[g][kind][lo:hi])
+        self.update.finish()
+        self.current = None
+        self.rollbacks += 1
+
+    def account(self, report: MemoryReport) -> None:
+        if self._backup is not None:
+            report.add("backup", "cpu", sum(t.numel() * 4 for group in self._backup for t in group.values()))
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+
+def _device_event(tensor: torch.Tensor) -> Any:
+    """An event recorded now on `tensor`'s device stream (CUDA), for the copy that reads it to wait on."""
+    if tensor.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
