@@ -239,6 +239,14 @@ def _check_cross_fields(recipe: Recipe, ctx: _Ctx) -> None:
               "quantized weights apply to the all-gathers of zero.stage 1, 2 or 3. Raise the stage or leave this off.")
     if recipe.zero.offload_optimizer.device != "none" and recipe.zero.stage == 0:
         _fail(ctx, "zero.offload_optimizer.device", "optimizer offload needs zero.stage >= 1.")
+    if recipe.zero.offload_optimizer_ratio < 1 and recipe.zero.offload_optimizer.device != "cpu":
+        _fail(ctx, "zero.offload_optimizer_ratio", f"{recipe.zero.offload_optimizer_ratio} keeps a share of the "
+              f"optimizer state in host memory, and zero.offload_optimizer is {recipe.zero.offload_optimizer.device}. "
+              f"Set zero.offload_optimizer: cpu, or leave the ratio at 1.")
+    if recipe.zero.overlap_optimizer is True and recipe.zero.offload_optimizer.device != "cpu":
+        _fail(ctx, "zero.overlap_optimizer", f"true runs the host optimizer under the backward, and the optimizer "
+              f"state is not in host memory (zero.offload_optimizer: {recipe.zero.offload_optimizer.device}). Set "
+              f"zero.offload_optimizer: cpu, or overlap_optimizer: auto.")
     for key in ("every_steps", "every_minutes"):
         value = getattr(recipe.checkpoint, key)
         if value and not recipe.checkpoint.dir:

@@ -63,6 +63,13 @@ class ZeroConfig:
         "code that reads parameters directly after a step (an EMA of the weights, p.data) must call "
         "engine.wait_published() first. auto: on when the ranks span nodes (the all-gather crosses the link), off "
         "on one node; false: every parameter is updated when step() returns.")
+    overlap_optimizer: Literal["auto", True, False] = _f(
+        "auto", "Stages 1-3 with the optimizer state in host memory (offload_optimizer: cpu): each unit's Adam update "
+        "runs on the host as soon as its reduced gradient lands, while the backward goes on, speculatively; step() "
+        "checks it (clipping that fires, a non-finite gradient, a learning rate changed in between) and where the "
+        "step differs rolls it back exactly and runs it as without. Bit-identical to false; keeps a backup of the "
+        "host optimizer state (12 bytes per parameter of the rank's shard). auto: on with offload_optimizer: cpu; "
+        "true is refused elsewhere.")
     bucket_mb: float = _f(25.0, "Stages 0-2: size of a gradient reduce(-scatter) bucket, MiB; each bucket is also "
                                 "all-gathered as a whole after the step.", gt=0)
     allgather_bucket_mb: float = _f(25.0, "Stage 3: the largest flat buffer a unit's parameters are all-gathered in "
@@ -107,6 +114,12 @@ class ZeroConfig:
                              "unless the first forward uses its parameters outside it.", factory=list)
     offload_optimizer: OffloadConfig = _f(doc="Offload of fp32 master weights and Adam moments.", factory=OffloadConfig)
     offload_param: OffloadConfig = _f(doc="Offload of parameters (stage 3 only).", factory=OffloadConfig)
+    offload_optimizer_ratio: float = _f(
+        1.0, "With offload_optimizer: cpu, the share of the optimizer state (fp32 master and moments) kept in host "
+        "memory; the rest stays on the GPU and is updated there by the CUDA kernel while the host updates its "
+        "share (DeepSpeed's Twin-Flow). Lower it where host memory is the wall: every 0.1 moves 1.2 bytes per "
+        "parameter of the rank's shard from the host to the GPU. Split between units: the host keeps the first "
+        "units in gradient order.", gt=0, le=1)
     aio: AioConfig = _f(doc="NVMe I/O settings for offload.", factory=AioConfig)
 
 

@@ -9,13 +9,15 @@ from torch import nn
 
 
 def to_device(model: nn.Module, device: torch.device) -> nn.Module:
-    """Move parameters and buffers to `device`, leaving `sharded_init`'s meta parameters to the store."""
+    """Move buffers and frozen parameters to `device`. Trainable parameters are the store's to place: it copies
+    them into its flat buffers (or shards) a unit at a time, so a model built in host memory is never whole on
+    the GPU (`sharded_init`'s meta parameters are replayed by the store too)."""
     for module in model.modules():
         for name, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[name] = buffer.to(device)
         for param in module._parameters.values():
-            if param is not None and not param.is_meta and param.device != device:
+            if param is not None and not param.requires_grad and not param.is_meta and param.device != device:
                 param.data = param.data.to(device)
     return model
 

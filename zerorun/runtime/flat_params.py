@@ -60,34 +60,36 @@ class FlatParams:
             self.units += cut_units(g, list(reversed(params)), bucket_numel, shard_world, policy.param_dtype,
                                     flat_offset=flat_offset)
         self.group_numels = group_numels(self.units, len(groups))
-        staging = self._rank0_values()
         self.quantized_publish = comm.quantized_weights and shard_world > 1  # the buffer is a compute copy
         self.params_are_master = (placement.optimizer is Place.DEVICE and policy.param_dtype == torch.float32
                                   and not self.quantized_publish)
-        self.buffer = staging.to(policy.param_dtype)  # fp32: the staging buffer itself
-        for unit in self.units:
+        self.buffer = torch.empty(sum(u.padded_numel for u in self.units), dtype=policy.param_dtype,
+                                  device=self.device)
+        starts = [[u.state_offset for u in units_of(self.units, g)] for g in range(len(groups))]
+        home = None if self.params_are_master else placement.optimizer_home(self.group_numels, unit_starts=starts)
+        for unit in self.units:  # one unit at a time: the script's parameters go as their unit is filled
+            values = self._rank0_values(unit)
+            self.unit_full(unit).copy_(values)
+            if home is not None:
+                home.write(unit.group, "master", unit.piece(values, self.shard_rank), start=unit.state_offset)
             for span, param in zip(unit.layout.spans, unit.params):
                 start = unit.flat_offset + span.offset
                 param.data = self.buffer[start:start + span.numel].view(param.shape)
-        if self.params_are_master:
+        if home is None:
             own = [[(u.state_offset, self.own_piece(u)) for u in units_of(self.units, g)] for g in range(len(groups))]
-            self.home = placement.optimizer_home(self.group_numels, master=own)
-        else:
-            self.home = placement.optimizer_home(self.group_numels)
-            for unit in self.units:
-                self.home.write(unit.group, "master", self.own_piece(unit, staging), start=unit.state_offset)
+            home = placement.optimizer_home(self.group_numels, master=own)
+        self.home = home
         # stages 1/2 with overlap_publish: the post-step all-gather lands under the next forward
         self.deferred = DeferredPublish(defer_to, self.units) if defer_to is not None and shard_world > 1 else None
 
-    def _rank0_values(self) -> torch.Tensor:
-        """The parameters' values, fp32, laid out flat, equal to rank 0's on every rank."""
-        staging = torch.zeros(sum(u.padded_numel for u in self.units), dtype=torch.float32, device=self.device)
-        for unit in self.units:
-            for span, param in zip(unit.layout.spans, unit.params):
-                staging[unit.flat_offset + span.offset:unit.flat_offset + span.end].copy_(param.detach().view(-1))
-        handles = [self.comm.broadcast(self.unit_full(unit, staging), src=0) for unit in self.units]
-        Pending(handles).wait()
-        return staging
+    def _rank0_values(self, unit: Unit) -> torch.Tensor:
+        """The unit's parameter values, fp32, laid out flat with its padding zeroed, equal to rank 0's on every rank.
+        A unit at a time: a whole-model fp32 copy beside the model the script built set the GPU's peak at setup."""
+        values = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device)
+        for span, param in zip(unit.layout.spans, unit.params):
+            values[span.offset:span.end].copy_(param.detach().view(-1))
+        self.comm.broadcast(values, src=0).wait()
+        return values
 
     def unit_full(self, unit: Unit, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """The unit's whole region of `buffer` (default: the flat parameter buffer)."""

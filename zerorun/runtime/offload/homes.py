@@ -46,6 +46,10 @@ class Home(Protocol):
     def state(self, group: int, kind: str) -> torch.Tensor:
         """All of `kind` for `group` as one contiguous host tensor (the home's own when it already is one)."""
 
+    def place_of(self, group: int, offset: int) -> str:
+        """Where `group`'s state at element `offset` lives: "device" (updated there, in place), "host" or "nvme"
+        (streamed through the step's staging)."""
+
     def account(self, report: MemoryReport) -> None:
         """Add the bytes this home holds (master, optimizer, its buffers) to `report`."""
 
@@ -56,19 +60,25 @@ class Home(Protocol):
 
 
 class MemoryHome:
-    """Master and moments as fp32 tensors at `place` (the device, or the host for `offload_optimizer: cpu`)."""
+    """Master and moments as fp32 tensors at `place` (the device, or the host for `offload_optimizer: cpu`), or split
+    between the host and the device (`offload_optimizer_ratio` < 1: `MemoryHome.split`)."""
 
     def __init__(self, group_numels: Sequence[int], place: torch.device,
-                 master: list[list[tuple[int, torch.Tensor]]] | None = None) -> None:
+                 master: list[list[tuple[int, torch.Tensor]]] | None = None, role: str = "device",
+                 segments: list[list[tuple[int, int, torch.device, str]]] | None = None) -> None:
         """`master`: per group, (state offset, tensor) segments that already hold the master (the fp32
-        parameters' own pieces); by default a zeroed tensor per group, filled by the store's `write`."""
+        parameters' own pieces); by default a zeroed tensor per group, filled by the store's `write`. `role`:
+        "device" or "host" (`place_of`; on a CPU-only machine both are the CPU). `segments`: per group, (start, end,
+        torch device, role) ranges of the state (default: all of it at `place`, in `role`)."""
         self.place = place
         self.master_is_params = master is not None
-        self._state = {
-            "master": master or [[(0, torch.zeros(n, dtype=torch.float32, device=place))] for n in group_numels],
-            "exp_avg": [[(0, torch.zeros(n, dtype=torch.float32, device=place))] for n in group_numels],
-            "exp_avg_sq": [[(0, torch.zeros(n, dtype=torch.float32, device=place))] for n in group_numels],
-        }
+        ranges = segments or [[(0, n, place, role)] for n in group_numels]
+        self._roles = [[(lo, where_role) for lo, _, _, where_role in group] for group in ranges]
+
+        def zeros() -> list[list[tuple[int, torch.Tensor]]]:
+            return [[(lo, torch.zeros(hi - lo, dtype=torch.float32, device=where)) for lo, hi, where, _ in group]
+                    for group in ranges]
+        self._state = {"master": master or zeros(), "exp_avg": zeros(), "exp_avg_sq": zeros()}
         self._starts = {kind: [[offset for offset, _ in segments] for segments in groups]
                         for kind, groups in self._state.items()}
 
@@ -78,6 +88,19 @@ class MemoryHome:
         offset, tensor = self._state[kind][group][i]
         assert hi - offset <= tensor.numel(), f"{kind} span {lo}..{hi} crosses a segment boundary"
         return tensor[lo - offset:hi - offset]
+
+    @classmethod
+    def split(cls, group_numels: Sequence[int], host_numels: Sequence[int], host: torch.device,
+              device: torch.device) -> MemoryHome:
+        """Each group's first `host_numels` elements of state on the host, the rest on the device (DeepSpeed's
+        Twin-Flow: the device updates its share with its own kernel while the host updates the rest)."""
+        ranges = [[r for r in ((0, h, host, "host"), (h, n, device, "device")) if r[1] > r[0]] or [(0, 0, host, "host")]
+                  for n, h in zip(group_numels, host_numels)]
+        return cls(group_numels, host, segments=ranges)
+
+    def place_of(self, group: int, offset: int) -> str:
+        roles = self._roles[group]
+        return roles[bisect.bisect_right([lo for lo, _ in roles], offset) - 1][1]
 
     def visit(self, group: int, spans: Sequence[tuple[int, int]], fn: Visit) -> None:
         for k, (lo, hi) in enumerate(spans):
@@ -109,12 +132,11 @@ class MemoryHome:
         return out
 
     def account(self, report: MemoryReport) -> None:
-        def nbytes(kind: str) -> int:
-            return sum(t.numel() * t.element_size() for segments in self._state[kind] for _, t in segments)
-
-        if not self.master_is_params:  # else the store counts them as parameters
-            report.add("master", self.place.type, nbytes("master"))
-        report.add("optimizer", self.place.type, nbytes("exp_avg") + nbytes("exp_avg_sq"))
+        kinds = KINDS if not self.master_is_params else KINDS[1:]  # else the store counts them as parameters
+        for kind in kinds:
+            for segments in self._state[kind]:
+                for _, t in segments:
+                    report.add("master" if kind == "master" else "optimizer", t.device.type, t.numel() * t.element_size())
 
     def io_stats(self) -> dict[str, dict[str, float]]:
         return {}
@@ -149,6 +171,9 @@ class NvmeHome:
         out = torch.empty(self.group_numels[group], dtype=torch.float32)
         self.read(group, kind, out)
         return out
+
+    def place_of(self, group: int, offset: int) -> str:
+        return "nvme"
 
     def visit(self, group: int, spans: Sequence[tuple[int, int]], fn: Visit) -> None:
         index = {lo: k for k, (lo, _) in enumerate(spans)}

@@ -65,13 +65,14 @@ class Placement:
     params_nvme: str | None  # `zero.offload_param.nvme_path` (set when `params` is NVME)
     run: str | None  # files go to `<nvme_path>/<run>/rank-<rank>/`: the job id in a launch (`offload_files.owner`)
     rank: int
+    host_share: float = 1.0  # `zero.offload_optimizer_ratio`: the share of an offloaded optimizer kept on the host
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, device: torch.device, rank: int) -> Placement:
         opt, param = recipe.zero.offload_optimizer, recipe.zero.offload_param
         return cls(device, Place.of(opt), Place.of(param), max(1024, int(opt.buffer_mb * 2**20) // 4),
                    opt.pin_memory, param.pin_memory, recipe.zero.aio, opt.nvme_path, param.nvme_path,
-                   offload_owner(recipe.name), rank)
+                   offload_owner(recipe.name), rank, recipe.zero.offload_optimizer_ratio)
 
     @property
     def step_tile_numel(self) -> int:
@@ -79,14 +80,19 @@ class Placement:
         return sys.maxsize if self.optimizer is Place.DEVICE else self.tile_numel
 
     def optimizer_home(self, group_numels: Sequence[int],
-                       master: list[list[tuple[int, torch.Tensor]]] | None = None) -> Home:
+                       master: list[list[tuple[int, torch.Tensor]]] | None = None,
+                       unit_starts: Sequence[Sequence[int]] = ()) -> Home:
         """The home of this rank's master and moments; `master`: segments that already hold the master
-        (fp32 parameters' own pieces, device memory only)."""
+        (fp32 parameters' own pieces, device memory only); `unit_starts`: per group, the state offsets where its
+        units begin (a split between host and device falls between units, so no tile crosses it)."""
         assert master is None or self.optimizer is Place.DEVICE, "only device memory can alias the parameters"
         if self.optimizer is Place.DEVICE:
             return MemoryHome(group_numels, self.device, master)
+        if self.optimizer is Place.HOST and self.host_share < 1.0:
+            host = [host_numel(n, starts, self.host_share) for n, starts in zip(group_numels, unit_starts)]
+            return MemoryHome.split(group_numels, host, HOST, self.device)
         if self.optimizer is Place.HOST:
-            return MemoryHome(group_numels, HOST)
+            return MemoryHome(group_numels, HOST, role="host")
         from zerorun.runtime.offload.nvme import check_nvme_path  # builds the aio kernel: only when used
 
         assert self.optimizer_nvme is not None, "an optimizer on NVMe has a zero.offload_optimizer.nvme_path"
@@ -95,10 +101,10 @@ class Placement:
         return NvmeHome(root, group_numels, self.tile_numel, self.aio, self.pin)
 
     def transfers(self, largest_piece: int) -> Transfers:
-        """How gradients and updates move; staging slots hold a tile, never more than `largest_piece`
-        (the longest piece of state one unit has on this rank: no tile of a step is longer)."""
+        """How gradients and updates of state away from the device move; staging slots hold a tile, never more
+        than `largest_piece` (the longest piece of state one unit has on this rank: no tile of a step is longer)."""
         if self.optimizer is Place.DEVICE:
-            return Direct()
+            return Direct(self.device)
         return StagingRing(self.device, max(1, min(self.tile_numel, largest_piece)), self.pin)
 
     def place_device(self, place: Place) -> torch.device:
@@ -106,3 +112,10 @@ class Placement:
         assert place is not Place.NVME, "NVMe is not a torch device"
         return self.device if place is Place.DEVICE else HOST
 
+
+
+def host_numel(numel: int, unit_starts: Sequence[int], share: float) -> int:
+    """The elements of a group's state kept on the host for `share` of it: up to the first unit boundary at or past
+    share x numel (the host takes the first units in state order, whose gradients come first in the backward)."""
+    bounds = sorted({*unit_starts, numel})
+    return next(b for b in bounds if b >= share * numel)

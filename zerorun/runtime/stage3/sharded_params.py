@@ -45,18 +45,24 @@ class ShardedParams:
         self.shard_world, self.shard_rank = comm.world_size, comm.rank
         self.plan, self.units, self.group_numels = plan, plan.units, plan.group_numels
         self.groups, self.persistent = plan.groups, plan.persistent
-        self.home = placement.optimizer_home(self.group_numels)
+        starts = [[u.state_offset for u in units_of(self.units, g)] for g in range(len(self.group_numels))]
+        self.home = placement.optimizer_home(self.group_numels, unit_starts=starts)
         self.shard = build_param_shard(placement, self.home, self.units, self.group_numels, policy.param_dtype)
-        self.full = [torch.empty(u.padded_numel, dtype=policy.param_dtype, device=self.device) for u in self.units]
-        self.views = [[self.full[k][span.offset:span.end].view(shape) for span, shape in zip(u.layout.spans, u.shapes)]
-                      for k, u in enumerate(self.units)]
+        # each unit's gathered buffer and its parameters' views, made one unit at a time and emptied at once: all of
+        # them at once would hold the whole model in the compute dtype beside the model the script built
+        self.full: list[torch.Tensor] = []
+        self.views: list[list[torch.Tensor]] = []
+        for u in self.units:
+            full = torch.empty(u.padded_numel, dtype=policy.param_dtype, device=self.device)
+            self.views.append([full[span.offset:span.end].view(shape) for span, shape in zip(u.layout.spans, u.shapes)])
+            full.untyped_storage().resize_(0)  # never used: back to the allocator, not into `blocks`
+            self.full.append(full)
         self.peak_gathered_bytes = 0
         if init_log is not None:
             self._shard_from_replay(init_log)
         else:
             self._shard_from(model)
         for k in range(len(self.units)):
-            self.full[k].untyped_storage().resize_(0)  # never used: back to the allocator, not into `blocks`
             self.free(k)
         for group in self.groups:
             group.bind(self)
