@@ -253,6 +253,9 @@ def estimate(
                                                     "--largest-layer).")] = None,
     layers: Annotated[int | None, typer.Option(help="Transformer layers (activations).")] = None,
     checkpointing: Annotated[bool, typer.Option("--checkpointing", help="Activation checkpointing per layer.")] = False,
+    built_on: Annotated[str, typer.Option(help="Where the script builds its model before zerorun.initialize: device "
+                                               "(whole, in fp32, on the GPU), host, or meta (zerorun.sharded_init): "
+                                               "the GPU's peak at setup.")] = "device",
     paper: Annotated[bool, typer.Option("--paper", help="Add the ZeRO paper's model-state figure (2-byte "
                                                         "gradients) per configuration.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
@@ -276,7 +279,9 @@ def estimate(
     activations = planner.Activations(*shape_args) if all(a is not None for a in shape_args) else None
     settings = planner.Settings(dtype, zero.bucket_mb, zero.allgather_bucket_mb, zero.prefetch_units, checkpointing,
                                 async_checkpoints=loaded.checkpoint.async_save,
-                                hpz_partition_size=zero.hpz_partition_size, quantized_weights=zero.quantized_weights)
+                                hpz_partition_size=zero.hpz_partition_size, quantized_weights=zero.quantized_weights,
+                                overlap_optimizer=zero.overlap_optimizer, built_on=built_on,
+                                host_share=zero.offload_optimizer_ratio)
     per_node = gpus_per_node or loaded.nproc_per_node or 8
     origin = "--gpus-per-node" if gpus_per_node else "the recipe's nproc_per_node" if loaded.nproc_per_node else \
         "the default; set --gpus-per-node"

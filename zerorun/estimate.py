@@ -32,6 +32,11 @@ MIB = 2**20
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_K = 12  # bytes per parameter of mixed-precision Adam's state: fp32 master (4) + two moments (8)
 OFFLOADS = ("none", "cpu", "nvme")
+BUILT_ON = {  # where a script builds its model: the GPU bytes it takes before zerorun.initialize
+    "device": "whole, in fp32, on the GPU (recipes/train_gpt.py; `with torch.device('cuda'):`)",
+    "host": "in host memory: the engine copies it to the GPU a unit at a time",
+    "meta": "under zerorun.sharded_init (stage 3) or on the meta device: never whole anywhere",
+}
 HEADROOM = 0.9  # the share of a GPU the recommendation may plan for: the rest is the CUDA context and fragmentation
 
 
@@ -68,6 +73,9 @@ class Settings:
     async_checkpoints: bool = True  # checkpoint.async_save: a host snapshot of the rank's state between saves
     hpz_partition_size: int = 1  # zero.hpz_partition_size: stage 3 keeps 1/hpz of the model per rank besides its shard
     quantized_weights: bool = False  # zero.quantized_weights: stages 1/2 in fp32 keep their master apart
+    overlap_optimizer: Any = "auto"  # zero.overlap_optimizer: a backup of the host optimizer state (offload/overlap.py)
+    host_share: float = 1.0  # zero.offload_optimizer_ratio: the share of an offloaded (cpu) optimizer on the host
+    built_on: str = "device"  # where the script builds its model before zerorun.initialize (BUILT_ON)
 
 
 @dataclass(frozen=True)
@@ -93,12 +101,18 @@ class Footprint:
     cpu_per_rank: int = 0
     nvme_per_rank: int = 0
     snapshot_per_rank: int = 0  # host memory a background checkpoint keeps (counted in `fits`, not in cpu_per_rank)
+    gpu_setup: int = 0  # per GPU inside zerorun.initialize: the script's model beside the engine's first buffers
     paper_model_states: int = 0  # per GPU, the ZeRO paper's 2-byte-gradient figure (no offload)
     fits: bool | None = None
 
     @property
     def gpu_total(self) -> int:
         return sum(self.gpu.values())
+
+    @property
+    def gpu_peak(self) -> int:
+        """The most the GPU holds: in training, or at setup when the model was built whole on it."""
+        return max(self.gpu_total, self.gpu_setup)
 
     @property
     def name(self) -> str:
@@ -179,7 +193,7 @@ def activation_bytes(act: Activations, precision: str, checkpointing: bool) -> f
 
 
 def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload_optimizer: str = "none",
-                  offload_param: str = "none") -> dict[Place, dict[str, float]]:
+                  offload_param: str = "none", host_share: float = 1.0) -> dict[Place, dict[str, float]]:
     """Model-state bytes per rank by `Place` and kind, as `Engine.memory()` holds them.
 
     Optimizer offload (`runtime/offload/placement.py`, `runtime/offload/homes.py`) moves the fp32 master and the
@@ -187,15 +201,18 @@ def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload
     reduced fp32 gradient shard stays on the GPU and is streamed to the CPU tile by tile at the step
     (DeepSpeed moves it to the CPU after every micro-batch instead: 4 Psi/N less GPU memory, one
     PCIe transfer per micro-batch more). Stage 3 then gathers from a p-byte parameter shard, kept
-    on the GPU or, with parameter offload, on the host / NVMe.
+    on the GPU or, with parameter offload, on the host / NVMe. With `offload_optimizer: cpu` and a `host_share`
+    below 1 (`zero.offload_optimizer_ratio`), that share of the master and moments is on the host and the rest
+    stays on the GPU.
     """
     p, psi = PARAM_BYTES[precision], shape.params
     states = model_states(shape, n, stage, precision)
     out: dict[Place, dict[str, float]] = {Place.DEVICE: dict(states), Place.HOST: {}, Place.NVME: {}}
     if offload_optimizer != "none":
         home = out[Place.of_setting(offload_optimizer)]
-        out[Place.DEVICE]["master"], out[Place.DEVICE]["moments"] = 0, 0
-        home["master"], home["moments"] = 4 * psi / n, states["moments"]
+        share = host_share if offload_optimizer == "cpu" else 1.0
+        out[Place.DEVICE]["master"], out[Place.DEVICE]["moments"] = (1 - share) * 4 * psi / n, (1 - share) * states["moments"]
+        home["master"], home["moments"] = share * 4 * psi / n, share * states["moments"]
         if stage == 3:
             shard = out[Place.of_setting(offload_param)]
             shard["params"] = shard.get("params", 0) + p * psi / n
@@ -212,6 +229,45 @@ def network_copies(psi: float, n: int, stage: int, settings: Settings) -> float:
     if stage in (1, 2) and settings.quantized_weights and settings.precision == "fp32" and n > 1:
         extra += 4 * psi / n
     return extra
+
+
+def setup_bytes(shape: ModelShape, n: int, stage: int, settings: Settings, offload_optimizer: str,
+                offload_param: str) -> float:
+    """GPU bytes inside `zerorun.initialize`, at their peak: the model as the script built it (`built_on`: 4 Psi in
+    fp32 on the GPU, else nothing) beside what the engine allocates before the script's parameters go.
+
+    Stages 0-2 (`runtime/flat_params.py`): the flat parameter buffer (p Psi) and, with the optimizer on the GPU in
+    mixed precision, its home (12 Psi/N), then one unit at a time an fp32 copy of it; each unit's parameters are
+    released as it is filled. Stage 3 (`runtime/stage3/sharded_params.py`): the home (12 Psi/N on the GPU), the
+    compute-dtype shard where it stays on the GPU (p Psi/N), and one unit (fp32 copy and its gathered buffer); the
+    script's parameters go at the end. This was what set the GPU's peak in the one-GPU offload runs of docs/gpu.md
+    (10 bytes a parameter at stage 2, 6 at stage 3, before the engine filled its buffers a unit at a time).
+    """
+    psi, p = shape.params, PARAM_BYTES[settings.precision]
+    built = 4 * psi if settings.built_on == "device" else 0
+    shards = 1 if stage == 0 else n
+    on_device = 1.0 if offload_optimizer == "none" else 1 - settings.host_share if offload_optimizer == "cpu" else 0.0
+    home = on_device * 12 * psi / shards if stage == 3 or settings.precision != "fp32" or on_device < 1 else 0
+    if stage < 3:
+        unit = min(psi, settings.bucket_mb * MIB / 4)
+        return built + p * psi + home + 4 * unit
+    shard = p * psi / n if offload_param == "none" else 0
+    return built + home + shard + (4 + p) * (shape.largest_unit or shape.root)
+
+
+def overlap_backup(state_numel: float, setting: Any, offload_optimizer: str, host: float, cluster: Cluster) -> float:
+    """Host bytes of the optimizer-state backup the host optimizer under the backward keeps (12 per element of a
+    rank's state, `runtime/offload/overlap.py`): with the optimizer on the host and the overlap on; auto turns it on
+    only where it fits in half the host memory left to each rank, as the engine decides."""
+    from zerorun.runtime.offload.overlap import BACKUP_SHARE
+
+    backup = 12 * state_numel
+    if offload_optimizer != "cpu" or setting is False:
+        return 0.0
+    if setting == "auto" and cluster.cpu_mem_gib is not None:
+        left = cluster.cpu_mem_gib * GIB / cluster.gpus_per_node - host
+        return backup if backup <= BACKUP_SHARE * left else 0.0
+    return backup
 
 
 def offload_buffers(settings: Settings, offload_optimizer: str, gpu: bool = True) -> float:
@@ -241,7 +297,7 @@ def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, o
     """One configuration's bytes: model states split between GPU, CPU and NVMe (per rank), plus the
     GPU's working buffers and activations and the host's offload staging."""
     n, psi = cluster.world, shape.params
-    placed = placed_states(shape, n, stage, settings.precision, offload_optimizer, offload_param)
+    placed = placed_states(shape, n, stage, settings.precision, offload_optimizer, offload_param, settings.host_share)
     out = Footprint(stage, offload_optimizer, offload_param,
                     paper_model_states=round(paper_model_states(psi, n, stage)))
     gpu = dict(placed[Place.DEVICE])
@@ -249,13 +305,16 @@ def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, o
     gpu["buffers"] = working_buffers(shape, stage, settings)
     gpu["activations"] = activation_bytes(activations, settings.precision, settings.checkpointing) if activations else 0
     out.gpu = {k: round(v) for k, v in gpu.items()}
-    out.cpu_per_rank = round(sum(placed[Place.HOST].values()) + offload_buffers(settings, offload_optimizer))
+    host = sum(placed[Place.HOST].values()) + offload_buffers(settings, offload_optimizer)
+    out.cpu_per_rank = round(host + overlap_backup(settings.host_share * psi / n, settings.overlap_optimizer,
+                                                   offload_optimizer, host, cluster))
+    out.gpu_setup = round(setup_bytes(shape, n, stage, settings, offload_optimizer, offload_param))
     out.nvme_per_rank = round(sum(placed[Place.NVME].values()))
     if settings.async_checkpoints:
         out.snapshot_per_rank = checkpoint_snapshot(psi, n, stage, offload_optimizer)
     host = (out.cpu_per_rank + out.snapshot_per_rank) * cluster.gpus_per_node
     if cluster.gpu_mem_gib is not None:
-        out.fits = out.gpu_total <= cluster.gpu_mem_gib * GIB and (
+        out.fits = out.gpu_peak <= cluster.gpu_mem_gib * GIB and (
             cluster.cpu_mem_gib is None or host <= cluster.cpu_mem_gib * GIB)
     return out
 
@@ -292,7 +351,7 @@ class Estimate:
     def tight(self, row: Footprint) -> bool:
         """More than `HEADROOM` of the GPU: the CUDA context, fragmentation and any uncounted activations
         may not fit in what is left."""
-        return self.cluster.gpu_mem_gib is not None and row.gpu_total > HEADROOM * self.cluster.gpu_mem_gib * GIB
+        return self.cluster.gpu_mem_gib is not None and row.gpu_peak > HEADROOM * self.cluster.gpu_mem_gib * GIB
 
 
 def estimate(shape: ModelShape, cluster: Cluster, settings: Settings = Settings(),
@@ -309,6 +368,10 @@ def estimate(shape: ModelShape, cluster: Cluster, settings: Settings = Settings(
         notes.append("stage 3's gather window is not counted: give --largest-layer (or --hidden, or a --model).")
     if activations is None:
         notes.append("activations are not counted: give --micro-batch, --seq-len, --hidden and --layers.")
+    if settings.built_on not in BUILT_ON:
+        raise ZerorunError(f"--built-on: {settings.built_on!r}; choose from {', '.join(BUILT_ON)}.")
+    notes.append(f"setup counts the model built {BUILT_ON[settings.built_on]} (--built-on "
+                 f"{'/'.join(b for b in BUILT_ON if b != settings.built_on)} otherwise).")
     rows = [place(shape, cluster, settings, *row, activations) for row in configurations()]
     return Estimate(shape, cluster, settings, activations, rows, notes)
 
@@ -393,7 +456,7 @@ def render(est: Estimate, paper: bool = False) -> Any:
     title = (f"{est.shape.params / 1e9:.3g}B params, {est.settings.precision}, {c.nodes} node(s) x "
              f"{c.gpus_per_node} GPU(s) (GiB per GPU, per node)")
     table = Table(title=title)
-    for col in ("configuration", "params", "grads", "master", "moments", "buffers", "activations", "GPU total",
+    for col in ("configuration", "params", "grads", "master", "moments", "buffers", "activations", "GPU total", "setup",
                 *(["paper states"] if paper else []), "CPU/node", "ckpt snapshot/node", "NVMe/node", "fits"):
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for r in est.rows:
@@ -401,7 +464,7 @@ def render(est: Estimate, paper: bool = False) -> Any:
         name = r.name + ("  <- recommended" if r is est.recommended else "")
         kinds = ("params", "grads", "master", "moments", "buffers", "activations")
         table.add_row(name, *(_gb(r.gpu[k]) for k in kinds),
-                      _gb(r.gpu_total), *([_gb(r.paper_model_states)] if paper else []),
+                      _gb(r.gpu_total), _gb(r.gpu_setup), *([_gb(r.paper_model_states)] if paper else []),
                       _gb(r.cpu_per_rank * c.gpus_per_node), _gb(r.snapshot_per_rank * c.gpus_per_node),
                       _gb(r.nvme_per_rank * c.gpus_per_node), fits)
     return table
@@ -415,9 +478,9 @@ def summary(est: Estimate) -> list[str]:
     elif best is None:
         lines = ["Nothing fits: add GPUs or nodes, enable activation checkpointing, or shrink the micro-batch."]
     else:
-        share = best.gpu_total / (est.cluster.gpu_mem_gib * GIB)
+        share = best.gpu_peak / (est.cluster.gpu_mem_gib * GIB)
         counted = "" if est.activations is not None else ", activations not counted"
-        lines = [f"Recommended: {best.name} ({_gb(best.gpu_total)} GiB per GPU, {share:.0%} of "
+        lines = [f"Recommended: {best.name} ({_gb(best.gpu_peak)} GiB per GPU, {share:.0%} of "
                  f"{est.cluster.gpu_mem_gib:g} GiB{counted}): the fastest configuration that fits"
                  + ("." if est.tight(best) else f" with {1 - HEADROOM:.0%} to spare.")]
         if est.tight(best):
@@ -435,6 +498,7 @@ def as_json(est: Estimate) -> dict[str, Any]:
             "activations": dataclasses.asdict(est.activations) if est.activations else None,
             "configurations": [{"stage": r.stage, "offload_optimizer": r.offload_optimizer,
                                 "offload_param": r.offload_param, "gpu_bytes": r.gpu, "gpu_total_bytes": r.gpu_total,
+                                "gpu_setup_bytes": r.gpu_setup, "gpu_peak_bytes": r.gpu_peak,
                                 "paper_model_states_bytes": r.paper_model_states,
                                 "cpu_bytes_per_node": r.cpu_per_rank * est.cluster.gpus_per_node,
                                 "nvme_bytes_per_node": r.nvme_per_rank * est.cluster.gpus_per_node,

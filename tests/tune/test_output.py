@@ -85,7 +85,7 @@ def test_the_json_is_complete_and_serialisable() -> None:
     data = json.loads(json.dumps(output.as_json(_result(RECIPES / "quickstart.yaml", _trials()), "t.yaml")))
     assert data["winner"]["candidate"] == {"stage": 1, "offload_optimizer": "cpu", "offload_param": "none",
                                            "micro_batch": 16, "grad_accum": 1, "checkpointing": False,
-                                           "bucket_mb": 4.0}
+                                           "bucket_mb": 4.0, "host_share": 1.0}
     assert [t["status"] for t in data["trials"]] == ["measured", "measured", "stopped: slower", "out of memory"]
     assert data["rejected"][0]["reason"].startswith("NVMe offload needs --nvme-path")
 

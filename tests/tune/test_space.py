@@ -149,3 +149,20 @@ def test_the_standard_gpt_script_declares_checkpointing() -> None:
     from pathlib import Path
 
     assert space.script_honours(Path(__file__).parents[2] / "recipes/train_gpt.py") == (space.CHECKPOINTING_KEY,)
+
+
+def test_an_offloaded_optimizer_without_room_on_the_host_keeps_the_share_that_fits_there() -> None:
+    """Twin-Flow in the tuner: a host too small for the whole optimizer state keeps what fits, the GPU the rest."""
+    from zerorun import estimate
+    from zerorun.tune.space import Budget, Candidate, prune
+
+    shape = estimate.ModelShape(params=10**9)
+    settings = estimate.Settings("bf16", overlap_optimizer=False, async_checkpoints=False)
+    offloaded = Candidate(2, "cpu", "none", 4, 1, False, 25.0)
+    roomy, _ = prune([offloaded], shape, Budget(1, 1, 64 * 2**30, gpu_bytes=80 * 2**30), settings, None)
+    assert roomy == [offloaded]  # 12 GB on the host fits: all of it there
+    kept, rejected = prune([offloaded], shape, Budget(1, 1, 8 * 2**30, gpu_bytes=80 * 2**30), settings, None)
+    assert not rejected and kept[0].host_share == 0.5 and "(50% on the host)" in kept[0].label()
+    assert kept[0].settings()["zero.offload_optimizer_ratio"] == 0.5
+    _, nowhere = prune([offloaded], shape, Budget(1, 1, 2 * 2**30, gpu_bytes=8 * 2**30), settings, None)
+    assert len(nowhere) == 1  # neither the host nor the GPU has the room

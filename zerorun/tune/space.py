@@ -40,6 +40,7 @@ class Candidate:
     grad_accum: int  # train.grad_accum_steps
     checkpointing: bool  # train.activation_checkpointing
     bucket_mb: float  # zero.bucket_mb
+    host_share: float = 1.0  # zero.offload_optimizer_ratio (optimizer offloaded to the host: its share there)
 
     @property
     def sharding(self) -> tuple[int, str, str]:
@@ -55,7 +56,8 @@ class Candidate:
 
     def label(self) -> str:
         """`stage 3, optimizer->cpu, params->cpu, micro 4 x 2, ckpt, bucket 25`: one table cell."""
-        parts = [self.sharding_label(), f"micro {self.micro_batch} x {self.grad_accum}"]
+        parts = [self.sharding_label() + (f" ({self.host_share:.0%} on the host)" if self.host_share < 1 else ""),
+                 f"micro {self.micro_batch} x {self.grad_accum}"]
         if self.checkpointing:
             parts.append("ckpt")
         parts.append(f"bucket {self.bucket_mb:g}")
@@ -66,14 +68,15 @@ class Candidate:
         return {"zero.stage": self.stage, "zero.offload_optimizer.device": self.offload_optimizer,
                 "zero.offload_param.device": self.offload_param, "train.micro_batch_size": self.micro_batch,
                 "train.grad_accum_steps": self.grad_accum, CHECKPOINTING_KEY: self.checkpointing,
-                "zero.bucket_mb": self.bucket_mb}
+                "zero.bucket_mb": self.bucket_mb, "zero.offload_optimizer_ratio": self.host_share}
 
 
 def base_candidate(recipe: Recipe) -> Candidate:
     """The configuration the user's recipe already has."""
     zero, train = recipe.zero, recipe.train
     return Candidate(zero.stage, zero.offload_optimizer.device, zero.offload_param.device, train.micro_batch_size,
-                     train.grad_accum_steps, train.activation_checkpointing, zero.bucket_mb)
+                     train.grad_accum_steps, train.activation_checkpointing, zero.bucket_mb,
+                     zero.offload_optimizer_ratio)
 
 
 @dataclass(frozen=True)
@@ -185,7 +188,8 @@ def need(candidate: Candidate, shape: estimate.ModelShape, budget: Budget,
     On a CPU-only job the device is the host: everything the estimate puts on the GPU is host memory too.
     """
     cluster = estimate.Cluster(budget.nodes, budget.ranks_per_node)
-    tuned = replace(settings, bucket_mb=candidate.bucket_mb, checkpointing=candidate.checkpointing)
+    tuned = replace(settings, bucket_mb=candidate.bucket_mb, checkpointing=candidate.checkpointing,
+                    host_share=candidate.host_share)
     placed = estimate.place(shape, cluster, tuned, *candidate.sharding, None)
     if budget.gpu_bytes is None:
         return 0.0, float(placed.gpu_total + placed.cpu_per_rank)
@@ -209,12 +213,23 @@ def check(candidate: Candidate, shape: estimate.ModelShape | None, budget: Budge
     return None
 
 
+HOST_SHARES = (0.75, 0.5, 0.25)  # what an optimizer offloaded to a host without room for all of it tries instead
+
+
 def prune(candidates: list[Candidate], shape: estimate.ModelShape | None, budget: Budget,
           settings: estimate.Settings, nvme_path: str | None) -> tuple[list[Candidate], list[Rejection]]:
-    """Split the candidates into those worth measuring and those rejected before any run (with why)."""
+    """Split the candidates into those worth measuring and those rejected before any run (with why). An optimizer
+    offloaded to a host that cannot hold all of it keeps the largest share that fits there, the rest on the GPU
+    (`zero.offload_optimizer_ratio`), where the GPU has the room."""
     kept, rejected = [], []
     for candidate in candidates:
         verdict = check(candidate, shape, budget, settings, nvme_path)
+        if verdict is not None and candidate.offload_optimizer == "cpu" and candidate.host_share == 1.0 \
+                and budget.gpu_bytes is not None and "CPU/rank" in verdict.reason:
+            shared = next((c for c in (replace(candidate, host_share=s) for s in HOST_SHARES)
+                           if check(c, shape, budget, settings, nvme_path) is None), None)
+            if shared is not None:
+                candidate, verdict = shared, None
         if verdict is None:
             kept.append(candidate)
         else:
