@@ -185,6 +185,37 @@ def bench_adam(
     Console(width=200).print(adam.render(adam.run(numels, threads, repeats, chosen, bandwidth_numel=bandwidth_numel)))
 
 
+@bench_app.command("offload")
+def bench_offload(
+    quick: Annotated[bool, typer.Option(help="A 0.6B GPT, zerorun (overlap on) beside DeepSpeed's stage 2, one "
+                                             "round: `zerorun bench gpu`'s side by side.")] = False,
+    systems: Annotated[str, typer.Option(help="Comma-separated subset of: zero2-host, zero2-host-overlap, zero3-host, "
+                                              "zero3-host-overlap, deepspeed2-offload, deepspeed3-offload.")] = "",
+    steps: Annotated[int | None, typer.Option(min=1, help="Timed steps per run (after one warm-up).")] = None,
+    rounds: Annotated[int | None, typer.Option(min=1, help="Rounds, interleaving the systems.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
+) -> None:
+    """One-GPU ZeRO-Offload: zerorun's modes beside DeepSpeed's ZeRO-Offload (step, TFLOP/s, MFU, memory, phases)."""
+    import dataclasses
+
+    from rich.console import Console
+
+    from zerorun.bench import offload
+
+    chosen = tuple(s.strip() for s in systems.split(",") if s.strip()) or None
+    unknown = [s for s in chosen or () if s not in offload.SYSTEMS]
+    if unknown:
+        raise ZerorunError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(offload.SYSTEMS)}.")
+    cfg = offload.OffloadBenchConfig.default(quick, chosen)
+    cfg = dataclasses.replace(cfg, steps=steps or cfg.steps, rounds=rounds or cfg.rounds)
+    rows = offload.run(cfg, progress=lambda line: typer.echo(line, err=True))
+    Console(width=220).print(offload.render(cfg, rows))
+    if json_out is not None:
+        json_out.write_text(json.dumps(offload.as_json(cfg, rows), indent=2))
+    if all(row.step_s is None for row in rows if row.system in offload.ZERO):
+        raise typer.Exit(1)
+
+
 @bench_app.command("quantize")
 def bench_quantize(
     sizes: Annotated[str, typer.Option(help="Comma-separated tensor sizes in elements (K/M/G = 10^3/6/9).")] =
