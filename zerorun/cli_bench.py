@@ -167,7 +167,8 @@ def bench_adam(
     repeats: Annotated[int, typer.Option(help="Timed steps per implementation and size, after one warm-up.")] = 10,
     implementations: Annotated[str, typer.Option(help="Comma-separated subset of: zerorun, zerorun+bf16, "
                                                       "torch fused, torch fused+bf16, torch foreach, "
-                                                      "torch for-loop (default: all).")] = "",
+                                                      "torch for-loop, deepspeed (DeepSpeedCPUAdam, where "
+                                                      "deepspeed imports) (default: all).")] = "",
     bandwidth_size: Annotated[str, typer.Option(help="Elements of the torch add that measures memory bandwidth; "
                                                      "make it larger than the last-level cache.")] = "64M",
 ) -> None:

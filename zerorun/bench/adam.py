@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-IMPLEMENTATIONS = ("zerorun", "zerorun+bf16", "torch fused", "torch fused+bf16", "torch foreach", "torch for-loop")
+IMPLEMENTATIONS = ("zerorun", "zerorun+bf16", "torch fused", "torch fused+bf16", "torch foreach", "torch for-loop",
+                   "deepspeed")  # DeepSpeedCPUAdam, where deepspeed imports (its op builds at first use)
 HYPER: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
 
@@ -111,6 +112,28 @@ def _ours(numel: int, lowp: bool) -> Callable[[], None]:
     return step
 
 
+def _deepspeed(numel: int) -> Callable[[], None]:
+    """DeepSpeedCPUAdam (AdamW) over one flat fp32 parameter, as DeepSpeed's ZeRO-Offload steps its shard."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    param = torch.nn.Parameter(torch.randn(numel))
+    param.grad = torch.randn(numel)
+    optimizer = DeepSpeedCPUAdam([param], lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"],
+                                 weight_decay=HYPER["weight_decay"], adamw_mode=True)
+    return optimizer.step
+
+
+def _missing(name: str, ours: Any) -> str | None:
+    """Why implementation `name` cannot run here, or None."""
+    import importlib.util
+
+    if name.startswith("zerorun") and ours.lib is None:
+        return str(ours.reason)
+    if name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed does not import here"
+    return None
+
+
 def run(sizes: list[int], threads: int = 1, repeats: int = 10, implementations: tuple[str, ...] = IMPLEMENTATIONS,
         budget_s: float = 3.0, bandwidth_numel: int = 64 * 10**6) -> AdamBench:
     """Median step time of each implementation at each size, on `threads` CPU threads."""
@@ -125,11 +148,12 @@ def run(sizes: list[int], threads: int = 1, repeats: int = 10, implementations: 
         for numel in sizes:
             for name in implementations:
                 bytes_per_param = 30 if name.endswith("+bf16") else 28
-                if name.startswith("zerorun") and ours.lib is None:
-                    results.append(AdamResult(numel, name, None, bytes_per_param, note=ours.reason))
+                why = _missing(name, ours)
+                if why is not None:
+                    results.append(AdamResult(numel, name, None, bytes_per_param, note=why))
                     continue
                 step = _ours(numel, name.endswith("+bf16")) if name.startswith("zerorun") \
-                    else _torch_optimizer(name.removeprefix("torch "), numel)
+                    else _deepspeed(numel) if name == "deepspeed" else _torch_optimizer(name.removeprefix("torch "), numel)
                 times = _time(step, repeats, budget_s)
                 results.append(AdamResult(numel, name, statistics.median(times), bytes_per_param, len(times)))
                 del step
