@@ -32,7 +32,7 @@ def test_without_cuda_every_step_after_the_environment_skips_and_the_exit_code_i
     lines = result.stdout.splitlines()
     assert lines[0].startswith("SKIP environment: no CUDA device: torch ") and ", commit " in lines[0]
     assert [line.split(":")[0] for line in lines[1:len(gpu.STEPS)]] == [f"SKIP {s}" for s in gpu.STEPS[1:]]
-    assert lines[-2].startswith("zerorun bench gpu: PASS 0, FAIL 0, SKIP 8 in ")
+    assert lines[-2].startswith("zerorun bench gpu: PASS 0, FAIL 0, SKIP 9 in ")
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [s["step"] for s in report["steps"]] == list(gpu.STEPS) and report["commit"]
 

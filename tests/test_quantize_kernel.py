@@ -47,7 +47,9 @@ def _hard_input(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _torch_codec(x: torch.Tensor) -> Quantized:
-    return codec._torch_quantize(x)
+    out = Quantized.empty(x.numel(), x.device)
+    codec._torch_quantize(x, out)
+    return out
 
 
 def test_the_quantize_kernel_builds(kernel: None) -> None:
@@ -123,3 +125,34 @@ def test_tensors_the_kernel_cannot_take_go_to_torch(kernel: None) -> None:
     assert not ops.dequantize_blocks(q.values, q.scales, torch.empty(BLOCK + 3, dtype=torch.bfloat16), BLOCK,
                                      accumulate=True)
     assert torch.equal(codec.dequantize_into(q, strided), codec.dequantize_into(q, torch.empty(BLOCK + 3)))
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: runs on a GPU machine")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel", [*SIZES, 1_000_003])
+def test_the_cuda_kernel_quantizes_to_the_cpu_codecs_bits(numel: int, dtype: torch.dtype) -> None:
+    """kernels/quantize.cu against the CPU codec (kernel or torch) and torch's path on the GPU: a GPU rank and a CPU
+    rank send and compute the same values."""
+    assert ops.build(["quantize_cuda"])["quantize_cuda"].startswith("loaded")
+    x = _hard_input(numel, dtype)
+    on_gpu, on_cpu, torch_gpu = codec.quantize(x.cuda()), codec.quantize(x), _torch_codec(x.cuda())
+    for q in (on_gpu, torch_gpu):
+        assert torch.equal(q.scales.cpu(), on_cpu.scales) and torch.equal(q.values.cpu(), on_cpu.values)
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        back = codec.dequantize_into(on_gpu, torch.empty(numel, dtype=out_dtype, device="cuda"))
+        assert torch.equal(back.cpu(), codec.dequantize_into(on_cpu, torch.empty(numel, dtype=out_dtype)))
+    base = torch.randn(numel)
+    summed = codec.dequantize_add(on_gpu, base.cuda())
+    assert torch.equal(summed.cpu(), codec.dequantize_add(on_cpu, base.clone()))
+
+
+@needs_gpu
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_cuda_block_with_an_inf_or_nan_dequantizes_to_nans(bad: float) -> None:
+    x = _hard_input(3 * BLOCK + 77, torch.float32)
+    x[BLOCK + 10] = bad
+    back = codec.dequantize_into(codec.quantize(x.cuda()), torch.empty(x.numel(), device="cuda")).cpu()
+    assert back[BLOCK:2 * BLOCK].isnan().all() and torch.cat([back[:BLOCK], back[2 * BLOCK:]]).isfinite().all()

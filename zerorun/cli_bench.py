@@ -186,6 +186,12 @@ def bench_adam(
     Console(width=200).print(adam.render(adam.run(numels, threads, repeats, chosen, bandwidth_numel=bandwidth_numel)))
 
 
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @bench_app.command("offload")
 def bench_offload(
     quick: Annotated[bool, typer.Option(help="A 0.6B GPT, zerorun (overlap on) beside DeepSpeed's stage 2, one "
@@ -225,14 +231,20 @@ def bench_quantize(
     repeats: Annotated[int, typer.Option(help="Timed calls per operation and size, after one warm-up.")] = 10,
     bandwidth_size: Annotated[str, typer.Option(help="Elements of the torch add that measures memory bandwidth; "
                                                      "make it larger than the last-level cache.")] = "64M",
+    device: Annotated[str, typer.Option(help="cpu, or cuda: the CUDA codec against a device-to-device copy.")] = "cpu",
 ) -> None:
     """GB/s of qwZ/qgZ's block int8 codec, our kernel and torch's path, against the measured memory bandwidth."""
     from rich.console import Console
 
     from zerorun.bench import quantize
 
+    if device not in ("cpu", "cuda"):
+        raise ZerorunError(f"--device: {device!r}; choose cpu or cuda.")
+    if device == "cuda" and not torch_cuda_available():
+        raise ZerorunError("--device cuda: torch sees no CUDA device here.")
     numels, bandwidth_numel = _kernel_bench_sizes(sizes, bandwidth_size, threads, repeats)
-    Console(width=200).print(quantize.render(quantize.run(numels, threads, repeats, bandwidth_numel=bandwidth_numel)))
+    Console(width=200).print(quantize.render(quantize.run(numels, threads, repeats, bandwidth_numel=bandwidth_numel,
+                                                          device=device)))
 
 
 @bench_app.command("io")

@@ -49,7 +49,7 @@ from zerorun.toolchain import BuildError, cuda_home, cxx, first_error, preflight
 
 _cuda_home = cuda_home  # the name `zerorun bench gpu` reports
 
-KINDS = ("cpu_adam", "fused_adam", "aio", "quantize")
+KINDS = ("cpu_adam", "fused_adam", "aio", "quantize", "quantize_cuda")
 LOCK_TIMEOUT_S = 900.0  # a CUDA build on a busy node can take minutes; a hung one should not hang a job forever
 FAILURE_REUSE_S = 60.0  # a failure this recent is another rank's of the same job: reuse it, do not rebuild
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -83,6 +83,9 @@ SPECS = {
     # block int8 for qwZ/qgZ (zerorun/runtime/comm/quantize.py); the same bits as torch's path, in one sweep
     "quantize": KernelSpec("quantize", "quantize.cpp", cuda=False,
                            cflags=("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"), ldflags=("-fopenmp",)),
+    # the same format and bits for CUDA tensors (qwZ/qgZ on NCCL)
+    "quantize_cuda": KernelSpec("quantize_cuda", "quantize.cu", cuda=True, cflags=("-O3",),
+                                cuda_cflags=("-O3", "-std=c++17", "--fmad=false")),
 }
 
 
@@ -262,6 +265,12 @@ def _open(kind: str, library: Path) -> ctypes.CDLL:
                                    ("zr_aio_wait", [pointer, i64, ctypes.POINTER(i64), text, i32], i32),
                                    ("zr_aio_poll", [pointer, i64], i32), ("zr_aio_destroy", [pointer], None)):
             getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
+    elif kind == "quantize_cuda":
+        lib.zr_cuda_quantize.argtypes = [pointer, i32, i64, i64, pointer, pointer, pointer]
+        lib.zr_cuda_dequantize.argtypes = [pointer, pointer, i64, i64, pointer, i32, i32, pointer]
+        lib.zr_cuda_quantize.restype = lib.zr_cuda_dequantize.restype = i32
+        lib.zr_cuda_quantize_error_string.argtypes = [i32]
+        lib.zr_cuda_quantize_error_string.restype = ctypes.c_char_p
     else:
         lib.zr_cuda_adam.argtypes = [pointer, pointer, i32, pointer, pointer, pointer, i32, i64, i64, f64, f64, f64,
                                      f64, f64, i32, f64, pointer]
@@ -300,6 +309,8 @@ _FALLBACKS = {  # what runs instead of each kernel, for the one warning per proc
     "fused_adam": "Adam runs on torch's fused implementation instead (same results; a low-precision copy takes a "
                   "second pass)",
     "aio": "NVMe offload I/O runs on a Python thread pool instead (same results, more CPU per byte)",
+    "quantize_cuda": "block int8 (qwZ/qgZ) of CUDA tensors runs on torch's operations instead (the same bits, "
+                     "several passes over device memory)",
     "quantize": "block int8 (qwZ/qgZ) runs on torch instead (the same bits, several passes over memory where the "
                 "kernel makes one)",
 }
@@ -390,13 +401,19 @@ def _torch_adamw_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.
 
 
 def quantize_blocks(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, block: int) -> bool:
-    """Block int8 of `x` (contiguous fp32/bf16/fp16 on the CPU) into `values` (int8, at least
-    ceil(n / block) * block, the padding zeroed) and `scales` (fp32, one per block), in one sweep.
-    False, having written nothing, where the kernel is not here: the caller runs torch's path (same bits)."""
-    usable = x.device.type == "cpu" and x.dtype in _DTYPE_CODES and x.is_contiguous()
-    lib = _kernel("quantize") if usable else None
+    """Block int8 of `x` (contiguous fp32/bf16/fp16, on the CPU or a CUDA device) into `values` (int8, at least
+    ceil(n / block) * block, the padding zeroed) and `scales` (fp32, one per block), in one sweep (on CUDA, on
+    the current stream). False, having written nothing, where the kernel is not here: the caller runs torch's
+    path (same bits)."""
+    lib = _codec(x) if x.dtype in _DTYPE_CODES and x.is_contiguous() else None
     if lib is None:
         return False
+    if x.device.type == "cuda":
+        with torch.cuda.device(x.device):
+            code = lib.zr_cuda_quantize(x.data_ptr(), _DTYPE_CODES[x.dtype], x.numel(), block, values.data_ptr(),
+                                        scales.data_ptr(), torch.cuda.current_stream(x.device).cuda_stream)
+        _check_cuda(lib, code, "zr_cuda_quantize")
+        return True
     code = lib.zr_quantize(x.data_ptr(), _DTYPE_CODES[x.dtype], x.numel(), block, values.data_ptr(),
                            scales.data_ptr(), torch.get_num_threads())
     assert code == 0, f"zr_quantize rejected its arguments (code {code})"
@@ -405,18 +422,36 @@ def quantize_blocks(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
 
 def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int,
                       accumulate: bool = False) -> bool:
-    """`out` (contiguous, on the CPU) = the block int8 `values` times their `scales`, or += them when
-    `accumulate` (fp32 `out` only); one sweep. False, having written nothing, where the kernel is not
+    """`out` (contiguous, on the CPU or a CUDA device) = the block int8 `values` times their `scales`, or += them
+    when `accumulate` (fp32 `out` only); one sweep. False, having written nothing, where the kernel is not
     here: the caller runs torch's path (same bits)."""
-    usable = out.device.type == "cpu" and out.dtype in _DTYPE_CODES and out.is_contiguous() \
-        and (out.dtype == torch.float32 or not accumulate)
-    lib = _kernel("quantize") if usable else None
+    usable = out.dtype in _DTYPE_CODES and out.is_contiguous() and (out.dtype == torch.float32 or not accumulate)
+    lib = _codec(out) if usable else None
     if lib is None:
         return False
+    if out.device.type == "cuda":
+        with torch.cuda.device(out.device):
+            code = lib.zr_cuda_dequantize(values.data_ptr(), scales.data_ptr(), out.numel(), block, out.data_ptr(),
+                                          _DTYPE_CODES[out.dtype], int(accumulate),
+                                          torch.cuda.current_stream(out.device).cuda_stream)
+        _check_cuda(lib, code, "zr_cuda_dequantize")
+        return True
     code = lib.zr_dequantize(values.data_ptr(), scales.data_ptr(), out.numel(), block, out.data_ptr(),
                              _DTYPE_CODES[out.dtype], int(accumulate), torch.get_num_threads())
     assert code == 0, f"zr_dequantize rejected its arguments (code {code})"
     return True
+
+
+def _codec(tensor: torch.Tensor) -> ctypes.CDLL | None:
+    """The block int8 kernel for `tensor`'s device (None: torch's path runs)."""
+    kind = {"cpu": "quantize", "cuda": "quantize_cuda"}.get(tensor.device.type)
+    return _kernel(kind) if kind is not None else None
+
+
+def _check_cuda(lib: ctypes.CDLL, code: int, name: str) -> None:
+    assert code != 1, f"{name} rejected its arguments"
+    if code:
+        raise RuntimeError(f"zerorun {name} launch failed: {lib.zr_cuda_quantize_error_string(code).decode()}")
 
 
 def status() -> dict[str, str]:

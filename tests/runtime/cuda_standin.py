@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
+import torch.cuda.nccl
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
@@ -289,6 +290,7 @@ def pretend_cuda(backend: str = "gloo") -> Iterator[set[tuple[str, str]]]:
         (torch.cuda, "manual_seed_all"): lambda seed: None,
         (torch.cuda, "get_device_capability"): lambda device=None: (9, 0),
         (torch.cuda, "mem_get_info"): lambda device=None: (64 * 2**30, 80 * 2**30),
+        (torch.cuda.nccl, "version"): lambda: (2, 21, 5),  # torch.distributed's error logging asks for it
         (dist, "get_backend"): lambda group=None: backend,
         (dist, "init_process_group"): _init_on_gloo(dist.init_process_group),
     }

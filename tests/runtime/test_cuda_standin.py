@@ -43,7 +43,7 @@ FLAT = {  # every rank on one node
     "stage 2, gloo's own wire (no shared memory)": ["zero.stage=2", "zero.cpu_collectives=gloo"],
     "stage 3, gloo's own wire": ["zero.stage=3", "zero.cpu_collectives=gloo"],
 }
-GLOO_ONLY = {  # quantized collectives are gloo's until NCCL carries them
+ZERO_PLUS_PLUS = {  # one algorithm, two wires: point to point on gloo, all-to-all and all-gather on NCCL
     "stage 2, qgZ + qwZ": ["zero.stage=2", "zero.cpu_collectives=gloo", "zero.quantized_gradients=true",
                            "zero.quantized_weights=true"],
     "stage 3, qgZ + qwZ": ["zero.stage=3", "zero.cpu_collectives=gloo", "zero.quantized_gradients=true",
@@ -73,12 +73,14 @@ def _both(rank: int, world: int, backend: str, cases: dict[str, list[str]], per_
     if per_node:
         os.environ.update(LOCAL_WORLD_SIZE=str(per_node), LOCAL_RANK=str(rank % per_node))
     out: dict = {}  # the first CPU run starts the process group (gloo); pretend_cuda then reports `backend`
+    calls: set[tuple[str, str]] = set()
     for name, overrides in cases.items():
         cpu = _train(rank, overrides)
         with pretend_cuda(backend) as seen:
             gpu = _train(rank, overrides)
+        calls |= seen
         out[name] = (*_differences(cpu, gpu), gpu[2])
-    out["calls"] = seen
+    out["calls"] = calls
     return out
 
 
@@ -106,15 +108,16 @@ def _check(results: list[dict], backend: str) -> set[tuple[str, str]]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_stage_on_gpus_sharing_gloo_matches_the_cpu_bit_for_bit(world: int) -> None:
-    calls = _check(run_ranks(_both, world, ("gloo", {**FLAT, **GLOO_ONLY}, None), timeout=600), "gloo")
+    calls = _check(run_ranks(_both, world, ("gloo", {**FLAT, **ZERO_PLUS_PLUS}, None), timeout=600), "gloo")
     assert ("isend", "cpu") in calls and ("irecv", "cpu") in calls, calls  # the pairwise wire ran, on host copies
     assert not {call for call in calls if call[1] == "cuda"} - {("all_reduce", "cuda"), ("broadcast", "cuda")}, calls
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_stage_on_nccl_matches_the_cpu(world: int) -> None:
-    calls = _check(run_ranks(_both, world, ("nccl", FLAT, None), timeout=600), "nccl")
-    assert {("reduce_scatter_tensor", "cuda"), ("all_gather_into_tensor", "cuda"), ("all_reduce", "cuda")} <= calls
+    calls = _check(run_ranks(_both, world, ("nccl", {**FLAT, **ZERO_PLUS_PLUS}, None), timeout=600), "nccl")
+    assert {("reduce_scatter_tensor", "cuda"), ("all_gather_into_tensor", "cuda"), ("all_reduce", "cuda"),
+            ("all_to_all_single", "cuda")} <= calls  # the last: qgZ's exchange
 
 
 def test_two_levels_and_hpz_on_gpus_sharing_gloo_match_the_cpu() -> None:
@@ -122,9 +125,9 @@ def test_two_levels_and_hpz_on_gpus_sharing_gloo_match_the_cpu() -> None:
     assert ("isend", "cpu") in calls, calls  # the cross-node level's pairwise wire, on host copies
 
 
-def test_hpz_on_nccl_matches_the_cpu() -> None:
-    _check(run_ranks(_both, 4, ("nccl", {"stage 3, hpZ": NODES["stage 3, two levels, hpZ"]}, 2), timeout=600),
-           "nccl")
+def test_two_levels_hpz_and_zero_plus_plus_on_nccl_match_the_cpu() -> None:
+    calls = _check(run_ranks(_both, 4, ("nccl", NODES, 2), timeout=600), "nccl")
+    assert ("all_to_all_single", "cuda") in calls  # the cross-node level's int8 exchange
 
 
 def _refusals(rank: int, world: int, backend: str) -> str:

@@ -6,6 +6,8 @@ tests/runtime/test_cuda_standin.py); this command runs what only a GPU can, in o
 - environment: torch's CUDA build, nvcc, CUDA_HOME, and the checkout's commit (the figures it gives
   are that commit's);
 - build, numerics, bandwidth: the CUDA Adam kernel (`bench/gpu_kernel.py`);
+- codec: the CUDA block int8 codec of qwZ/qgZ against a device-to-device copy (its bits are the
+  pytest step's);
 - pytest: the CUDA tests of a checkout, each failure named;
 - launch: the quick start as users start it, shortened: world-size-1 NCCL at stages 2 and 3 with and
   without offload, and 2 and 3 ranks sharing the GPU over gloo at stages 0-3, a few at a time;
@@ -39,8 +41,9 @@ import torch
 from zerorun import ops
 from zerorun.bench import gpu_kernel
 
-STEPS = ("environment", "build", "numerics", "bandwidth", "pytest", "launch", "sanitizer", "deepspeed")
-CUDA_TESTS = ("tests/test_kernels_cuda.py", "tests/runtime/test_cuda_parity.py", "tests/runtime/test_wire.py")
+STEPS = ("environment", "build", "numerics", "bandwidth", "codec", "pytest", "launch", "sanitizer", "deepspeed")
+CUDA_TESTS = ("tests/test_kernels_cuda.py", "tests/runtime/test_cuda_parity.py", "tests/runtime/test_wire.py",
+              "tests/test_quantize_kernel.py")
 SANITIZED_TESTS = ("tests/runtime/test_cuda_parity.py",)
 BANDWIDTH_FLOOR = 0.7  # of a device-to-device copy: the update is memory-bound, so less is a slow kernel
 LAUNCH_STEPS = 8  # optimizer steps per launch: enough for the loss to fall, short enough for a dozen launches
@@ -64,6 +67,8 @@ LAUNCHES = (
     Launch("1 GPU, nccl, stage 3", 1, (*_NCCL, "zero.stage=3")),
     Launch("1 GPU, nccl, stage 3, optimizer and parameters on the CPU", 1,
            (*_NCCL, "zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_param=cpu")),
+    Launch("1 GPU, nccl, stage 3, qgZ + qwZ", 1,
+           (*_NCCL, "zero.stage=3", "zero.quantized_gradients=true", "zero.quantized_weights=true")),
     *(Launch(f"{n} ranks on 1 GPU, gloo, stage {stage}", n, ("launch.backend=gloo", f"zero.stage={stage}"))
       for n in (2, 3) for stage in range(4)),
 )
@@ -121,7 +126,7 @@ def environment(root: Path = Path(".")) -> StepResult:
 
 
 def build() -> StepResult:
-    lines = ops.build(["fused_adam", "cpu_adam"])
+    lines = ops.build(["fused_adam", "cpu_adam", "quantize_cuda"])
     bad = {k: line for k, line in lines.items() if not line.startswith("loaded")}
     detail = "; ".join(f"{k}: {line}" for k, line in (bad or lines).items())
     return StepResult("build", Status.FAIL if bad else Status.PASS, detail)
@@ -147,6 +152,22 @@ def bandwidth() -> StepResult:
     detail = ", ".join(f"{name} {gbps:.0f} GB/s" for name, gbps in rates.items())
     detail += f"; ours {ours / copy:.0%} of the copy, {ours / theirs:.2f}x torch's fused AdamW"
     return StepResult("bandwidth", Status.PASS if ours >= BANDWIDTH_FLOOR * copy else Status.FAIL, detail)
+
+
+def codec() -> StepResult:
+    """The CUDA codec's quantize and dequantize at BANDWIDTH_FLOOR of a device-to-device copy or better."""
+    from zerorun.bench import quantize
+
+    bench = quantize.run([64 * 10**6], repeats=10, bandwidth_numel=256 * 10**6, device="cuda")
+    ours = {r.operation: r.gb_per_s for r in bench.results if r.implementation == "zerorun" and r.median_s}
+    if not ours:
+        note = next((r.note for r in bench.results if r.implementation == "zerorun"), "")
+        return StepResult("codec", Status.FAIL, f"the CUDA codec did not run: {note}")
+    detail = ", ".join(f"{op} {gbps:.0f} GB/s ({gbps / bench.bandwidth_gb_s:.0%})" for op, gbps in ours.items())
+    slow = [op for op in ("quantize", "dequantize") if ours.get(op, 0) < BANDWIDTH_FLOOR * bench.bandwidth_gb_s]
+    detail += f" of a {bench.bandwidth_gb_s:.0f} GB/s copy"
+    return StepResult("codec", Status.FAIL if slow else Status.PASS, (f"below {BANDWIDTH_FLOOR:.0%}: "
+                                                                        f"{', '.join(slow)}; " if slow else "") + detail)
 
 
 def _run(argv: list[str], root: Path, timeout_s: float, env: dict[str, str] | None = None) -> tuple[int, str]:
@@ -265,6 +286,7 @@ def run(options: Options, report: Callable[[StepResult], None] = lambda r: None)
         "build": lambda: [build()],
         "numerics": lambda: [numerics(device, options.max_numel)],
         "bandwidth": lambda: [bandwidth()],
+        "codec": lambda: [codec()],
         "pytest": lambda: [pytest(options.root, options.timeout_s)],
         "launch": lambda: launches(options.root, options.timeout_s),
         "sanitizer": lambda: sanitizer(options.root, options.timeout_s),

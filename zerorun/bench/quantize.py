@@ -4,8 +4,10 @@ bandwidth as the roofline.
 Each operation is one sweep's worth of bytes at least: quantizing reads 4 bytes per fp32 element and
 writes 1 (plus a scale per 2048), dequantizing reads 1 and writes 4, dequantize-and-add also reads the 4
 it adds to. A row's GB/s counts those bytes, not what an implementation happens to move (torch's
-passes over its fp32 scratch are its cost). The roofline is `zerorun bench adam`'s: a torch add over a
-buffer larger than the cache. Both implementations give the same bits (tests/test_quantize_kernel.py).
+passes over its fp32 scratch are its cost). The roofline is `zerorun bench adam`'s on a CPU, a torch add
+over a buffer larger than the cache; on a CUDA device (`device="cuda"`: kernels/quantize.cu), a
+device-to-device copy, each call timed to a device synchronisation. Every implementation gives the same
+bits (tests/test_quantize_kernel.py).
 """
 
 from __future__ import annotations
@@ -42,33 +44,55 @@ class CodecBench:
     bandwidth_gb_s: float
     bandwidth_numel: int
     results: list[CodecResult]
+    device: str = "cpu"
 
 
-def _operation(operation: str, implementation: str, numel: int) -> Callable[[], Any]:
+def copy_bandwidth(numel: int, device: torch.device, repeats: int = 10) -> float:
+    """GB/s of a device-to-device copy of `numel` fp32 (4 bytes read, 4 written), best of `repeats`."""
+    a, b = torch.rand(numel, device=device), torch.empty(numel, device=device)
+    times = _time(_synced(lambda: b.copy_(a), device), repeats, budget_s=5.0)
+    return 8 * numel / min(times) / 1e9
+
+
+def _synced(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+    """`fn`, then wait for the device's work (a CUDA call returns when it is queued, not done)."""
+    if device.type != "cuda":
+        return fn
+
+    def call() -> None:
+        fn()
+        torch.cuda.synchronize(device)
+    return call
+
+
+def _operation(operation: str, implementation: str, numel: int, device: torch.device = torch.device("cpu")
+               ) -> Callable[[], Any]:
     from zerorun.runtime.comm import quantize as codec
 
-    x = torch.randn(numel)
+    x = torch.randn(numel, device=device)
     q = codec.quantize(x)
-    out = torch.empty(numel)
+    out = torch.empty(numel, device=device)
     if implementation == "zerorun":
         return {"quantize": lambda: codec.quantize(x), "dequantize": lambda: codec.dequantize_into(q, out),
                 "dequantize+add": lambda: codec.dequantize_add(q, out)}[operation]
     # the fallbacks themselves: what runs where the kernel is not built
-    return {"quantize": lambda: codec._torch_quantize(x),  # noqa: SLF001
+    return {"quantize": lambda: codec._torch_quantize(x, codec.Quantized.empty(numel, device)),  # noqa: SLF001
             "dequantize": lambda: codec._torch_dequantize_into(q, out),  # noqa: SLF001
             "dequantize+add": lambda: codec._torch_dequantize_add(q, out)}[operation]  # noqa: SLF001
 
 
 def run(sizes: list[int], threads: int = 1, repeats: int = 10, budget_s: float = 3.0,
-        bandwidth_numel: int = 64 * 10**6) -> CodecBench:
-    """Median time of each operation and implementation at each size, on `threads` CPU threads."""
+        bandwidth_numel: int = 64 * 10**6, device: str = "cpu") -> CodecBench:
+    """Median time of each operation and implementation at each size, on `threads` CPU threads or a CUDA device."""
     from zerorun import ops
 
+    place = torch.device(device)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        bandwidth = measure_bandwidth(bandwidth_numel)
-        ours = ops._load("quantize")  # noqa: SLF001 - the bench must not time torch's fallback under our name
+        bandwidth = measure_bandwidth(bandwidth_numel) if place.type == "cpu" else copy_bandwidth(bandwidth_numel, place)
+        # the bench must not time torch's fallback under our name
+        ours = ops._load("quantize" if place.type == "cpu" else "quantize_cuda")  # noqa: SLF001
         results = []
         for numel in sizes:
             for operation in OPERATIONS:
@@ -76,9 +100,9 @@ def run(sizes: list[int], threads: int = 1, repeats: int = 10, budget_s: float =
                     if name == "zerorun" and ours.lib is None:
                         results.append(CodecResult(numel, operation, name, None, note=ours.reason))
                         continue
-                    times = _time(_operation(operation, name, numel), repeats, budget_s)
+                    times = _time(_synced(_operation(operation, name, numel, place), place), repeats, budget_s)
                     results.append(CodecResult(numel, operation, name, statistics.median(times), len(times)))
-        return CodecBench(threads, bandwidth, bandwidth_numel, results)
+        return CodecBench(threads, bandwidth, bandwidth_numel, results, place.type)
     finally:
         torch.set_num_threads(previous)
 
@@ -86,8 +110,10 @@ def run(sizes: list[int], threads: int = 1, repeats: int = 10, budget_s: float =
 def render(bench: CodecBench) -> Any:
     from rich.table import Table
 
-    table = Table(title=f"block int8 codec (blocks of 2048, fp32 in and out), {bench.threads} thread(s), median; "
-                        f"roofline: torch add_ over {bench.bandwidth_numel:,} fp32 {bench.bandwidth_gb_s:.1f} GB/s; "
+    where = f"{bench.threads} thread(s)" if bench.device == "cpu" else bench.device
+    roof = "torch add_" if bench.device == "cpu" else "a device-to-device copy"
+    table = Table(title=f"block int8 codec (blocks of 2048, fp32 in and out), {where}, median; roofline: {roof} "
+                        f"over {bench.bandwidth_numel:,} fp32 {bench.bandwidth_gb_s:.1f} GB/s; "
                         "GB/s counts 5 B/element (9 for dequantize+add)")
     for column in ("elements", "operation", "implementation", "ms", "GB/s", "% of roofline", "runs"):
         table.add_column(column, justify="left" if column in ("operation", "implementation") else "right")

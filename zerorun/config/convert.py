@@ -228,13 +228,13 @@ def _check_cross_fields(recipe: Recipe, ctx: _Ctx) -> None:
         _fail(ctx, "zero.offload_param.device",
               "parameter offload needs zero.offload_optimizer too: the fp32 master is the larger copy of the "
               "parameters, so offload it first (e.g. offload_optimizer: cpu).")
-    if recipe.zero.quantized_gradients and recipe.zero.stage == 0:
+    if recipe.zero.quantized_gradients is True and recipe.zero.stage == 0:
         _fail(ctx, "zero.quantized_gradients", "stage 0 all-reduces gradients; quantized gradients apply to the "
               "reduce-scatter of zero.stage 1, 2 or 3. Raise the stage or leave this off.")
     if recipe.zero.hpz_partition_size > 1 and recipe.zero.stage != 3:
         _fail(ctx, "zero.hpz_partition_size", f"the secondary copy is of stage 3's gathered parameters (stage is "
               f"{recipe.zero.stage}). Use zero.stage: 3 or leave it at 1.")
-    if recipe.zero.quantized_weights and recipe.zero.stage == 0:
+    if recipe.zero.quantized_weights is True and recipe.zero.stage == 0:
         _fail(ctx, "zero.quantized_weights", "stage 0 gathers no weights (every rank updates all of them); "
               "quantized weights apply to the all-gathers of zero.stage 1, 2 or 3. Raise the stage or leave this off.")
     if recipe.zero.offload_optimizer.device != "none" and recipe.zero.stage == 0:

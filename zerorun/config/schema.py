@@ -82,15 +82,18 @@ class ZeroConfig:
         "auto", "CPU ranks: auto and shm carry collectives through a shared-memory segment when every rank is on "
         "one host (memory speed; auto falls back to gloo where it cannot, shm refuses); gloo: always the process "
         "group's TCP loopback.")
-    quantized_gradients: bool = _f(
-        False, "Stages 1-3, ZeRO++'s qgZ: gradients crossing the network (gloo, where shared memory cannot carry "
-        "them: ranks on other nodes) are sent as int8 in blocks of 2048 with an fp32 scale each, a quarter of the "
-        "bytes, and summed in fp32. Changes the numbers slightly (docs/cluster.md measures the loss).")
-    quantized_weights: bool = _f(
-        False, "Stages 1-3, ZeRO++'s qwZ: parameters cross the network (gloo) as int8 in blocks of 2048 with an fp32 "
+    quantized_gradients: Literal["auto", True, False] = _f(
+        False, "Stages 1-3, ZeRO++'s qgZ: gradients crossing the network (where shared memory cannot carry them: "
+        "ranks on other nodes; across nodes only, where the collectives are hierarchical) are sent as int8 in "
+        "blocks of 2048 with an fp32 scale each, a quarter of the bytes, and summed in fp32; on gloo and on NCCL. "
+        "Changes the numbers slightly (docs/cluster.md measures the loss). auto: on where the link and the codec, "
+        "measured at setup, say it pays (it costs more than it saves over a fast link), and says which once.")
+    quantized_weights: Literal["auto", True, False] = _f(
+        False, "Stages 1-3, ZeRO++'s qwZ: parameters cross the network as int8 in blocks of 2048 with an fp32 "
         "scale each when all-gathered (stage 3: to compute with; stages 1/2: after the step), a quarter of the "
         "bytes; every rank computes with the same dequantized weights, the fp32 masters stay exact (stages 1/2 "
-        "in fp32 then keep a master shard apart from the parameters: 4 bytes per parameter / world size).")
+        "in fp32 then keep a master shard apart from the parameters: 4 bytes per parameter / world size). "
+        "auto: as for quantized_gradients.")
     host_memory: Literal["fast", "lean"] = _f(
         "fast", "How glibc treats host memory freed in training (stage 3 on CPU re-gathers a unit into the memory "
         "it released either way). fast: freed blocks of up to 32 MiB are kept for reuse, so activations and "

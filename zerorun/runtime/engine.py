@@ -92,7 +92,7 @@ class Engine:
         self.scaler = LossScaler(recipe.precision)
         self.comm = Collectives(cpu=recipe.zero.cpu_collectives, timeout_s=recipe.launch.timeout_s,
                                 quantized_gradients=recipe.zero.quantized_gradients,
-                                quantized_weights=recipe.zero.quantized_weights)
+                                quantized_weights=recipe.zero.quantized_weights, device=self.device)
         self.phase = TrainingPhase()
         self.placement = Placement.from_recipe(recipe, self.device, self.info.rank)
         setup = partial(events.EngineSetup, host_memory=recipe.zero.host_memory, stage=self.stage,

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from collections import defaultdict
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
 
@@ -40,14 +41,17 @@ import torch
 import torch.distributed as dist
 
 from zerorun import ops
+from zerorun.runtime.comm import compression
 from zerorun.errors import ZerorunError
-from zerorun.runtime.comm.hier_collectives import Hierarchical, local_world_for
-from zerorun.runtime.comm.quantize import Quantized, dequantize_add, dequantize_into, quantize
+from zerorun.runtime.comm.hier_collectives import FutureWork, Hierarchical, local_world_for
+from zerorun.runtime.comm.quantize import BLOCK, Quantized, QuantizedRows, dequantize_add, dequantize_into, quantize
 from zerorun.runtime.comm.shm_collectives import ShmCollectives, Unavailable
 from zerorun.runtime.comm.wire import Op, Primitive, route
 
 log = logging.getLogger("zerorun")
 CpuCollectives = Literal["auto", "shm", "gloo"]
+Quantization = Literal["auto", True, False]
+CODEC_CHUNK = 256 * BLOCK  # elements quantized at once on the point-to-point wire: 2 MiB of fp32, 0.5 MiB sent
 
 
 @dataclass
@@ -94,6 +98,10 @@ class Handle:
     def ready(self) -> bool:
         """The transfer has finished (`wait()` would not block on it; its follow-up may still be due)."""
         return all(work is None or work.is_completed() for work in self._works)
+
+    def is_completed(self) -> bool:
+        """`ready`, as a process-group work says it (a handle can be another's work)."""
+        return self.ready
 
     def wait(self) -> None:
         if self.done:
@@ -147,8 +155,9 @@ class Collectives:
     """Collectives over one process group (the data-parallel group)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, cpu: CpuCollectives = "gloo",
-                 timeout_s: float = 300.0, quantized_gradients: bool = False,
-                 quantized_weights: bool = False) -> None:
+                 timeout_s: float = 300.0, quantized_gradients: Quantization = False,
+                 quantized_weights: Quantization = False, device: torch.device | None = None) -> None:
+        """`quantized_*`: True, False or "auto" (compression.py: measured here, at setup, on `device`)."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -159,18 +168,35 @@ class Collectives:
         self.transport = "shared memory" if self.shm else self.backend
         self.stats.level = "node" if self.shm else "network"
         self._tag = 0
-        for key, on in (("quantized_gradients", quantized_gradients), ("quantized_weights", quantized_weights)):
-            if on and self.backend != "gloo":
-                raise ZerorunError(f"zero.{key}: implemented for gloo (CPU ranks); this job's backend is "
-                                   f"{self.backend}. Leave it off.")
-        self.quantized_gradients = quantized_gradients  # reduce-scatters over the network send block int8
-        self.quantized_weights = quantized_weights  # so do all-gathers of compute copies (stage 3, stages 1/2 with qwZ)
-        if quantized_gradients or quantized_weights:
-            ops.prepare("quantize")  # built (or its fallback announced) at setup, not inside the first backward
-        local = local_world_for(self.world_size, self.backend) if group is None else None
+        self._codec: ThreadPoolExecutor | None = None  # quantized point-to-point collectives: made at first use
+        self.quantized_gradients = quantized_gradients is True  # reduce-scatters over the network send block int8
+        self.quantized_weights = quantized_weights is True  # so do all-gathers of compute copies (stage 3, stages 1/2)
+        local = local_world_for(self.world_size) if group is None else None
         self.hier = Hierarchical(self._level, self.rank, self.world_size, local) if local else None
         if self.hier is not None:
             self.transport = f"{self.hier.node.transport} within the node, {self.hier.cross.transport} across"
+        if "auto" in (quantized_gradients, quantized_weights):
+            self._decide_compression(quantized_gradients == "auto", quantized_weights == "auto", device)
+        if self.quantized_gradients or self.quantized_weights:
+            ops.prepare("quantize")  # built (or its fallback announced) at setup, not inside the first backward
+            if torch.cuda.is_available():
+                ops.prepare("quantize_cuda")
+
+    def _decide_compression(self, gradients: bool, weights: bool, device: torch.device | None) -> None:
+        """`auto` (compression.py): int8 on the level that crosses the network where the measured link and codec
+        rates say it pays; rank 0 says which, and why, once."""
+        network = self.hier.cross if self.hier is not None else self
+        keys = " and ".join(k for k, on in (("quantized_gradients", gradients), ("quantized_weights", weights)) if on)
+        if self.hier is None and self.shm is not None:
+            on, why = False, "every collective goes through shared memory on this host: nothing crosses a network"
+        else:
+            rates = compression.measure(network, device or torch.device("cpu"))
+            on, why = rates.pays, rates.describe()
+        for level in {id(self): self, id(network): network}.values():
+            level.quantized_gradients = level.quantized_gradients or (gradients and on)
+            level.quantized_weights = level.quantized_weights or (weights and on)
+        if self.rank == 0:
+            log.warning("zerorun: zero.%s: auto: %s: %s.", keys, "on" if on else "off", why)
 
     def _level(self, group: dist.ProcessGroup, node_level: bool) -> Collectives:
         """One level's collectives for `Hierarchical`: the node's shared memory where it can, else the backend;
@@ -180,13 +206,13 @@ class Collectives:
                            quantized_weights=self.quantized_weights and not node_level)
 
     def _hierarchical(self, *tensors: torch.Tensor) -> bool:
-        return self.hier is not None and _host_contiguous(tensors)
+        return self.hier is not None and all(t.is_contiguous() for t in tensors)
 
     def _int8(self, kind: str, full: torch.Tensor, compute_copy: bool = False) -> bool:
         """Whether this collective crosses the network as block int8: a reduce-scatter with qgZ, an all-gather of
-        a compute copy with qwZ, on gloo, of floating-point data."""
+        a compute copy with qwZ, of floating-point data (on either backend: only the wire differs)."""
         wanted = self.quantized_gradients if kind == "reduce_scatter" else compute_copy and self.quantized_weights
-        return wanted and self.backend == "gloo" and full.is_floating_point()
+        return wanted and full.is_floating_point()
 
     def _record_levels(self, kind: str, full: torch.Tensor, quantized: bool) -> None:
         """A hierarchical collective: all of `full` moves within the node, one local rank's share across (as block
@@ -213,7 +239,7 @@ class Collectives:
         return None
 
     def _shm_handle(self, kind: str, shm: ShmCollectives, operation: Callable[..., None], *args: object) -> Handle:
-        return Handle([_FutureWork(shm.submit(operation, *args))], None, self.stats, kind)
+        return Handle([FutureWork(shm.submit(operation, *args))], None, self.stats, kind)
 
     def _record(self, kind: str, tensor: torch.Tensor, flat: bool = True) -> None:
         self.stats.calls[kind] += 1
@@ -243,37 +269,33 @@ class Collectives:
         if self.world_size == 1:
             self._record("reduce_scatter", full)
             return Handle([], lambda: _store(out, full, accumulate), self.stats, "reduce_scatter")
-        way = route(Op.REDUCE_SCATTER, self.backend, full.device.type)
-        if way.staged:
+        if route(Op.REDUCE_SCATTER, self.backend, full.device.type).staged:
             host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=torch.cuda.is_available())
-            handle = self._reduce_scatter_host(_to_host(full), host_out, accumulate=False)
+            handle = self._reduce_scatter_on_wire(_to_host(full), host_out, accumulate=False)
             return handle.followed_by(lambda: _store(out, host_out.to(out.device, non_blocking=True), accumulate))
-        if way.primitive is Primitive.POINT_TO_POINT:
-            return self._reduce_scatter_host(full, out, accumulate)
-        assert way.primitive is Primitive.REDUCE_SCATTER_TENSOR, way
-        self._record("reduce_scatter", full)
-        target = torch.empty_like(out) if accumulate else out
-        work = dist.reduce_scatter_tensor(target, full, group=self.group, async_op=True)
-        then = (lambda: out.add_(target)) if accumulate else None
-        return Handle([work], then, self.stats, "reduce_scatter")
+        return self._reduce_scatter_on_wire(full, out, accumulate)
 
-    def _reduce_scatter_host(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool) -> Handle:
-        """A reduce-scatter of host memory over gloo: hierarchical across nodes of several ranks, else through
-        shared memory on one host, else pairwise (as block int8 with qgZ)."""
+    def _reduce_scatter_on_wire(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool) -> Handle:
+        """A reduce-scatter of tensors where the backend's wire reads them: hierarchical across nodes of several
+        ranks, else through shared memory on one host, else as block int8 (qgZ), else the wire's own."""
         hierarchical = self._hierarchical(full, out)
         self._record("reduce_scatter", full, flat=not hierarchical)
         if hierarchical:
             self._record_levels("reduce_scatter", full, self._int8("reduce_scatter", full))
             assert self.hier is not None
-            future = self.hier.reduce_scatter(full, out, accumulate)
-            return Handle([_FutureWork(future)], None, self.stats, "reduce_scatter")
+            return Handle([self.hier.reduce_scatter(full, out, accumulate)], None, self.stats, "reduce_scatter")
         shm = self._on_shm(full, out)
         if shm is not None:
             return self._shm_handle("reduce_scatter", shm, shm.reduce_scatter, full, out, accumulate)
         if self._int8("reduce_scatter", full):
             self._record_quantized("reduce_scatter", full)
             return self._quantized_reduce_scatter(full, out, accumulate)
-        return self._pairwise_reduce_scatter(full, out, accumulate)
+        if route(Op.REDUCE_SCATTER, self.backend, full.device.type).primitive is Primitive.POINT_TO_POINT:
+            return self._pairwise_reduce_scatter(full, out, accumulate)
+        target = torch.empty_like(out) if accumulate else out
+        work = dist.reduce_scatter_tensor(target, full, group=self.group, async_op=True)
+        then = (lambda: out.add_(target)) if accumulate else None
+        return Handle([work], then, self.stats, "reduce_scatter")
 
     def _pairwise_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool) -> Handle:
         """Send each peer its piece of `full`, receive theirs of mine, sum in rank order (the same bits on every
@@ -291,25 +313,76 @@ class Collectives:
         return Handle(works, then, self.stats, "reduce_scatter")
 
     def _quantized_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool) -> Handle:
-        """Pairwise, each piece sent as block int8 (quantize.py): a quarter of the bytes; the receiver adds the
-        dequantized pieces and its own exact one in fp32, in rank order (the same bits on every rank)."""
+        """Each rank's piece sent to it as block int8 (quantize.py): a quarter of the bytes; the receiver adds the
+        dequantized pieces and its own exact one in fp32, in rank order (the same bits on every rank, on either
+        wire: point to point on gloo, one all-to-all on NCCL)."""
         pieces = full.view(self.world_size, -1)
-        inbox = {peer: Quantized.empty(pieces.shape[1]) for peer in self._peers()}
-        outbox = {peer: quantize(pieces[peer]) for peer in self._peers()}
-        works = self._exchange(lambda peer: outbox[peer].wire(), lambda peer: inbox[peer].wire())
+        outbox = QuantizedRows.empty(self.world_size, pieces.shape[1], full.device)
+        inbox = QuantizedRows.empty(self.world_size, pieces.shape[1], full.device)
+
+        def quantize_chunk(lo: int, hi: int) -> None:
+            for peer in self._peers():
+                quantize(pieces[peer, lo:hi], _chunk(outbox, peer, lo, hi))
+        works = self._move_rows(Op.EXCHANGE, outbox, inbox, quantize_chunk)
 
         def then() -> None:
             direct = not accumulate and out.dtype == torch.float32 and out.is_contiguous() and not _overlap(out, full)
-            total = out if direct else torch.empty(pieces.shape[1], dtype=torch.float32)
+            total = out if direct else torch.empty(pieces.shape[1], dtype=torch.float32, device=full.device)
             for r in range(self.world_size):  # the first part written, the others added (no pass over zeros)
                 if r == self.rank:
                     total.add_(pieces[r]) if r else total.copy_(pieces[r])
                 else:
-                    dequantize_add(inbox[r], total) if r else dequantize_into(inbox[r], total)
-            outbox.clear()  # the sends are complete: their buffers may go
+                    dequantize_add(inbox.row(r), total) if r else dequantize_into(inbox.row(r), total)
             if not direct:
                 _store(out, total.to(out.dtype), accumulate)
         return Handle(works, then, self.stats, "reduce_scatter")
+
+    def _quantized_all_gather(self, full: torch.Tensor) -> Handle:
+        """This rank's piece to every rank as block int8, every other piece from its rank; every piece, this
+        rank's included, then holds the dequantized values (the same weights on every rank)."""
+        pieces = full.view(self.world_size, -1)
+        rows = QuantizedRows.empty(self.world_size, pieces.shape[1], full.device)
+
+        def quantize_chunk(lo: int, hi: int) -> None:
+            quantize(pieces[self.rank, lo:hi], _chunk(rows, self.rank, lo, hi))
+        works = self._move_rows(Op.ALL_GATHER, rows, rows, quantize_chunk)
+        then = lambda: [dequantize_into(rows.row(r), piece) for r, piece in enumerate(pieces)]  # noqa: E731
+        return Handle(works, then, self.stats, "all_gather")
+
+    def _move_rows(self, op: Op, outbox: QuantizedRows, inbox: QuantizedRows,
+                   quantize_chunk: Callable[[int, int], None]) -> list:
+        """Quantize with `quantize_chunk(lo, hi)` and move rows between ranks by `op`'s wire (wire.py): an exchange
+        sends row p of `outbox` to rank p, an all-gather this rank's row to every rank; row p of `inbox` comes
+        from rank p.
+
+        Point to point (gloo), the rows go in chunks of CODEC_CHUNK elements on a thread of the codec's own: chunk
+        c is on the wire while chunk c + 1 is quantized, and the training thread goes on computing meanwhile. The
+        tags are taken here, on the caller's thread, so every rank numbers the transfers in the same order.
+        On NCCL the device quantizes everything (a pass at memory speed), then one collective moves each buffer."""
+        device = outbox.values.device.type
+        if route(op, self.backend, device).primitive is not Primitive.POINT_TO_POINT:
+            quantize_chunk(0, outbox.numel)
+            if op is Op.EXCHANGE:
+                return [dist.all_to_all_single(received, sent, group=self.group, async_op=True)
+                        for received, sent in ((inbox.values, outbox.values), (inbox.scales, outbox.scales))]
+            return [dist.all_gather_into_tensor(buffer.view(-1), buffer[self.rank], group=self.group, async_op=True)
+                    for buffer in (inbox.values, inbox.scales)]  # flat: a backend may cut an output by its first dim
+        spans = [(lo, min(lo + CODEC_CHUNK, outbox.numel)) for lo in range(0, outbox.numel, CODEC_CHUNK)]
+        tags = [[self._next_tag(), self._next_tag()] for _ in spans]
+
+        def sent(peer: int, lo: int, hi: int) -> list[torch.Tensor]:
+            return _chunk(outbox, peer if op is Op.EXCHANGE else self.rank, lo, hi).wire()
+
+        def pipeline() -> None:
+            works = []
+            for (lo, hi), chunk_tags in zip(spans, tags):
+                quantize_chunk(lo, hi)
+                works += self._post(partial(sent, lo=lo, hi=hi), partial(_wire_of, inbox, lo=lo, hi=hi), chunk_tags)
+            for work in works:
+                work.wait()
+        if self._codec is None:
+            self._codec = ThreadPoolExecutor(1, thread_name_prefix="zerorun-codec")
+        return [FutureWork(self._codec.submit(pipeline))]
 
     def _peers(self) -> list[int]:
         """The other ranks, each rank starting from its successor: no rank is everyone's first in line."""
@@ -321,8 +394,12 @@ class Collectives:
         from it, the i-th of each under one tag. Each byte crosses once, in both directions at once; gloo's
         transport carries them directly instead of queueing collectives behind one another on its worker
         threads (an all-gather as one broadcast per owner ran at 80% of a real link, this at its floor)."""
+        return self._post(outgoing, incoming, [self._next_tag() for _ in incoming(self._peers()[0])])
+
+    def _post(self, outgoing: Callable[[int], Sequence[torch.Tensor]],
+              incoming: Callable[[int], Sequence[torch.Tensor]], tags: list[int]) -> list:
+        """`_exchange` with its tags already taken."""
         peers = self._peers()
-        tags = [self._next_tag() for _ in incoming(peers[0])]
         works = [dist.irecv(tensor, src=self._global(peer), group=self.group, tag=tag)
                  for peer in peers for tensor, tag in zip(incoming(peer), tags)]
         works += [dist.isend(tensor, dst=self._global(peer), group=self.group, tag=tag)
@@ -347,41 +424,34 @@ class Collectives:
         if self.world_size == 1:
             self._record("all_gather", full)
             return Handle([], None, self.stats, "all_gather")
-        way = route(Op.ALL_GATHER, self.backend, full.device.type)
-        if way.staged:
+        if route(Op.ALL_GATHER, self.backend, full.device.type).staged:
             host = torch.empty(full.shape, dtype=full.dtype, pin_memory=torch.cuda.is_available())
             own = slice(self.rank * (full.numel() // self.world_size), (self.rank + 1) * (full.numel() // self.world_size))
             host.view(-1)[own].copy_(full.view(-1)[own])  # waits for the device's work on it, as any device-to-host copy
-            return self._all_gather_host(host, compute_copy).followed_by(lambda: full.copy_(host, non_blocking=True))
-        if way.primitive is Primitive.POINT_TO_POINT:
-            return self._all_gather_host(full, compute_copy)
-        assert way.primitive is Primitive.ALL_GATHER_INTO_TENSOR, way
-        self._record("all_gather", full)
-        work = dist.all_gather_into_tensor(full, full.view(self.world_size, -1)[self.rank], group=self.group,
-                                           async_op=True)
-        return Handle([work], None, self.stats, "all_gather")
+            return self._all_gather_on_wire(host, compute_copy).followed_by(lambda: full.copy_(host, non_blocking=True))
+        return self._all_gather_on_wire(full, compute_copy)
 
-    def _all_gather_host(self, full: torch.Tensor, compute_copy: bool) -> Handle:
-        """An all-gather of host memory over gloo: hierarchical, else shared memory, else pairwise (int8 with qwZ)."""
+    def _all_gather_on_wire(self, full: torch.Tensor, compute_copy: bool) -> Handle:
+        """An all-gather of a tensor where the backend's wire reads it: hierarchical, else shared memory, else as
+        block int8 (qwZ), else the wire's own."""
         hierarchical = self._hierarchical(full)
         self._record("all_gather", full, flat=not hierarchical)
         if hierarchical:
             self._record_levels("all_gather", full, self._int8("all_gather", full, compute_copy))
             assert self.hier is not None
-            return Handle([_FutureWork(self.hier.all_gather(full, compute_copy))], None, self.stats, "all_gather")
+            return Handle([self.hier.all_gather(full, compute_copy)], None, self.stats, "all_gather")
         shm = self._on_shm(full)
         if shm is not None:
             return self._shm_handle("all_gather", shm, shm.all_gather, full)
         pieces = full.view(self.world_size, -1)
         if self._int8("all_gather", full, compute_copy):
             self._record_quantized("all_gather", full)
-            boxes = [quantize(pieces[r]) if r == self.rank else Quantized.empty(pieces.shape[1])
-                     for r in range(self.world_size)]
-            works = self._exchange(lambda peer: boxes[self.rank].wire(), lambda peer: boxes[peer].wire())
-            then = lambda: [dequantize_into(box, piece) for box, piece in zip(boxes, pieces)]  # noqa: E731
-            return Handle(works, then, self.stats, "all_gather")
-        works = self._exchange(lambda peer: [pieces[self.rank]], lambda peer: [pieces[peer]])
-        return Handle(works, None, self.stats, "all_gather")
+            return self._quantized_all_gather(full)
+        if route(Op.ALL_GATHER, self.backend, full.device.type).primitive is Primitive.POINT_TO_POINT:
+            works = self._exchange(lambda peer: [pieces[self.rank]], lambda peer: [pieces[peer]])
+            return Handle(works, None, self.stats, "all_gather")
+        work = dist.all_gather_into_tensor(full, pieces[self.rank], group=self.group, async_op=True)
+        return Handle([work], None, self.stats, "all_gather")
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Handle:
         if route(Op.BROADCAST, self.backend, tensor.device.type).staged:
@@ -429,17 +499,14 @@ def _shared_memory(group: dist.ProcessGroup | None, rank: int, world_size: int, 
         return None
 
 
-class _FutureWork:
-    """A shared-memory operation on its worker thread, seen as a process-group work."""
+def _chunk(rows: QuantizedRows, r: int, lo: int, hi: int) -> Quantized:
+    """Elements [lo, hi) of row r (lo a multiple of BLOCK) as a `Quantized` of their own."""
+    first, last = lo // BLOCK, -(-hi // BLOCK)
+    return Quantized(rows.values[r, first * BLOCK:last * BLOCK].view(-1, BLOCK), rows.scales[r, first:last], hi - lo)
 
-    def __init__(self, future: Future) -> None:
-        self.future = future
 
-    def wait(self) -> None:
-        self.future.result()  # re-raises the operation's error (a peer gone, the timeout) here
-
-    def is_completed(self) -> bool:
-        return self.future.done()
+def _wire_of(rows: QuantizedRows, r: int, lo: int, hi: int) -> list[torch.Tensor]:
+    return _chunk(rows, r, lo, hi).wire()
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,15 @@ each element within half a step (scale / 2) of its value, and a block's error sc
 range, not the tensor's, so a small gradient next to a large one keeps its precision. The receiver
 dequantizes to fp32 and accumulates in fp32: one quantization per hop, never a sum in int8.
 
-The codec runs on the training thread for every piece that crosses the network, twice a step with
-qwZ and qgZ on, so it runs in zerorun's kernel (`kernels/quantize.cpp`: one sweep of memory each
-way) where that is built, else in torch (several sweeps). Both give the same bits, so ranks with
-and without the kernel agree; `tests/test_quantize_kernel.py` holds them to it.
+The codec runs for every piece that crosses the network, twice a step with qwZ and qgZ on, so on
+the CPU it runs in zerorun's kernel (`kernels/quantize.cpp`: one sweep of memory each way) where
+that is built, else in torch (several sweeps); on CUDA in torch's operations on the device. All give
+the same bits (the same fp32 divisions, round-half-to-even, clamps), so ranks with and without the
+kernel, on CPU or GPU, agree; `tests/test_quantize_kernel.py` holds them to it.
+
+Pieces bound for every rank are quantized side by side into one `QuantizedRows` (values [rows,
+blocks x BLOCK] int8, scales [rows, blocks] fp32): the contiguous layout an all-to-all or an
+all-gather into a tensor moves in one call (NCCL), and that point-to-point sends row by row (gloo).
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ class Quantized:
     numel: int
 
     @classmethod
-    def empty(cls, numel: int) -> Quantized:
+    def empty(cls, numel: int, device: torch.device | None = None) -> Quantized:
         """Buffers to receive a quantized tensor of `numel` elements into."""
         blocks = -(-numel // BLOCK)
-        return cls(torch.empty((blocks, BLOCK), dtype=torch.int8), torch.empty(blocks, dtype=torch.float32), numel)
+        return cls(torch.empty((blocks, BLOCK), dtype=torch.int8, device=device),
+                   torch.empty(blocks, dtype=torch.float32, device=device), numel)
 
     def payload(self) -> torch.Tensor:
         """The int8 values that travel: the padding of the last block stays home."""
@@ -54,22 +60,40 @@ class Quantized:
         return numel + 4 * -(-numel // BLOCK)
 
 
-def quantize(x: torch.Tensor) -> Quantized:
-    """`x` (any float dtype, contiguous) as block-scaled int8."""
-    out = Quantized.empty(x.numel())
-    if ops.quantize_blocks(x.reshape(-1), out.values, out.scales, BLOCK):
-        return out
-    return _torch_quantize(x)
+@dataclass
+class QuantizedRows:
+    """`rows` tensors of `numel` elements each, quantized side by side (see the module docstring)."""
+
+    values: torch.Tensor  # int8, (rows, blocks * BLOCK)
+    scales: torch.Tensor  # fp32, (rows, blocks)
+    numel: int
+
+    @classmethod
+    def empty(cls, rows: int, numel: int, device: torch.device | None = None) -> QuantizedRows:
+        blocks = -(-numel // BLOCK)
+        return cls(torch.empty((rows, blocks * BLOCK), dtype=torch.int8, device=device),
+                   torch.empty((rows, blocks), dtype=torch.float32, device=device), numel)
+
+    def row(self, r: int) -> Quantized:
+        return Quantized(self.values[r].view(-1, BLOCK), self.scales[r], self.numel)
 
 
-def _torch_quantize(x: torch.Tensor) -> Quantized:
+def quantize(x: torch.Tensor, out: Quantized | None = None) -> Quantized:
+    """`x` (any float dtype, contiguous) as block-scaled int8, into `out` (made here when None)."""
+    out = out or Quantized.empty(x.numel(), x.device)
+    if not ops.quantize_blocks(x.reshape(-1), out.values, out.scales, BLOCK):
+        _torch_quantize(x, out)
+    return out
+
+
+def _torch_quantize(x: torch.Tensor, out: Quantized) -> None:
     """The kernel's arithmetic in torch, with as few passes as torch allows: the block maxima without an
     `abs()` copy, and the division written straight into the one fp32 scratch. An inf or a NaN in a block
     makes every value it dequantizes to a NaN, as in the kernel (not the same int8 and scale bits there)."""
     numel, flat = x.numel(), x.reshape(-1)
     blocks, whole = -(-numel // BLOCK), numel // BLOCK
-    grid = torch.empty((blocks, BLOCK), dtype=torch.float32)
-    scales = torch.empty(blocks, dtype=torch.float32)
+    grid = torch.empty((blocks, BLOCK), dtype=torch.float32, device=x.device)
+    scales = out.scales
     body = flat[:whole * BLOCK].view(whole, BLOCK)
     if body.dtype != torch.float32:  # bf16/fp16: widened once, then worked on in place
         body = grid[:whole].copy_(body)
@@ -80,11 +104,10 @@ def _torch_quantize(x: torch.Tensor) -> Quantized:
         tail[:numel - whole * BLOCK].copy_(flat[whole * BLOCK:])
         scales[whole:] = tail.abs().amax()
     scales.div_(127.0)
-    scales[scales == 0] = 1.0  # an all-zero block: any scale gives zeros
+    scales.masked_fill_(scales == 0, 1.0)  # an all-zero block: any scale gives zeros (no host sync on CUDA)
     torch.div(body, scales[:whole, None], out=grid[:whole])
     grid[whole:].div_(scales[whole:, None])
-    values = grid.round_().clamp_(-127, 127).to(torch.int8)
-    return Quantized(values, scales, numel)
+    out.values.copy_(grid.round_().clamp_(-127, 127))  # whole numbers: exact in int8
 
 
 def dequantize_add(q: Quantized, into: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,11 @@ CUDA run over gloo while every CPU test passed. So the choice is data, checked t
 | broadcast      | broadcast                  | staged to host, then broadcast            | broadcast               |
 | reduce-scatter | point to point (pairwise)  | staged to host, then point to point       | reduce_scatter_tensor   |
 | all-gather     | point to point (pairwise)  | staged to host, then point to point       | all_gather_into_tensor  |
+| exchange       | point to point (pairwise)  | staged to host, then point to point       | all_to_all_single       |
+
+The exchange (a distinct piece to every rank) is the wire of the quantized reduce-scatter (qgZ); the
+quantized all-gather (qwZ) moves its int8 pieces by the all-gather's route. So each ZeRO++ collective
+is one algorithm (quantize, move, dequantize and sum in rank order) over two wires.
 
 A route "staged to host" copies the operands into pinned host memory, runs the host route there, and
 copies the result back: everything host memory has (shared memory on one node, the hierarchy, int8
@@ -43,6 +48,7 @@ class Op(Enum):
     BROADCAST = "broadcast"
     REDUCE_SCATTER = "reduce-scatter"
     ALL_GATHER = "all-gather"
+    EXCHANGE = "exchange"  # a distinct piece to every rank: the quantized reduce-scatter's wire
 
 
 class Primitive(Enum):
@@ -78,14 +84,16 @@ CARRIES: dict[str, dict[Primitive, frozenset[str]]] = {
 }
 
 _HOST = {Op.ALL_REDUCE: Route(Primitive.ALL_REDUCE), Op.BROADCAST: Route(Primitive.BROADCAST),
-         Op.REDUCE_SCATTER: Route(Primitive.POINT_TO_POINT), Op.ALL_GATHER: Route(Primitive.POINT_TO_POINT)}
+         Op.REDUCE_SCATTER: Route(Primitive.POINT_TO_POINT), Op.ALL_GATHER: Route(Primitive.POINT_TO_POINT),
+         Op.EXCHANGE: Route(Primitive.POINT_TO_POINT)}
 
 ROUTES: dict[tuple[str, str], dict[Op, Route]] = {
     ("gloo", "cpu"): _HOST,
     ("gloo", "cuda"): {op: Route(way.primitive, staged=True) for op, way in _HOST.items()},
     ("nccl", "cuda"): {Op.ALL_REDUCE: Route(Primitive.ALL_REDUCE), Op.BROADCAST: Route(Primitive.BROADCAST),
                        Op.REDUCE_SCATTER: Route(Primitive.REDUCE_SCATTER_TENSOR),
-                       Op.ALL_GATHER: Route(Primitive.ALL_GATHER_INTO_TENSOR)},
+                       Op.ALL_GATHER: Route(Primitive.ALL_GATHER_INTO_TENSOR),
+                       Op.EXCHANGE: Route(Primitive.ALL_TO_ALL)},
 }
 
 
