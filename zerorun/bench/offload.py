@@ -86,18 +86,20 @@ class Run:
 
 @dataclass
 class Row:
+    """One system's figures (None where it did not run; `note` says why)."""
+
     system: str
-    params: int | None
-    step_s: float | None
-    tokens_per_s: float | None
-    tflops: float | None
-    mfu: float | None
-    host_peak_gib: float | None
-    gpu_peak_gib: float | None
-    forward_s: float | None
-    backward_s: float | None
-    optimizer_s: float | None
-    final_loss: float | None
+    params: int | None = None
+    step_s: float | None = None
+    tokens_per_s: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    host_peak_gib: float | None = None
+    gpu_peak_gib: float | None = None
+    forward_s: float | None = None
+    backward_s: float | None = None
+    optimizer_s: float | None = None
+    final_loss: float | None = None
     note: str = ""
 
 
@@ -193,7 +195,7 @@ def _steps(run: Run) -> list[float]:
 
 def _row(system: str, runs: list[Run], cfg: OffloadBenchConfig, note: str) -> Row:
     if not runs:
-        return Row(system, *([None] * 11), note=note or "did not run")  # type: ignore[arg-type]
+        return Row(system, note=note or "did not run")
     from zerorun.telemetry.flops import peak_tflops
 
     step = statistics.median(statistics.mean(_steps(r)) for r in runs)

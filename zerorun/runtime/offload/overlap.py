@@ -172,11 +172,13 @@ class OverlappedUpdate:
         spec = self.settle()
         if spec is None:
             return
-        backup = self._backup
         for g, tiles in enumerate(spec.touched):
             if tiles:
-                assert backup is not None
-                self.update.restore(g, tiles, lambda lo, hi, kind, g=g: backup[g][kind][lo:hi])
+                saved = self._backups()[g]
+
+                def from_backup(lo: int, hi: int, kind: str, saved: dict[str, torch.Tensor] = saved) -> torch.Tensor:
+                    return saved[kind][lo:hi]
+                self.update.restore(g, tiles, from_backup)
         self.update.finish()
         self.current = None
         self.rollbacks += 1
