@@ -279,7 +279,7 @@ def estimate(
     activations = planner.Activations(*shape_args) if all(a is not None for a in shape_args) else None
     settings = planner.Settings(dtype, zero.bucket_mb, zero.allgather_bucket_mb, zero.prefetch_units, checkpointing,
                                 async_checkpoints=loaded.checkpoint.async_save,
-                                hpz_partition_size=zero.hpz_partition_size, quantized_weights=zero.quantized_weights,
+                                hpz_partition_size=zero.hpz_partition_size, quantized_weights=zero.quantized_weights is not False,
                                 overlap_optimizer=zero.overlap_optimizer, built_on=built_on,
                                 host_share=zero.offload_optimizer_ratio)
     per_node = gpus_per_node or loaded.nproc_per_node or 8

@@ -68,8 +68,9 @@ class ZeroConfig:
         "runs on the host as soon as its reduced gradient lands, while the backward goes on, speculatively; step() "
         "checks it (clipping that fires, a non-finite gradient, a learning rate changed in between) and where the "
         "step differs rolls it back exactly and runs it as without. Bit-identical to false; keeps a backup of the "
-        "host optimizer state (12 bytes per parameter of the rank's shard). auto: on with offload_optimizer: cpu; "
-        "true is refused elsewhere.")
+        "host optimizer state (12 bytes per parameter of the rank's shard). auto: on with offload_optimizer: cpu "
+        "beside a GPU, where the backup fits in half the host memory left to each rank (on a CPU-only machine the "
+        "backward and the optimizer share the cores: off); true is refused without offload_optimizer: cpu.")
     bucket_mb: float = _f(25.0, "Stages 0-2: size of a gradient reduce(-scatter) bucket, MiB; each bucket is also "
                                 "all-gathered as a whole after the step.", gt=0)
     allgather_bucket_mb: float = _f(25.0, "Stage 3: the largest flat buffer a unit's parameters are all-gathered in "

@@ -123,7 +123,7 @@ class Engine:
         self.overlap: OverlappedUpdate | None = None  # the host optimizer under the backward (offload/overlap.py)
         say = (lambda text: log.warning("%s", text)) if self.comm.rank == 0 else None
         if overlaps(recipe.zero.overlap_optimizer, recipe.zero.offload_optimizer.device, sum(self.store.group_numels),
-                    say):
+                    self.device, say):
             in_order = [iter(group) for group in self._pieces]
             self.overlap = OverlappedUpdate(self.update, self.optimizer, self._pieces,
                                             [next(in_order[u.group]) for u in self.store.units], self.store.group_numels)

@@ -192,7 +192,7 @@ class Collectives:
         else:
             rates = compression.measure(network, device or torch.device("cpu"))
             on, why = rates.pays, rates.describe()
-        for level in {id(self): self, id(network): network}.values():
+        for level in [self] if network is self else [self, network]:
             level.quantized_gradients = level.quantized_gradients or (gradients and on)
             level.quantized_weights = level.quantized_weights or (weights and on)
         if self.rank == 0:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from zerorun.runtime.comm.collectives import Collectives
+    from zerorun.runtime.comm.hier_collectives import LevelCollectives
 
 MARGIN = 2.0
 PROBE_NUMEL = 2**22  # fp32 elements a rank contributes to the link's probe, and the codec's (16 MiB)
@@ -49,7 +49,7 @@ class Rates:
                 f"{'saves more than it costs' if self.pays else 'would cost more than it saves'}")
 
 
-def measure(network: Collectives, device: torch.device) -> Rates:
+def measure(network: LevelCollectives, device: torch.device) -> Rates:
     """The link's and the codec's rates (module docstring); a collective: every rank of `network` calls it."""
     from zerorun.runtime.comm.quantize import dequantize_add, quantize
 

@@ -45,10 +45,16 @@ class LevelCollectives(Protocol):
     collectives.py builds the levels and calls into this module)."""
 
     transport: str
+    world_size: int
+    quantized_gradients: bool  # int8 on this level's wire (`compression.py` may turn them on after setup)
+    quantized_weights: bool
 
     def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> _Waitable: ...
 
     def all_gather(self, full: torch.Tensor, compute_copy: bool = False) -> _Waitable: ...
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                   async_op: bool = True) -> _Waitable: ...
 
 
 def local_world_for(world_size: int) -> int | None:

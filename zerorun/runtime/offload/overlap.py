@@ -47,14 +47,18 @@ OverlapSetting = Any  # Literal["auto", True, False], as the recipe spells it
 BACKUP_SHARE = 0.5  # auto: the backup may take at most this share of the host memory available to a rank
 
 
-def overlaps(setting: OverlapSetting, offload: str, state_numel: int, say: Callable[[str], None] | None = None) -> bool:
+def overlaps(setting: OverlapSetting, offload: str, state_numel: int, device: torch.device,
+             say: Callable[[str], None] | None = None) -> bool:
     """Whether the host optimizer runs under the backward: where the optimizer state is in host memory (the recipe
-    refuses true elsewhere) and, for auto, where its backup (12 bytes per element of this rank's state) fits in
-    BACKUP_SHARE of the host memory available to each rank of the node; `say` tells why not, once."""
+    refuses true elsewhere) and, for auto, beside a GPU (on a CPU-only machine the "device" computing the backward
+    is the same cores: there is nothing to overlap) and where its backup (12 bytes per element of this rank's
+    state) fits in BACKUP_SHARE of the host memory available to each rank of the node; `say` tells why not, once."""
     if offload != "cpu" or setting is False:
         return False
     if setting is True:
         return True
+    if device.type == "cpu":
+        return False
     import psutil
 
     backup = 12 * state_numel
