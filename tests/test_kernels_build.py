@@ -19,7 +19,7 @@ import torch
 from typer.testing import CliRunner
 
 from tests.launch.launched import subprocess_env
-from zerorun import ops
+from zerorun import kernel_cache, ops
 from zerorun.cli import app
 
 HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
@@ -30,14 +30,14 @@ RACER = """
 import json, sys, time
 from pathlib import Path
 import torch
-from zerorun import ops
+from zerorun import kernel_cache, ops
 
 me, sync = sys.argv[1], Path(sys.argv[2])
-real_compile = ops._compile
+real_compile = kernel_cache._compile
 def marked_compile(spec, directory):
     (sync / f"compiled-{me}").touch()
     return real_compile(spec, directory)
-ops._compile = marked_compile
+kernel_cache._compile = marked_compile
 (sync / f"ready-{me}").touch()
 while len(list(sync.glob("ready-*"))) < 2:
     time.sleep(0.01)
@@ -162,10 +162,10 @@ def test_compile_error_is_summarised_and_logged(fresh_cache: Path, monkeypatch: 
 
 def test_status_builds_nothing_and_reports_each_kernel(fresh_cache: Path) -> None:
     status = ops.status()
-    assert set(status) == {"cpu_adam", "fused_adam", "aio", "quantize"}
+    assert set(status) == {"cpu_adam", "fused_adam", "aio", "quantize", "quantize_cuda"}
     assert status["cpu_adam"].startswith("not built yet")
     if not torch.cuda.is_available():
-        assert status["fused_adam"] == "unavailable: no CUDA device"
+        assert status["fused_adam"] == status["quantize_cuda"] == "unavailable: no CUDA device"
     assert not fresh_cache.exists()
 
 
@@ -282,7 +282,7 @@ def test_a_failed_link_shows_the_linker_message_its_command_and_the_fix(fresh_ca
     directory = tmp_path / "build"
     directory.mkdir()
     with pytest.raises(ops.BuildError) as failure:
-        ops._compile(spec, directory)
+        kernel_cache._compile(spec, directory)
     message = str(failure.value)
     assert message.startswith("build failed: ") and "cannot find -lcudart" in message, message
     assert "collect2: error: ld returned 1 exit status" in message, message

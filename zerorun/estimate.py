@@ -73,7 +73,7 @@ class Settings:
     async_checkpoints: bool = True  # checkpoint.async_save: a host snapshot of the rank's state between saves
     hpz_partition_size: int = 1  # zero.hpz_partition_size: stage 3 keeps 1/hpz of the model per rank besides its shard
     quantized_weights: bool = False  # zero.quantized_weights: stages 1/2 in fp32 keep their master apart
-    overlap_optimizer: Any = "auto"  # zero.overlap_optimizer: a backup of the host optimizer state (offload/overlap.py)
+    overlap_optimizer: Any = "auto"  # zero.overlap_optimizer: a backup of the host optimizer state (optim/overlap.py)
     host_share: float = 1.0  # zero.offload_optimizer_ratio: the share of an offloaded (cpu) optimizer on the host
     built_on: str = "device"  # where the script builds its model before zerorun.initialize (BUILT_ON)
 
@@ -257,9 +257,9 @@ def setup_bytes(shape: ModelShape, n: int, stage: int, settings: Settings, offlo
 
 def overlap_backup(state_numel: float, setting: Any, offload_optimizer: str, host: float, cluster: Cluster) -> float:
     """Host bytes of the optimizer-state backup the host optimizer under the backward keeps (12 per element of a
-    rank's state, `runtime/offload/overlap.py`): with the optimizer on the host and the overlap on; auto turns it on
+    rank's state, `runtime/optim/overlap.py`): with the optimizer on the host and the overlap on; auto turns it on
     only where it fits in half the host memory left to each rank, as the engine decides."""
-    from zerorun.runtime.offload.overlap import BACKUP_SHARE
+    from zerorun.runtime.optim.overlap import BACKUP_SHARE
 
     backup = 12 * state_numel
     if offload_optimizer != "cpu" or setting is False:

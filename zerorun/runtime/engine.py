@@ -47,7 +47,7 @@ from zerorun.runtime.events import StepWindow
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
-from zerorun.runtime.offload.overlap import OverlappedUpdate, overlaps
+from zerorun.runtime.optim.overlap import OverlappedUpdate, overlaps
 from zerorun.runtime.offload.placement import Placement
 from zerorun.runtime.offload.transfers import Direct
 from zerorun.runtime.optim import clip
@@ -120,7 +120,7 @@ class Engine:
                          for u, grad, target in zip(units_of(self.store.units, g), self.reducer.grad_pieces(g),
                                                     self.store.update_targets(g), strict=True)]
                         for g in range(len(groups))]
-        self.overlap: OverlappedUpdate | None = None  # the host optimizer under the backward (offload/overlap.py)
+        self.overlap: OverlappedUpdate | None = None  # the host optimizer under the backward (optim/overlap.py)
         say = (lambda text: log.warning("%s", text)) if self.comm.rank == 0 else None
         if overlaps(recipe.zero.overlap_optimizer, recipe.zero.offload_optimizer.device, sum(self.store.group_numels),
                     self.device, say):
@@ -211,7 +211,7 @@ class Engine:
         self.store.wait_published()
 
     def _roll_back_speculation(self) -> None:
-        """Undo an update the host made under the backward for a step() that has not come (offload/overlap.py):
+        """Undo an update the host made under the backward for a step() that has not come (optim/overlap.py):
         what follows reads or changes the parameters or their state, and must see them as they are."""
         if self.overlap is not None and self.overlap.current is not None:
             self.overlap.rollback()

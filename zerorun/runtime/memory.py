@@ -19,7 +19,7 @@ import torch
 # "gathered": stage 3 blocks gathered ahead of the next forward (overlap_comm), the gather window's
 # working memory rather than a model state (`zerorun estimate` counts it with the working buffers);
 # "snapshot": the host copy a background checkpoint writes from, kept between saves (checkpoint/snapshot.py);
-# "backup": the host optimizer's copy of its state for an exact rollback (offload/overlap.py)
+# "backup": the host optimizer's copy of its state for an exact rollback (optim/overlap.py)
 KINDS = ("params", "grads", "master", "optimizer", "buffers", "comm", "gathered", "snapshot", "backup")
 MODEL_STATE_KINDS = ("params", "grads", "master", "optimizer")
 

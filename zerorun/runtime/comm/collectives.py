@@ -30,11 +30,8 @@ synchronisation of its own.
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
 
 import torch
@@ -42,113 +39,15 @@ import torch.distributed as dist
 
 from zerorun import ops
 from zerorun.runtime.comm import compression
-from zerorun.errors import ZerorunError
-from zerorun.runtime.comm.hier_collectives import FutureWork, Hierarchical, local_world_for
+from zerorun.runtime.comm.handles import CommStats, FutureWork, Handle, Pending  # noqa: F401 - Pending too
+from zerorun.runtime.comm.hier_collectives import Hierarchical, local_world_for
 from zerorun.runtime.comm.quantize import BLOCK, Quantized, QuantizedRows, dequantize_add, dequantize_into, quantize
-from zerorun.runtime.comm.shm_collectives import ShmCollectives, Unavailable
+from zerorun.runtime.comm.shm_collectives import CpuCollectives, ShmCollectives, host_contiguous, shared_memory
 from zerorun.runtime.comm.wire import Op, Primitive, route
 
 log = logging.getLogger("zerorun")
-CpuCollectives = Literal["auto", "shm", "gloo"]
 Quantization = Literal["auto", True, False]
 CODEC_CHUNK = 256 * BLOCK  # elements quantized at once on the point-to-point wire: 2 MiB of fp32, 0.5 MiB sent
-
-
-@dataclass
-class CommStats:
-    """Bytes, calls and host-side seconds per collective kind (all ranks report their own)."""
-
-    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # in flight: launch to wait()
-    # blocked inside wait(): the communication compute did not hide (on CUDA the host rarely blocks: a lower bound)
-    waited: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    # where the bytes go: "node" (shared memory, never leaving the host) or "network" (the backend's transport:
-    # across nodes, the link); reported as <level>_bytes beside each kind's total. `level` is where this group's
-    # flat collectives go; hierarchical ones (hier_collectives.py) count each level's share
-    level: str = "network"
-    by_level: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
-
-    def as_dict(self) -> dict[str, dict[str, float]]:
-        return {kind: {"bytes": self.bytes[kind], "calls": self.calls[kind], "seconds": self.seconds[kind],
-                       "waited": self.waited[kind], **{f"{lvl}_bytes": n for lvl, n in self.by_level[kind].items()}}
-                for kind in self.calls}
-
-    def level_bytes(self) -> dict[str, int]:
-        """Bytes per level, every kind together."""
-        total: dict[str, int] = defaultdict(int)
-        for levels in self.by_level.values():
-            for lvl, n in levels.items():
-                total[lvl] += n
-        return dict(total)
-
-
-class Handle:
-    """Pending collective work; `wait()` finishes it and runs the follow-up, exactly once."""
-
-    def __init__(self, works: list, then: Callable[[], object] | None, stats: CommStats, kind: str) -> None:
-        self._works = works
-        self._then = then
-        self._stats = stats
-        self._kind = kind
-        self._started = time.perf_counter()
-        self.done = False
-
-    @property
-    def ready(self) -> bool:
-        """The transfer has finished (`wait()` would not block on it; its follow-up may still be due)."""
-        return all(work is None or work.is_completed() for work in self._works)
-
-    def is_completed(self) -> bool:
-        """`ready`, as a process-group work says it (a handle can be another's work)."""
-        return self.ready
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        blocked = time.perf_counter()
-        for work in self._works:
-            if work is not None:
-                work.wait()
-        self._stats.waited[self._kind] += time.perf_counter() - blocked
-        if self._then is not None:
-            self._then()
-        self._stats.seconds[self._kind] += time.perf_counter() - self._started
-        self.done = True
-
-    def followed_by(self, then: Callable[[], object]) -> Handle:
-        """This handle's work with `then` run after its own follow-up (one handle: its time counted once)."""
-        first = self._then
-
-        def both() -> None:
-            if first is not None:
-                first()
-            then()
-        chained = Handle(self._works, both, self._stats, self._kind)
-        chained._started = self._started
-        return chained
-
-
-class Pending:
-    """Work started now and finished by `wait()`: its collectives, then what must follow them, once.
-
-    Stores return one from `publish()`; with `zero.overlap_publish` stages 1/2 wait later, just before the
-    first module that reads each unit (deferred_publish.py).
-    """
-
-    def __init__(self, handles: list[Handle] | None = None, then: Callable[[], object] | None = None) -> None:
-        self.handles = handles or []
-        self._then = then
-        self.done = False
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        for handle in self.handles:
-            handle.wait()
-        if self._then is not None:
-            self._then()
-        self.done = True
 
 
 class Collectives:
@@ -164,7 +63,7 @@ class Collectives:
         self.backend = dist.get_backend(group)
         self.stats = CommStats()
         self._cpu, self._timeout_s = cpu, timeout_s
-        self.shm = _shared_memory(group, self.rank, self.world_size, self.backend, cpu, timeout_s)
+        self.shm = shared_memory(group, self.rank, self.world_size, self.backend, cpu, timeout_s)
         self.transport = "shared memory" if self.shm else self.backend
         self.stats.level = "node" if self.shm else "network"
         self._tag = 0
@@ -234,7 +133,7 @@ class Collectives:
 
     def _on_shm(self, *tensors: torch.Tensor) -> ShmCollectives | None:
         """The shared-memory transport, where it carries these tensors (contiguous, on the CPU)."""
-        if self.shm is not None and _host_contiguous(tensors):
+        if self.shm is not None and host_contiguous(tensors):
             return self.shm
         return None
 
@@ -463,40 +362,6 @@ class Collectives:
             return self._shm_handle("broadcast", shm, shm.broadcast, tensor, src)
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
         return Handle([work], None, self.stats, "broadcast")
-
-
-_SHM: dict[dist.ProcessGroup, ShmCollectives] = {}
-
-
-def _host_contiguous(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """What the shared-memory and hierarchical paths can carry: contiguous tensors on the CPU."""
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-
-
-def _shared_memory(group: dist.ProcessGroup | None, rank: int, world_size: int, backend: str,
-                   setting: CpuCollectives, timeout_s: float) -> ShmCollectives | None:
-    """The shared-memory transport where `setting` asks for it and every rank of the group can map it."""
-    if setting == "gloo" or world_size == 1:
-        return None
-    if backend != "gloo":
-        if setting == "shm":
-            raise ZerorunError(f"zero.cpu_collectives: shm carries CPU ranks' collectives; this job's backend is "
-                               f"{backend}. Use auto (shm only where ranks are on CPU) or gloo.")
-        return None
-    key = group or dist.group.WORLD  # a re-initialised process group gets a segment of its own
-    assert key is not None  # the default group exists once the process group is initialised
-    if key in _SHM:  # one segment per group and process, whatever the number of engines
-        return _SHM[key]
-    try:
-        _SHM[key] = ShmCollectives(group, rank, world_size, timeout_s=timeout_s)
-        return _SHM[key]
-    except Unavailable as why:
-        if setting == "shm":
-            raise ZerorunError(f"zero.cpu_collectives: shm is not possible here: {why}. Use auto (falls back to "
-                               f"gloo) or gloo.") from None
-        if rank == 0:
-            log.warning("zerorun: collectives go through gloo, not shared memory: %s", why)
-        return None
 
 
 def _chunk(rows: QuantizedRows, r: int, lo: int, hi: int) -> Quantized:

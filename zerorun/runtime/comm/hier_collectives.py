@@ -27,11 +27,13 @@ collectives in one order: no second thread issues them).
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
+
+from zerorun.runtime.comm.handles import FutureWork
 
 
 class _Waitable(Protocol):
@@ -115,19 +117,6 @@ class Hierarchical:
             done = torch.cuda.Event()
             done.record(self._stream)
         return _EventWork(done, first.device)
-
-
-class FutureWork:
-    """Work on a worker thread (the levels here, a shared-memory operation), seen as a process-group work."""
-
-    def __init__(self, future: Future) -> None:
-        self.future = future
-
-    def wait(self) -> None:
-        self.future.result()  # re-raises its error (a peer gone, the timeout) here
-
-    def is_completed(self) -> bool:
-        return self.future.done()
 
 
 class _EventWork:

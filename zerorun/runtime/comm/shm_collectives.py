@@ -29,17 +29,22 @@ the node supervisor removes the job's segments by their name (`zerorun.jobs.shm_
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import platform
 import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 import torch.distributed as dist
 
+from zerorun.errors import ZerorunError
 from zerorun.jobs import JOB_ID_ENV, SHM_DIR, shm_prefix
+
+log = logging.getLogger("zerorun")
+CpuCollectives = Literal["auto", "shm", "gloo"]
 
 SLOT_BYTES = 2 * 2**20  # per rank and half: many times a meeting's cost, and 8 MiB in all for 2 ranks
 SEGMENT_BYTES = 32 * 2**20  # at most, whatever the rank count (Docker's default /dev/shm is 64 MiB)
@@ -285,3 +290,37 @@ def _map_segment(group: dist.ProcessGroup | None, rank: int, nbytes: int) -> tor
         raise Unavailable("; ".join(failed))
     assert segment is not None
     return segment
+
+
+_SHM: dict[dist.ProcessGroup, ShmCollectives] = {}
+
+
+def host_contiguous(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """What the shared-memory and hierarchical paths can carry: contiguous tensors on the CPU."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def shared_memory(group: dist.ProcessGroup | None, rank: int, world_size: int, backend: str,
+                   setting: CpuCollectives, timeout_s: float) -> ShmCollectives | None:
+    """The shared-memory transport where `setting` asks for it and every rank of the group can map it."""
+    if setting == "gloo" or world_size == 1:
+        return None
+    if backend != "gloo":
+        if setting == "shm":
+            raise ZerorunError(f"zero.cpu_collectives: shm carries CPU ranks' collectives; this job's backend is "
+                               f"{backend}. Use auto (shm only where ranks are on CPU) or gloo.")
+        return None
+    key = group or dist.group.WORLD  # a re-initialised process group gets a segment of its own
+    assert key is not None  # the default group exists once the process group is initialised
+    if key in _SHM:  # one segment per group and process, whatever the number of engines
+        return _SHM[key]
+    try:
+        _SHM[key] = ShmCollectives(group, rank, world_size, timeout_s=timeout_s)
+        return _SHM[key]
+    except Unavailable as why:
+        if setting == "shm":
+            raise ZerorunError(f"zero.cpu_collectives: shm is not possible here: {why}. Use auto (falls back to "
+                               f"gloo) or gloo.") from None
+        if rank == 0:
+            log.warning("zerorun: collectives go through gloo, not shared memory: %s", why)
+        return None
