@@ -52,10 +52,13 @@ def _set_key(text: str, parts: list[str], value: Any, comment: str) -> str:
         return text + _block(parts, value, comment, 0)
     if not isinstance(root, yaml.MappingNode):
         raise ValueError("a recipe is a mapping of keys")
-    node, depth = root, 0
+    node: yaml.Node = root
+    depth = 0
     while depth < len(parts):
         child = _child(node, parts[depth])
         if child is None:
+            if not isinstance(node, yaml.MappingNode):
+                raise ValueError(f"{'.'.join(parts[:depth])} is not a section of keys")
             return _insert(text, node, parts[depth:], value, comment)
         if isinstance(child, yaml.ScalarNode) and depth < len(parts) - 1:
             return _expand_shorthand(text, child, parts, depth, value, comment)

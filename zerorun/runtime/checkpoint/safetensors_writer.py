@@ -31,7 +31,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -50,7 +50,7 @@ BOUNCE = 1 << 22  # bytes of the aligned buffer for pieces that cannot be writte
 
 def crc32(data: bytes | memoryview, value: int = 0) -> int:
     """zlib's CRC32 of `data`, continuing from `value` (ISA-L's when installed: same result, faster)."""
-    return _crc32_impl(data, value)
+    return int(_crc32_impl(data, value))
 
 
 def file_crc32(path: Path) -> int:
@@ -128,7 +128,8 @@ def _bytes_of(tensor: torch.Tensor) -> tuple[memoryview, int]:
     assert flat.device.type == "cpu" and flat.is_contiguous(), "sources yield contiguous CPU tensors"
     if flat.numel() == 0:
         return memoryview(b""), 0
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B"), flat.data_ptr()  # type: ignore[arg-type]  # ndarray is a buffer; its stubs do not say so on 3.10
+    array: Any = flat.view(torch.uint8).numpy()  # a buffer (numpy's stubs do not say so on 3.10, or are absent)
+    return memoryview(array).cast("B"), flat.data_ptr()
 
 
 class _Sink:
