@@ -16,14 +16,21 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 import zerorun
+from zerorun import cli_suggest
 from zerorun.cli_bench import bench_app
 from zerorun.cli_checkpoint import checkpoint_app
 from zerorun.cli_tune import tune
 from zerorun.errors import ZerorunError
 
+try:  # typer >= 0.24 vendors click privately; older releases use click itself
+    from typer._click import exceptions as click_api
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click import exceptions as click_api  # type: ignore[no-redef]
+
 
 class _ZerorunGroup(TyperGroup):
-    """Turns a ZerorunError from any subcommand into one line on stderr and exit status 2."""
+    """Turns a ZerorunError from any subcommand into one line on stderr and exit status 2, and gives
+    every unknown flag the nearest real one (`cli_suggest`)."""
 
     # typer hands its own Context subclass; the base classes name click's (vendored privately by typer).
     def invoke(self, ctx: typer.Context) -> object:  # type: ignore[override]
@@ -32,6 +39,26 @@ class _ZerorunGroup(TyperGroup):
         except ZerorunError as exc:
             typer.echo(f"zerorun: error: {exc}", err=True)
             raise typer.Exit(2) from None
+        except click_api.NoSuchOption as exc:  # a subcommand's (of any depth: they run inside this call)
+            raise _with_nearest(exc) from None
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:  # type: ignore[override]  # as invoke
+        try:
+            return super().parse_args(ctx, args)
+        except click_api.NoSuchOption as exc:  # `zerorun --verison`
+            raise _with_nearest(exc) from None
+
+
+def _with_nearest(exc: click_api.NoSuchOption) -> click_api.NoSuchOption:
+    """The same usage error, its message naming the nearest flag of the command it was given to."""
+    command = exc.ctx.command if exc.ctx is not None else None
+    flags = [opt for param in (command.params if command is not None else [])
+             for opt in (*getattr(param, "opts", ()), *getattr(param, "secondary_opts", ())) if opt.startswith("-")]
+    flags.append("--help")
+    path = exc.ctx.command_path if exc.ctx is not None else "zerorun"
+    exc.message = cli_suggest.message(exc.option_name, flags, with_recipe_keys="--set" in flags, command=path)
+    exc.possibilities = None
+    return exc
 
 
 app = typer.Typer(
