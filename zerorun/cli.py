@@ -20,6 +20,7 @@ from zerorun import cli_suggest
 from zerorun.cli_bench import bench_app
 from zerorun.cli_checkpoint import checkpoint_app
 from zerorun.cli_tune import tune
+from zerorun.cli_types import count
 from zerorun.errors import ZerorunError
 
 try:  # typer >= 0.24 vendors click privately; older releases use click itself
@@ -265,8 +266,10 @@ def estimate(
                                                   show_default=False)] = None,
     model: Annotated[str | None, typer.Option(help="Model factory module:function, built on the meta device "
                                                    "(e.g. zerorun.bench.gpt:GPT).")] = None,
-    params: Annotated[float | None, typer.Option(help="Trainable parameters, instead of --model (e.g. 7e9).")] = None,
-    largest_layer: Annotated[int | None, typer.Option(help="Parameters of the largest stage-3 unit (a block).")] = None,
+    params: Annotated[int | None, typer.Option(parser=count, metavar="COUNT", help="Trainable parameters, "
+                                               "instead of --model (e.g. 7B, 1.5e9, 350M).")] = None,
+    largest_layer: Annotated[int | None, typer.Option(parser=count, metavar="COUNT", help="Parameters of the "
+                                                      "largest stage-3 unit (a block), e.g. 200M.")] = None,
     nodes: Annotated[int | None, typer.Option(min=1, help="Nodes (default: 1).")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(min=1, help="GPUs (workers) per node (default: the recipe's "
                                                                   "nproc_per_node, else 8).")] = None,
