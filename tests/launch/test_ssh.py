@@ -55,7 +55,8 @@ def test_two_ssh_nodes_by_two_ranks_train_like_one_local_node_of_four(launch, la
     keys = {"train": {"steps": 4}, "zero": {"stage": 2}, "telemetry": {"enabled": False}}
     over_ssh = launch_ssh("train_tiny.py", nproc=2, **keys)
     assert over_ssh.wait() == 0, over_ssh.output
-    one_node = launch("train_tiny.py", nproc_per_node=4, **keys)
+    one_node = launch("train_tiny.py", nproc_per_node=4, **keys,
+                      launch={"kill_grace_s": 1.0, "oversubscribe": True})  # 4 ranks on the 2-core CI machine
     assert one_node.wait() == 0, one_node.output
     assert sorted(_results(over_ssh)) == [0, 1, 2, 3]
     # Two nodes of two ranks reduce hierarchically (the node's sum first, then across nodes): the same
