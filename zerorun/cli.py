@@ -255,7 +255,10 @@ def report(
 
     from zerorun.telemetry import report as telemetry_report
 
-    Console(width=200).print(telemetry_report.render(telemetry_report.load(run, job)))
+    from zerorun.telemetry.console import SUMMARY_WIDTH
+
+    terminal = Console().is_terminal
+    Console(width=None if terminal else SUMMARY_WIDTH).print(telemetry_report.render(telemetry_report.load(run, job)))
     if plots:
         typer.echo(telemetry_report.plot(run, job))
 

@@ -134,14 +134,14 @@ class Monitor(Output):
         with self.collector.lock:
             ranks = bool(self.state.ranks)
             view = console.live_view(self.state)
-            table = console.summary_table(self.state) if ranks else None
+            table = console.summary(self.state) if ranks else None
             checkpoints = console.checkpoint_line(self.state)
         if self._live is not None:
             self._flush_pending()
             self._live.update(view, refresh=True)
             self._stop_live(keep=table)
         elif table is not None:
-            for line in _plain_text(table, self._width or 160).splitlines():
+            for line in _plain_text(table, self._width or console.SUMMARY_WIDTH).splitlines():
                 super().write(2, line.rstrip().encode())
         if checkpoints is not None and self._live is None:  # the live view shows it already
             self._say(checkpoints)

@@ -70,7 +70,7 @@ def plot(path: str | Path, job_id: str | None = None) -> str:
 
 def render(state: RunState) -> RenderableType:
     """The summary table, with the stall reports the job had."""
-    parts: list[RenderableType] = [console.summary_table(state)]
+    parts: list[RenderableType] = [console.summary(state)]
     line = console.checkpoint_line(state)
     if line:
         parts.append(Text(line))
