@@ -271,3 +271,37 @@ def test_checkpoint_records_show_saves_stall_write_time_and_bytes_live_and_in_th
     assert line in text(console.live_view(state, now=107.0), width=300)
     assert line in text(report.render(state), width=300)
     assert console.checkpoint_line(fold(job_records())) is None
+
+
+def _with_engine_total(total: object) -> list[dict]:
+    """job_records (the launcher said 10 steps) whose engines said `total` (a missing key: an older engine)."""
+    records = job_records()
+    for r in records:
+        if r["type"] == "engine" and total != "unsaid":
+            r["total_steps"] = total
+    return records
+
+
+def test_a_script_that_drives_its_own_loop_shows_its_steps_and_no_total_where_none_is_known():
+    # An HF Trainer with --max_steps 10 ended with "10/100 steps", the recipe's default train.steps: a job
+    # that reads as stopped early. Its engine says no total is known: no total, no percentage, no ETA.
+    unknown = fold(_with_engine_total(None)[:-4])
+    live = text(console.live_view(unknown, now=107.0))
+    assert "step 4 " in live and "/10" not in live and "%" not in live.split("\n")[0] and "ETA" not in live
+    assert console.summary_line(unknown, now=107.0).startswith("step 4 elapsed 0:00:07 | loss")
+    assert "job demo-1: 4 steps in 0:00:11" in text(console.summary(fold(_with_engine_total(None))))
+    assert "job demo-1: 4/4 steps in" in text(console.summary(fold(_with_engine_total(4))))  # the script's own
+    assert "job demo-1: 4/10 steps in" in text(console.summary(fold(_with_engine_total("unsaid"))))  # older engines
+
+
+def test_the_launcher_knows_no_total_for_a_script_that_drives_its_own_loop():
+    from zerorun import config
+    from zerorun.hostfile import Node
+    from zerorun.launch.plan import MachineFacts, plan
+
+    def planned(**keys: object) -> int | None:
+        recipe = config.from_dict({"script": "/x/t.py", "train": {"steps": 100}, **keys})
+        return plan(recipe, [Node("localhost", (0,))], "j", 1, MachineFacts(2, "py")).steps
+
+    assert planned() == 100  # a zerorun script loops to train.steps
+    assert planned(launch={"deepspeed_compat": True}) is None  # a DeepSpeed-API script: its engine says

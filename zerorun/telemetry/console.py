@@ -1,6 +1,8 @@
 """What the launcher shows: pure rendering of a `RunState` into rich renderables and plain lines.
 
-- `live_view`: a progress bar over `train.steps` with ETA, and a table with one row per rank
+- `live_view`: a progress bar over the steps the script runs (the recipe's `train.steps`, or what an
+  engine driven by its script's own loop says; no bar, percentage or ETA where no total is known), with ETA, and a
+  table with one row per rank
   (host, rank, step, loss, step time, tokens/s, TFLOP/s, MFU, device memory now/peak, CPU RSS,
   disk GB/s) and a totals row. On a terminal it sits under the workers' scrolling output.
 - `summary_line`: the same in one line, printed now and then when the output is not a terminal.
@@ -63,18 +65,25 @@ def progress(state: RunState, now: float) -> RenderableType:
     step = state.step
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)
-    grid.add_column(width=40)
+    if total:
+        grid.add_column(width=40)
     grid.add_column(no_wrap=True)
-    bar = ProgressBar(total=max(total, 1), completed=min(step, total or step), width=40)
-    eta = state.eta_s(now)
-    timing = f"{_percent(step, total)}  elapsed {duration(state.elapsed_s(now))}  ETA {duration(eta)}"
+    timing = f"elapsed {duration(state.elapsed_s(now))}"
+    if total:
+        timing = f"{_percent(step, total)}  {timing}  ETA {duration(state.eta_s(now))}"
     quiet = now - state.last_step_at if state.last_step_at is not None else None
-    if quiet is not None and quiet >= 10 and step < total:
+    if quiet is not None and quiet >= 10 and (total is None or step < total):
         timing += f"  [no step for {quiet:.0f} s]"
     if state.restarts:
         timing += f"  [restart {len(state.restarts)}]"
-    grid.add_row(Text(f"step {step}/{total}", style="bold"), bar, Text(timing))
+    bar = [ProgressBar(total=total, completed=min(step, total), width=40)] if total else []
+    grid.add_row(Text(f"step {_of_total(step, total)}", style="bold"), *bar, Text(timing))
     return grid
+
+
+def _of_total(step: int, total: int | None) -> str:
+    """`42/60`, or `42` where the script's total is not known."""
+    return f"{step}/{total}" if total else str(step)
 
 
 def rank_table(state: RunState) -> Table:
@@ -118,8 +127,11 @@ def summary_line(state: RunState, now: float | None = None) -> str:
     """One plain line for logs: progress, then the totals of the table."""
     now = time.time() if now is None else now
     t = totals(state.sorted_ranks())
-    parts = [f"step {state.step}/{state.total_steps} ({_percent(state.step, state.total_steps)}) "
-             f"elapsed {duration(state.elapsed_s(now))} ETA {duration(state.eta_s(now))}",
+    total = state.total_steps
+    progress_text = (f"step {state.step}/{total} ({_percent(state.step, total)}) elapsed "
+                     f"{duration(state.elapsed_s(now))} ETA {duration(state.eta_s(now))}") if total else \
+        f"step {state.step} elapsed {duration(state.elapsed_s(now))}"
+    parts = [progress_text,
              f"loss {_loss(t['loss'])}", f"step {seconds(t['step_time_s'])}",
              f"{_count(t['tokens_per_s'])} tokens/s", f"{_flops(t['tflops'])} TFLOP/s (MFU {_mfu(t['mfu'])})",
              f"device {nbytes(t['device_now'])} (peak {nbytes(t['device_peak'])})", f"RSS {nbytes(t['rss'])}",
@@ -237,14 +249,15 @@ def _comm(waited_s: float | None, timed_s: float) -> str:
 
 
 def steps_done(state: RunState) -> str:
-    """`60/60 steps`, or after a resume `steps 41-60 of 60 (20 run, resumed after step 40)`."""
-    first = state.first_step
+    """`60/60 steps`, or after a resume `steps 41-60 of 60 (20 run, resumed after step 40)`; without a
+    known total (a script that drives its own loop) `10 steps`, `steps 41-60 (...)`."""
+    first, total = state.first_step, state.total_steps
+    of = f" of {total}" if total else ""
     if first is None or first <= 1:
-        return f"{state.step}/{state.total_steps} steps"
+        return f"{_of_total(state.step, total)} step{'s' if total or state.step != 1 else ''}"
     if state.step < first:  # resumed, and no step since has reached the telemetry
-        return f"resumed after step {first - 1} of {state.total_steps}; no step since reported"
-    return (f"steps {first}-{state.step} of {state.total_steps} ({state.step - first + 1} run, resumed after "
-            f"step {first - 1})")
+        return f"resumed after step {first - 1}{of}; no step since reported"
+    return f"steps {first}-{state.step}{of} ({state.step - first + 1} run, resumed after step {first - 1})"
 
 
 _DIRECTIONS = (("d2h", "D2H"), ("h2d", "H2D"), ("nvme_read", "NVMe read"), ("nvme_write", "NVMe write"))
@@ -275,7 +288,7 @@ def duration(s: float | None) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def _percent(step: int, total: int) -> str:
+def _percent(step: int, total: int | None) -> str:
     return f"{100 * step / total:.0f}%" if total else "-"
 
 
