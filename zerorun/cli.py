@@ -212,7 +212,9 @@ def convert(
     from zerorun.config import ds_config as ds
 
     text = converter.convert(ds_config, out, script, world_size)
-    ds.report(ds.read(ds_config, world_size), str(ds_config))
+    translation = ds.read(ds_config, world_size)
+    ds.report(translation, str(ds_config))
+    ds.report_auto(translation, str(ds_config), filled_by_script=True)  # the recipe sets launch.deepspeed_compat
     if out is None:
         typer.echo(text, nl=False)
         return

@@ -106,3 +106,19 @@ def test_trainer_script_with_the_configs_auto_optimizer_and_scheduler_trains_as_
     reference = hf_runs.ddp(hf_workdir, "ddp_ds_schedule", *DS_OPTIMIZER, "--ds_schedule")
     ours = hf_runs.zerorun(hf_workdir, "auto", HERE / "configs" / "hf_auto_stage2.json", *DS_OPTIMIZER)
     assert_close(ours, reference, "auto optimizer and scheduler")
+
+
+def test_the_launcher_says_what_the_trainer_filled_in_and_counts_its_own_steps(hf_workdir: Path) -> None:
+    """The Trainer drives its own loop (--max_steps 4): no "4/100 steps" (the recipe's default train.steps,
+    which read as a job stopped early) but "4 steps", or "4/4" where its config's scheduler carries a total
+    the Trainer fills in. Its "auto" keys are one line at launch, their values one line at initialize."""
+    stage_run(hf_workdir, 2)
+    hf_runs.zerorun(hf_workdir, "auto", HERE / "configs" / "hf_auto_stage2.json", *DS_OPTIMIZER)
+    plain, auto = ((hf_workdir / f"{name}.log").read_text() for name in ("stage2", "auto"))
+    assert ": 4 steps in " in plain and "/100" not in plain, plain[-3000:]
+    assert ": 4/4 steps in " in auto, auto[-3000:]  # WarmupDecayLR's total_num_steps: "auto", filled with 4
+    assert "zerorun's default for" not in auto and "(an HF Trainer placeholder)" not in auto  # (before: 11 warnings)
+    assert sum(line.startswith("zerorun: warning:") for line in auto.splitlines()) == 0, auto[:3000]
+    assert 'hf_auto_stage2.json: "auto" in 13 keys (' in auto  # one line at launch
+    filled = next(line for line in auto.splitlines() if 'the script filled in the "auto" keys of' in line)
+    assert "optimizer.params.lr 0.001" in filled and "scheduler.params.total_num_steps 4" in filled, filled
