@@ -246,3 +246,89 @@ def test_stopping_many_nodes_asks_every_node_at_once_and_waits_on_a_bounded_pool
     launch_plan = plan(recipe, nodes, "j", 1, MachineFacts(2, "py"))
     Supervisor(launch_plan, [Counting(n.host, "j") for n in nodes])._stop_all()
     assert 1 < counter.most <= module.STOP_CONCURRENCY  # (before: 300 threads at once)
+
+
+def test_a_raising_rank_comes_first_with_its_traceback_and_its_victim_gets_one_line(launch, tmp_path: Path):
+    # (before: about 75 lines of rank 0's "victim" traceback and torchrun's report came before rank 1's)
+    job = launch(TINY, ["--raise-rank", "1", "--raise-at", "2"], nproc_per_node=2, train={"steps": 50})
+    assert job.wait(timeout=120) == 1, job.output
+    stderr = job.stderr
+    title = next(i for i, line in enumerate(stderr) if line.startswith("=" * 20 + " rank 1 on localhost failed"))
+    assert not any("Traceback" in line or "torchrun" in line for line in stderr[:title]), "\n".join(stderr[:title])
+    block = stderr[title:stderr.index(next(line for line in stderr[title + 1:] if line.startswith("====")))]
+    assert block[1] == "the traceback of rank 1:" and block[2] == "[localhost:1] Traceback (most recent call last):"
+    assert block[-1] == "[localhost:1] ValueError: bad batch on rank 1"
+    assert not any(line.startswith("[localhost:0] Traceback") for line in stderr)  # held: in the failure log
+    victims = [line for line in stderr if "(a victim)" in line]
+    assert len(victims) <= 1 and all(line.startswith("zerorun: rank 0 on localhost (a victim): ") for line in victims)
+    (log,) = (tmp_path / "runs" / "recipe").glob("failure-*.log")
+    text = log.read_text()
+    assert "==== rank 1 on localhost ====" in text and "ValueError: bad batch on rank 1" in text
+    assert f"the whole output of every failed rank, and torchrun's report: {log.relative_to(tmp_path)}" in \
+        "\n".join(stderr) or not victims
+    assert _stopped_line(job).endswith("rank 1 on localhost failed (exit code 1); exit code 1")
+    assert job.leftovers() == []
+
+
+def test_the_culprits_traceback_is_printed_first_even_when_the_victims_came_first():
+    """The supervisor's report from lines in the order the issue saw them: the victim's traceback and
+    torchrun's report before the culprit's; only the culprit's is printed whole, each victim is one line."""
+    import tempfile
+
+    from zerorun import config
+    from zerorun.hostfile import Node
+    from zerorun.launch.outcome import Output
+    from zerorun.launch.plan import MachineFacts, plan
+    from zerorun.launch.streams import EXIT_RECORD
+    from zerorun.launch.supervisor import Supervisor
+
+    class Captured(Output):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def write(self, fd: int, line: bytes) -> None:
+            self.lines.append(line.decode())
+
+    victim = [b"[a:0] Traceback (most recent call last):", *(b"[a:0]   File \"x.py\", line %d, in f" % i
+                                                           for i in range(30)),
+              b"[a:0] RuntimeError: shared-memory collective: rank 1 (pid 7) exited while this rank waited for it"]
+    torchrun = [b"E1127 api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 7) of binary: python",
+                b"Traceback (most recent call last):", b"  File \"run.py\", line 1", b"ChildFailedError: ",
+                b"=" * 60, b"zerorun.launch.worker FAILED"]
+    culprit = [b"[a:1] Traceback (most recent call last):", b"[a:1]   File \"train.py\", line 8, in <module>",
+               b"[a:1] ValueError: bad batch on rank 1"]
+    records = [EXIT_RECORD + b'{"host": "a", "rank": 1, "code": 1, "signal": null}',
+               EXIT_RECORD + b'{"host": "a", "rank": 0, "code": 1, "signal": null}']
+    launch_plan = plan(config.from_dict({"script": "/x/t.py"}), [Node("a", (0, 1))], "j", 1, MachineFacts(2, "py"))
+    output = Captured()
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "runs" / "t" / "failure-j.log"
+        supervisor = Supervisor(launch_plan, [_Exited("a", "j")], output=output, failure_log=log)
+        for line in [*victim, *torchrun, *culprit, *records]:
+            supervisor._handle(0, 2, line)
+        assert output.lines == []  # every traceback held, and torchrun's report once a rank failed
+        supervisor._report(supervisor._outcome_of_failure())
+        text = log.read_text()
+    assert output.lines[0] == "=" * 20 + " rank 1 on a failed (exit code 1) " + "=" * 20
+    assert output.lines[1:5] == ["the traceback of rank 1:", *(line.decode() for line in culprit)]
+    assert output.lines[6:] == [
+        "zerorun: rank 0 on a (a victim): RuntimeError: shared-memory collective: rank 1 (pid 7) exited while this "
+        "rank waited for it",
+        f"zerorun: the whole output of every failed rank, and torchrun's report: {log}",
+        "zerorun: job j stopped: rank 1 on a failed (exit code 1); exit code 1"]
+    assert all(line.decode() in text for line in victim) and "[a:torchrun] zerorun.launch.worker FAILED" in text
+    assert text.index("==== rank 1 on a ====") < text.index("==== rank 0 on a ====") < text.index("==== torchrun on a")
+
+
+def test_a_traceback_a_rank_survives_is_printed_as_it_came():
+    from zerorun.launch.held_output import HOLD_S, HeldOutput
+
+    held = HeldOutput()
+    assert not held.take(("a", 0), 1, b"[a:0] step 1", now=0.0)  # printed at once
+    assert held.take(("a", 0), 2, b"[a:0] Traceback (most recent call last):", now=1.0)
+    assert held.take(("a", 0), 1, b"[a:0] step 2", now=1.5)  # in order behind it
+    assert held.release_stale(now=1.0 + HOLD_S / 2) == []
+    assert held.release_stale(now=1.0 + HOLD_S) == [(2, b"[a:0] Traceback (most recent call last):"),
+                                                     (1, b"[a:0] step 2")]
+    assert not held.take(("a", 0), 1, b"[a:0] step 3", now=9.0)

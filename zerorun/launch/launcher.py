@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zerorun import config, hostfile
@@ -38,7 +39,7 @@ from zerorun.launch.plan import LaunchPlan, MachineFacts, NodeCommand, is_local,
 from zerorun.launch.ssh import SSHTransport
 from zerorun.launch.supervisor import Ending, Outcome, Supervisor
 from zerorun.launch.transport import LocalTransport, Transport
-from zerorun.telemetry import ADDRESS_ENV, TOKEN_ENV
+from zerorun.telemetry import ADDRESS_ENV, RUNS_DIR, TOKEN_ENV
 
 if TYPE_CHECKING:
     from zerorun.launch.monitor import Monitor
@@ -178,7 +179,8 @@ def _attempt(launch_plan: LaunchPlan, monitor: Monitor | None) -> Outcome:
         _check_port_free(launch_plan.master_addr, launch_plan.master_port)
     if monitor is not None:
         launch_plan = with_env(launch_plan, {ADDRESS_ENV: monitor.address, TOKEN_ENV: monitor.token})
-    supervisor = Supervisor(launch_plan, transports, output=monitor, witness=monitor)
+    failure_log = Path(RUNS_DIR) / launch_plan.name / f"failure-{launch_plan.job_id}.log"  # runs/<name>/: this job's
+    supervisor = Supervisor(launch_plan, transports, output=monitor, witness=monitor, failure_log=failure_log)
     supervisor.run()
     assert supervisor.outcome is not None
     return supervisor.outcome
