@@ -3,6 +3,8 @@
 Used by the benchmarks and by the multi-process tests (`tests/harness.py`): each rank is a fresh
 spawned process with torchrun's variables set and `threads` CPU threads, so
 `zerorun.runtime.comm.dist.init_distributed` and the engine behave exactly as under `zerorun launch`.
+The tests pass a `context` that forks each rank from a server that has imported torch once (a fresh
+interpreter imports it for seconds, per rank and per call); the benchmarks keep fresh interpreters.
 """
 
 from __future__ import annotations
@@ -48,13 +50,13 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, thread
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 240.0,
-              threads: int = 1) -> list[Any]:
+              threads: int = 1, context: Any = None) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return results in rank order.
 
     `fn` must be importable (module level). The first failure raises `RankFailure`; every rank
-    process is gone when this returns or raises.
+    process is gone when this returns or raises. `context`: a multiprocessing context (default: spawn).
     """
-    ctx = mp.get_context("spawn")
+    ctx = context or mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, results), daemon=True)
