@@ -29,7 +29,9 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, threads: int, args: tuple,
-           results: Any) -> None:
+           results: Any, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment now, as a spawned child would have it (a forkserver's is older)
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
@@ -59,7 +61,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
     ctx = context or mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, results), daemon=True)
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, results, environ), daemon=True)
              for r in range(world_size)]
     for proc in procs:
         proc.start()
