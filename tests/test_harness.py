@@ -28,3 +28,13 @@ def test_each_rank_sees_the_callers_environment_of_the_moment_and_its_own_rank(m
     assert len({s[3] for s in seen} | {os.getpid()}) == 3  # processes of their own
     monkeypatch.delenv("ZR_HARNESS_PROBE")
     assert {s[0] for s in run_ranks(_what_a_rank_sees, 2)} == {None}
+
+
+def _say(rank: int, world: int) -> None:
+    print(f"rank {rank} says hello", flush=True)
+
+
+def test_what_a_rank_prints_reaches_the_callers_stdout_of_the_moment(capfd: pytest.CaptureFixture[str]) -> None:
+    run_ranks(_say, 2)  # (a forked rank would write to the server's stdout, captured by an earlier test)
+    out = capfd.readouterr().out
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out

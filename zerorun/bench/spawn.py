@@ -28,8 +28,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class CallersStdio:
+    """The caller's stdout and stderr of the moment, handed to a rank forked from a forkserver: a spawned
+    child inherits them, a forked one has the server's (pytest's capfd would not see the rank's output)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, Any]]:  # runs while the rank is being started
+        from multiprocessing import reduction
+
+        return (_StdioFds, (reduction.DupFd(1), reduction.DupFd(2)))
+
+
+class _StdioFds:
+    def __init__(self, out: Any, err: Any) -> None:
+        self.out, self.err = out, err
+
+    def install(self) -> None:
+        for wrapped, fd in ((self.out, 1), (self.err, 2)):
+            os.dup2(wrapped.detach(), fd)
+
+
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, threads: int, args: tuple,
-           results: Any, environ: dict[str, str]) -> None:
+           results: Any, environ: dict[str, str], stdio: Any) -> None:
+    if stdio is not None:
+        stdio.install()
     os.environ.clear()  # the caller's environment now, as a spawned child would have it (a forkserver's is older)
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -62,8 +83,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, results, environ), daemon=True)
-             for r in range(world_size)]
+    stdio = CallersStdio() if ctx.get_start_method() == "forkserver" else None
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, results, environ, stdio),
+                         daemon=True) for r in range(world_size)]
     for proc in procs:
         proc.start()
     values: dict[int, Any] = {}
