@@ -7,6 +7,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -34,6 +36,7 @@ sys.meta_path.insert(0, _Absent())
 """
 
 
+@pytest.mark.slow
 def test_pip_install_dot_alone_launches_the_quick_start(tmp_path: Path) -> None:
     """`pip install .` installs what a launch needs; the test extra only what the tests need. Every
     package of the extras is hidden from the launcher and its workers (a sitecustomize on PYTHONPATH)."""

@@ -109,7 +109,8 @@ def test_auto_is_one_line_the_script_fills_them_or_zeroruns_values_named_with_th
 def test_a_trainer_launch_says_once_that_the_script_fills_auto_and_warns_of_nothing(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # (before: 11 warnings such as "zerorun's default for optimizer.lr applies" while the run used the Trainer's lr)
-    config_path = Path(__file__).parent / "configs" / "hf_trainer_zero2.json"
+    config_path = tmp_path / "ds.json"  # a path of its own: each line is printed once per process
+    config_path.write_text((Path(__file__).parent / "configs" / "hf_trainer_zero2.json").read_text())
     (tmp_path / "r.yaml").write_text(f"script: t.py\ndeepspeed_config: {config_path}\nlaunch: {{deepspeed_compat: true}}\n")
     config.load(tmp_path / "r.yaml", check_script=False)
     (line,) = capsys.readouterr().err.splitlines()

@@ -31,6 +31,7 @@ def _stopped_line(job) -> str:
     return next(line for line in reversed(job.stderr) if line.startswith(f"zerorun: job {job.job_id} stopped: "))
 
 
+@pytest.mark.slow
 def test_a_hanging_rank_is_named_in_the_final_report_not_the_rank_that_timed_out_waiting(launch):
     job = launch(TINY, ["--sleep-rank", "1", "--sleep-at", "2", "--sleep-s", "120"], nproc_per_node=2,
                  train={"steps": 50}, launch={"timeout_s": 5.0, "kill_grace_s": 1.0}, telemetry={"interval_s": 0.2})
@@ -44,6 +45,7 @@ def test_a_hanging_rank_is_named_in_the_final_report_not_the_rank_that_timed_out
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 def test_a_second_sigint_during_the_grace_period_ends_the_launcher_at_once(launch):
     job = launch("stubborn.py", launch={"kill_grace_s": 60.0})  # workers ignore SIGTERM: 60 s of grace
     job.wait_for("ready", count=2)
@@ -57,6 +59,7 @@ def test_a_second_sigint_during_the_grace_period_ends_the_launcher_at_once(launc
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 def test_a_launcher_killed_in_its_grace_period_leaves_no_worker_that_ignores_sigterm(launch):
     job = launch("stubborn.py", launch={"kill_grace_s": 3.0})
     job.wait_for("ready", count=2)
@@ -68,6 +71,7 @@ def test_a_launcher_killed_in_its_grace_period_leaves_no_worker_that_ignores_sig
     assert _no_leftovers_within(job, 3.0 + TEARDOWN_LIMIT_S) == [], pids
 
 
+@pytest.mark.slow
 def test_nvme_offload_files_are_removed_after_ctrl_c_and_after_a_killed_rank(launch, direct_io_dir: Path):
     keys = {"nproc_per_node": 2, "train": {"steps": 100_000}, "telemetry": {"interval_s": 0.2},
             "zero": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(direct_io_dir)}}}
@@ -99,6 +103,7 @@ def test_a_bad_nvme_path_fails_in_preflight_before_any_worker_starts(launch, tmp
     assert job.stdout == [] and job.job_id is None  # (before: every rank started, then each printed a traceback)
 
 
+@pytest.mark.slow
 def test_a_zerorun_error_in_every_rank_prints_its_message_once_and_no_traceback(launch, tmp_path: Path):
     (tmp_path / "fails.py").write_text(
         "import torch.distributed as dist\n"
@@ -114,6 +119,7 @@ def test_a_zerorun_error_in_every_rank_prints_its_message_once_and_no_traceback(
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("training", [False, True], ids=["idle", "training"])
 def test_a_half_open_ssh_link_is_torn_down_within_15_s_and_reported_as_lost_contact(launch_ssh, training):
     if training:
@@ -248,6 +254,7 @@ def test_stopping_many_nodes_asks_every_node_at_once_and_waits_on_a_bounded_pool
     assert 1 < counter.most <= module.STOP_CONCURRENCY  # (before: 300 threads at once)
 
 
+@pytest.mark.slow
 def test_a_raising_rank_comes_first_with_its_traceback_and_its_victim_gets_one_line(launch, tmp_path: Path):
     # (before: about 75 lines of rank 0's "victim" traceback and torchrun's report came before rank 1's)
     job = launch(TINY, ["--raise-rank", "1", "--raise-at", "2"], nproc_per_node=2, train={"steps": 50})

@@ -104,6 +104,7 @@ def _check(results: list[dict], backend: str) -> set[tuple[str, str]]:
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_stage_on_gpus_sharing_gloo_matches_the_cpu_bit_for_bit(world: int) -> None:
     calls = _check(run_ranks(_both, world, ("gloo", {**FLAT, **GLOO_ONLY}, None), timeout=600), "gloo")
@@ -112,16 +113,19 @@ def test_every_stage_on_gpus_sharing_gloo_matches_the_cpu_bit_for_bit(world: int
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
 def test_every_stage_on_nccl_matches_the_cpu(world: int) -> None:
     calls = _check(run_ranks(_both, world, ("nccl", FLAT, None), timeout=600), "nccl")
     assert {("reduce_scatter_tensor", "cuda"), ("all_gather_into_tensor", "cuda"), ("all_reduce", "cuda")} <= calls
 
 
+@pytest.mark.slow
 def test_two_levels_and_hpz_on_gpus_sharing_gloo_match_the_cpu() -> None:
     calls = _check(run_ranks(_both, 4, ("gloo", NODES, 2), timeout=600), "gloo")
     assert ("isend", "cpu") in calls, calls  # the cross-node level's pairwise wire, on host copies
 
 
+@pytest.mark.slow
 def test_hpz_on_nccl_matches_the_cpu() -> None:
     _check(run_ranks(_both, 4, ("nccl", {"stage 3, hpZ": NODES["stage 3, two levels, hpZ"]}, 2), timeout=600),
            "nccl")
