@@ -64,3 +64,28 @@ class Concurrency:
         time.sleep(0.01)  # long enough for the others to pile up if nothing bounds them
         with self._lock:
             self.running -= 1
+
+
+def _join(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    return rank
+
+
+if __name__ == "__main__":
+    # python -m tests.harness: seconds per 2-rank call that only joins the process group, spawned ranks against the
+    # forkserver's, interleaved (the start-up cost each multi-rank test pays)
+    import time
+
+    contexts = {"spawn": mp.get_context("spawn"), "forkserver": _forkserver()}
+    _run_ranks(_join, 2, context=contexts["forkserver"])  # starts the server, once per session
+    seconds: dict[str, list[float]] = {name: [] for name in contexts}
+    for _ in range(4):
+        for name, context in contexts.items():
+            started = time.perf_counter()
+            _run_ranks(_join, 2, context=context)
+            seconds[name].append(time.perf_counter() - started)
+    for name, values in seconds.items():
+        print(f"{name}: median {sorted(values)[len(values) // 2]:.2f} s ({', '.join(f'{v:.2f}' for v in values)})")
