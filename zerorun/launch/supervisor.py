@@ -317,8 +317,10 @@ class Supervisor:
             self._note_torchrun_exit(node_index, line)
             line = streams.prefix(host, "torchrun") + line
             self._tails[(host, "torchrun")].append(line)
-            failing = self._stopping or bool(self._failures or self._torchrun_exits)  # its report: to the log
-            if not self._held.take((host, "torchrun"), fd, line, hold=failing) and not self._stopping:
+            failing = bool(self._failures or self._torchrun_exits)  # its report then goes to the failure log
+            if self._stopping and not failing:
+                return  # it narrates the teardown we started
+            if not self._held.take((host, "torchrun"), fd, line, hold=failing):
                 self._write(fd, line)
 
     def _note_torchrun_exit(self, node_index: int, line: bytes) -> None:
