@@ -161,7 +161,7 @@ def test_the_real_text_example_reaches_the_validation_losses_docs_recipes_states
         said = documented(doc, rf"(?P<value>\d+(?:\.\d+)?)\**(?: nats/byte)? after {step}")
         agree(f"the validation loss after {step} steps", doc, said, got, "within", noise, TEXT)
     entropy = float(printed(out, r"unigram entropy ([\d.]+) nats/byte", TEXT))
-    agree("the unigram entropy", doc, documented(doc, r"unigram entropy of \*\*(?P<value>\d+(?:\.\d+)?) nats/byte"), entropy,
-          "rounded", command=TEXT)
+    said = documented(doc, r"unigram entropy of\s+\*\*(?P<value>\d+(?:\.\d+)?) nats/byte")
+    agree("the unigram entropy", doc, said, entropy, "rounded", command=TEXT)
     minutes = documented(doc, r"(?P<value>\d+(?:\.\d+)?) minutes of wall time")
     agree("the wall time in minutes", doc, minutes, result.seconds / 60, "times", times, TEXT)
