@@ -3,10 +3,17 @@
     results = run_ranks(train_and_report, 3, (config,))
 
 A failure on any rank fails the test with that rank's traceback; a hang is killed after `timeout`.
+
+Each rank is a new process forked from a server that imported torch once for the whole session
+(`forkserver`, torch preloaded), rather than a fresh interpreter importing torch again: that import
+took seconds per rank, for each of the suite's ~150 multi-rank calls. The server imports nothing else
+(no zerorun module, no test's), runs nothing (no thread pool exists to be forked), and each rank
+still sets torchrun's variables and joins its own process group, so a test proves what it proved.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from typing import Any, Callable
 
 import pytest
@@ -15,9 +22,22 @@ from zerorun.bench.spawn import RankFailure
 from zerorun.bench.spawn import run_ranks as _run_ranks
 
 
+PRELOAD = ["torch", "torch.distributed"]
+_context: Any = None
+
+
+def _forkserver() -> Any:
+    """The session's forkserver context, torch imported in its server (started at the first call)."""
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 240.0) -> list[Any]:
     try:
-        return _run_ranks(fn, world_size, args, timeout)
+        return _run_ranks(fn, world_size, args, timeout, context=_forkserver())
     except RankFailure as exc:
         pytest.fail(str(exc), pytrace=False)
 
@@ -44,3 +64,28 @@ class Concurrency:
         time.sleep(0.01)  # long enough for the others to pile up if nothing bounds them
         with self._lock:
             self.running -= 1
+
+
+def _join(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    return rank
+
+
+if __name__ == "__main__":
+    # python -m tests.harness: seconds per 2-rank call that only joins the process group, spawned ranks against the
+    # forkserver's, interleaved (the start-up cost each multi-rank test pays)
+    import time
+
+    contexts = {"spawn": mp.get_context("spawn"), "forkserver": _forkserver()}
+    _run_ranks(_join, 2, context=contexts["forkserver"])  # starts the server, once per session
+    seconds: dict[str, list[float]] = {name: [] for name in contexts}
+    for _ in range(4):
+        for name, context in contexts.items():
+            started = time.perf_counter()
+            _run_ranks(_join, 2, context=context)
+            seconds[name].append(time.perf_counter() - started)
+    for name, values in seconds.items():
+        print(f"{name}: median {sorted(values)[len(values) // 2]:.2f} s ({', '.join(f'{v:.2f}' for v in values)})")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from zerorun.cli import app
@@ -14,6 +15,7 @@ from zerorun.cli import app
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "64", "--seq-len", "8"]
 
 
+@pytest.mark.slow
 def test_bench_ckpt_rotates_the_modes_each_round_and_reports_every_save(tmp_path):
     out = tmp_path / "ckpt.json"
     result = CliRunner().invoke(app, ["bench", "ckpt", *TINY, "--rounds", "3", "--every", "2", "--dir", str(tmp_path),

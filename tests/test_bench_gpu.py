@@ -112,6 +112,7 @@ def test_without_deepspeed_the_side_by_side_skips_with_the_reason(monkeypatch: p
     assert result.status is gpu.Status.SKIP and "deepspeed does not import here" in result.detail
 
 
+@pytest.mark.slow
 def test_a_launch_runs_the_quick_start_shortened(monkeypatch: pytest.MonkeyPatch) -> None:
     """The launch step's command line, its loss parsing and its checks, on CPU ranks (gloo)."""
     root = Path(__file__).parents[1]

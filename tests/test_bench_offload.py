@@ -12,6 +12,7 @@ import pytest
 from zerorun.bench import offload
 
 
+@pytest.mark.slow
 def test_the_command_runs_zeroruns_modes_and_says_why_deepspeed_is_missing(tmp_path) -> None:
     out = tmp_path / "offload.json"
     systems = "zero2-host,zero2-host-overlap" + (",deepspeed2-offload" if offload.missing("deepspeed2-offload") else "")

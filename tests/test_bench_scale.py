@@ -88,6 +88,7 @@ def test_search_verifies_the_prediction_then_walks_down_and_stops_at_the_first_s
     assert next_to_try({0: False}, 0) is None
 
 
+@pytest.mark.slow
 def test_bench_scale_runs_a_tiny_family_for_every_system(direct_io_dir: Path, tmp_path: Path) -> None:
     out, disk = tmp_path / "scale.json", direct_io_dir / "disk"
     disk.mkdir()

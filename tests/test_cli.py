@@ -90,3 +90,32 @@ def test_env_prints_a_table():
     result = invoke("env")
     assert result.exit_code == 0, result.output
     assert "environment" in result.stdout and "kernels" in result.stdout and "torch" in result.stdout
+
+
+@pytest.mark.parametrize(("args", "nearest"), [
+    (["launch", "r.yaml", "--nproc", "4"], "--set nproc_per_node=N"),  # torchrun's habit: the recipe key
+    (["launch", "r.yaml", "--nproc-per-node", "4"], "--set nproc_per_node=N"),
+    (["launch", "r.yaml", "--dryrun"], "--dry-run"),
+    (["launch", "r.yaml", "--nnodes", "2"], "--num-nodes"),
+    (["launch", "r.yaml", "--stage", "3"], "--set zero.stage=N"),
+    (["estimate", "--gpus", "8"], "--gpus-per-node"),  # a prefix: below difflib's cutoff before
+    (["estimate", "--param", "7B"], "--params"),
+    (["bench", "step", "--nproc", "3"], "--ranks"),  # no --set here: another launcher's word for it
+    (["checkpoint", "consolidate", "ckpt", "--fromat", "hf"], "--format"),
+    (["--verison"], "--version"),
+])
+def test_every_unknown_flag_names_the_nearest_real_one(args: list[str], nearest: str):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    message = " ".join(result.output.replace("│", " ").split())  # the usage box wraps long lines
+    assert f"No such option: {args[-2] if args[-1][0] != '-' else args[-1]}. The nearest: {nearest}" in message, \
+        result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_flag_near_nothing_still_gets_the_least_far_and_a_pointer_to_help():
+    from zerorun import cli_suggest
+
+    text = cli_suggest.message("--xyz", ["--dry-run", "--set"], with_recipe_keys=False, command="zerorun launch")
+    assert text.startswith("No such option: --xyz. The nearest: --")
+    assert text.endswith("though not near; `zerorun launch --help` lists every option.")

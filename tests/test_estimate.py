@@ -79,6 +79,19 @@ def test_a_background_checkpoints_host_snapshot_is_the_shards_state_or_one_nvme_
     assert planner.place(shape, host, planner.Settings("bf16", async_checkpoints=False), 2, "none", "none", None).fits
 
 
+def test_only_rank_0_holds_the_stage_0_snapshot_so_a_node_holds_one_not_one_per_gpu() -> None:
+    # docs/checkpoints.md: "stage 0: rank 0 holds all of it"; the estimate multiplied it by the GPUs per node
+    seven_b = planner.estimate(planner.ModelShape(params=7 * 10**9), planner.Cluster(1, 8, 80))
+    per_node = {(r.stage, r.offload_optimizer): r.snapshot_per_node for r in seven_b.rows}
+    assert per_node[(0, "none")] == 12 * 7 * 10**9  # 78.23 GiB: the whole state, once (before: 625.85 GiB)
+    assert per_node[(1, "none")] == per_node[(3, "none")] == 8 * 12 * (7 * 10**9 // 8)  # eight shards, same sum
+    one_b = planner.estimate(planner.ModelShape(params=10**9), planner.Cluster(1, 8, 80, cpu_mem_gib=50))
+    stage0 = one_b.rows[0]
+    assert (stage0.stage, stage0.snapshot_per_node, stage0.fits) == (0, 12 * 10**9, True)  # 11.18 GiB: before "no"
+    assert one_b.recommended is stage0
+    assert planner.as_json(one_b)["configurations"][0]["checkpoint_snapshot_bytes_per_node"] == 12 * 10**9
+
+
 def test_recommendation_is_the_fastest_configuration_that_fits() -> None:
     shape = planner.shape_from_size(7e9, None, 4096)
     roomy = planner.estimate(shape, planner.Cluster(8, 8, 80), planner.Settings("bf16"))

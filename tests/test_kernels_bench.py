@@ -33,7 +33,9 @@ def test_bench_adam_rejects_unknown_implementations_and_sizes() -> None:
 
 
 def test_sizes_are_parameter_counts_in_powers_of_ten() -> None:
-    assert [adam.parse_size(s) for s in ("1M", "16m", "2.5K", "100")] == [10**6, 16 * 10**6, 2500, 100]
+    from zerorun.config.counts import parse_count
+
+    assert [parse_count(s) for s in ("1M", "16m", "2.5K", "100")] == [10**6, 16 * 10**6, 2500, 100]
 
 
 def test_bench_quantize_times_each_operation_of_both_implementations() -> None:

@@ -116,6 +116,7 @@ def test_cache_dir_follows_the_environment_and_the_compiler(monkeypatch: pytest.
     assert ops.build_dir("cpu_adam").name != under_torch.name, "another compiler must not load this build"
 
 
+@pytest.mark.slow
 def test_two_processes_racing_compile_once_and_both_load(fresh_cache: Path, tmp_path: Path) -> None:
     env = dict(subprocess_env(), ZERORUN_CACHE=str(fresh_cache))
     env.pop("CXX", None)
@@ -124,6 +125,7 @@ def test_two_processes_racing_compile_once_and_both_load(fresh_cache: Path, tmp_
     assert all(r["loaded"] and r["right"] for r in reports), reports
 
 
+@pytest.mark.slow
 def test_a_failed_build_is_not_repeated_by_the_rank_that_waited(fresh_cache: Path, tmp_path: Path,
                                                                 failing_cxx: str) -> None:
     env = dict(subprocess_env(), ZERORUN_CACHE=str(fresh_cache), CXX=failing_cxx)
@@ -169,6 +171,7 @@ def test_status_builds_nothing_and_reports_each_kernel(fresh_cache: Path) -> Non
     assert not fresh_cache.exists()
 
 
+@pytest.mark.slow
 def test_env_build_prebuilds_and_reports(fresh_cache: Path) -> None:
     result = CliRunner().invoke(app, ["env", "--build", "--json"])
     assert result.exit_code == 0, result.output

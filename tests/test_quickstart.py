@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 
 
+@pytest.mark.slow
 def test_quickstart_recipe_trains_through_the_launcher() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "zerorun.cli", "launch", str(ROOT / "recipes/quickstart.yaml"),
@@ -22,6 +25,7 @@ def test_quickstart_recipe_trains_through_the_launcher() -> None:
     assert "ZeRO stage 2, bf16" in result.stdout
 
 
+@pytest.mark.slow
 def test_the_one_gpu_offload_recipe_and_its_profiler_run_scaled_down_on_a_cpu() -> None:
     """recipes/offload_one_gpu.yaml and zerorun.bench.offload_profile are measured on a GPU (docs/gpu.md);
     here a tiny GPT goes through the same settings (bf16, CPU optimizer, stages 2 and 3)."""

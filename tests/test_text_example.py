@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 TEXT = ROOT / "recipes/data/shakespeare.txt"
 
@@ -18,6 +20,7 @@ def test_the_shipped_text_is_small_and_its_source_is_cited() -> None:
     assert "public domain" in header and "karpathy/char-rnn" in header
 
 
+@pytest.mark.slow
 def test_a_scaled_down_run_on_a_named_file_beats_the_unigram_entropy_and_prints_a_sample(tmp_path: Path) -> None:
     text = tmp_path / "book.txt"
     text.write_bytes(TEXT.read_bytes()[:120_000])

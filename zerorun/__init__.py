@@ -51,17 +51,19 @@ def initialize(model: Any, optimizer: Any = None, config: Recipe | None = None, 
 
     chosen = config or recipe()
     lr_scheduler, source = _recipe_choices(chosen, optimizer, lr_scheduler)
-    return start(Engine(model, optimizer, chosen, lr_scheduler, source))
+    # a zerorun script loops to the recipe's train.steps (docs/training-script.md): the progress counts to it
+    return start(Engine(model, optimizer, chosen, lr_scheduler, source), total_steps=chosen.train.steps)
 
 
-def start(engine: Engine) -> Engine:
+def start(engine: Engine, total_steps: int | None) -> Engine:
     """What every entry point (this one, the DeepSpeed facade) does with a new engine: resume as
-    `checkpoint.resume` asks, then attach the telemetry probe."""
+    `checkpoint.resume` asks, then attach the telemetry probe, telling it the steps the script will run
+    where they are known (None: the launcher's progress shows no total)."""
     engine.resume()  # checkpoint.resume (auto: the latest in checkpoint.dir); see engine.resumed_from
     try:  # the telemetry probe (when the launcher started one) reads memory and model FLOPs from it
         from zerorun.telemetry import probe
 
-        probe.attach_engine(engine)
+        probe.attach_engine(engine, total_steps)
     except Exception:  # noqa: BLE001 - telemetry never breaks initialize
         pass
     return engine

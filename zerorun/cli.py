@@ -16,14 +16,22 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 import zerorun
+from zerorun import cli_suggest
 from zerorun.cli_bench import bench_app
 from zerorun.cli_checkpoint import checkpoint_app
 from zerorun.cli_tune import tune
+from zerorun.cli_types import count
 from zerorun.errors import ZerorunError
+
+try:  # typer >= 0.24 vendors click privately; older releases use click itself
+    from typer._click import exceptions as click_api
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click import exceptions as click_api  # type: ignore[no-redef]
 
 
 class _ZerorunGroup(TyperGroup):
-    """Turns a ZerorunError from any subcommand into one line on stderr and exit status 2."""
+    """Turns a ZerorunError from any subcommand into one line on stderr and exit status 2, and gives
+    every unknown flag the nearest real one (`cli_suggest`)."""
 
     # typer hands its own Context subclass; the base classes name click's (vendored privately by typer).
     def invoke(self, ctx: typer.Context) -> object:  # type: ignore[override]
@@ -32,6 +40,26 @@ class _ZerorunGroup(TyperGroup):
         except ZerorunError as exc:
             typer.echo(f"zerorun: error: {exc}", err=True)
             raise typer.Exit(2) from None
+        except click_api.NoSuchOption as exc:  # a subcommand's (of any depth: they run inside this call)
+            raise _with_nearest(exc) from None
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:  # type: ignore[override]  # as invoke
+        try:
+            return super().parse_args(ctx, args)
+        except click_api.NoSuchOption as exc:  # `zerorun --verison`
+            raise _with_nearest(exc) from None
+
+
+def _with_nearest(exc: click_api.NoSuchOption) -> click_api.NoSuchOption:
+    """The same usage error, its message naming the nearest flag of the command it was given to."""
+    command = exc.ctx.command if exc.ctx is not None else None
+    flags = [opt for param in (command.params if command is not None else [])
+             for opt in (*getattr(param, "opts", ()), *getattr(param, "secondary_opts", ())) if opt.startswith("-")]
+    flags.append("--help")
+    path = exc.ctx.command_path if exc.ctx is not None else "zerorun"
+    exc.message = cli_suggest.message(exc.option_name, flags, with_recipe_keys="--set" in flags, command=path)
+    exc.possibilities = None
+    return exc
 
 
 app = typer.Typer(
@@ -184,7 +212,9 @@ def convert(
     from zerorun.config import ds_config as ds
 
     text = converter.convert(ds_config, out, script, world_size)
-    ds.report(ds.read(ds_config, world_size), str(ds_config))
+    translation = ds.read(ds_config, world_size)
+    ds.report(translation, str(ds_config))
+    ds.report_auto(translation, str(ds_config), filled_by_script=True)  # the recipe sets launch.deepspeed_compat
     if out is None:
         typer.echo(text, nl=False)
         return
@@ -227,7 +257,10 @@ def report(
 
     from zerorun.telemetry import report as telemetry_report
 
-    Console(width=200).print(telemetry_report.render(telemetry_report.load(run, job)))
+    from zerorun.telemetry.console import SUMMARY_WIDTH
+
+    terminal = Console().is_terminal
+    Console(width=None if terminal else SUMMARY_WIDTH).print(telemetry_report.render(telemetry_report.load(run, job)))
     if plots:
         typer.echo(telemetry_report.plot(run, job))
 
@@ -238,8 +271,10 @@ def estimate(
                                                   show_default=False)] = None,
     model: Annotated[str | None, typer.Option(help="Model factory module:function, built on the meta device "
                                                    "(e.g. zerorun.bench.gpt:GPT).")] = None,
-    params: Annotated[float | None, typer.Option(help="Trainable parameters, instead of --model (e.g. 7e9).")] = None,
-    largest_layer: Annotated[int | None, typer.Option(help="Parameters of the largest stage-3 unit (a block).")] = None,
+    params: Annotated[int | None, typer.Option(parser=count, metavar="COUNT", help="Trainable parameters, "
+                                               "instead of --model (e.g. 7B, 1.5e9, 350M).")] = None,
+    largest_layer: Annotated[int | None, typer.Option(parser=count, metavar="COUNT", help="Parameters of the "
+                                                      "largest stage-3 unit (a block), e.g. 200M.")] = None,
     nodes: Annotated[int | None, typer.Option(min=1, help="Nodes (default: 1).")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(min=1, help="GPUs (workers) per node (default: the recipe's "
                                                                   "nproc_per_node, else 8).")] = None,

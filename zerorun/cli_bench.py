@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from zerorun.cli_types import count
+from zerorun.config.counts import parse_count
 from zerorun.bench.shape import BENCHMARK, GPTConfig
 from zerorun.errors import ZerorunError
 
@@ -147,11 +149,9 @@ def bench_comm(
 
 def _kernel_bench_sizes(sizes: str, bandwidth_size: str, threads: int, repeats: int) -> tuple[list[int], int]:
     """`bench adam`'s and `bench quantize`'s sizes, parsed, and their counts checked."""
-    from zerorun.bench import adam
-
     try:
-        numels = [adam.parse_size(s) for s in sizes.split(",") if s.strip()]
-        bandwidth_numel = adam.parse_size(bandwidth_size)
+        numels = [parse_count(s) for s in sizes.split(",") if s.strip()]
+        bandwidth_numel = parse_count(bandwidth_size)
     except ValueError as exc:
         raise ZerorunError(f"--sizes/--bandwidth-size: {exc}") from None
     if threads < 1 or repeats < 1:
@@ -161,7 +161,7 @@ def _kernel_bench_sizes(sizes: str, bandwidth_size: str, threads: int, repeats: 
 
 @bench_app.command("adam")
 def bench_adam(
-    sizes: Annotated[str, typer.Option(help="Comma-separated shard sizes in parameters (K/M/G = 10^3/6/9).")] =
+    sizes: Annotated[str, typer.Option(help="Comma-separated shard sizes in parameters (K/M/B = 10^3/6/9).")] =
         "1M,16M",
     threads: Annotated[int, typer.Option(help="CPU threads (torch's and our kernel's).")] = 1,
     repeats: Annotated[int, typer.Option(help="Timed steps per implementation and size, after one warm-up.")] = 10,
@@ -225,7 +225,7 @@ def bench_offload(
 
 @bench_app.command("quantize")
 def bench_quantize(
-    sizes: Annotated[str, typer.Option(help="Comma-separated tensor sizes in elements (K/M/G = 10^3/6/9).")] =
+    sizes: Annotated[str, typer.Option(help="Comma-separated tensor sizes in elements (K/M/B = 10^3/6/9).")] =
         "1M,16M",
     threads: Annotated[int, typer.Option(help="CPU threads (torch's and our kernel's).")] = 1,
     repeats: Annotated[int, typer.Option(help="Timed calls per operation and size, after one warm-up.")] = 10,
@@ -290,7 +290,8 @@ def bench_scale(
         "ddp,zero3-cpu,zero3-nvme",
     nvme_path: Annotated[str | None, typer.Option(help="Directory for zero3-nvme's files (a real disk).")] = None,
     max_rung: Annotated[int, typer.Option(help="Largest rung of the family to consider.")] = 8,
-    max_params: Annotated[float | None, typer.Option(help="Consider no model above this many parameters.")] = None,
+    max_params: Annotated[int | None, typer.Option(parser=count, metavar="COUNT", help="Consider no model above "
+                                                   "this many parameters (e.g. 500M).")] = None,
     ram_gib: Annotated[float | None, typer.Option(help="RAM budget for all ranks (default: 80% of available).")] =
         None,
     disk_gb: Annotated[float | None, typer.Option(help="Disk budget at --nvme-path (default: 80% of free).")] = None,
@@ -323,7 +324,8 @@ def bench_gpu(
     steps: Annotated[str, typer.Option(help="Comma-separated subset of: environment, build, numerics, bandwidth, "
                                             "pytest, launch, sanitizer, deepspeed (default: all).")] = "",
     out: Annotated[Path, typer.Option(help="Write gpu_check.json here (a directory).")] = Path("runs/bench-gpu"),
-    max_numel: Annotated[int, typer.Option(help="Skip numerics cases with more elements than this.")] = 10**12,
+    max_numel: Annotated[int, typer.Option(parser=count, metavar="COUNT", help="Skip numerics cases with more "
+                                                                               "elements than this (e.g. 100M).")] = 10**12,
     timeout_s: Annotated[float, typer.Option(help="Limit for the CUDA tests and for each launch, seconds.")] = 300.0,
 ) -> None:
     """Prove a GPU machine: environment, kernel build, numerics, bandwidth, CUDA tests, launches (NCCL and ranks

@@ -100,7 +100,8 @@ class Footprint:
     gpu: dict[str, int] = field(default_factory=dict)  # params, grads, master, moments, buffers, activations
     cpu_per_rank: int = 0
     nvme_per_rank: int = 0
-    snapshot_per_rank: int = 0  # host memory a background checkpoint keeps (counted in `fits`, not in cpu_per_rank)
+    snapshot_per_rank: int = 0  # host memory a background checkpoint keeps on a rank that holds one
+    snapshot_per_node: int = 0  # ... on the node holding the most (stage 0: rank 0's alone); counted in `fits`
     gpu_setup: int = 0  # per GPU inside zerorun.initialize: the script's model beside the engine's first buffers
     paper_model_states: int = 0  # per GPU, the ZeRO paper's 2-byte-gradient figure (no offload)
     fits: bool | None = None
@@ -292,6 +293,12 @@ def checkpoint_snapshot(psi: float, n: int, stage: int, offload_optimizer: str) 
     return snapshot_bytes([numel], streamed=offload_optimizer == "nvme")
 
 
+def snapshot_holders_per_node(stage: int, gpus_per_node: int) -> int:
+    """Ranks of one node that keep a checkpoint snapshot: every rank its shard's, but at stage 0 only
+    rank 0 holds state to save (`runtime/checkpoint/snapshot.py`'s `RankState` for the others)."""
+    return 1 if stage == 0 else gpus_per_node
+
+
 def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, offload_optimizer: str,
           offload_param: str, activations: Activations | None) -> Footprint:
     """One configuration's bytes: model states split between GPU, CPU and NVMe (per rank), plus the
@@ -312,10 +319,11 @@ def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, o
     out.nvme_per_rank = round(sum(placed[Place.NVME].values()))
     if settings.async_checkpoints:
         out.snapshot_per_rank = checkpoint_snapshot(psi, n, stage, offload_optimizer)
-    host = (out.cpu_per_rank + out.snapshot_per_rank) * cluster.gpus_per_node
+        out.snapshot_per_node = out.snapshot_per_rank * snapshot_holders_per_node(stage, cluster.gpus_per_node)
+    per_node = out.cpu_per_rank * cluster.gpus_per_node + out.snapshot_per_node
     if cluster.gpu_mem_gib is not None:
         out.fits = out.gpu_peak <= cluster.gpu_mem_gib * GIB and (
-            cluster.cpu_mem_gib is None or host <= cluster.cpu_mem_gib * GIB)
+            cluster.cpu_mem_gib is None or per_node <= cluster.cpu_mem_gib * GIB)
     return out
 
 
@@ -465,7 +473,7 @@ def render(est: Estimate, paper: bool = False) -> Any:
         kinds = ("params", "grads", "master", "moments", "buffers", "activations")
         table.add_row(name, *(_gb(r.gpu[k]) for k in kinds),
                       _gb(r.gpu_total), _gb(r.gpu_setup), *([_gb(r.paper_model_states)] if paper else []),
-                      _gb(r.cpu_per_rank * c.gpus_per_node), _gb(r.snapshot_per_rank * c.gpus_per_node),
+                      _gb(r.cpu_per_rank * c.gpus_per_node), _gb(r.snapshot_per_node),
                       _gb(r.nvme_per_rank * c.gpus_per_node), fits)
     return table
 
@@ -502,6 +510,6 @@ def as_json(est: Estimate) -> dict[str, Any]:
                                 "paper_model_states_bytes": r.paper_model_states,
                                 "cpu_bytes_per_node": r.cpu_per_rank * est.cluster.gpus_per_node,
                                 "nvme_bytes_per_node": r.nvme_per_rank * est.cluster.gpus_per_node,
-                                "checkpoint_snapshot_bytes_per_node": r.snapshot_per_rank * est.cluster.gpus_per_node,
+                                "checkpoint_snapshot_bytes_per_node": r.snapshot_per_node,
                                 "fits": r.fits} for r in est.rows],
             "recommended": best.name if best else None, "notes": est.notes}

@@ -11,8 +11,9 @@ import pytest
 
 from zerorun.bench import cluster as emulated
 
-pytestmark = pytest.mark.skipif(emulated.unavailable_reason() is not None,
-                                reason=str(emulated.unavailable_reason()))
+pytestmark = [pytest.mark.skipif(emulated.unavailable_reason() is not None,
+                                 reason=str(emulated.unavailable_reason())),
+              pytest.mark.slow]  # each builds network namespaces and shaped links
 
 
 def _namespaces() -> set[str]:

@@ -13,6 +13,7 @@ from zerorun.cli import app
 TINY = GPTConfig(layers=1, d_model=64, heads=2, vocab=512, seq_len=32)
 
 
+@pytest.mark.slow
 def test_ranks_on_two_nodes_train_alike_and_send_what_the_algorithm_needs_over_the_link(cluster):
     cfg = step.StepBenchConfig(TINY, micro_batch=1, world_size=2, rounds=1, warmup=1, steps=2,
                                systems=("ddp-fused", "zero2"), cluster=(2, 1))

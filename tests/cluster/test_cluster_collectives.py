@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from zerorun.bench.cluster_spawn import run_ranks_on
+
+pytestmark = pytest.mark.slow  # emulated nodes and a shaped link
 
 NUMEL = 2**20  # 4 MiB of fp32
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+pytestmark = pytest.mark.slow  # emulated nodes, an sshd on each
+
 
 def test_two_nodes_launch_over_ssh_and_all_reduce_across_the_link(launch_on_cluster):
     job = launch_on_cluster("../../cluster/scripts/where.py", nproc=1)

@@ -13,7 +13,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from zerorun.bench.cluster import IFACE
+
+pytestmark = pytest.mark.slow  # emulated nodes, an sshd on each
 
 SCRIPT = "train_restartable.py"
 STEPS = 8

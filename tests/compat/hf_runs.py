@@ -89,7 +89,8 @@ def ddp(tmp: Path, name: str, *args: str) -> list[dict]:
 
 def zerorun(tmp: Path, name: str, ds: Path, *args: str, world: int = WORLD) -> list[dict]:
     """`zerorun launch --num_gpus <world> hf_train.py ... --deepspeed ds.json`."""
-    return _once(tmp, name, world, [sys.executable, "-m", "zerorun.cli", "launch", "--num_gpus", str(world),
+    more = ["--set", "launch.oversubscribe=true"] if world > WORLD else []  # 3 ranks on a 2-core machine: meant
+    return _once(tmp, name, world, [sys.executable, "-m", "zerorun.cli", "launch", "--num_gpus", str(world), *more,
                                     *_script_args(tmp, name, list(args)), "--deepspeed", str(ds)])
 
 

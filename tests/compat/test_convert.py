@@ -89,6 +89,7 @@ def _launch(recipe: Path, cwd: Path, *flags: str) -> subprocess.CompletedProcess
     ("hf_trainer_zero2", None, []),
     ("zero3_nvme", "2", ["nvme"]),
 ])
+@pytest.mark.slow
 def test_converted_realistic_configs_launch_on_2_cpu_workers(tmp_path: Path, name: str, world_size: str | None,
                                                              extra: list[str], request: pytest.FixtureRequest) -> None:
     out, result = _convert(tmp_path, name, *(["--world-size", world_size] if world_size else []))

@@ -123,6 +123,7 @@ def _assert_close(losses: list[float], expected: list[float], rtol: float, what:
     assert worst <= rtol, f"{what}: losses differ by {worst:.2e} relative (allowed {rtol})"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_deepspeed_script_under_zerorun_launch_matches_plain_torch(zerorun_runs: dict, dtype: str) -> None:
     references = run_ranks(_reference, WORLD, (dtype,))
@@ -133,6 +134,7 @@ def test_deepspeed_script_under_zerorun_launch_matches_plain_torch(zerorun_runs:
         assert record["local_rank"] == rank  # the --local_rank DeepSpeed's launcher passes
 
 
+@pytest.mark.slow
 def test_resumed_deepspeed_script_continues_exactly_with_its_client_state(zerorun_runs: dict) -> None:
     for full, resumed in zip(zerorun_runs["fp32"], zerorun_runs["resumed"]):
         assert resumed["start"] == SAVE_AT
@@ -142,6 +144,7 @@ def test_resumed_deepspeed_script_continues_exactly_with_its_client_state(zeroru
         assert resumed["global_steps"] == full["global_steps"][SAVE_AT:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_deepspeed_script_matches_real_deepspeed(zerorun_runs: dict, dtype: str, tmp_path: Path) -> None:
     python = deepspeed_python()

@@ -81,13 +81,78 @@ def test_every_key_of_the_input_gets_exactly_one_outcome() -> None:
     assert leaves <= accounted, leaves - accounted
 
 
-def test_auto_leaves_zeroruns_default_with_a_warning() -> None:
+def test_auto_leaves_zeroruns_default_and_is_listed_with_the_recipe_keys_it_stands_for() -> None:
     t = ds_config.translate({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-                             "gradient_clipping": "auto", "bf16": {"enabled": "auto"}})
-    warnings = _notes(t, Level.WARNING)
-    assert {"gradient_clipping", "bf16.enabled", "train_batch_size"} <= set(warnings)
+                             "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+                             "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+    assert t.autos == {"optimizer.params.lr": "optimizer.lr", "gradient_clipping": "train.clip_grad_norm",
+                       "train_batch_size": "train.global_batch_size",
+                       "train_micro_batch_size_per_gpu": "train.micro_batch_size", "bf16.enabled": "precision.dtype"}
     assert "clip_grad_norm" not in t.data.get("train", {}) and t.data["precision"]["dtype"] == "fp32"
-    assert not t.errors
+    assert not t.errors and not t.warnings  # (before: a warning per key, "zerorun's default ... applies")
+
+
+def test_auto_is_one_line_the_script_fills_them_or_zeroruns_values_named_with_them() -> None:
+    t = ds_config.translate({"gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+    filled = ds_config.auto_line(t, "ds.json", filled_by_script=True)
+    assert filled == ("zerorun: ds.json: \"auto\" in 2 keys (gradient_clipping, optimizer.params.lr): the script fills "
+                      "them in (transformers and accelerate do, from its own arguments) when it calls "
+                      "deepspeed.initialize; zerorun trains with those values and prints them then.")
+    alone = ds_config.auto_line(t, "ds.json", filled_by_script=False,
+                                values={"optimizer.lr": 0.001, "train.clip_grad_norm": None})
+    assert alone is not None and alone.startswith("zerorun: warning: ds.json: \"auto\" in 2 keys and nothing to fill")
+    assert alone.endswith("zerorun's values apply: gradient_clipping -> train.clip_grad_norm null; "
+                          "optimizer.params.lr -> optimizer.lr 0.001.")
+    assert ds_config.auto_line(ds_config.translate({"gradient_clipping": 1.0}), "ds.json", True) is None
+
+
+def test_a_trainer_launch_says_once_that_the_script_fills_auto_and_warns_of_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # (before: 11 warnings such as "zerorun's default for optimizer.lr applies" while the run used the Trainer's lr)
+    config_path = tmp_path / "ds.json"  # a path of its own: each line is printed once per process
+    config_path.write_text((Path(__file__).parent / "configs" / "hf_trainer_zero2.json").read_text())
+    (tmp_path / "r.yaml").write_text(f"script: t.py\ndeepspeed_config: {config_path}\nlaunch: {{deepspeed_compat: true}}\n")
+    config.load(tmp_path / "r.yaml", check_script=False)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"zerorun: {config_path}: \"auto\" in 13 keys (optimizer.params.lr,") and "warning" not in line
+    (tmp_path / "plain.yaml").write_text(f"script: t.py\ndeepspeed_config: {config_path}\n")  # a zerorun script
+    config.load(tmp_path / "plain.yaml", check_script=False)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"zerorun: warning: {config_path}: \"auto\" in 13 keys and nothing to fill them in")
+    assert "optimizer.params.lr -> optimizer.lr 0.001;" in line
+
+
+def test_at_initialize_zerorun_says_what_the_script_filled_in_and_warns_only_where_it_overrides_the_user(
+        tmp_path: Path) -> None:
+    from zerorun.compat import filled
+
+    config_path = Path(__file__).parent / "configs" / "hf_trainer_zero2.json"
+    (tmp_path / "r.yaml").write_text(f"script: t.py\ndeepspeed_config: {config_path}\nlaunch: {{deepspeed_compat: true}}\n")
+    launched = config.load(tmp_path / "r.yaml", ["optimizer.weight_decay=0.1"], check_script=False)
+    given = json.loads(config_path.read_text())  # as transformers fills it from --learning_rate 5e-5 ...
+    given["optimizer"]["params"] = {"lr": 5e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    given["scheduler"]["params"] = {"warmup_min_lr": 0, "warmup_max_lr": 5e-5, "warmup_num_steps": 1}
+    given.update(gradient_clipping=1.0, train_batch_size=4, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1)
+    given["fp16"]["enabled"] = given["bf16"]["enabled"] = False
+    from zerorun.compat.api import recipe_for
+
+    recipe, _ = recipe_for(given, launched, world_size=2, rank=1)  # rank 1 prints nothing
+    translation = ds_config.translate(given, 2)
+    shown = filled.lines(given, translation, "initialize(config=...)", launched, recipe)
+    assert len(shown) == 2, shown
+    assert shown[0].startswith(f"zerorun: initialize(config=...): the script filled in the \"auto\" keys of "
+                               f"{config_path}: optimizer.params.lr 5e-05, optimizer.params.betas [0.9, 0.999],")
+    assert shown[0].endswith("fp16.enabled false, bf16.enabled false; zerorun trains with these.")
+    assert shown[1] == ("zerorun: warning: --set optimizer.weight_decay=0.1 sets optimizer.weight_decay = 0.1, but the "
+                        "DeepSpeed config the script passes to deepspeed.initialize (initialize(config=...)) says "
+                        "optimizer.params.weight_decay = 0.0, which wins (as in DeepSpeed): optimizer.weight_decay is 0.0.")
+    assert recipe.optimizer.lr == 5e-5 and recipe.train.clip_grad_norm == 1.0
+    del given["gradient_clipping"]
+    given["gradient_clipping"] = "auto"  # a script that passes "auto" on: zerorun's value, said with it
+    still = filled.lines(given, ds_config.translate(given, 2), "cfg", launched, recipe_for(given, launched, 2, 1)[0])
+    assert any(line.startswith("zerorun: warning: cfg: still \"auto\" when the script called deepspeed.initialize")
+               and line.endswith("zerorun's values apply: gradient_clipping -> train.clip_grad_norm null.")
+               for line in still), still
 
 
 def test_a_recipe_reads_a_deepspeed_config_and_its_own_keys_win(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ def _losses(prefix: Path) -> list[list[float]]:
     return [json.loads(Path(f"{prefix}.rank{r}.json").read_text())["losses"] for r in range(WORLD)]
 
 
+@pytest.mark.slow
 def test_accelerate_script_with_a_deepspeed_plugin_trains_as_ddp_and_resumes_exactly(tmp_path: Path) -> None:
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), str(SCRIPT),
           "--record", str(tmp_path / "ddp")], tmp_path)

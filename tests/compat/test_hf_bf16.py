@@ -19,12 +19,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.compat import hf_runs
 from tests.compat.hf_runs import HF_OPTIMIZER, assert_close
 
 BF16_UNIT_ROUNDOFF = 2.0**-8
 
 
+@pytest.mark.slow
 def test_bf16_flag_trains_a_bf16_model_under_zerorun_as_ddp_with_autocast(hf_workdir: Path) -> None:
     reference = hf_runs.ddp(hf_workdir, "ddp_bf16", *HF_OPTIMIZER, "--bf16")
     ours = hf_runs.zerorun(hf_workdir, "stage2_bf16", hf_runs.stage_config(hf_workdir, 2), *HF_OPTIMIZER, "--bf16")

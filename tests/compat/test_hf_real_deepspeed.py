@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.compat import hf_runs
 from tests.compat.hf_runs import HF_OPTIMIZER, assert_close, stage_run
 from tests.compat.real_deepspeed import deepspeed_python
 
 
+@pytest.mark.slow
 def test_trainer_script_under_real_deepspeed_trains_as_under_zerorun(hf_workdir: Path) -> None:
     python = deepspeed_python()
     theirs = hf_runs.real_deepspeed(hf_workdir, "real_stage2", python, hf_runs.stage_config(hf_workdir, 2),

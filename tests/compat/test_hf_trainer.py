@@ -24,6 +24,7 @@ from tests.compat.hf_runs import DS_OPTIMIZER, HF_OPTIMIZER, assert_close, asser
 HERE = Path(__file__).parent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_trainer_script_with_its_own_optimizer_trains_as_ddp(hf_workdir: Path, stage: int) -> None:
     reference = hf_runs.ddp(hf_workdir, "ddp_hf", *HF_OPTIMIZER)
@@ -44,6 +45,7 @@ def _pretrained(tmp: Path) -> dict[str, torch.Tensor]:
     return load_file(tmp / "model" / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_trainer_resumes_from_its_checkpoint_exactly(hf_workdir: Path) -> None:
     """trainer.train(resume_from_checkpoint=...) on the stage 3 run's step-2 checkpoint: the losses after it
     equal the uninterrupted run's bit for bit (weights, Adam moments, schedule, data position)."""
@@ -63,6 +65,7 @@ def _update_losses(records: list[dict], accum: int = 2) -> list[float]:
     return [sum(sum(r["losses"][u * accum:(u + 1) * accum]) for r in records) / world for u in range(updates)]
 
 
+@pytest.mark.slow
 def test_trainer_resumes_on_three_ranks_from_a_checkpoint_saved_on_two(hf_workdir: Path) -> None:
     """2 ranks x micro-batch 3 save at update 2; 3 ranks x micro-batch 2 resume from it: the global batch (12
     samples, accumulation 2) and its samples are the same, so updates 3 and 4 see the same data as in the
@@ -80,6 +83,7 @@ def test_trainer_resumes_on_three_ranks_from_a_checkpoint_saved_on_two(hf_workdi
     assert_same_saved_model(hf_workdir / "out_resumed_on_3" / "final", hf_workdir / "out_stage3" / "final")
 
 
+@pytest.mark.slow
 def test_consolidate_format_hf_writes_what_from_pretrained_loads(hf_workdir: Path) -> None:
     """`zerorun checkpoint consolidate --format hf` on the Trainer's step-2 checkpoint (zerorun's sharded
     one inside it), sharded small: from_pretrained reads the Trainer's own save_model of that step."""
@@ -102,7 +106,25 @@ def test_consolidate_format_hf_writes_what_from_pretrained_loads(hf_workdir: Pat
         assert torch.equal(got[name], value), name
 
 
+@pytest.mark.slow
 def test_trainer_script_with_the_configs_auto_optimizer_and_scheduler_trains_as_ddp(hf_workdir: Path) -> None:
     reference = hf_runs.ddp(hf_workdir, "ddp_ds_schedule", *DS_OPTIMIZER, "--ds_schedule")
     ours = hf_runs.zerorun(hf_workdir, "auto", HERE / "configs" / "hf_auto_stage2.json", *DS_OPTIMIZER)
     assert_close(ours, reference, "auto optimizer and scheduler")
+
+
+@pytest.mark.slow
+def test_the_launcher_says_what_the_trainer_filled_in_and_counts_its_own_steps(hf_workdir: Path) -> None:
+    """The Trainer drives its own loop (--max_steps 4): no "4/100 steps" (the recipe's default train.steps,
+    which read as a job stopped early) but "4 steps", or "4/4" where its config's scheduler carries a total
+    the Trainer fills in. Its "auto" keys are one line at launch, their values one line at initialize."""
+    stage_run(hf_workdir, 2)
+    hf_runs.zerorun(hf_workdir, "auto", HERE / "configs" / "hf_auto_stage2.json", *DS_OPTIMIZER)
+    plain, auto = ((hf_workdir / f"{name}.log").read_text() for name in ("stage2", "auto"))
+    assert ": 4 steps in " in plain and "/100" not in plain, plain[-3000:]
+    assert ": 4/4 steps in " in auto, auto[-3000:]  # WarmupDecayLR's total_num_steps: "auto", filled with 4
+    assert "zerorun's default for" not in auto and "(an HF Trainer placeholder)" not in auto  # (before: 11 warnings)
+    assert sum(line.startswith("zerorun: warning:") for line in auto.splitlines()) == 0, auto[:3000]
+    assert 'hf_auto_stage2.json: "auto" in 13 keys (' in auto  # one line at launch
+    filled = next(line for line in auto.splitlines() if 'the script filled in the "auto" keys of' in line)
+    assert "optimizer.params.lr 0.001" in filled and "scheduler.params.total_num_steps 4" in filled, filled

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -21,6 +22,26 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., LaunchedJob]]:
 
     yield start
     for job in jobs:
+        job.cleanup()
+
+
+@pytest.fixture(scope="module")
+def launch_once(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LaunchedJob]]:
+    """`launch_once(script, args, **recipe_keys)`: a finished launch, shared by the module's tests that ask for
+    the same one (a reference run several tests compare with): each launch costs seconds of start-up."""
+    done: dict[str, LaunchedJob] = {}
+
+    def run(script: str, args: Sequence[str] = (), **keys: object) -> LaunchedJob:
+        key = json.dumps([script, list(args), keys], sort_keys=True)
+        if key not in done:
+            directory = tmp_path_factory.mktemp("shared-run")
+            job = LaunchedJob.start(write_recipe(directory, script, args, **keys), cwd=directory)
+            job.wait(timeout=300)
+            done[key] = job
+        return done[key]
+
+    yield run
+    for job in done.values():
         job.cleanup()
 
 

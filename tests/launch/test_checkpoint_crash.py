@@ -36,8 +36,9 @@ def _final(job) -> list[str]:
 
 @pytest.mark.parametrize("rank,point,async_save", [(1, "shard", True), (0, "manifest", True), (1, "shard", False),
                                                    (0, "manifest", False)])
-def test_worker_killed_during_a_save_leaves_the_previous_checkpoint_loadable_and_latest(launch, tmp_path, rank,
-                                                                                          point, async_save):
+@pytest.mark.slow
+def test_worker_killed_during_a_save_leaves_the_previous_checkpoint_loadable_and_latest(launch, launch_once, tmp_path,
+                                                                                          rank, point, async_save):
     ckpt = tmp_path / "ckpt"
     crashed = launch("train_checkpointed.py", **_keys(ckpt, async_save, **{CRASH_ENV: f"{rank}:{point}:step-4"}))
     assert crashed.wait() == 137, crashed.output  # the SIGKILLed worker's status
@@ -48,10 +49,12 @@ def test_worker_killed_during_a_save_leaves_the_previous_checkpoint_loadable_and
     assert len(checkpoint_format.consolidate(ckpt)) == 4  # the previous checkpoint loads: two Linear layers
     if point != "shard":
         return
-    _resumes_from_step_2_exactly(launch, tmp_path, _keys(ckpt, async_save))
+    _resumes_from_step_2_exactly(launch, launch_once, _keys(ckpt, async_save))
 
 
-def test_launcher_killed_during_a_background_write_leaves_latest_no_worker_and_resumes_exactly(launch, tmp_path):
+@pytest.mark.slow
+def test_launcher_killed_during_a_background_write_leaves_latest_no_worker_and_resumes_exactly(launch, launch_once,
+                                                                                               tmp_path):
     ckpt = tmp_path / "ckpt"
     job = launch("train_checkpointed.py", **_keys(ckpt, True, **{SLOW_ENV: "1.0"}))  # ~3 s per rank file
     writing = ckpt / ".tmp-step-4" / checkpoint_format.shard_file(1)
@@ -70,19 +73,18 @@ def test_launcher_killed_during_a_background_write_leaves_latest_no_worker_and_r
     assert (ckpt / ".tmp-step-4").is_dir() and checkpoint_format.tags(ckpt) == ["step-2"]
     keys = _keys(ckpt, True)
     keys["checkpoint"]["every_steps"] = 3  # no new step-4: only the start (or the save of step-3) removes the old
-    _resumes_from_step_2_exactly(launch, tmp_path, keys)
+    _resumes_from_step_2_exactly(launch, launch_once, keys)
     assert checkpoint_format.tags(ckpt) == ["step-2", "step-3", "step-6"]
 
 
-def _resumes_from_step_2_exactly(launch, tmp_path, keys: dict) -> None:
+def _resumes_from_step_2_exactly(launch, launch_once, keys: dict) -> None:
     """A new launch on the crashed directory resumes from step-2, removes the partial `.tmp-step-4`, and
-    ends where an uninterrupted run ends."""
+    ends where an uninterrupted run ends (one per module: checkpoints, however taken, change no number)."""
     ckpt = Path(keys["checkpoint"]["dir"])
     resumed = launch("train_checkpointed.py", **keys)
     assert resumed.wait() == 0, resumed.output
     assert "[localhost:0] rank 0 resumed from step-2 at step 2" in resumed.stdout
     assert not (ckpt / ".tmp-step-4").exists() and (ckpt / "latest").read_text() == "step-6\n"
-    whole = launch("train_checkpointed.py", **dict(keys, checkpoint=dict(keys["checkpoint"],
-                                                                        dir=str(tmp_path / "uninterrupted"))))
+    whole = launch_once("train_checkpointed.py", **_keys("uninterrupted", async_save=False))
     assert whole.wait() == 0, whole.output
     assert _final(resumed) == _final(whole) and len(_final(whole)) == 2, resumed.output + whole.output

@@ -31,6 +31,7 @@ def _stopped_line(job) -> str:
     return next(line for line in reversed(job.stderr) if line.startswith(f"zerorun: job {job.job_id} stopped: "))
 
 
+@pytest.mark.slow
 def test_a_hanging_rank_is_named_in_the_final_report_not_the_rank_that_timed_out_waiting(launch):
     job = launch(TINY, ["--sleep-rank", "1", "--sleep-at", "2", "--sleep-s", "120"], nproc_per_node=2,
                  train={"steps": 50}, launch={"timeout_s": 5.0, "kill_grace_s": 1.0}, telemetry={"interval_s": 0.2})
@@ -44,6 +45,7 @@ def test_a_hanging_rank_is_named_in_the_final_report_not_the_rank_that_timed_out
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 def test_a_second_sigint_during_the_grace_period_ends_the_launcher_at_once(launch):
     job = launch("stubborn.py", launch={"kill_grace_s": 60.0})  # workers ignore SIGTERM: 60 s of grace
     job.wait_for("ready", count=2)
@@ -57,6 +59,7 @@ def test_a_second_sigint_during_the_grace_period_ends_the_launcher_at_once(launc
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 def test_a_launcher_killed_in_its_grace_period_leaves_no_worker_that_ignores_sigterm(launch):
     job = launch("stubborn.py", launch={"kill_grace_s": 3.0})
     job.wait_for("ready", count=2)
@@ -68,6 +71,7 @@ def test_a_launcher_killed_in_its_grace_period_leaves_no_worker_that_ignores_sig
     assert _no_leftovers_within(job, 3.0 + TEARDOWN_LIMIT_S) == [], pids
 
 
+@pytest.mark.slow
 def test_nvme_offload_files_are_removed_after_ctrl_c_and_after_a_killed_rank(launch, direct_io_dir: Path):
     keys = {"nproc_per_node": 2, "train": {"steps": 100_000}, "telemetry": {"interval_s": 0.2},
             "zero": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(direct_io_dir)}}}
@@ -99,6 +103,7 @@ def test_a_bad_nvme_path_fails_in_preflight_before_any_worker_starts(launch, tmp
     assert job.stdout == [] and job.job_id is None  # (before: every rank started, then each printed a traceback)
 
 
+@pytest.mark.slow
 def test_a_zerorun_error_in_every_rank_prints_its_message_once_and_no_traceback(launch, tmp_path: Path):
     (tmp_path / "fails.py").write_text(
         "import torch.distributed as dist\n"
@@ -114,6 +119,7 @@ def test_a_zerorun_error_in_every_rank_prints_its_message_once_and_no_traceback(
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("training", [False, True], ids=["idle", "training"])
 def test_a_half_open_ssh_link_is_torn_down_within_15_s_and_reported_as_lost_contact(launch_ssh, training):
     if training:
@@ -246,3 +252,90 @@ def test_stopping_many_nodes_asks_every_node_at_once_and_waits_on_a_bounded_pool
     launch_plan = plan(recipe, nodes, "j", 1, MachineFacts(2, "py"))
     Supervisor(launch_plan, [Counting(n.host, "j") for n in nodes])._stop_all()
     assert 1 < counter.most <= module.STOP_CONCURRENCY  # (before: 300 threads at once)
+
+
+@pytest.mark.slow
+def test_a_raising_rank_comes_first_with_its_traceback_and_its_victim_gets_one_line(launch, tmp_path: Path):
+    # (before: about 75 lines of rank 0's "victim" traceback and torchrun's report came before rank 1's)
+    job = launch(TINY, ["--raise-rank", "1", "--raise-at", "2"], nproc_per_node=2, train={"steps": 50})
+    assert job.wait(timeout=120) == 1, job.output
+    stderr = job.stderr
+    title = next(i for i, line in enumerate(stderr) if line.startswith("=" * 20 + " rank 1 on localhost failed"))
+    assert not any("Traceback" in line or "torchrun" in line for line in stderr[:title]), "\n".join(stderr[:title])
+    block = stderr[title:stderr.index(next(line for line in stderr[title + 1:] if line.startswith("====")))]
+    assert block[1] == "the traceback of rank 1:" and block[2] == "[localhost:1] Traceback (most recent call last):"
+    assert block[-1] == "[localhost:1] ValueError: bad batch on rank 1"
+    assert not any(line.startswith("[localhost:0] Traceback") for line in stderr)  # held: in the failure log
+    victims = [line for line in stderr if "(a victim)" in line]
+    assert len(victims) <= 1 and all(line.startswith("zerorun: rank 0 on localhost (a victim): ") for line in victims)
+    (log,) = (tmp_path / "runs" / "recipe").glob("failure-*.log")
+    text = log.read_text()
+    assert "==== rank 1 on localhost ====" in text and "ValueError: bad batch on rank 1" in text
+    assert f"the whole output of every failed rank, and torchrun's report: {log.relative_to(tmp_path)}" in \
+        "\n".join(stderr) or not victims
+    assert _stopped_line(job).endswith("rank 1 on localhost failed (exit code 1); exit code 1")
+    assert job.leftovers() == []
+
+
+def test_the_culprits_traceback_is_printed_first_even_when_the_victims_came_first():
+    """The supervisor's report from lines in the order the issue saw them: the victim's traceback and
+    torchrun's report before the culprit's; only the culprit's is printed whole, each victim is one line."""
+    import tempfile
+
+    from zerorun import config
+    from zerorun.hostfile import Node
+    from zerorun.launch.outcome import Output
+    from zerorun.launch.plan import MachineFacts, plan
+    from zerorun.launch.streams import EXIT_RECORD
+    from zerorun.launch.supervisor import Supervisor
+
+    class Captured(Output):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def write(self, fd: int, line: bytes) -> None:
+            self.lines.append(line.decode())
+
+    victim = [b"[a:0] Traceback (most recent call last):", *(b"[a:0]   File \"x.py\", line %d, in f" % i
+                                                           for i in range(30)),
+              b"[a:0] RuntimeError: shared-memory collective: rank 1 (pid 7) exited while this rank waited for it"]
+    torchrun = [b"E1127 api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 7) of binary: python",
+                b"Traceback (most recent call last):", b"  File \"run.py\", line 1", b"ChildFailedError: ",
+                b"=" * 60, b"zerorun.launch.worker FAILED"]
+    culprit = [b"[a:1] Traceback (most recent call last):", b"[a:1]   File \"train.py\", line 8, in <module>",
+               b"[a:1] ValueError: bad batch on rank 1"]
+    records = [EXIT_RECORD + b'{"host": "a", "rank": 1, "code": 1, "signal": null}',
+               EXIT_RECORD + b'{"host": "a", "rank": 0, "code": 1, "signal": null}']
+    launch_plan = plan(config.from_dict({"script": "/x/t.py"}), [Node("a", (0, 1))], "j", 1, MachineFacts(2, "py"))
+    output = Captured()
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "runs" / "t" / "failure-j.log"
+        supervisor = Supervisor(launch_plan, [_Exited("a", "j")], output=output, failure_log=log)
+        for line in [*victim, *torchrun, *culprit, *records]:
+            supervisor._handle(0, 2, line)
+        assert output.lines == []  # every traceback held, and torchrun's report once a rank failed
+        supervisor._report(supervisor._outcome_of_failure())
+        text = log.read_text()
+    assert output.lines[0] == "=" * 20 + " rank 1 on a failed (exit code 1) " + "=" * 20
+    assert output.lines[1:5] == ["the traceback of rank 1:", *(line.decode() for line in culprit)]
+    assert output.lines[6:] == [
+        "zerorun: rank 0 on a (a victim): RuntimeError: shared-memory collective: rank 1 (pid 7) exited while this "
+        "rank waited for it",
+        f"zerorun: the whole output of every failed rank, and torchrun's report: {log}",
+        "zerorun: job j stopped: rank 1 on a failed (exit code 1); exit code 1"]
+    assert all(line.decode() in text for line in victim) and "[a:torchrun] zerorun.launch.worker FAILED" in text
+    assert text.index("==== rank 1 on a ====") < text.index("==== rank 0 on a ====") < text.index("==== torchrun on a")
+
+
+def test_a_traceback_a_rank_survives_is_printed_as_it_came():
+    from zerorun.launch.held_output import HOLD_S, HeldOutput
+
+    held = HeldOutput()
+    assert not held.take(("a", 0), 1, b"[a:0] step 1", now=0.0)  # printed at once
+    assert held.take(("a", 0), 2, b"[a:0] Traceback (most recent call last):", now=1.0)
+    assert held.take(("a", 0), 1, b"[a:0] step 2", now=1.5)  # in order behind it
+    assert held.release_stale(now=1.0 + HOLD_S / 2) == []
+    assert held.release_stale(now=1.0 + HOLD_S) == [(2, b"[a:0] Traceback (most recent call last):"),
+                                                     (1, b"[a:0] step 2")]
+    assert not held.take(("a", 0), 1, b"[a:0] step 3", now=9.0)

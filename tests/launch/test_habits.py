@@ -2,7 +2,8 @@
 `scripts/user_loop.py`, a loop written as such a user writes it (own optimizer, own LambdaLR, torch's
 clip_grad_norm_, DDP-style accumulation).
 
-Runs that must agree are compared exactly where the arithmetic is the same (the same data, the same
+A reference run several tests compare with is launched once per module (`launch_once`). Runs that must
+agree are compared exactly where the arithmetic is the same (the same data, the same
 operations in the same order: the printed losses and lrs are equal strings) and to 1e-6 relative
 where only the order of a floating-point sum may differ.
 """
@@ -51,8 +52,9 @@ def refused(job) -> str:
     return "\n".join(job.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("built", ["after", "before"])
-def test_a_resumed_job_continues_the_scripts_own_lr_schedule(launch, tmp_path, built):
+def test_a_resumed_job_continues_the_scripts_own_lr_schedule(launch, launch_once, tmp_path, built):
     """A LambdaLR the script builds on its optimizer (after zerorun.initialize or before it) is saved with the
     checkpoints that checkpoint.every_steps takes inside engine.step() and restored by the restart: the lrs and
     losses after the resume equal an uninterrupted run's (on the old main the warm-up started again)."""
@@ -60,11 +62,12 @@ def test_a_resumed_job_continues_the_scripts_own_lr_schedule(launch, tmp_path, b
     job = finished(launch(SCRIPT, ["--schedule", built, "--fail-at", "5", "--once", str(tmp_path / "once")],
                           **keys(tmp_path, checkpoint=ckpt, launch={"max_restarts": 1})))
     assert "resumed from step-3 at update 3" in "\n".join(job.stdout), job.output
-    reference = finished(launch(SCRIPT, ["--schedule", built], **keys(tmp_path)))
+    reference = finished(launch_once(SCRIPT, [] if built == "after" else ["--schedule", built], **keys(tmp_path)))
     assert updates(job) == updates(reference)
     assert checksum(job) == checksum(reference)
 
 
+@pytest.mark.slow
 def test_a_ddp_style_accumulation_loop_is_refused_before_it_updates(launch, tmp_path):
     """W x backward(loss / W) then one step(), while the recipe accumulates too: half the updates and the loss
     divided twice on the old main, exit 0; now refused at the first window, naming the recipe line and both ways."""
@@ -77,7 +80,8 @@ def test_a_ddp_style_accumulation_loop_is_refused_before_it_updates(launch, tmp_
 
 @pytest.mark.parametrize("stage,accum,refusal", [(1, "ddp", "at stage 1 a window's gradients are reduced once"),
                                                  (1, "no_sync", None), (2, "ddp", None)])
-def test_the_scripts_own_accumulation_trains_as_the_engines(launch, tmp_path, stage, accum, refusal):
+@pytest.mark.slow
+def test_the_scripts_own_accumulation_trains_as_the_engines(launch, launch_once, tmp_path, stage, accum, refusal):
     """With train.grad_accum_steps: 1 a script may accumulate itself: at stage 1 with no_sync() around all but the
     last backward (without it the window's first gradients would be reduced twice: refused), at stage 2 as it is.
     It trains as the engine's own accumulation over the same micro-batches."""
@@ -86,7 +90,7 @@ def test_the_scripts_own_accumulation_trains_as_the_engines(launch, tmp_path, st
         assert refusal in refused(job)
         return
     finished(job)
-    reference = finished(launch(SCRIPT, ["--accum", "zerorun"], **keys(tmp_path, stage=stage, accum=2)))
+    reference = finished(launch_once(SCRIPT, **keys(tmp_path, stage=stage, accum=2)))  # --accum zerorun: the default
     ours, theirs = updates(job), updates(reference)
     assert ours.keys() == theirs.keys() == set(range(STEPS))
     for update in ours:  # the loss is divided by the script instead of the engine: the same product, rounded once
@@ -94,12 +98,13 @@ def test_the_scripts_own_accumulation_trains_as_the_engines(launch, tmp_path, st
     assert checksum(job) == pytest.approx(checksum(reference), rel=1e-6)
 
 
-def test_torch_clip_grad_norm_on_the_models_parameters_clips_the_engines_update(launch, tmp_path):
+@pytest.mark.slow
+def test_torch_clip_grad_norm_on_the_models_parameters_clips_the_engines_update(launch, launch_once, tmp_path):
     """clip_grad_norm_(model.parameters(), 0.5) found no gradient under the engine and clipped nothing; now it
     trains as train.clip_grad_norm: 0.5 does, returns the global norm, and differs from an unclipped run."""
     clipped = finished(launch(SCRIPT, ["--clip", "0.5"], **keys(tmp_path)))
     by_recipe = finished(launch(SCRIPT, **keys(tmp_path, train={"clip_grad_norm": 0.5})))
-    unclipped = finished(launch(SCRIPT, **keys(tmp_path)))
+    unclipped = finished(launch_once(SCRIPT, **keys(tmp_path)))
     assert updates(clipped) == updates(by_recipe)
     assert updates(clipped) != updates(unclipped)
     norms = [float(m.group(1)) for m in (re.search(r"\] clip norm (\S+)$", line) for line in clipped.stdout) if m]
@@ -108,6 +113,7 @@ def test_torch_clip_grad_norm_on_the_models_parameters_clips_the_engines_update(
     assert all(n > 0.5 for n in norms)  # so every update was clipped
 
 
+@pytest.mark.slow
 def test_recipe_optimizer_keys_beside_the_scripts_optimizer_are_refused(launch, tmp_path):
     """The recipe's optimizer.lr and weight_decay were silently ignored when the script passed its own AdamW."""
     stderr = refused(launch(SCRIPT, **keys(tmp_path, optimizer={"lr": 1e-4, "weight_decay": 0.5})))
@@ -115,6 +121,7 @@ def test_recipe_optimizer_keys_beside_the_scripts_optimizer_are_refused(launch, 
                      r"\(\S+recipe\.yaml:\d+\), but the script passes its own AdamW", stderr), stderr
 
 
+@pytest.mark.slow
 def test_a_recipe_schedule_beside_the_scripts_own_is_refused_and_alone_is_stepped_by_the_engine(launch, tmp_path):
     """The recipe's scheduler section was ignored by a native script; now the engine steps it after every update,
     and a script that also drives the lr with its own scheduler is refused, naming both."""

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.launch.launched import BIG_RECIPE_ENV, recipe_files_shown
 
 
+@pytest.mark.slow
 def test_a_recipe_over_128_kib_launches_through_a_private_file(launch, tmp_path: Path):
     job = launch("show_recipe.py", nproc_per_node=2, env=BIG_RECIPE_ENV)  # (before: "Argument list too long")
     assert job.wait(timeout=120) == 0, job.output
@@ -16,6 +19,7 @@ def test_a_recipe_over_128_kib_launches_through_a_private_file(launch, tmp_path:
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 def test_a_second_job_on_the_same_run_name_or_checkpoint_dir_is_refused_naming_the_first(launch, tmp_path: Path):
     first = launch("stubborn.py", name="shared", checkpoint={"dir": str(tmp_path / "ckpt")})
     first.wait_for("ready", count=2)
@@ -33,6 +37,7 @@ def test_a_second_job_on_the_same_run_name_or_checkpoint_dir_is_refused_naming_t
     assert not any("in use by" in line for line in again.stderr)
 
 
+@pytest.mark.slow
 def test_a_stale_lock_of_a_killed_launcher_is_named_and_taken_over(launch, tmp_path: Path):
     first = launch("stubborn.py", name="stale")
     first.wait_for("ready", count=2)
@@ -45,6 +50,7 @@ def test_a_stale_lock_of_a_killed_launcher_is_named_and_taken_over(launch, tmp_p
                for line in second.stderr), second.output
 
 
+@pytest.mark.slow
 def test_two_jobs_of_one_name_on_one_nvme_disk_keep_their_own_offload_files(tmp_path: Path, direct_io_dir: Path):
     import signal
 
@@ -113,6 +119,7 @@ def _memory_cgroup(limit_bytes: int):
     return None
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_kill_is_named_with_the_ranks_last_rss(launch, tmp_path: Path):
     import pytest
 
@@ -144,6 +151,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+@pytest.mark.slow
 def test_a_segment_a_killed_rank_left_in_dev_shm_is_removed_when_the_job_ends(launch, tmp_path: Path):
     script = tmp_path / "shm.py"
     script.write_text(SHM_SCRIPT)

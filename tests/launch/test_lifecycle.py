@@ -26,6 +26,7 @@ def test_two_workers_all_reduce_and_every_line_is_prefixed_with_host_and_rank(la
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 def test_two_nodes_from_a_hostfile_get_global_ranks_in_hostfile_order(launch, tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost slots=1\n127.0.0.1 slots=1\n")  # two "nodes" on this machine: two torchruns
@@ -36,6 +37,7 @@ def test_two_nodes_from_a_hostfile_get_global_ranks_in_hostfile_order(launch, tm
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 def test_failing_rank_sets_exit_code_shows_its_last_lines_and_stops_stubborn_workers(launch):
     job = launch("stubborn.py", args=["--fail-rank", "1", "--code", "3"])
     code = job.wait()
@@ -49,6 +51,7 @@ def test_failing_rank_sets_exit_code_shows_its_last_lines_and_stops_stubborn_wor
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 def test_exception_in_script_prints_its_traceback_and_fails_the_job(launch):
     job = launch("stubborn.py", args=["--fail-rank", "0", "--raise-error"])
     assert job.wait() == 1, job.output
@@ -62,6 +65,7 @@ def test_exception_in_script_prints_its_traceback_and_fails_the_job(launch):
 
 @pytest.mark.parametrize(("sig", "expected"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
                          ids=["SIGINT", "SIGTERM"])
+@pytest.mark.slow
 def test_signal_to_launcher_stops_workers_that_ignore_sigterm_their_children_and_daemons(launch, sig, expected):
     job = launch("stubborn.py")
     job.wait_for("ready", count=2)
@@ -72,6 +76,7 @@ def test_signal_to_launcher_stops_workers_that_ignore_sigterm_their_children_and
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 def test_torchrun_failing_before_any_worker_starts_is_reported_with_its_output(launch):
     job = launch("allreduce.py", env={"PYTHON_EXEC": "/nonexistent/python"})  # torchrun execs workers with it
     assert job.wait() == 1, job.output

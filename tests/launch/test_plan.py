@@ -137,7 +137,8 @@ def test_dry_run_shows_each_host_its_env_and_a_command_line_the_shell_reads_back
 
 @pytest.fixture
 def recipe_file(tmp_path: Path) -> Path:
-    return write_recipe(tmp_path, "allreduce.py", nproc_per_node=3)
+    # 3 local workers on a 2-core machine are refused unless meant (tests/launch/test_capacity.py)
+    return write_recipe(tmp_path, "allreduce.py", nproc_per_node=3, launch={"kill_grace_s": 1.0, "oversubscribe": True})
 
 
 def test_make_plan_without_hostfile_runs_nproc_per_node_workers_locally(recipe_file: Path):

@@ -40,6 +40,7 @@ def checksums(job) -> dict[int, float]:
             for m in (re.search(r"\] rank (\d+) checksum (\S+)$", line) for line in job.stdout) if m}
 
 
+@pytest.mark.slow
 def test_a_killed_rank_restarts_from_the_last_checkpoint_and_matches_an_uninterrupted_run(launch_ssh, tmp_path):
     once = tmp_path / "failed-once"
     job = launch_ssh(SCRIPT, ["--fail-rank", "1", "--fail-at", "5", "--once", str(once)], nproc=1,
@@ -64,6 +65,7 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_matches_an_uninterr
     assert job.leftovers() == [] and reference.leftovers() == []
 
 
+@pytest.mark.slow
 def test_shrink_drops_a_lost_host_and_finishes_on_the_other_with_the_global_batch_kept(launch_ssh, tmp_path):
     # the two-rank job holds before step 6 (after checkpoint step-6): on a slow machine it once finished all
     # 8 steps, with a step-8 checkpoint, before the lost link was acted on, and the shrunken job had nothing to run
@@ -86,6 +88,7 @@ def test_shrink_drops_a_lost_host_and_finishes_on_the_other_with_the_global_batc
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 def test_a_failure_that_repeats_at_the_same_step_stops_the_job_and_names_it(launch_ssh, tmp_path):
     job = launch_ssh(SCRIPT, ["--fail-rank", "1", "--fail-at", "5", "--code", "3"], nproc=1,
                      **keys(tmp_path, max_restarts=3))
@@ -98,6 +101,7 @@ def test_a_failure_that_repeats_at_the_same_step_stops_the_job_and_names_it(laun
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 def test_a_local_job_restarts_too(launch, tmp_path):
     recipe = keys(tmp_path)
     recipe["launch"]["transport"] = "local"

@@ -38,6 +38,7 @@ def cpu_load() -> Iterator[None]:
             proc.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["relay", "rank"])
 def test_a_sigkilled_rank_is_named_under_cpu_load(launch, cpu_load, target: str) -> None:
     job = launch(TINY, ["--step-delay", "0.05"], nproc_per_node=2, train={"steps": 100_000},

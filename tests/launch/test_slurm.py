@@ -195,6 +195,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     assert left == [], f"the private cluster left processes behind: {left}"
 
 
+@pytest.mark.slow
 def test_our_nodelist_reading_agrees_with_scontrol(cluster):
     for nodelist in ("gpu[01-03,07],cpu1", "node[8-10]", "a,b-2,localhost", "r[1-2]-n[01-02]"):
         assert cluster.run("scontrol", "show", "hostnames", nodelist).stdout.split() == slurm.expand_nodelist(nodelist)
@@ -231,6 +232,7 @@ def _final_losses(lines: list[str]) -> dict[int, str]:
     return found
 
 
+@pytest.mark.slow
 def test_training_under_salloc_matches_the_local_run_and_its_telemetry_reaches_the_launcher(cluster, launch,
                                                                                            tmp_path):
     keys = {"train": {"steps": 4}, "zero": {"stage": 2}}
@@ -246,6 +248,7 @@ def test_training_under_salloc_matches_the_local_run_and_its_telemetry_reaches_t
     assert under_salloc.leftovers() == [] and local.leftovers() == []
 
 
+@pytest.mark.slow
 def test_dry_run_inside_an_allocation_prints_the_srun_command_and_its_environment(cluster, tmp_path):
     job = _salloc(cluster, write_recipe(tmp_path, "allreduce.py"), "--dry-run")
     assert job.wait() == 0, job.output
@@ -257,6 +260,7 @@ def test_dry_run_inside_an_allocation_prints_the_srun_command_and_its_environmen
     assert "    ZERORUN_JOB_ID=" in text and "rank 0 of 2" not in text
 
 
+@pytest.mark.slow
 def test_a_recipe_over_128_kib_launches_through_srun(cluster, tmp_path):
     # (before: srun got the whole recipe in one variable and could not start: "Argument list too long")
     job = _salloc(cluster, write_recipe(tmp_path, "show_recipe.py", env=BIG_RECIPE_ENV))
@@ -266,6 +270,7 @@ def test_a_recipe_over_128_kib_launches_through_srun(cluster, tmp_path):
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_the_launcher_cancels_the_step_and_stops_stubborn_workers(cluster, tmp_path):
     job = _salloc(cluster, write_recipe(tmp_path, "stubborn.py", telemetry={"enabled": False}))
     job.wait_for("ready", count=2)
@@ -278,6 +283,7 @@ def test_ctrl_c_on_the_launcher_cancels_the_step_and_stops_stubborn_workers(clus
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 def test_a_launcher_killed_with_sigkill_leaves_nothing_of_the_step(cluster, tmp_path):
     job = _salloc(cluster, write_recipe(tmp_path, "stubborn.py", telemetry={"enabled": False}))
     job.wait_for("ready", count=2)
@@ -292,6 +298,7 @@ def _submit(cluster: PrivateSlurm, recipe: Path) -> subprocess.CompletedProcess[
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_following_asks_and_scancels_the_job(cluster, tmp_path):
     recipe = write_recipe(tmp_path, "stubborn.py", telemetry={"enabled": False})
     proc = subprocess.Popen([sys.executable, "-m", "zerorun.cli", "submit", str(recipe)], stdin=subprocess.PIPE,
@@ -317,6 +324,7 @@ def _zerorun_job_leftovers(stdout: str) -> list[psutil.Process]:
             if (p.info.get("environ") or {}).get("ZERORUN_JOB_ID") == job_id]
 
 
+@pytest.mark.slow
 def test_submit_runs_the_job_to_completion_following_its_output_and_telemetry(cluster, tmp_path):
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(f"script: {TELEMETRY_SCRIPT}\ntrain: {{steps: 3}}\nlaunch: {{kill_grace_s: 1}}\n")
@@ -343,6 +351,7 @@ def test_submit_runs_the_job_to_completion_following_its_output_and_telemetry(cl
     assert re.search(r"localhost +1 +3 ", screen.getvalue()), screen.getvalue()
 
 
+@pytest.mark.slow
 def test_submit_of_a_failing_rank_ends_the_job_with_its_exit_code_and_error(cluster, tmp_path):
     recipe = write_recipe(tmp_path, "stubborn.py", args=["--fail-rank", "1", "--code", "3"],
                           telemetry={"enabled": False})
@@ -365,6 +374,7 @@ def test_a_node_entry_checks_its_nvme_paths_before_torchrun_starts(tmp_path, cap
         capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_killed_rank_restarts_as_a_new_step_in_the_same_allocation(cluster, tmp_path):
     recipe = write_recipe(tmp_path, "train_restartable.py",
                           ["--fail-rank", "1", "--fail-at", "3", "--once", str(tmp_path / "once")],

@@ -61,6 +61,7 @@ def _documented(stage: str) -> list[str]:
     return sorted(files)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_the_guide_lists_the_files_a_step_enters(stage: str) -> None:
     traced = run_ranks(_files_of_one_step, 2, (STAGES[stage],))[0]

@@ -180,6 +180,7 @@ def _results(world: int, on_two, on_three) -> list[dict]:
 
 
 # -- exact resume ------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("world,name", [(w, n) for w, cases in EXACT.items() for n, _ in cases])
 def test_ten_steps_save_load_ten_steps_equals_twenty_steps_bit_for_bit(world, name, on_two, on_three):
     ranks = [r["exact"][name] for r in _results(world, on_two, on_three)]
@@ -200,6 +201,7 @@ def _global_losses(ranks: list[list[float]]) -> torch.Tensor:
 
 @pytest.mark.parametrize("saved_on,case,resumed_on,overrides", RESHARD,
                          ids=[f"{a}ranks-{c}-to-{b}ranks-stage{o[0][-1]}" for a, c, b, o in RESHARD])
+@pytest.mark.slow
 def test_resume_on_another_world_size_and_stage_continues_like_the_uninterrupted_run(
         saved_on, case, resumed_on, overrides, on_two, on_three, on_two_again):
     saved = [r["exact"][case] for r in _results(saved_on, on_two, on_three)]

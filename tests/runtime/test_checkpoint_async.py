@@ -76,7 +76,7 @@ def _same_bytes_case(rank: int, world: int, root: str, overrides: list[str]) -> 
             "nvme": "nvme" in " ".join(overrides)}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c if c == "stage3" else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_async_checkpoint_equals_the_synchronous_one_byte_for_byte_while_training_goes_on(case, tmp_path):
     results = run_ranks(_same_bytes_case, 2, (str(tmp_path), CASES[case]))
     sync, background = tmp_path / "sync" / "t", tmp_path / "async" / "t"
@@ -122,6 +122,7 @@ def _cadence_case(rank: int, world: int, root: str) -> dict:
             "numels": sum(engine.store.group_numels)}
 
 
+@pytest.mark.slow
 def test_one_save_in_flight_keep_last_every_minutes_and_a_record_per_save(tmp_path):
     results = run_ranks(_cadence_case, 2, (str(tmp_path),))
     assert tags(tmp_path) == ["step-8", "step-9"]  # keep_last: 2
@@ -163,6 +164,7 @@ def _small_host_case(rank: int, world: int, root: str) -> dict:
     return {"modes": [r.mode for r in records], "warnings": warnings, "snapshot": engine.memory().total("snapshot")}
 
 
+@pytest.mark.slow
 def test_a_host_too_small_for_the_snapshot_saves_synchronously_with_one_warning_naming_the_numbers(tmp_path):
     results = run_ranks(_small_host_case, 2, (str(tmp_path),))
     assert tags(tmp_path) == ["step-1", "step-2"]

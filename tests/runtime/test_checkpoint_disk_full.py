@@ -111,6 +111,7 @@ def loss_of(engine, rank: int, micro: int) -> float:
     return loss.item()
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_background_save_keeps_latest_names_the_error_and_resumes_exactly(small_disk):
     results = run_ranks(_disk_full_case, 2, (str(small_disk),))
     errors = [r["error"] for r in results if r["error"] is not None]

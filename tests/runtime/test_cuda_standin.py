@@ -106,6 +106,7 @@ def _check(results: list[dict], backend: str) -> set[tuple[str, str]]:
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_stage_on_gpus_sharing_gloo_matches_the_cpu_bit_for_bit(world: int) -> None:
     calls = _check(run_ranks(_both, world, ("gloo", {**FLAT, **ZERO_PLUS_PLUS}, None), timeout=600), "gloo")
@@ -114,20 +115,32 @@ def test_every_stage_on_gpus_sharing_gloo_matches_the_cpu_bit_for_bit(world: int
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
 def test_every_stage_on_nccl_matches_the_cpu(world: int) -> None:
     calls = _check(run_ranks(_both, world, ("nccl", {**FLAT, **ZERO_PLUS_PLUS}, None), timeout=600), "nccl")
     assert {("reduce_scatter_tensor", "cuda"), ("all_gather_into_tensor", "cuda"), ("all_reduce", "cuda"),
             ("all_to_all_single", "cuda")} <= calls  # the last: qgZ's exchange
 
 
+@pytest.mark.slow
 def test_two_levels_and_hpz_on_gpus_sharing_gloo_match_the_cpu() -> None:
     calls = _check(run_ranks(_both, 4, ("gloo", NODES, 2), timeout=600), "gloo")
     assert ("isend", "cpu") in calls, calls  # the cross-node level's pairwise wire, on host copies
 
 
+@pytest.mark.slow
 def test_two_levels_hpz_and_zero_plus_plus_on_nccl_match_the_cpu() -> None:
     calls = _check(run_ranks(_both, 4, ("nccl", NODES, 2), timeout=600), "nccl")
     assert ("all_to_all_single", "cuda") in calls  # the cross-node level's int8 exchange
+
+
+def test_a_gpu_step_over_either_wire_takes_only_what_its_backend_carries() -> None:
+    """The development tier's share of the above (the full matrix is slow): stage 2 over gloo's own wire and stage 3
+    with qgZ + qwZ, each on 2 ranks believing they hold CUDA tensors, over gloo and over NCCL."""
+    cases = {"stage 2, gloo's own wire": FLAT["stage 2, gloo's own wire (no shared memory)"],
+             "stage 3, qgZ + qwZ": ZERO_PLUS_PLUS["stage 3, qgZ + qwZ"]}
+    for backend in ("gloo", "nccl"):
+        _check(run_ranks(_both, 2, (backend, cases, None), timeout=600), backend)
 
 
 def _refusals(rank: int, world: int, backend: str) -> str:

@@ -47,7 +47,7 @@ def _measure(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: CI, not the development tier
 def test_model_state_bytes_match_zero_formulas(world: int) -> None:
     results = run_ranks(_measure, world)
     for rank, measured in enumerate(results):

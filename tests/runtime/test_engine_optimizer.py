@@ -59,7 +59,8 @@ def _train(rank: int, world: int, stage: int, opt_cls: type) -> tuple[list[float
     return losses["ddp"], losses["zerorun"]
 
 
-@pytest.mark.parametrize("stage, opt_cls", [(1, torch.optim.AdamW), (2, torch.optim.Adam)])
+@pytest.mark.parametrize("stage, opt_cls", [pytest.param(1, torch.optim.AdamW, marks=pytest.mark.slow),
+                                            (2, torch.optim.Adam)])
 def test_param_groups_and_lr_scheduler_match_ddp(stage: int, opt_cls: type) -> None:
     for ddp_losses, our_losses in run_ranks(_train, 2, (stage, opt_cls)):
         assert torch.allclose(torch.tensor(our_losses), torch.tensor(ddp_losses), rtol=1e-5, atol=0), (

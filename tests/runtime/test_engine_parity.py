@@ -51,13 +51,14 @@ def _compare(rank: int, world: int, cases: list[tuple[int, int, float | None]],
 CASES = [(stage, accum, None) for stage in (0, 1, 2) for accum in (1, 4)] + [(1, 2, 0.05), (2, 2, 0.05)]
 
 
+@pytest.mark.slow
 def test_stages_2_and_3_match_ddp_through_gloos_pairwise_reduce_scatter_on_3_ranks() -> None:
     """The path ranks on different nodes take (no shared memory): the reduce-scatter is pairwise send/recv."""
     results = run_ranks(_compare, 3, ([(2, 2, 0.05), (3, 2, None)], ("zero.cpu_collectives=gloo",)))
     assert results == [[], [], []], results
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: CI, not the development tier
 def test_stages_0_1_2_match_ddp_adamw_fp32(world: int) -> None:
     results = run_ranks(_compare, world, (CASES,))
     problems = [p for rank_problems in results for p in rank_problems]

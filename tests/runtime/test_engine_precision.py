@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from tests.harness import run_ranks
@@ -107,6 +108,7 @@ def _compare_low_precision(rank: int, world: int) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 def test_bf16_and_fp16_match_same_precision_reference_at_every_stage_on_2_and_3_ranks() -> None:
     for world in (2, 3):  # 2 references and 8 engine runs per rank: a limit with room for a loaded host
         problems = [p for r in run_ranks(_compare_low_precision, world, timeout=900) for p in r]
@@ -125,6 +127,7 @@ def _compare_with_mistakes(rank: int, world: int) -> dict[str, list[str]]:
     return found
 
 
+@pytest.mark.slow
 def test_the_bounds_catch_a_dropped_world_division_a_missed_unscale_and_a_skipped_step() -> None:
     # The comparison is symmetric, so a reference with the mistake stands for an engine with it.
     found = run_ranks(_compare_with_mistakes, 2, timeout=600)[0]
@@ -170,6 +173,7 @@ def _state_dicts(rank: int, world: int) -> dict[int, dict[str, tuple[str, float]
     return out
 
 
+@pytest.mark.slow
 def test_state_dict_holds_fp32_master_weights_at_every_stage() -> None:
     """In bf16, engine.state_dict() returned the bf16 compute copies at stages 0-2 and the fp32 master at stage 3;
     now every stage returns the fp32 master, the same values on the same training."""

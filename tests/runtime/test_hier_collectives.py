@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from tests.harness import run_ranks
@@ -65,6 +66,7 @@ def test_reduce_scatter_sums_every_rank_and_all_gather_fills_every_piece_with_ha
         assert out["quantized_levels"] == {"reduce_scatter": (nbytes, across), "all_gather": (nbytes, across)}
 
 
+@pytest.mark.slow
 def test_stages_1_to_3_match_ddp_through_the_hierarchy_on_2_nodes_of_2_ranks() -> None:
     """Accumulation, clipping and qgZ's exactness within the node: the sums are node first, then across."""
     cases = [(1, 2, None), (2, 2, 0.05), (3, 2, None)]

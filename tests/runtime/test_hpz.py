@@ -27,10 +27,10 @@ def _runs(rank: int, world: int, hpz: int, cpu: str, extra: tuple[str, ...] = ()
 
 
 @pytest.mark.parametrize("world, hpz, cpu, extra", [
-    (4, 2, "gloo", ()), (2, 2, "auto", ()),
+    pytest.param(4, 2, "gloo", (), marks=pytest.mark.slow), (2, 2, "auto", ()),
     # with qwZ the first gather of a step is int8 across the network and the copy kept is its dequantized values,
     # which are what stage 3 + qwZ's re-gathers deliver again (the same exact shard, quantized the same way)
-    (2, 2, "gloo", ("zero.quantized_weights=true",))])
+    pytest.param(2, 2, "gloo", ("zero.quantized_weights=true",), marks=pytest.mark.slow)])
 def test_hpz_is_bit_identical_to_stage_3_and_gathers_within_the_node(world: int, hpz: int, cpu: str,
                                                                      extra: tuple[str, ...]) -> None:
     for rank, out in enumerate(run_ranks(_runs, world, (hpz, cpu, extra))):

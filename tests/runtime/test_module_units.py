@@ -151,6 +151,7 @@ def _encoder_parity(rank: int, world: int) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 def test_stage3_with_automatic_units_in_a_transformer_encoder_trains_as_ddp() -> None:
     problems = [p for rank_problems in run_ranks(_encoder_parity, 3) for p in rank_problems]
     assert not problems, problems

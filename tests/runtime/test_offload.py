@@ -65,7 +65,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: CI, not the development tier
 def test_cpu_offload_equals_the_same_stage_in_memory_and_ddp(world: int) -> None:
     problems = [p for rank_problems in run_ranks(_offload_equals_in_memory, world, (CASES,)) for p in rank_problems]
     assert not problems, "\n".join(problems)
@@ -80,6 +80,7 @@ def _nvme_cases(path: str) -> list[tuple[list[str], list[str]]]:
             (["zero.stage=3", "precision.dtype=bf16"], nvme + param)]
 
 
+@pytest.mark.slow
 def test_nvme_offload_of_optimizer_and_params_equals_the_same_stage_in_memory(direct_io_dir) -> None:
     cases = _nvme_cases(str(direct_io_dir))
     problems = [p for rank_problems in run_ranks(_offload_equals_in_memory, 3, (cases,)) for p in rank_problems]

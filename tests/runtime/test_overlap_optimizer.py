@@ -48,6 +48,7 @@ def _both(rank: int, world: int, cases: dict[str, list[str]]) -> dict[str, tuple
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_overlap_is_bit_identical_with_clipping_that_fires_and_an_overflow(world: int) -> None:
     problems = []

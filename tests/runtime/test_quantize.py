@@ -101,6 +101,7 @@ def _stage3_losses(rank: int, world: int) -> tuple[list[float], list[float]]:
     return exact.losses, quantized.losses
 
 
+@pytest.mark.slow
 def test_stage_3_with_quantized_weights_and_gradients_stays_within_two_percent_of_exact_losses():
     exact, quantized = (torch.tensor(x) for x in run_ranks(_stage3_losses, 3)[0])
     assert not torch.equal(exact, quantized)
@@ -120,6 +121,7 @@ def _stage2_run(rank: int, world: int) -> tuple[list[float], list[float], dict, 
     return exact.losses, quantized.losses, computed, {n: p.tolist() for n, p in quantized.params.items()}
 
 
+@pytest.mark.slow
 def test_stage_2_with_quantized_publish_stays_within_two_percent_and_keeps_an_exact_master():
     runs = run_ranks(_stage2_run, 3)
     exact, quantized = torch.tensor(runs[0][0]), torch.tensor(runs[0][1])

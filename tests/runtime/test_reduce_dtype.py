@@ -25,6 +25,7 @@ small moves them far less than u (measured 1.8e-5 relative; bound u).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.harness import run_ranks
@@ -84,5 +85,6 @@ def _three_ranks_accumulating(rank: int, world: int) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 def test_bf16_reduction_accumulating_on_three_ranks_stays_within_bf16_roundings_of_ddp() -> None:
     assert run_ranks(_three_ranks_accumulating, 3) == [[], [], []]

@@ -70,7 +70,7 @@ def _build(rank: int, world: int, overrides: list[str]) -> dict:
             "total": total, "keys_same": not state or list(state) == list(normal)}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: CI, not the development tier
 def test_stage3_sharded_init_matches_normal_construction_without_a_full_size_tensor(world: int) -> None:
     for r in run_ranks(_build, world, (STAGE3,)):
         assert r["equal"] and r["keys_same"], r

@@ -67,7 +67,7 @@ CASES = [("none", 2, []), ("reentrant", 2, []), ("non-reentrant", 1, []),
          ("none", 2, ONE_PARAMETER_UNITS)]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: CI, not the development tier
 def test_stage3_matches_ddp_adamw_with_tied_weights_checkpointing_and_eval(world: int) -> None:
     problems = [p for rank_problems in run_ranks(_compare, world, (CASES,)) for p in rank_problems]
     assert not problems, "\n".join(problems)

@@ -97,7 +97,7 @@ def test_plain_summary_line_says_progress_and_totals_in_one_line():
 
 
 def test_summary_table_shows_mean_throughput_peaks_skips_and_comm_per_rank():
-    shown = text(console.summary_table(fold(job_records())))
+    shown = text(console.summary(fold(job_records())))
     assert "job demo-1: 4/10 steps in 0:00:11, exit code 0" in shown
     row = next(line for line in shown.splitlines() if "gpu-node" in line and " 0 " in line)
     for figure in ("16.0", "16,384", "98.3", "9.9%", "23.4 GiB", "2.9 GiB", "0.15 s (10%)", "5.6 GiB"):
@@ -111,13 +111,13 @@ def test_comm_is_the_time_blocked_in_collectives_so_its_share_of_step_time_never
             r["comm"]["reduce_scatter"]["seconds"] = 3.0 * r["step"]
     state = fold(records)
     assert state.ranks[0].comm_in_flight_s == pytest.approx(9.0)  # 600% of the 1.5 s of timed steps
-    row = next(line for line in text(console.summary_table(state)).splitlines() if "gpu-node" in line)
+    row = next(line for line in text(console.summary(state)).splitlines() if "gpu-node" in line)
     assert "0.15 s (10%)" in row and "600%" not in row  # (before: "1.20 s (34%)" here, 243% and 535% seen)
 
 
 def test_after_a_resume_the_summary_counts_the_steps_this_job_ran():
     records = [r for r in job_records(steps=4) if r.get("type") != "step" or r["step"] > 2]
-    shown = text(console.summary_table(fold(records)))
+    shown = text(console.summary(fold(records)))
     assert "job demo-1: steps 3-4 of 10 (2 run, resumed after step 2) in" in shown  # (before: "4/10 steps")
 
 
@@ -189,13 +189,46 @@ def test_measured_training_flops_are_three_forwards():
     assert count_training_flops(nn.Linear(16, 8), torch.randn(4, 16)) == 3 * 2 * 4 * 16 * 8
 
 
-def test_offload_column_shows_bytes_and_rate_per_direction_and_the_wait() -> None:
-    from zerorun.telemetry.console import offload_text
+def _offloaded(host: str = "gpu-node", big: bool = False) -> list[dict]:
+    """`job_records` whose ranks moved D2H and NVMe-read bytes (every direction, in hundreds of GiB, when `big`)."""
+    records = job_records(ranks=3 if big else 2)
+    directions = ("d2h", "h2d", "nvme_read", "nvme_write") if big else ("d2h", "nvme_read")
+    for r in records:
+        if r["type"] == "hello":
+            r["host"] = host
+        if r["type"] == "step":
+            scale, seconds = (123.4 * 2**30, 10.0) if big else (2**30, 0.25)
+            r["offload"] = {key: {"bytes": scale * r["step"] / (1 if big else 1 + i), "seconds": seconds * r["step"]}
+                            for i, key in enumerate(directions)}
+            r["offload"]["wait"] = {"bytes": 0, "seconds": (12.5 if big else 0.0625) * r["step"]}
+    return records
 
-    text = offload_text({"d2h": {"bytes": 2 * 2**30, "seconds": 0.5}, "h2d": {"bytes": 0, "seconds": 0.0},
-                         "nvme_read": {"bytes": 3 * 2**20, "seconds": 0.001}, "wait": {"bytes": 0, "seconds": 0.25}})
-    assert text == "D2H 2.0 GiB @ 4.29 GB/s, NVMe read 3.0 MiB @ 3.15 GB/s; waited 250 ms"
-    assert offload_text({}) == "-"
+
+def test_offload_table_shows_bytes_and_rate_per_direction_used_and_the_wait() -> None:
+    shown = text(console.offload_table(fold(_offloaded())))
+    row = next(line for line in shown.splitlines() if line.startswith("gpu-node") and " 0 " in line)
+    assert row.split() == ["gpu-node", "0", "4.0", "GiB", "@", "4.29", "2.0", "GiB", "@", "2.15", "250", "ms"]
+    assert "D2H" in shown and "NVMe read" in shown and "H2D" not in shown  # only the directions used
+    assert console.offload_table(fold(job_records())) is None  # no offload, no table
+
+
+def test_the_summary_fits_120_columns_with_nothing_cut_even_for_a_long_host_and_every_direction(
+        tmp_path: Path) -> None:
+    # As one 13-column table, "localhost", "samples/s" and the offload text were cut to "localho…",
+    # "samples…", "n…" even at 200 columns, in `zerorun launch` and `zerorun report`.
+    records = _offloaded(host="gpu-node-017.cluster.example.com", big=True)
+    (tmp_path / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report_run = CliRunner().invoke(app, ["report", "--no-plots", str(tmp_path)])  # not a terminal: 120 columns
+    assert report_run.exit_code == 0, report_run.output
+    for shown in (text(console.summary(fold(records)), width=console.SUMMARY_WIDTH), report_run.stdout):
+        assert "…" not in shown
+        assert max(len(line.rstrip()) for line in shown.splitlines()) <= 120
+        for whole in ("host", "rank", "steps", "samples/s", "tokens/s", "TFLOP/s", "MFU", "peak device", "peak RSS",
+                      "skipped", "comm", "I/O", "D2H", "H2D", "NVMe read", "NVMe write", "waited", "16,384",
+                      "23.4 GiB", "0.15 s (10%)", "493.6 GiB @ 13.25", "50.00 s", "gpu-node-017.cluster.example.com"):
+            assert whole in shown, whole
+        first_column = "".join(line.split(" ", 1)[0] for line in shown.splitlines() if line.startswith(("gpu", "le.")))
+        assert "gpu-node-017.cluster.example.com" * 3 in first_column  # a long host wraps in its cell, whole
 
 
 def test_a_restart_starts_the_ranks_over_and_times_the_gap_from_the_failure_to_the_first_step_after_it():
@@ -218,7 +251,7 @@ def test_a_restart_starts_the_ranks_over_and_times_the_gap_from_the_failure_to_t
     assert restart.describe() == ("restart 1: rank 1 on gpu-node failed (killed by SIGKILL); resumed from step-2 at "
                                   "step 2, 2 steps run again; 11.0 s from the failure to the first step after it "
                                   "(teardown 1.5, restart 0.5, start 3.0, engine 4.0, first step 2.0 s)")
-    shown = text(console.summary_table(state))
+    shown = text(console.summary(state))
     assert "steps 3-3 of 10 (1 run, resumed after step 2)" in shown and "1 restart (below)" in shown
     assert "[restart 1]" in text(console.live_view(state, now=121.0))
 
@@ -238,3 +271,37 @@ def test_checkpoint_records_show_saves_stall_write_time_and_bytes_live_and_in_th
     assert line in text(console.live_view(state, now=107.0), width=300)
     assert line in text(report.render(state), width=300)
     assert console.checkpoint_line(fold(job_records())) is None
+
+
+def _with_engine_total(total: object) -> list[dict]:
+    """job_records (the launcher said 10 steps) whose engines said `total` (a missing key: an older engine)."""
+    records = job_records()
+    for r in records:
+        if r["type"] == "engine" and total != "unsaid":
+            r["total_steps"] = total
+    return records
+
+
+def test_a_script_that_drives_its_own_loop_shows_its_steps_and_no_total_where_none_is_known():
+    # An HF Trainer with --max_steps 10 ended with "10/100 steps", the recipe's default train.steps: a job
+    # that reads as stopped early. Its engine says no total is known: no total, no percentage, no ETA.
+    unknown = fold(_with_engine_total(None)[:-4])
+    live = text(console.live_view(unknown, now=107.0))
+    assert "step 4 " in live and "/10" not in live and "%" not in live.split("\n")[0] and "ETA" not in live
+    assert console.summary_line(unknown, now=107.0).startswith("step 4 elapsed 0:00:07 | loss")
+    assert "job demo-1: 4 steps in 0:00:11" in text(console.summary(fold(_with_engine_total(None))))
+    assert "job demo-1: 4/4 steps in" in text(console.summary(fold(_with_engine_total(4))))  # the script's own
+    assert "job demo-1: 4/10 steps in" in text(console.summary(fold(_with_engine_total("unsaid"))))  # older engines
+
+
+def test_the_launcher_knows_no_total_for_a_script_that_drives_its_own_loop():
+    from zerorun import config
+    from zerorun.hostfile import Node
+    from zerorun.launch.plan import MachineFacts, plan
+
+    def planned(**keys: object) -> int | None:
+        recipe = config.from_dict({"script": "/x/t.py", "train": {"steps": 100}, **keys})
+        return plan(recipe, [Node("localhost", (0,))], "j", 1, MachineFacts(2, "py")).steps
+
+    assert planned() == 100  # a zerorun script loops to train.steps
+    assert planned(launch={"deepspeed_compat": True}) is None  # a DeepSpeed-API script: its engine says

@@ -62,6 +62,7 @@ def test_two_ranks_stream_every_step_memory_equals_engine_memory_plain_summaries
     assert len([line for line in report.output.splitlines() if "localhost" in line]) == 2
 
 
+@pytest.mark.slow
 def test_a_sleeping_rank_triggers_the_stall_report_with_the_stack_of_the_sleeping_frame(launch, tmp_path):
     job = launch(TINY, ["--sleep-rank", "1", "--sleep-at", "2"], nproc_per_node=2, train={"steps": 50},
                  telemetry={"interval_s": 0.2, "stall_s": 2.0})
@@ -85,6 +86,7 @@ def test_a_sleeping_rank_triggers_the_stall_report_with_the_stack_of_the_sleepin
     assert job.leftovers() == []
 
 
+@pytest.mark.slow
 def test_a_killed_launcher_does_not_leave_workers_hanging(launch, tmp_path):
     job = launch(TINY, ["--step-delay", "0.05"], nproc_per_node=2, train={"steps": 10_000}, telemetry=FAST)
     deadline = time.monotonic() + 60
@@ -110,6 +112,7 @@ def _mount_small_filesystem(directory: Path, size: str) -> bool:
                           capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 def test_a_full_disk_under_runs_leaves_the_workers_exit_code_and_one_warning(launch, tmp_path):
     import subprocess
 
@@ -130,6 +133,7 @@ def test_a_full_disk_under_runs_leaves_the_workers_exit_code_and_one_warning(lau
         subprocess.run(["umount", "-l", str(runs)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_tensorboard_and_csv_from_the_launcher_hold_every_rank_s_loss_per_step_and_report_plots_it(launch, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

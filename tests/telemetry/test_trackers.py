@@ -106,6 +106,7 @@ def _launch(tmp_path: Path, env: dict[str, str], prelude: str = "") -> subproces
                           env={**subprocess_env(), **env})
 
 
+@pytest.mark.slow
 def test_wandb_offline_and_mlflow_on_a_local_store_record_every_step_s_loss(tmp_path: Path) -> None:
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
@@ -168,6 +169,7 @@ def _wandb_history(records: list) -> list[dict]:
             for r in records if r.WhichOneof("record_type") == "history"]
 
 
+@pytest.mark.slow
 def test_without_either_library_the_job_warns_once_per_tracker_and_exits_0(tmp_path: Path) -> None:
     result = _launch(tmp_path, {}, prelude="sys.modules['wandb'] = None; sys.modules['mlflow'] = None; ")
     assert result.returncode == 0, result.stdout + result.stderr

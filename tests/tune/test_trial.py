@@ -50,6 +50,7 @@ def _job_processes(log: str) -> list[psutil.Process]:
             if (p.info.get("environ") or {}).get("ZERORUN_JOB_ID") == job.group(1) and p.status() != "zombie"]
 
 
+@pytest.mark.slow
 def test_a_failing_script_is_a_result_with_its_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     recipe = _recipe(tmp_path, "raise ValueError('the data directory is empty')\n")

@@ -43,6 +43,7 @@ def _running(job_ids: list[str]) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.slow
 def test_tuning_the_quick_start_writes_a_recipe_that_loads_with_what_it_measured(tmp_path: Path) -> None:
     out = tmp_path / "tuned.yaml"
     result = subprocess.run([sys.executable, "-m", "zerorun.cli", "tune", str(QUICKSTART), "--budget-min",
@@ -104,6 +105,7 @@ def test_a_killed_tuner_leaves_no_trial_running(tmp_path: Path) -> None:
             proc.kill()
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_trial_and_still_reports_what_was_measured(tmp_path: Path) -> None:
     out = tmp_path / "tuned.yaml"
     proc = subprocess.Popen([sys.executable, "-m", "zerorun.cli", "tune", str(QUICKSTART), "--budget-min", "10",
@@ -137,6 +139,7 @@ def test_bad_flags_are_refused_before_anything_runs(flags: list[str], message: s
     assert result.exit_code == 2 and message in result.output, result.output
 
 
+@pytest.mark.slow
 def test_a_budget_below_every_candidates_need_is_a_table_of_reasons_not_a_crash(tmp_path: Path) -> None:
     # the standard GPT's 97.7M parameters, counted on the meta device: no candidate fits 0.25 GiB per rank
     result = subprocess.run([sys.executable, "-m", "zerorun.cli", "tune", str(ROOT / "recipes/bench_gpt.yaml"),
@@ -150,6 +153,7 @@ def test_a_budget_below_every_candidates_need_is_a_table_of_reasons_not_a_crash(
     assert any(re.fullmatch(r"estimate \d+\.\d\d GiB RSS/rank > budget 0\.25 GiB", r) for r in reasons), reasons
 
 
+@pytest.mark.slow
 def test_the_manual_sweep_measures_every_candidate_of_the_same_space_against_a_reference(
         tmp_path: Path, direct_io_dir: Path) -> None:
     nvme = direct_io_dir / "nvme"

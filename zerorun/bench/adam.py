@@ -49,16 +49,6 @@ class AdamBench:
     results: list[AdamResult]
 
 
-def parse_size(text: str) -> int:
-    """'1M' -> 1_000_000; K, M, G are powers of ten (a parameter count, not bytes)."""
-    text = text.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
-    number = float(text[:-1] if text[-1:] in "KMG" else text)
-    if number <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return int(number * scale)
-
-
 def _time(fn: Callable[[], Any], repeats: int, budget_s: float) -> list[float]:
     """Wall times of `fn` after one warm-up: `repeats` runs, fewer if they exceed `budget_s` (at least one)."""
     fn()

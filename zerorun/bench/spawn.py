@@ -3,6 +3,8 @@
 Used by the benchmarks and by the multi-process tests (`tests/harness.py`): each rank is a fresh
 spawned process with torchrun's variables set and `threads` CPU threads, so
 `zerorun.runtime.comm.dist.init_distributed` and the engine behave exactly as under `zerorun launch`.
+The tests pass a `context` that forks each rank from a server that has imported torch once (a fresh
+interpreter imports it for seconds, per rank and per call); the benchmarks keep fresh interpreters.
 """
 
 from __future__ import annotations
@@ -26,8 +28,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class CallersStdio:
+    """The caller's stdout and stderr of the moment, handed to a rank forked from a forkserver: a spawned
+    child inherits them, a forked one has the server's (pytest's capfd would not see the rank's output)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, Any]]:  # runs while the rank is being started
+        from multiprocessing import reduction
+
+        return (_StdioFds, (reduction.DupFd(1), reduction.DupFd(2)))
+
+
+class _StdioFds:
+    def __init__(self, out: Any, err: Any) -> None:
+        self.out, self.err = out, err
+
+    def install(self) -> None:
+        for wrapped, fd in ((self.out, 1), (self.err, 2)):
+            os.dup2(wrapped.detach(), fd)
+
+
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, threads: int, args: tuple,
-           results: Any) -> None:
+           results: Any, environ: dict[str, str], stdio: Any) -> None:
+    if stdio is not None:
+        stdio.install()
+    os.environ.clear()  # the caller's environment now, as a spawned child would have it (a forkserver's is older)
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
@@ -48,17 +73,19 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, thread
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 240.0,
-              threads: int = 1) -> list[Any]:
+              threads: int = 1, context: Any = None) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return results in rank order.
 
     `fn` must be importable (module level). The first failure raises `RankFailure`; every rank
-    process is gone when this returns or raises.
+    process is gone when this returns or raises. `context`: a multiprocessing context (default: spawn).
     """
-    ctx = mp.get_context("spawn")
+    ctx = context or mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, results), daemon=True)
-             for r in range(world_size)]
+    environ = dict(os.environ)
+    stdio = CallersStdio() if ctx.get_start_method() == "forkserver" else None
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, results, environ, stdio),
+                         daemon=True) for r in range(world_size)]
     for proc in procs:
         proc.start()
     values: dict[int, Any] = {}

@@ -21,6 +21,7 @@ import torch
 
 import zerorun
 from zerorun import config as recipes
+from zerorun.compat import filled
 from zerorun.compat.engine import DeepSpeedEngine
 from zerorun.config import Recipe, ds_config
 from zerorun.errors import ConfigError, ZerorunError
@@ -75,8 +76,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
               "is not (as in DeepSpeed).", file=sys.stderr)
     # the engine steps the schedule after every applied update (DeepSpeed's contract), and so saves it in
     # every checkpoint and restores it on resume as its own (runtime/optim/lr_schedules.py)
+    # The script drives its own loop: the recipe's train.steps is not its count. A scheduler's total in the config
+    # is (the Trainer fills an "auto" total_num_steps with its max_steps); without one no total is known.
     engine = zerorun.start(Engine(model, user_optimizer, recipe, lambda opt: _lr_scheduler(lr_scheduler, opt,
-                                                                                           recipe)))
+                                                                                           recipe)),
+                           total_steps=recipe.scheduler.total_num_steps)
     schedule = engine.lr_schedules.owned
     facade = DeepSpeedEngine(engine, recipe, schedule, ds)
     loader = _dataloader(training_data, recipe, info, collate_fn, ds) if training_data is not None else None
@@ -135,13 +139,15 @@ def recipe_for(source: str | Mapping[str, Any] | None, launched: Recipe | None, 
         raise ZerorunError(f"a DeepSpeed config is a JSON path or a dict, got {type(source).__name__}.")
     translation = ds_config.translate(ds, world_size)
     ds_config.check(translation, label)
-    if rank == 0:
-        ds_config.report(translation, label)
     base = recipes.to_dict(launched) if launched is not None else {"script": sys.argv[0] or "<script>"}
     _merge_over(base, translation.data)
     lines: dict[str, int | str] = {key: f"{label}: {origin}" for key, origin in translation.origins.items()}
     recipe = recipes.from_dict(base, label, lines)
     recipe.source = launched.source if launched is not None else label
+    if rank == 0:  # what the script's config changed: filled "auto"s, and any key of the user's it overrides
+        ds_config.report(translation, label)
+        for line in filled.lines(ds, translation, label, launched, recipe):
+            ds_config.print_once(line)
     return recipe, ds
 
 

@@ -58,6 +58,10 @@ def render(data: dict[str, Any], translation: ds_config.Translation, source: str
     if notes:
         lines.append(f"# Keys of {Path(source).name} with no recipe key:")
         lines += [f"#   {n.key}: {n.level.value}: {n.message}" for n in notes]
+    if translation.autos:
+        lines.append(f"# \"auto\" in {Path(source).name}: zerorun's defaults above, unless the script passes the config "
+                     "to deepspeed.initialize after transformers or accelerate filled it in (then their values):")
+        lines += [f"#   {key}{f' -> {target}' if target else ''}" for key, target in translation.autos.items()]
     return "\n".join(lines).rstrip() + "\n"
 
 

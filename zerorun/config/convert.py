@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
+from zerorun.config.counts import parse_count
 from zerorun.config.schema import OffloadConfig, Recipe, literal_text, range_text
 from zerorun.errors import ConfigError
 
@@ -169,11 +170,17 @@ def _convert(tp: Any, value: Any, key: str, meta: typing.Mapping[str, Any], ctx:
 
 
 def _number(tp: type, value: Any, key: str, ctx: _Ctx) -> int | float:
-    # PyYAML reads `1e5` and `3e-4` (no dot) as strings; users mean numbers.
+    # PyYAML reads `1e5` and `3e-4` (no dot) as strings; users mean numbers. An integer key is a count,
+    # which may be written as one (`steps: 10K`, `param_persistence_threshold: 1e5`: `counts`).
     if isinstance(value, str):
         try:
             value = float(value)
         except ValueError:
+            if tp is int and value.strip()[:1].isdigit():  # `10K`; `two` is no count, just not an integer
+                try:
+                    return parse_count(value)
+                except ValueError as exc:
+                    _fail(ctx, key, f"expected an integer: {exc}.")
             _fail(ctx, key, f"expected {'an integer' if tp is int else 'a number'}, got {_describe(value)}.")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         _fail(ctx, key, f"expected {'an integer' if tp is int else 'a number'}, got {_describe(value)}.")

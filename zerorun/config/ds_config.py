@@ -4,13 +4,16 @@
     t.data       # {"zero": {"stage": 2, ...}, "precision": {...}, "train": {...}, ...}: recipe data
     t.origins    # recipe key -> the DeepSpeed key it came from (for messages and comments)
     t.notes      # one per key zerorun does not map: INFO (does the same anyway), WARNING, ERROR
+    t.autos      # DeepSpeed key -> the recipe key(s) it stands for, for every "auto" value
 
 Every key of the input meets exactly one rule of `ds_keys.RULES` or one section handler below (the
 batch triple, fp16/bf16, the optimizer's type, the scheduler's type, the old offload spellings);
 a key no rule knows is a WARNING, or an ERROR when it looks like a typo of a known key. Keys that
 DeepSpeed defaults differently from zerorun are always written out (ZeRO stage 0, weight decay 0,
-hysteresis 2), so a translated recipe trains as DeepSpeed would. `"auto"` (what the HF Trainer
-fills in) leaves zerorun's default, with a WARNING naming it.
+hysteresis 2), so a translated recipe trains as DeepSpeed would. `"auto"` is a placeholder that
+transformers and accelerate fill in from the script's own arguments before `deepspeed.initialize`:
+read from the file, it leaves zerorun's default and is listed in `autos`; `auto_line` says in one line
+what applies to them (the script's values, or zerorun's where nothing will fill them).
 
 This module imports nothing of zerorun's but `errors` and `ds_keys`: `config.load` uses it to read
 a recipe's `deepspeed_config`, and it must not depend on the rest of the package or above it.
@@ -86,6 +89,7 @@ class Translation:
     origins: dict[str, str] = field(default_factory=dict)  # recipe dotted key -> DeepSpeed key
     notes: list[Note] = field(default_factory=list)
     batch: Batch = Batch(None, None, None)
+    autos: dict[str, str] = field(default_factory=dict)  # DeepSpeed key of an "auto" -> the recipe key(s) it sets
 
     def set(self, target: str, value: Any, origin: str) -> None:
         node = self.data
@@ -135,16 +139,67 @@ def check(translation: Translation, source: str) -> None:
         raise ConfigError(f"{source}: {len(errors)} DeepSpeed key(s) zerorun cannot honour:\n  {lines}")
 
 
-_shown: set[str] = set()
+_shown_lines: set[str] = set()
 
 
 def report(translation: Translation, source: str, file: Any = None) -> None:
     """Print each warning once per process (a config read twice warns once)."""
     for note in translation.warnings:
-        line = f"zerorun: warning: {note.render(source)}"
-        if line not in _shown:
-            _shown.add(line)
-            print(line, file=file or sys.stderr)
+        print_once(f"zerorun: warning: {note.render(source)}", file)
+
+
+def auto_line(translation: Translation, source: str, filled_by_script: bool,
+              values: Mapping[str, Any] | None = None) -> str | None:
+    """One line about the config's "auto" values, or None when it has none.
+
+    `filled_by_script`: the script uses the DeepSpeed API (`launch.deepspeed_compat`), so transformers or
+    accelerate fill them in from its own arguments before `deepspeed.initialize`, and zerorun trains with
+    what they become (it prints them then): an information, not a warning. Otherwise nothing will fill
+    them: a warning giving zerorun's values that apply (`values`: recipe key -> value)."""
+    autos = translation.autos
+    if not autos:
+        return None
+    keys = ", ".join(autos)
+    if filled_by_script:
+        return (f"zerorun: {source}: \"auto\" in {_count(len(autos), 'key')} ({keys}): the script fills them in "
+                "(transformers and accelerate do, from its own arguments) when it calls deepspeed.initialize; "
+                "zerorun trains with those values and prints them then.")
+    return (f"zerorun: warning: {source}: \"auto\" in {_count(len(autos), 'key')} and nothing to fill them in "
+            "(transformers and accelerate fill them when the script calls deepspeed.initialize, with "
+            f"launch.deepspeed_compat on): zerorun's values apply: {applied_values(autos, values)}.")
+
+
+def applied_values(autos: Mapping[str, str], values: Mapping[str, Any] | None) -> str:
+    """`optimizer.params.lr -> optimizer.lr 0.001; ...`: what zerorun applies for each "auto" key."""
+    shown = []
+    for key, target in autos.items():
+        applied = [f"{t} {shown_value(values[t])}" for t in target.split(", ") if values is not None and t in values]
+        shown.append(f"{key} -> {', '.join(applied)}" if applied else key)
+    return "; ".join(shown)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def shown_value(value: Any) -> str:
+    """A value as JSON would say it where Python's str() would not (lists, booleans, null)."""
+    return json.dumps(value) if isinstance(value, (list, bool)) or value is None else str(value)
+
+
+def print_once(line: str, file: Any = None) -> None:
+    """Print a line once per process (a config read twice says it once)."""
+    if line not in _shown_lines:
+        _shown_lines.add(line)
+        print(line, file=file or sys.stderr)
+
+
+def report_auto(translation: Translation, source: str, filled_by_script: bool,
+                values: Mapping[str, Any] | None = None, file: Any = None) -> None:
+    """Print `auto_line` once per process."""
+    line = auto_line(translation, source, filled_by_script, values)
+    if line is not None:
+        print_once(line, file)
 
 
 def translate(ds: Mapping[str, Any], world_size: int | None = None) -> Translation:
@@ -185,8 +240,7 @@ def _apply(t: Translation, key: str, value: Any) -> None:
     if rule.handled:
         return
     if isinstance(value, str) and value == AUTO:
-        where = f"zerorun's default for {rule.target}" if rule.target else "nothing to fill in"
-        t.note(key, Level.WARNING, f"\"auto\" (an HF Trainer placeholder): {where} applies; set a value to be sure.")
+        t.autos[key] = rule.target or ""  # no target: a key zerorun has no use for, whatever fills it
         return
     if rule.target:
         try:
@@ -238,11 +292,11 @@ def _int_or_none(t: Translation, ds: Mapping[str, Any], key: str) -> int | None:
 def _batch(t: Translation, ds: Mapping[str, Any], world: int | None) -> None:
     keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     t.batch = batch = Batch(*(_int_or_none(t, ds, k) for k in keys))
+    targets = ("train.global_batch_size", "train.micro_batch_size", "train.grad_accum_steps")
+    t.autos.update({key: target for key, target in zip(keys, targets) if _get(ds, key) == AUTO})
     if batch.train_batch_size is None and batch.micro is None:
         if any(_get(ds, k) == AUTO for k in keys):
-            t.note("train_batch_size", Level.WARNING, "\"auto\": the recipe's train.micro_batch_size and "
-                                                      "train.grad_accum_steps apply.")
-            return
+            return  # the recipe's train.micro_batch_size and train.grad_accum_steps apply (or what fills them)
         t.note("train_batch_size", Level.ERROR, "give train_batch_size or train_micro_batch_size_per_gpu "
                                                 "(DeepSpeed needs one of them).")
         return
@@ -269,7 +323,7 @@ def _batch(t: Translation, ds: Mapping[str, Any], world: int | None) -> None:
 def _enabled(t: Translation, ds: Mapping[str, Any], section: str) -> bool:
     value = _get(ds, f"{section}.enabled", False)
     if value == AUTO:
-        t.note(f"{section}.enabled", Level.WARNING, "\"auto\" (an HF Trainer placeholder): taken as false.")
+        t.autos[f"{section}.enabled"] = "precision.dtype"  # taken as false until it is filled in
         return False
     if not isinstance(value, bool):
         t.note(f"{section}.enabled", Level.ERROR, f"expected true or false, got {value!r}.")

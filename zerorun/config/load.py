@@ -42,8 +42,9 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = (), check_sc
         raise ConfigError(f"{path}: not a text file ({exc.reason} at byte {exc.start}).") from None
     data, lines = _parse_yaml(text, str(path))
     _apply_overrides(data, lines, overrides)
-    _read_deepspeed_config(data, lines, path.resolve().parent, str(path))
+    translation = _read_deepspeed_config(data, lines, path.resolve().parent, str(path))
     recipe = from_dict(data, str(path), lines)
+    _report_autos(recipe, translation)
     recipe.source = str(path.resolve())
     if recipe.name is None:
         recipe.name = path.stem
@@ -62,8 +63,9 @@ def loads(text: str, source: str = "<recipe>", overrides: typing.Sequence[str] =
     _check_size(len(text.encode()), source)
     data, lines = _parse_yaml(text, source)
     _apply_overrides(data, lines, overrides)
-    _read_deepspeed_config(data, lines, Path.cwd(), source)
+    translation = _read_deepspeed_config(data, lines, Path.cwd(), source)
     recipe = from_dict(data, source, lines)
+    _report_autos(recipe, translation)
     recipe.source = source
     return recipe
 
@@ -81,11 +83,13 @@ def from_env() -> Recipe | None:
     return recipe
 
 
-def _read_deepspeed_config(data: Any, lines: dict[str, int | str], base: Path, source: str) -> None:
+def _read_deepspeed_config(data: Any, lines: dict[str, int | str], base: Path,
+                           source: str) -> ds_config.Translation | None:
     """`deepspeed_config: ds.json`: the DeepSpeed config, translated, under the recipe's own keys
-    (which win, `--set` included); messages about its keys name the JSON file and the DeepSpeed key."""
+    (which win, `--set` included); messages about its keys name the JSON file and the DeepSpeed key.
+    Returns the translation (None: no DeepSpeed config)."""
     if not isinstance(data, dict) or data.get("deepspeed_config") in (None, ""):
-        return
+        return None
     ds_path = base / str(data["deepspeed_config"])
     if not ds_path.is_file():
         raise ConfigError(f"{where(source, lines, 'deepspeed_config')}: deepspeed_config: {ds_path} does not "
@@ -96,6 +100,25 @@ def _read_deepspeed_config(data: Any, lines: dict[str, int | str], base: Path, s
     for key, origin in translation.origins.items():
         lines.setdefault(key, f"{ds_path}: {origin}")
     data["deepspeed_config"] = str(ds_path)
+    return translation
+
+
+def _report_autos(recipe: Recipe, translation: ds_config.Translation | None) -> None:
+    """One line on the DeepSpeed config's "auto" keys: the script fills them (it uses the DeepSpeed API),
+    or zerorun's values apply, named with their values."""
+    if translation is None or not translation.autos or recipe.deepspeed_config is None:
+        return
+    targets = {t for target in translation.autos.values() for t in target.split(", ") if t}
+    ds_config.report_auto(translation, recipe.deepspeed_config, recipe.launch.deepspeed_compat,
+                          {t: value_at(recipe, t) for t in targets})
+
+
+def value_at(recipe: Recipe, dotted: str) -> Any:
+    """The recipe's value at a dotted key (`optimizer.lr`)."""
+    node: Any = recipe
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def _merge_under(data: dict[str, Any], base: dict[str, Any], prefix: str) -> None:

@@ -282,6 +282,9 @@ class LaunchConfig:
                  "nodes. shrink: restart without it, keeping the global batch by raising "
                  "train.grad_accum_steps (the job stops when the new world size does not divide it).")
     min_nodes: int = _f(1, "shrink: the fewest nodes a restart may run on.", ge=1)
+    oversubscribe: bool = _f(False, "Allow more workers than CPU cores on a machine without GPUs (tests of several "
+                                    "ranks on a small machine, debugging). Without it such a launch is refused "
+                                    "before anything starts: the workers would take turns on the cores.")
 
 
 @dataclass

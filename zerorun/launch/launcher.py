@@ -26,19 +26,20 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zerorun import config, hostfile
 from zerorun.config import Recipe
 from zerorun.errors import HostfileError, LaunchError
 from zerorun.hostfile import Node
-from zerorun.launch import ownership, preflight, recovery, slurm
+from zerorun.launch import capacity, ownership, preflight, recovery, slurm
 from zerorun.launch.devices import gpu_count
 from zerorun.launch.plan import LaunchPlan, MachineFacts, NodeCommand, is_local, plan, render, with_env
 from zerorun.launch.ssh import SSHTransport
 from zerorun.launch.supervisor import Ending, Outcome, Supervisor
 from zerorun.launch.transport import LocalTransport, Transport
-from zerorun.telemetry import ADDRESS_ENV, TOKEN_ENV
+from zerorun.telemetry import ADDRESS_ENV, RUNS_DIR, TOKEN_ENV
 
 if TYPE_CHECKING:
     from zerorun.launch.monitor import Monitor
@@ -71,10 +72,26 @@ def make_plan(recipe_path: str | os.PathLike, options: LaunchOptions) -> LaunchP
     recipe = config.load(recipe_path, overrides=[*options.overrides, *flags])
     if uses_slurm(recipe, options, os.environ):
         return _slurm_plan(recipe, options)
-    nodes = select_nodes(recipe, options, gpu_count())
+    gpus = gpu_count()
+    nodes = select_nodes(recipe, options, gpus)
     facts = _machine_facts(os.cpu_count() or 1)
     master_port = recipe.master_port or (free_port() if is_local(nodes[0].host) else 29500)
-    return plan(recipe, nodes, new_job_id(recipe.name or "job"), master_port, facts)
+    launch_plan = plan(recipe, nodes, new_job_id(recipe.name or "job"), master_port, facts)
+    capacity.check(launch_plan.nodes, capacity.this_machine(gpus), recipe.launch.oversubscribe,
+                   workers_origin(recipe, options))
+    return launch_plan
+
+
+def workers_origin(recipe: Recipe, options: LaunchOptions) -> str:
+    """What asked for this machine's workers, as a message names it: the flag, the key (file:line), or the default."""
+    if options.num_gpus is not None:
+        return f"--num-gpus {options.num_gpus}"
+    if options.hostfile or recipe.hostfile:
+        return f"the hostfile {options.hostfile or recipe.hostfile} (its slots for this machine)"
+    if recipe.nproc_per_node is not None:
+        where = recipe.given.get("nproc_per_node", recipe.source or "the recipe")
+        return f"{where}: nproc_per_node: {recipe.nproc_per_node}"
+    return "the default nproc_per_node (2 workers on a machine without GPUs)"
 
 
 def uses_slurm(recipe: Recipe, options: LaunchOptions, env: Mapping[str, str]) -> bool:
@@ -162,7 +179,8 @@ def _attempt(launch_plan: LaunchPlan, monitor: Monitor | None) -> Outcome:
         _check_port_free(launch_plan.master_addr, launch_plan.master_port)
     if monitor is not None:
         launch_plan = with_env(launch_plan, {ADDRESS_ENV: monitor.address, TOKEN_ENV: monitor.token})
-    supervisor = Supervisor(launch_plan, transports, output=monitor, witness=monitor)
+    failure_log = Path(RUNS_DIR) / launch_plan.name / f"failure-{launch_plan.job_id}.log"  # runs/<name>/: this job's
+    supervisor = Supervisor(launch_plan, transports, output=monitor, witness=monitor, failure_log=failure_log)
     supervisor.run()
     assert supervisor.outcome is not None
     return supervisor.outcome

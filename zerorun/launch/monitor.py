@@ -10,7 +10,8 @@ Display:
   the per-rank table, `console.live_view`). Worker and launcher lines collected since the last
   tick print above it through the Live console, so they scroll while the table stays put.
 - Otherwise (CI, a log file): lines pass through unchanged; a plain `zerorun: step ...` summary
-  line goes to stderr at each tenth of `train.steps`, and at least every 30 s while steps advance.
+  line goes to stderr at each tenth of the steps the script runs (`train.steps`, or the total its
+  engine says; with no total known, every 30 s), and at least every 30 s while steps advance.
 
 Stall watch: once an engine exists, when no rank has finished a step for `telemetry.stall_s`, the
 monitor says which ranks are behind (the lowest step; at equal steps, the ranks not waiting inside
@@ -23,7 +24,7 @@ The collector listens on loopback when every node is local; otherwise on the add
 name resolves to (the one the workers are told), falling back to every interface only when that
 address is not one of this machine's. It accepts only connections that prove the job's token (a
 random secret per job, `TOKEN_ENV` in the workers' environment). It repeats every `stall_s` while the stall lasts, and
-stops watching once every rank has reached `train.steps`.
+stops watching once every rank has reached the script's total, where one is known.
 """
 
 from __future__ import annotations
@@ -134,14 +135,14 @@ class Monitor(Output):
         with self.collector.lock:
             ranks = bool(self.state.ranks)
             view = console.live_view(self.state)
-            table = console.summary_table(self.state) if ranks else None
+            table = console.summary(self.state) if ranks else None
             checkpoints = console.checkpoint_line(self.state)
         if self._live is not None:
             self._flush_pending()
             self._live.update(view, refresh=True)
             self._stop_live(keep=table)
         elif table is not None:
-            for line in _plain_text(table, self._width or 160).splitlines():
+            for line in _plain_text(table, self._width or console.SUMMARY_WIDTH).splitlines():
                 super().write(2, line.rstrip().encode())
         if checkpoints is not None and self._live is None:  # the live view shows it already
             self._say(checkpoints)

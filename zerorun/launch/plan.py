@@ -112,7 +112,9 @@ class LaunchPlan:
     world_size: int
     kill_grace_s: float
     nodes: tuple[NodeCommand, ...]
-    steps: int = 0  # the recipe's train.steps: the launcher's progress bar counts towards it
+    # The steps the script runs, as far as the launcher knows: the recipe's train.steps for a zerorun script,
+    # None for one that drives its own loop (launch.deepspeed_compat: the engine says once it knows).
+    steps: int | None = None
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     ssh: SSHConfig = field(default_factory=SSHConfig)
     nvme_paths: Mapping[str, str] = field(default_factory=dict)  # recipe key -> NVMe offload directory
@@ -139,7 +141,8 @@ def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, f
         first_rank += node.nproc
     return LaunchPlan(job_id=job_id, name=recipe.name or "job", master_addr=master_addr, master_port=master_port,
                       world_size=first_rank, kill_grace_s=recipe.launch.kill_grace_s, nodes=tuple(commands),
-                      steps=recipe.train.steps, telemetry=recipe.telemetry, ssh=recipe.ssh,
+                      steps=None if recipe.launch.deepspeed_compat else recipe.train.steps,
+                      telemetry=recipe.telemetry, ssh=recipe.ssh,
                       nvme_paths=nvme_paths(recipe), inputs=PlanInputs(recipe, tuple(nodes), facts))
 
 

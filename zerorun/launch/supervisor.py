@@ -8,6 +8,11 @@
   `[host:rank] ` prefix, torchrun's own lines get `[host:torchrun] `, node supervisor notes
   `zerorun: `) and keeps each rank's last lines for the failure report. A worker's `zerorun:
   error:` line (a ZerorunError: every rank usually raises the same) is printed once per job.
+  Tracebacks, and torchrun's output once a rank failed, are held back (`held_output`) until the
+  job's end says whose is the cause.
+- **The culprit first.** A failed job's report starts with the culprit's line and its whole
+  traceback; each victim then gets one line (its exception), and everything held goes to
+  `runs/<name>/failure-<job id>.log` (`failure_log`), torchrun's own report included.
 - **First failure ends the job.** The first exit record (see `streams`) with a non-zero status
   stops every node. torchrun would notice too, but then signals the workers' groups and waits up
   to 30 s before SIGKILL, and it exits 1 whatever the rank's status was; the supervisor stops
@@ -45,9 +50,11 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import IO
 
 from zerorun.launch import streams
+from zerorun.launch.held_output import HeldOutput
 from zerorun.launch.node import HEARTBEAT_TIMEOUT_S
 from zerorun.launch.node_output import OutputReader
 from zerorun.launch.outcome import Ending, Outcome, Output, Witness
@@ -55,7 +62,8 @@ from zerorun.launch.plan import LaunchPlan
 from zerorun.launch.streams import NodeBeat, NodeNote, RankExit, RankLine
 from zerorun.launch.transport import Transport, exit_status
 
-TAIL_LINES = 20  # lines of a failed rank shown in the failure report
+TAIL_LINES = 20  # lines of a failed rank shown in the failure report (when it printed no traceback)
+CULPRIT_LINES = 200  # of the culprit's traceback shown (the rest, if any, in the failure log)
 ERROR_PREFIX = b"zerorun: error: "  # a ZerorunError a worker printed (see `worker`): shown once per job
 _SETTLE_S = 2.0  # after every node exited: how long to wait for their pipes to close
 _NODE_SETTLE_S = 1.0  # after a node exited with an error: how long its ranks' exit records may take
@@ -71,13 +79,15 @@ class Supervisor:
     """Runs `plan` through `transports` (one per node, in node order) and returns the exit code."""
 
     def __init__(self, plan: LaunchPlan, transports: Sequence[Transport], output: Output | None = None,
-                 witness: Witness | None = None) -> None:
+                 witness: Witness | None = None, failure_log: Path | None = None) -> None:
         assert len(transports) == len(plan.nodes), "supervisor: one transport per node"
         self.plan = plan
         self.transports = list(transports)
         self.output = output or Output()
         self.witness = witness
+        self.failure_log = failure_log  # where a failed job's held output goes (None: nowhere)
         self.outcome: Outcome | None = None
+        self._held = HeldOutput()
         self._events: queue.Queue[tuple[int, int, bytes | None]] = queue.Queue()
         self._open_streams = [0] * len(transports)
         self._tails: dict[tuple[str, int | str], deque[bytes]] = defaultdict(lambda: deque(maxlen=TAIL_LINES))
@@ -151,6 +161,8 @@ class Supervisor:
             if self._failures or self._torchrun_exits:
                 if self._settled(first_seen.setdefault(-1, now), now):
                     return self._outcome_of_failure()
+            else:  # no failure: a traceback held this long was caught, and the script went on
+                self._write_all(self._held.release_stale())
             for index, transport in enumerate(self.transports):
                 code = transport.poll()
                 if code and now - first_seen.setdefault(index, now) > _NODE_SETTLE_S:
@@ -295,15 +307,20 @@ class Supervisor:
         elif isinstance(item, RankExit):
             if item.failed and not self._stopping:
                 self._failures.append(item)
+            elif not item.failed:  # a traceback it printed and survived
+                self._write_all(self._held.release((item.host, item.rank)))
         elif isinstance(item, RankLine):
             self._tails[(item.host, item.rank)].append(line)
-            if not self._repeated_error(item):
+            if not self._repeated_error(item) and not self._held.take((item.host, item.rank), fd, line):
                 self._write(fd, line)
         else:  # torchrun's own output; once we are stopping it only narrates the teardown we started
             self._note_torchrun_exit(node_index, line)
             line = streams.prefix(host, "torchrun") + line
             self._tails[(host, "torchrun")].append(line)
-            if not self._stopping:
+            failing = bool(self._failures or self._torchrun_exits)  # its report then goes to the failure log
+            if self._stopping and not failing:
+                return  # it narrates the teardown we started
+            if not self._held.take((host, "torchrun"), fd, line, hold=failing):
                 self._write(fd, line)
 
     def _note_torchrun_exit(self, node_index: int, line: bytes) -> None:
@@ -366,30 +383,65 @@ class Supervisor:
 
     def _report(self, outcome: Outcome) -> None:
         if outcome.ending is Ending.RANK_FAILED:
-            assert outcome.rank is not None and outcome.host is not None
-            tail = self._tails[(outcome.host, outcome.rank)]
-            if not (tail and tail[-1].split(b"] ", 1)[-1].startswith(ERROR_PREFIX)):  # the one line says it all
-                self._failure_block(outcome.cause, tail, f"rank {outcome.rank}")
-            failure = outcome.failure
-            if failure is not None and failure.rank != outcome.rank:
-                for line in outcome.evidence:
-                    self._say(f"evidence: {line}")
-                self._failure_block(f"rank {failure.rank} on {failure.host}: {failure.describe()}",
-                                    self._tails[(failure.host, failure.rank)], f"rank {failure.rank}")
-        elif outcome.ending in (Ending.NODE_FAILED, Ending.NODE_LOST):
+            self._report_rank_failure(outcome)
+        else:  # no rank to blame: what was held is printed as it came
+            self._write_all(self._held.release_all())
+        if outcome.ending in (Ending.NODE_FAILED, Ending.NODE_LOST):
             assert outcome.host is not None
-            self._failure_block(outcome.cause, self._tails[(outcome.host, "torchrun")], f"the node on {outcome.host}")
+            tail = self._tails[(outcome.host, "torchrun")]
+            self._failure_block(outcome.cause, list(tail), f"last {len(tail)} lines of the node on {outcome.host}")
         if outcome.ending is not Ending.SUCCESS:
             self._say(f"job {self.plan.job_id} stopped: {outcome.cause}; exit code {outcome.exit_code}")
 
-    def _failure_block(self, title: str, tail: deque[bytes], who: str) -> None:
+    def _report_rank_failure(self, outcome: Outcome) -> None:
+        """The culprit's line and its whole traceback first; then one line per victim, whose full text goes
+        to the failure log with torchrun's report."""
+        assert outcome.rank is not None and outcome.host is not None
+        culprit = (outcome.host, outcome.rank)
+        tail, held = self._tails[culprit], self._held.lines(culprit)
+        if not (tail and tail[-1].split(b"] ", 1)[-1].startswith(ERROR_PREFIX)):  # the one line says it all
+            shown = held[-CULPRIT_LINES:] if held else list(tail)
+            what = f"the traceback of rank {outcome.rank}" if held else f"last {len(tail)} lines of rank {outcome.rank}"
+            self._failure_block(outcome.cause, shown, what)
+        for line in outcome.evidence:
+            self._say(f"evidence: {line}")
+        failed = {(f.host, f.rank): f for f in (*self._failures, *self._torchrun_exits.values())}
+        held_ranks = [(host, who) for host, who in self._held.keys() if isinstance(who, int)]
+        victims = sorted({key for key in (*failed, *held_ranks) if key != culprit}, key=lambda key: key[1])
+        for host, rank in victims:
+            exited = failed.get((host, rank))
+            how = self._held.exception((host, rank)) or (exited.describe() if exited else "printed a traceback")
+            self._say(f"rank {rank} on {host} (a victim): {how}")
+        written = self._write_failure_log(outcome, [culprit, *victims])
+        if written and (victims or any(key[1] == "torchrun" for key in self._held.keys())):
+            self._say(f"the whole output of every failed rank, and torchrun's report: {written}")
+
+    def _write_failure_log(self, outcome: Outcome, ranks: list[tuple[str, int]]) -> str | None:
+        """Every failed rank's held output (else its last lines) and torchrun's, to `failure_log`."""
+        if self.failure_log is None:
+            return None
+        keys: list[tuple[str, int | str]] = [*ranks, *(key for key in self._held.keys() if key[1] == "torchrun")]
+        text = [f"job {self.plan.job_id} stopped: {outcome.cause}; exit code {outcome.exit_code}".encode()]
+        for host, who in keys:
+            name = "torchrun" if who == "torchrun" else f"rank {who}"
+            text.append(f"\n==== {name} on {host} ====".encode())
+            text.extend(self._held.lines((host, who)) or list(self._tails[(host, who)]))
+        try:
+            self.failure_log.parent.mkdir(parents=True, exist_ok=True)
+            self.failure_log.write_bytes(b"\n".join(text) + b"\n")
+        except OSError as exc:
+            self._say(f"warning: cannot write {self.failure_log} ({exc.strerror or exc})")
+            return None
+        return str(self.failure_log)
+
+    def _failure_block(self, title: str, lines_shown: list[bytes], what: str) -> None:
         rule = "=" * 20
         lines = [f"{rule} {title} {rule}".encode()]
-        if tail:
-            lines.append(f"last {len(tail)} lines of {who}:".encode())
-            lines.extend(tail)
+        if lines_shown:
+            lines.append(f"{what}:".encode())
+            lines.extend(lines_shown)
         else:
-            lines.append(f"{who} printed nothing.".encode())
+            lines.append(f"{what.split(' of ', 1)[-1]} printed nothing.".encode())
         lines.append(b"=" * (len(title) + 2 * len(rule) + 2))
         for line in lines:
             self._write(2, line)
@@ -401,6 +453,10 @@ class Supervisor:
 
     def _write(self, fd: int, line: bytes) -> None:
         self.output.write(fd, line)
+
+    def _write_all(self, lines: list[tuple[int, bytes]]) -> None:
+        for fd, line in lines:
+            self._write(fd, line)
 
     def _install_signal_handlers(self) -> dict[int, object]:
         if threading.current_thread() is not threading.main_thread():

@@ -1,12 +1,16 @@
 """What the launcher shows: pure rendering of a `RunState` into rich renderables and plain lines.
 
-- `live_view`: a progress bar over `train.steps` with ETA, and a table with one row per rank
+- `live_view`: a progress bar over the steps the script runs (the recipe's `train.steps`, or what an
+  engine driven by its script's own loop says; no bar, percentage or ETA where no total is known), with ETA, and a
+  table with one row per rank
   (host, rank, step, loss, step time, tokens/s, TFLOP/s, MFU, device memory now/peak, CPU RSS,
   disk GB/s) and a totals row. On a terminal it sits under the workers' scrolling output.
 - `summary_line`: the same in one line, printed now and then when the output is not a terminal.
-- `summary_table`: the end-of-job summary (also `zerorun report`): mean throughput, peak memory
-  per rank, skipped steps, time in communication, offload traffic (bytes and GB/s per direction,
-  and the time steps waited on it) and bytes of block-device I/O.
+- `summary`: the end-of-job summary (also `zerorun report`): `summary_table` (mean throughput, peak
+  memory per rank, skipped steps, time in communication, bytes of block-device I/O), then, after a
+  job that offloaded, `offload_table` (bytes and GB/s per direction, and the time steps waited on it).
+  Both fit `SUMMARY_WIDTH` columns with nothing cut (a long host name wraps in its cell): as one
+  table of 13 columns, the offload text pushed it past 200 columns and rich cut every cell to "…".
 
 Columns in words: "device" memory is CUDA's allocated bytes (peak: `max_memory_allocated`) or, on
 CPU, the bytes `engine.memory()` reports (peak: the highest sample); "disk GB/s" is the rank's
@@ -30,7 +34,8 @@ from zerorun.telemetry.state import RankState, RunState
 _LIVE_COLUMNS = ("host", "rank", "step", "loss", "step time", "tokens/s", "TFLOP/s", "MFU", "device now / peak",
                  "CPU RSS", "disk GB/s")
 _SUMMARY_COLUMNS = ("host", "rank", "steps", "samples/s", "tokens/s", "TFLOP/s", "MFU", "peak device", "peak RSS",
-                    "skipped", "comm", "offload", "I/O")
+                    "skipped", "comm", "I/O")
+SUMMARY_WIDTH = 120  # the summary's width where no terminal says otherwise (logs, CI, `zerorun report | less`)
 
 
 def live_view(state: RunState, now: float | None = None) -> RenderableType:
@@ -60,18 +65,25 @@ def progress(state: RunState, now: float) -> RenderableType:
     step = state.step
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)
-    grid.add_column(width=40)
+    if total:
+        grid.add_column(width=40)
     grid.add_column(no_wrap=True)
-    bar = ProgressBar(total=max(total, 1), completed=min(step, total or step), width=40)
-    eta = state.eta_s(now)
-    timing = f"{_percent(step, total)}  elapsed {duration(state.elapsed_s(now))}  ETA {duration(eta)}"
+    timing = f"elapsed {duration(state.elapsed_s(now))}"
+    if total:
+        timing = f"{_percent(step, total)}  {timing}  ETA {duration(state.eta_s(now))}"
     quiet = now - state.last_step_at if state.last_step_at is not None else None
-    if quiet is not None and quiet >= 10 and step < total:
+    if quiet is not None and quiet >= 10 and (total is None or step < total):
         timing += f"  [no step for {quiet:.0f} s]"
     if state.restarts:
         timing += f"  [restart {len(state.restarts)}]"
-    grid.add_row(Text(f"step {step}/{total}", style="bold"), bar, Text(timing))
+    bar = [ProgressBar(total=total, completed=min(step, total), width=40)] if total else []
+    grid.add_row(Text(f"step {_of_total(step, total)}", style="bold"), *bar, Text(timing))
     return grid
+
+
+def _of_total(step: int, total: int | None) -> str:
+    """`42/60`, or `42` where the script's total is not known."""
+    return f"{step}/{total}" if total else str(step)
 
 
 def rank_table(state: RunState) -> Table:
@@ -115,8 +127,11 @@ def summary_line(state: RunState, now: float | None = None) -> str:
     """One plain line for logs: progress, then the totals of the table."""
     now = time.time() if now is None else now
     t = totals(state.sorted_ranks())
-    parts = [f"step {state.step}/{state.total_steps} ({_percent(state.step, state.total_steps)}) "
-             f"elapsed {duration(state.elapsed_s(now))} ETA {duration(state.eta_s(now))}",
+    total = state.total_steps
+    progress_text = (f"step {state.step}/{total} ({_percent(state.step, total)}) elapsed "
+                     f"{duration(state.elapsed_s(now))} ETA {duration(state.eta_s(now))}") if total else \
+        f"step {state.step} elapsed {duration(state.elapsed_s(now))}"
+    parts = [progress_text,
              f"loss {_loss(t['loss'])}", f"step {seconds(t['step_time_s'])}",
              f"{_count(t['tokens_per_s'])} tokens/s", f"{_flops(t['tflops'])} TFLOP/s (MFU {_mfu(t['mfu'])})",
              f"device {nbytes(t['device_now'])} (peak {nbytes(t['device_peak'])})", f"RSS {nbytes(t['rss'])}",
@@ -124,8 +139,23 @@ def summary_line(state: RunState, now: float | None = None) -> str:
     return " | ".join(parts)
 
 
-def summary_table(state: RunState) -> Table:
-    """The end-of-job table, one row per rank and a totals row."""
+def summary(state: RunState) -> RenderableType:
+    """The end-of-job summary: a title line, the per-rank table and what its columns mean, then the
+    offload table after a job that offloaded. The lines of text wrap at the console's width, not the
+    tables' (a rich table title wraps at the table's own width)."""
+    parts: list[RenderableType] = [Text(summary_title(state)), summary_table(state), Text(_SUMMARY_CAPTION)]
+    offload = offload_table(state)
+    if offload is not None:
+        parts += [Text("offload: bytes moved @ GB/s, per direction; waited: the time steps waited on it"), offload]
+    return Group(*parts)
+
+
+_SUMMARY_CAPTION = ("means over the steps after each rank's first; all: sums (max for skipped, comm). comm: time "
+                    "blocked waiting for collectives (the share of step time compute did not hide)")
+
+
+def summary_title(state: RunState) -> str:
+    """`job ID: 60/60 steps in 0:00:14, exit code 0` (and stall reports, restarts)."""
     title = f"job {state.job.get('job_id', '?')}: {steps_done(state)} in " \
             f"{duration(state.elapsed_s(state.ended_at or time.time()))}"
     if state.exit_code is not None:
@@ -134,19 +164,28 @@ def summary_table(state: RunState) -> Table:
         title += f", {len(state.stalls)} stall report{'s' if len(state.stalls) != 1 else ''}"
     if state.restarts:
         title += f", {len(state.restarts)} restart{'s' if len(state.restarts) != 1 else ''} (below)"
-    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, show_edge=False,
-                  padding=(0, 0), caption_justify="left",
-                  caption="means over the steps after each rank's first; all: sums (max for skipped, comm). "
-                          "comm: time blocked waiting for collectives (the share of step time compute did "
-                          "not hide)")
-    for i, name in enumerate(_SUMMARY_COLUMNS):
-        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+    return title
+
+
+def _columns(table: Table, names: tuple[str, ...]) -> None:
+    """Left-aligned host (wrapping when a name is long: never cut), right-aligned figures that never wrap."""
+    for i, name in enumerate(names):
+        if i == 0:
+            table.add_column(name, justify="left", overflow="fold")
+        else:
+            table.add_column(name, justify="right", no_wrap=True)
+
+
+def summary_table(state: RunState) -> Table:
+    """The end-of-job table, one row per rank and a totals row."""
+    table = Table(header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))
+    _columns(table, _SUMMARY_COLUMNS)
     ranks = state.sorted_ranks()
     for r in ranks:
         table.add_row(r.host, str(r.rank), str(r.step), _count(r.mean(r.timed_samples), 1),
                       _count(r.mean(r.timed_tokens)), _flops(_tflops_mean(r)), _mfu(_mfu_mean(r)),
                       nbytes(r.device_peak or None), nbytes(r.rss_peak or None), str(r.skipped_total),
-                      _comm(r.comm_waited_s, r.timed_s), offload_text(r.offload), nbytes(r.io_bytes))
+                      _comm(r.comm_waited_s, r.timed_s), nbytes(r.io_bytes))
     if len(ranks) > 1:
         total = _sum
         tflops = total([_tflops_mean(r) for r in ranks])
@@ -159,9 +198,31 @@ def summary_table(state: RunState) -> Table:
                       str(max(r.skipped_total for r in ranks)),
                       _comm(max((r.comm_waited_s or 0.0) for r in ranks) if any(r.comm_waited_s is not None
                                                                                  for r in ranks) else None,
-                            max(r.timed_s for r in ranks)), "",
+                            max(r.timed_s for r in ranks)),
                       nbytes(sum(r.io_bytes for r in ranks)), style="bold")
     return table
+
+
+def offload_table(state: RunState) -> Table | None:
+    """Offload traffic per rank: bytes and GB/s per direction, and the time steps waited on it; None when
+    no rank moved any (only the directions some rank used get a column)."""
+    ranks = [r for r in state.sorted_ranks() if any(r.offload.get(key, {}).get("bytes") for key, _ in _DIRECTIONS)]
+    if not ranks:
+        return None
+    used = [(key, label) for key, label in _DIRECTIONS if any(r.offload.get(key, {}).get("bytes") for r in ranks)]
+    table = Table(header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))
+    _columns(table, ("host", "rank", *(label for _, label in used), "waited"))
+    for r in ranks:
+        table.add_row(r.host, str(r.rank), *(_direction(r.offload.get(key)) for key, _ in used),
+                      seconds(r.offload.get("wait", {}).get("seconds", 0.0)))
+    return table
+
+
+def _direction(entry: dict[str, float] | None) -> str:
+    if not entry or not entry.get("bytes"):
+        return "-"
+    rate = entry["bytes"] / entry["seconds"] if entry.get("seconds") else None
+    return f"{nbytes(entry['bytes'])} @ {_gbps(rate)}"
 
 
 def _sum(values: list[float | None]) -> float | None:
@@ -188,31 +249,18 @@ def _comm(waited_s: float | None, timed_s: float) -> str:
 
 
 def steps_done(state: RunState) -> str:
-    """`60/60 steps`, or after a resume `steps 41-60 of 60 (20 run, resumed after step 40)`."""
-    first = state.first_step
+    """`60/60 steps`, or after a resume `steps 41-60 of 60 (20 run, resumed after step 40)`; without a
+    known total (a script that drives its own loop) `10 steps`, `steps 41-60 (...)`."""
+    first, total = state.first_step, state.total_steps
+    of = f" of {total}" if total else ""
     if first is None or first <= 1:
-        return f"{state.step}/{state.total_steps} steps"
+        return f"{_of_total(state.step, total)} step{'s' if total or state.step != 1 else ''}"
     if state.step < first:  # resumed, and no step since has reached the telemetry
-        return f"resumed after step {first - 1} of {state.total_steps}; no step since reported"
-    return (f"steps {first}-{state.step} of {state.total_steps} ({state.step - first + 1} run, resumed after "
-            f"step {first - 1})")
+        return f"resumed after step {first - 1}{of}; no step since reported"
+    return f"steps {first}-{state.step}{of} ({state.step - first + 1} run, resumed after step {first - 1})"
 
 
 _DIRECTIONS = (("d2h", "D2H"), ("h2d", "H2D"), ("nvme_read", "NVMe read"), ("nvme_write", "NVMe write"))
-
-
-def offload_text(offload: dict[str, dict[str, float]]) -> str:
-    """Bytes and GB/s per direction of offload traffic, and the seconds the steps waited on it."""
-    parts = []
-    for key, label in _DIRECTIONS:
-        entry = offload.get(key)
-        if not entry or not entry.get("bytes"):
-            continue
-        rate = entry["bytes"] / entry["seconds"] if entry.get("seconds") else None
-        parts.append(f"{label} {nbytes(entry['bytes'])} @ {_gbps(rate)} GB/s")
-    if not parts:
-        return "-"
-    return ", ".join(parts) + f"; waited {seconds(offload.get('wait', {}).get('seconds', 0.0))}"
 
 
 # -- formatting ------------------------------------------------------------------------------------
@@ -240,7 +288,7 @@ def duration(s: float | None) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def _percent(step: int, total: int) -> str:
+def _percent(step: int, total: int | None) -> str:
     return f"{100 * step / total:.0f}%" if total else "-"
 
 

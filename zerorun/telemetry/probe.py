@@ -1,13 +1,15 @@
 """The worker's side of telemetry: a background thread per rank that streams JSON lines to the launcher.
 
     probe.start("127.0.0.1:41234", recipe.telemetry, rank=0, host="node-0", device=device)  # worker
-    probe.attach_engine(engine)                                                  # zerorun.initialize
+    probe.attach_engine(engine, total_steps=recipe.train.steps)                  # zerorun.initialize
     probe.set_model_flops(per_sample=count_training_flops(model, batch) / batch_size)  # optional
     probe.stop()                                                                 # worker, at the end
 
 Records (one JSON object per line; every one has `type`, `rank` and `t`, the worker's wall clock):
 - `hello`  on every (re)connection: host, pid, pid_start (its create time), local_rank, device.
-- `engine` once an engine exists: params, stage, dtype, device_name, peak_tflops, flops_per_token.
+- `engine` once an engine exists: params, stage, dtype, device_name, peak_tflops, flops_per_token,
+           total_steps (the steps the script is known to run: the recipe's train.steps for a zerorun
+           script, a DeepSpeed config's scheduler total for one that drives its own loop; null: unknown).
 - `step`   per optimizer step, from the engine's `events.StepStats`: step, loss, lr, grad_norm,
            loss_scale, skipped, skipped_total, step_time_s, samples, tokens, samples_per_s,
            tokens_per_s, flops, tflops, mfu, comm (cumulative bytes/calls/seconds per collective).
@@ -109,9 +111,11 @@ def script_ended(raised: BaseException | None = None) -> None:
         _probe.script_running = False
 
 
-def attach_engine(engine: Any) -> None:
-    """Tell the running probe (if any) about the engine: memory figures and the model's FLOPs."""
+def attach_engine(engine: Any, total_steps: int | None = None) -> None:
+    """Tell the running probe (if any) about the engine: memory figures, the model's FLOPs, and the
+    steps the script will run where they are known (None: the progress shows no total)."""
     if _probe is not None:
+        _probe.total_steps = total_steps
         _probe.attach_engine(engine)
 
 
@@ -143,6 +147,7 @@ class Probe:
         self._main_thread = threading.main_thread().ident
         self.script_running = True  # False once the script has ended (`script_ended`): `where` is then None
         self.raised_at: dict[str, Any] | None = None  # or where the script's exception was raised
+        self.total_steps: int | None = None  # the steps the script will run, where known (`attach_engine`)
         self._steps: deque[tuple[Any, Any, float | None]] = deque(maxlen=STEP_QUEUE)
         self._outbox: deque[bytes] = deque(maxlen=OUTBOX)
         self._dropped = 0
@@ -213,7 +218,7 @@ class Probe:
                                "device_name": device_name, "peak_tflops": peak,
                                "flops_per_token": self._flops.per_token, "flops_per_sample": self._flops.per_sample,
                                "global_step": engine.global_step,  # after its auto-resume
-                               "resumed_from": engine.resumed_from}
+                               "resumed_from": engine.resumed_from, "total_steps": self.total_steps}
         with self._greeting:
             if self._sock is not None:  # else the connection's greeting carries it
                 self._enqueue(dict(self._engine_record, t=time.time()))

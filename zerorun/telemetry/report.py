@@ -54,15 +54,18 @@ def load_records(path: str | Path, job_id: str | None = None) -> list[dict[str, 
 
 def plot(path: str | Path, job_id: str | None = None) -> str:
     """Write the job's plots next to its telemetry; one line saying where (or why not)."""
+    from zerorun.telemetry.plots import write_plots
+
     records = load_records(path, job_id)
-    try:
-        from zerorun.telemetry.plots import write_plots
-    except ImportError:
-        return "plots: not written: matplotlib is not installed (pip install 'zerorun[report]')"
     path = Path(path)
     run_dir = path if path.is_dir() else path.parent
     job = str(records[0].get("job_id") or "job")
-    written = write_plots(records, run_dir / "plots" / job)
+    try:
+        written = write_plots(records, run_dir / "plots" / job)
+    except ModuleNotFoundError as exc:  # write_plots imports matplotlib when it draws
+        if (exc.name or "").partition(".")[0] != "matplotlib":
+            raise
+        return "plots: not written: matplotlib is not installed (pip install 'zerorun[report]')"
     if not written:
         return "plots: none: the job has no step records yet"
     return f"plots: {written[0].parent}/ " + ", ".join(p.name for p in written)
@@ -70,7 +73,7 @@ def plot(path: str | Path, job_id: str | None = None) -> str:
 
 def render(state: RunState) -> RenderableType:
     """The summary table, with the stall reports the job had."""
-    parts: list[RenderableType] = [console.summary_table(state)]
+    parts: list[RenderableType] = [console.summary(state)]
     line = console.checkpoint_line(state)
     if line:
         parts.append(Text(line))

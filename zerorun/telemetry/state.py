@@ -19,6 +19,14 @@ from zerorun.telemetry.restarts import Restart
 MAX_STALLS = 100  # stall reports kept in memory
 
 
+@dataclass(frozen=True)
+class DeclaredTotal:
+    """A rank's engine said how many steps its script runs: `steps`, or None when that is not known (a
+    DeepSpeed-API script driving its own loop, with no scheduler total in its config)."""
+
+    steps: int | None
+
+
 @dataclass
 class RankState:
     """What one rank reported last, plus its running totals."""
@@ -60,6 +68,7 @@ class RankState:
     checkpoint_stall_s: float = 0.0  # seconds the training loop waited for them, in all
     checkpoint_last: dict[str, Any] | None = None  # the latest `checkpoint` record
     first_step: int | None = None  # the step number of the first step this job reported (after a resume: > 1)
+    declared_total: DeclaredTotal | None = None  # what the rank's engine said of the steps the script runs
     # totals over steps after the first
     steps_seen: int = 0
     timed_s: float = 0.0
@@ -77,6 +86,8 @@ class RankState:
             self.pid, self.pid_start = record.get("pid"), record.get("pid_start")
         elif kind == "engine":
             self.params, self.peak_tflops = record.get("params"), record.get("peak_tflops")
+            if "total_steps" in record:  # (an engine of older zerorun did not say: the launcher's figure stands)
+                self.declared_total = DeclaredTotal(record["total_steps"])
         elif kind == "step":
             self._step(record)
         elif kind == "sample":
@@ -259,8 +270,15 @@ class RunState:
     # -- progress --------------------------------------------------------------------------------
 
     @property
-    def total_steps(self) -> int:
-        return int(self.job.get("steps") or 0)
+    def total_steps(self) -> int | None:
+        """The steps the job's script runs, where known: what the engines said (a script that drives its
+        own loop may not know), else the launcher's figure (the recipe's train.steps); None: no total."""
+        declared = [r.declared_total for r in self.ranks.values() if r.declared_total is not None]
+        if declared:
+            totals = [d.steps for d in declared if d.steps]
+            return max(totals) if totals else None
+        steps = self.job.get("steps")
+        return int(steps) if steps else None
 
     @property
     def world_size(self) -> int:
@@ -284,9 +302,10 @@ class RunState:
         step_times = [r.timed_s / (r.steps_seen - 1) if r.steps_seen > 1 else r.step_time_s
                       for r in self.ranks.values()]
         step_times = [t for t in step_times if t]
-        if not self.total_steps or not step_times or self.last_step_at is None:
+        total = self.total_steps
+        if not total or not step_times or self.last_step_at is None:
             return None
-        left = max(0, self.total_steps - self.step) * max(step_times)
+        left = max(0, total - self.step) * max(step_times)
         return max(0.0, left - (now - self.last_step_at)) if left else 0.0
 
     def elapsed_s(self, now: float) -> float:

@@ -2,7 +2,8 @@
 
 Each rank prints `pid N`, trains `train.steps` steps on random token ids (batch 4 x 9 tokens),
 and at the end prints `memory <json of engine.memory().as_dict()>`. `--sleep-rank R --sleep-at S`
-makes rank R sleep in `sleep_here` before step S (a stalled rank); `--step-delay` slows every step.
+makes rank R sleep in `sleep_here` before step S (a stalled rank); `--raise-rank R --raise-at S` makes it
+raise a ValueError there instead (its peers then fail waiting for it); `--step-delay` slows every step.
 """
 
 import argparse
@@ -36,6 +37,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--sleep-rank", type=int, default=None)
 parser.add_argument("--sleep-at", type=int, default=0)
 parser.add_argument("--sleep-s", type=float, default=60.0)
+parser.add_argument("--raise-rank", type=int, default=None)
+parser.add_argument("--raise-at", type=int, default=0)
 parser.add_argument("--step-delay", type=float, default=0.0)
 args = parser.parse_args()
 
@@ -49,6 +52,8 @@ for step in range(recipe.train.steps):
     if rank == args.sleep_rank and step == args.sleep_at:
         print("sleeping", flush=True)
         sleep_here(args.sleep_s)
+    if rank == args.raise_rank and step == args.raise_at:
+        raise ValueError(f"bad batch on rank {rank}")
     loss = engine(torch.randint(0, 64, (4, 9), generator=data))
     engine.backward(loss)
     engine.step()
