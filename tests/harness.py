@@ -21,7 +21,6 @@ import pytest
 from zerorun.bench.spawn import RankFailure
 from zerorun.bench.spawn import run_ranks as _run_ranks
 
-
 PRELOAD = ["torch", "torch.distributed"]
 _context: Any = None
 

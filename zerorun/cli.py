@@ -256,7 +256,6 @@ def report(
     from rich.console import Console
 
     from zerorun.telemetry import report as telemetry_report
-
     from zerorun.telemetry.console import SUMMARY_WIDTH
 
     terminal = Console().is_terminal

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from zerorun.bench.shape import BENCHMARK, GPTConfig
 from zerorun.cli_types import count
 from zerorun.config.counts import parse_count
-from zerorun.bench.shape import BENCHMARK, GPTConfig
 from zerorun.errors import ZerorunError
 
 if TYPE_CHECKING:

@@ -15,9 +15,9 @@ import pytest
 
 from tests.launch.launched import subprocess_env, write_recipe
 from zerorun.errors import LaunchError
-from zerorun.hostfile import Node
 from zerorun.launch import capacity
 from zerorun.launch.devices import gpu_count
+from zerorun.launch.hostfile import Node
 from zerorun.launch.plan import MachineFacts, plan
 
 GIB = 2**30

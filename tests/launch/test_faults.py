@@ -147,7 +147,7 @@ def test_a_half_open_ssh_link_is_torn_down_within_15_s_and_reported_as_lost_cont
 
 def test_the_root_failure_is_the_first_rank_that_was_not_waiting_for_the_others():
     from zerorun import config
-    from zerorun.hostfile import Node
+    from zerorun.launch.hostfile import Node
     from zerorun.launch.plan import MachineFacts, plan
     from zerorun.launch.streams import RankExit
     from zerorun.launch.supervisor import Ending, Supervisor
@@ -196,8 +196,8 @@ def test_the_root_failure_is_the_first_rank_that_was_not_waiting_for_the_others(
 
 def test_a_rank_whose_relay_was_killed_is_named_from_torchruns_line_not_the_peer_torchrun_sigtermed():
     from zerorun import config
-    from zerorun.hostfile import Node
     from zerorun.launch import streams
+    from zerorun.launch.hostfile import Node
     from zerorun.launch.plan import MachineFacts, plan
     from zerorun.launch.streams import RankExit
     from zerorun.launch.supervisor import Supervisor
@@ -231,8 +231,8 @@ class _Exited:
 def test_stopping_many_nodes_asks_every_node_at_once_and_waits_on_a_bounded_pool():
     from tests.harness import Concurrency
     from zerorun import config
-    from zerorun.hostfile import Node
     from zerorun.launch import supervisor as module
+    from zerorun.launch.hostfile import Node
     from zerorun.launch.plan import MachineFacts, plan
     from zerorun.launch.supervisor import Supervisor
 
@@ -283,7 +283,7 @@ def test_the_culprits_traceback_is_printed_first_even_when_the_victims_came_firs
     import tempfile
 
     from zerorun import config
-    from zerorun.hostfile import Node
+    from zerorun.launch.hostfile import Node
     from zerorun.launch.outcome import Output
     from zerorun.launch.plan import MachineFacts, plan
     from zerorun.launch.streams import EXIT_RECORD

@@ -31,7 +31,7 @@ def test_a_lock_file_left_by_a_dead_launcher_is_stale_and_named(tmp_path: Path):
 
 def test_a_checkpoint_dir_the_launcher_cannot_create_is_noted_not_refused(tmp_path: Path):
     from zerorun import config
-    from zerorun.hostfile import Node
+    from zerorun.launch.hostfile import Node
     from zerorun.launch.ownership import claim_paths
     from zerorun.launch.plan import MachineFacts, plan
 

@@ -11,8 +11,8 @@ import pytest
 from tests.launch.launched import SCRIPTS, write_recipe
 from zerorun import config
 from zerorun.errors import HostfileError, LaunchError
-from zerorun.hostfile import Node
 from zerorun.launch import launcher
+from zerorun.launch.hostfile import Node
 from zerorun.launch.launcher import LaunchOptions, transport_for
 from zerorun.launch.plan import MachineFacts, plan, render, with_env
 from zerorun.launch.ssh import ssh_argv
@@ -251,8 +251,8 @@ def test_a_host_name_is_never_an_ssh_option():
 
 def test_preflight_probes_many_hosts_with_bounded_concurrency(monkeypatch):
     from tests.harness import Concurrency
-    from zerorun.hostfile import Node
     from zerorun.launch import preflight
+    from zerorun.launch.hostfile import Node
     from zerorun.launch.plan import MachineFacts, plan
 
     recipe = config.from_dict({"script": "/x/t.py"})
@@ -271,7 +271,7 @@ def test_preflight_probes_many_hosts_with_bounded_concurrency(monkeypatch):
 
 
 def test_nvme_offload_directories_are_the_jobs_not_the_run_names():
-    from zerorun.hostfile import Node
+    from zerorun.launch.hostfile import Node
     from zerorun.launch.plan import MachineFacts, plan
 
     recipe = config.from_dict({"script": "/x/t.py", "name": "same", "zero": {

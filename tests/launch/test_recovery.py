@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zerorun.hostfile import Node
+from zerorun.launch.hostfile import Node
 from zerorun.launch.recovery import Batch, Failure, Policy, decide
 from zerorun.launch.supervisor import Ending
 

@@ -392,7 +392,7 @@ def test_a_killed_rank_restarts_as_a_new_step_in_the_same_allocation(cluster, tm
 
 
 def test_a_shrunk_step_runs_on_the_nodes_that_remain():
-    from zerorun.hostfile import Node
+    from zerorun.launch.hostfile import Node
     from zerorun.launch.launcher import replan
     from zerorun.launch.recovery import Batch
 

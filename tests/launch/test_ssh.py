@@ -17,8 +17,8 @@ import pytest
 
 from tests.launch.launched import subprocess_env
 from zerorun import config
-from zerorun.hostfile import Node
 from zerorun.launch import preflight
+from zerorun.launch.hostfile import Node
 from zerorun.launch.plan import MachineFacts, plan
 
 TEARDOWN_LIMIT_S = 15.0

@@ -296,7 +296,7 @@ def test_a_script_that_drives_its_own_loop_shows_its_steps_and_no_total_where_no
 
 def test_the_launcher_knows_no_total_for_a_script_that_drives_its_own_loop():
     from zerorun import config
-    from zerorun.hostfile import Node
+    from zerorun.launch.hostfile import Node
     from zerorun.launch.plan import MachineFacts, plan
 
     def planned(**keys: object) -> int | None:

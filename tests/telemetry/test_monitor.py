@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.telemetry.test_console import job_records
 from zerorun import config
-from zerorun.hostfile import Node
+from zerorun.launch.hostfile import Node
 from zerorun.launch.monitor import Monitor
 from zerorun.launch.plan import MachineFacts, plan
 

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 from zerorun import config, hostfile
 from zerorun.config import Recipe
 from zerorun.errors import HostfileError, LaunchError
-from zerorun.hostfile import Node
 from zerorun.launch import capacity, ownership, preflight, recovery, slurm
 from zerorun.launch.devices import gpu_count
+from zerorun.launch.hostfile import Node
 from zerorun.launch.plan import LaunchPlan, MachineFacts, NodeCommand, is_local, plan, render, with_env
 from zerorun.launch.ssh import SSHTransport
 from zerorun.launch.supervisor import Ending, Outcome, Supervisor

@@ -38,8 +38,8 @@ from typing import Any
 
 from zerorun import config, offload_files
 from zerorun.config import Recipe, SSHConfig, TelemetryConfig
-from zerorun.hostfile import Node
 from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV
+from zerorun.launch.hostfile import Node
 from zerorun.telemetry import ADDRESS_ENV, RUNS_DIR, TOKEN_ENV
 
 WORKER_MODULE = "zerorun.launch.worker"

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zerorun.hostfile import Node
+from zerorun.launch.hostfile import Node
 from zerorun.launch.outcome import Ending
 
 

@@ -61,8 +61,8 @@ from typing import IO
 from zerorun import offload_files
 from zerorun.config import RECIPE_ENV, Recipe
 from zerorun.errors import LaunchError
-from zerorun.hostfile import Node
 from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV
+from zerorun.launch.hostfile import Node
 from zerorun.launch.node import NodeJob, StopOrder, run_node
 from zerorun.launch.plan import LaunchPlan, MachineFacts, NodeCommand, plan, torchrun_argv
 from zerorun.launch.processes import KILL_WAIT_S, die_with_parent

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from zerorun.config import SSHConfig
 from zerorun.errors import LaunchError
-from zerorun.hostfile import HOST_GRAMMAR, valid_host
+from zerorun.launch.hostfile import HOST_GRAMMAR, valid_host
 from zerorun.launch.node import HEARTBEAT_TIMEOUT_S, MODULE
 from zerorun.launch.plan import NodeCommand
 from zerorun.launch.transport import SupervisedTransport, bootstrap_env

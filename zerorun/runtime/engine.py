@@ -47,7 +47,6 @@ from zerorun.runtime.events import StepWindow
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
-from zerorun.runtime.optim.overlap import OverlappedUpdate, overlaps
 from zerorun.runtime.offload.placement import Placement
 from zerorun.runtime.offload.transfers import Direct
 from zerorun.runtime.optim import clip
@@ -55,6 +54,7 @@ from zerorun.runtime.optim.adam_step import AdamStep, Piece
 from zerorun.runtime.optim.clip import ClipCall
 from zerorun.runtime.optim.lr_schedules import LrSchedules
 from zerorun.runtime.optim.optimizer import ShardedAdamW, param_groups_from
+from zerorun.runtime.optim.overlap import OverlappedUpdate, overlaps
 from zerorun.runtime.phase import Phase, TrainingPhase
 from zerorun.runtime.precision import LossScaler, PrecisionPolicy
 from zerorun.runtime.stage3 import sharded_init

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zerorun.errors import HostfileError, ZerorunError
-from zerorun.hostfile import Node, load, local_node, parse_hostfile, parse_hostfile_text, select_nodes
+from zerorun.launch.hostfile import Node, load, local_node, parse_hostfile, parse_hostfile_text, select_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "hostfiles"
@@ -420,7 +420,7 @@ def test_flag_examples_in_example_hostfile_comments_are_valid(path: Path) -> Non
 
 def test_module_imports_without_torch() -> None:
     # the launcher reads hostfiles before (and on machines without) a torch install
-    code = "import sys, zerorun.hostfile; sys.exit('torch' in sys.modules)"
+    code = "import sys, zerorun.launch.hostfile; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 

@@ -1,0 +1,48 @@
+"""The repository stays clean: no large files or build artefacts tracked by accident, no package left out of the wheel.
+
+A 10.6 MB wheel once sat at the root, used by nothing, 11 of the repository's 14 MB. Large files belong
+outside the repository unless they are data an example trains on (named below).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+MAX_BYTES = 2**20
+DATA = {"recipes/data/shakespeare.txt"}  # the real-text example's corpus (docs/recipes.md)
+
+
+def _tracked() -> list[str]:
+    done = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip("not a git checkout")
+    return done.stdout.splitlines()
+
+
+def test_no_tracked_file_is_over_1_mib_but_the_named_data_files() -> None:
+    large = [f"{path} ({(ROOT / path).stat().st_size / 2**20:.1f} MiB)" for path in _tracked()
+             if (ROOT / path).is_file() and (ROOT / path).stat().st_size > MAX_BYTES and path not in DATA]
+    assert not large, f"tracked files over 1 MiB: {large}; keep them out of git, or name them in DATA with why"
+
+
+def test_no_build_artefact_is_tracked() -> None:
+    suffixes = (".whl", ".so", ".o", ".pyc", ".egg", ".tar.gz")
+    assert not [path for path in _tracked() if path.endswith(suffixes)]
+
+
+def test_the_package_list_is_every_package_on_disk() -> None:
+    """setuptools' `packages.find` cannot ship `kernels/` (sources at the repository's root, outside the package
+    tree) as zerorun.kernels, so pyproject.toml lists the packages; this keeps the list equal to what is on disk,
+    so a new subpackage cannot be left out of the wheel."""
+    from setuptools import find_packages
+
+    listed = re.search(r"^packages = (\[.*?\])", (ROOT / "pyproject.toml").read_text(), re.S | re.M)
+    assert listed, "pyproject.toml: [tool.setuptools] packages = [...]"
+    found = set(find_packages(str(ROOT), include=["zerorun", "zerorun.*"])) | {"zerorun.kernels"}
+    assert set(ast.literal_eval(listed.group(1))) == found
