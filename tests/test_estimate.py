@@ -83,7 +83,7 @@ def test_only_rank_0_holds_the_stage_0_snapshot_so_a_node_holds_one_not_one_per_
     # docs/checkpoints.md: "stage 0: rank 0 holds all of it"; the estimate multiplied it by the GPUs per node
     seven_b = planner.estimate(planner.ModelShape(params=7 * 10**9), planner.Cluster(1, 8, 80))
     per_node = {(r.stage, r.offload_optimizer): r.snapshot_per_node for r in seven_b.rows}
-    assert per_node[(0, "none")] == 12 * 7 * 10**9  # 78.23 GiB: the whole state, once (before: 625.85 GiB)
+    assert per_node[(0, "none")] == 12 * 7 * 10**9  # 78.23 GiB: the whole state, once
     assert per_node[(1, "none")] == per_node[(3, "none")] == 8 * 12 * (7 * 10**9 // 8)  # eight shards, same sum
     one_b = planner.estimate(planner.ModelShape(params=10**9), planner.Cluster(1, 8, 80, cpu_mem_gib=50))
     stage0 = one_b.rows[0]
@@ -199,7 +199,7 @@ def test_cli_sizes_the_recipes_own_world_unless_the_flags_say_otherwise() -> Non
     recipe = str(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")  # nproc_per_node: 2
     result = CliRunner().invoke(app, ["estimate", recipe, "--params", "1e8", "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["cluster"]["gpus_per_node"] == 2  # (before: 8, silently another job)
+    assert json.loads(result.output)["cluster"]["gpus_per_node"] == 2
     result = CliRunner().invoke(app, ["estimate", recipe, "--params", "1e8", "--gpus-per-node", "4", "--json"])
     assert json.loads(result.output)["cluster"]["gpus_per_node"] == 4
 

@@ -46,3 +46,15 @@ def test_the_package_list_is_every_package_on_disk() -> None:
     assert listed, "pyproject.toml: [tool.setuptools] packages = [...]"
     found = set(find_packages(str(ROOT), include=["zerorun", "zerorun.*"])) | {"zerorun.kernels"}
     assert set(ast.literal_eval(listed.group(1))) == found
+
+
+def test_ruff_finds_nothing() -> None:
+    """The lint CI runs ([tool.ruff.lint] in pyproject.toml: pyflakes, syntax errors, sorted imports)."""
+    import shutil
+    import sys
+
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    if not Path(ruff).is_file():
+        pytest.skip("ruff is not installed (pip install '.[test]')")
+    done = subprocess.run([ruff, "check", "zerorun", "tests", "recipes"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]

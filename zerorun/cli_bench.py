@@ -84,7 +84,7 @@ def bench_step(
 
 def _step_systems(systems: str, nvme_path: str | None, baseline: str) -> tuple[str, ...]:
     """`--systems` as a tuple, refused with the option's name when it cannot run as asked."""
-    from zerorun.bench import step, step_profile
+    from zerorun.bench import step
 
     chosen = tuple(s.strip() for s in systems.split(",") if s.strip())
     unknown = [s for s in chosen if s not in step.SYSTEMS]
@@ -102,7 +102,7 @@ def _step_systems(systems: str, nvme_path: str | None, baseline: str) -> tuple[s
 
 def _run_step_bench(cfg: StepBenchConfig) -> tuple[list[SystemResult], list[Any]]:
     """The step benchmark's results on local processes, or on an emulated cluster (`cfg.cluster`) with its links."""
-    from zerorun.bench import step, step_profile
+    from zerorun.bench import step
     from zerorun.bench.cluster import EmulatedCluster, parse_rate
 
     progress = lambda line: typer.echo(line, err=True)  # noqa: E731

@@ -62,7 +62,7 @@ def test_a_complete_batch_triple_converts_without_the_world_size_and_is_checked_
     ds.write_text('{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2}')
     out = tmp_path / "triple.yaml"
     result = CliRunner().invoke(app, ["convert", str(ds), "--out", str(out), "--script", str(SCRIPT)])
-    assert result.exit_code == 0, result.output  # (before: "pass --world-size N, or give ..." with both given)
+    assert result.exit_code == 0, result.output
     recipe = config.load(out)
     assert (recipe.train.micro_batch_size, recipe.train.grad_accum_steps, recipe.train.global_batch_size) == (8, 2, 32)
     with pytest.raises(config.ConfigError, match="world size 3"):

@@ -89,7 +89,7 @@ def test_auto_leaves_zeroruns_default_and_is_listed_with_the_recipe_keys_it_stan
                        "train_batch_size": "train.global_batch_size",
                        "train_micro_batch_size_per_gpu": "train.micro_batch_size", "bf16.enabled": "precision.dtype"}
     assert "clip_grad_norm" not in t.data.get("train", {}) and t.data["precision"]["dtype"] == "fp32"
-    assert not t.errors and not t.warnings  # (before: a warning per key, "zerorun's default ... applies")
+    assert not t.errors and not t.warnings
 
 
 def test_auto_is_one_line_the_script_fills_them_or_zeroruns_values_named_with_them() -> None:
@@ -108,7 +108,6 @@ def test_auto_is_one_line_the_script_fills_them_or_zeroruns_values_named_with_th
 
 def test_a_trainer_launch_says_once_that_the_script_fills_auto_and_warns_of_nothing(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # (before: 11 warnings such as "zerorun's default for optimizer.lr applies" while the run used the Trainer's lr)
     config_path = tmp_path / "ds.json"  # a path of its own: each line is printed once per process
     config_path.write_text((Path(__file__).parent / "configs" / "hf_trainer_zero2.json").read_text())
     (tmp_path / "r.yaml").write_text(f"script: t.py\ndeepspeed_config: {config_path}\nlaunch: {{deepspeed_compat: true}}\n")

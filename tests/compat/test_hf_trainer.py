@@ -123,7 +123,7 @@ def test_the_launcher_says_what_the_trainer_filled_in_and_counts_its_own_steps(h
     plain, auto = ((hf_workdir / f"{name}.log").read_text() for name in ("stage2", "auto"))
     assert ": 4 steps in " in plain and "/100" not in plain, plain[-3000:]
     assert ": 4/4 steps in " in auto, auto[-3000:]  # WarmupDecayLR's total_num_steps: "auto", filled with 4
-    assert "zerorun's default for" not in auto and "(an HF Trainer placeholder)" not in auto  # (before: 11 warnings)
+    assert "zerorun's default for" not in auto and "(an HF Trainer placeholder)" not in auto
     assert sum(line.startswith("zerorun: warning:") for line in auto.splitlines()) == 0, auto[:3000]
     assert 'hf_auto_stage2.json: "auto" in 13 keys (' in auto  # one line at launch
     filled = next(line for line in auto.splitlines() if 'the script filled in the "auto" keys of' in line)

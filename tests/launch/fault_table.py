@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.launch.launched import SCRIPTS, LaunchedJob, write_recipe
+from tests.launch.launched import LaunchedJob, write_recipe
 
 TINY = str(Path(__file__).resolve().parents[1] / "telemetry" / "scripts" / "tiny_train.py")
 _CAUSE = re.compile(r"^(zerorun: (job \S+ stopped.*|lost contact.*|.*failed.*|error: .*|warning: .*)|\S*Error: .*|"
@@ -252,8 +252,9 @@ def _full_runs_disk(work: Path) -> Row:
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(runs)]).returncode != 0:
         return Row("runs/ disk full", None, None, "(cannot mount here)", "-")
     try:
-        start = lambda w: LaunchedJob.start(write_recipe(w, TINY, [], nproc_per_node=2, train={"steps": 40},
-                                                         telemetry={"interval_s": 0.1}), cwd=w)
+        def start(w: Path) -> LaunchedJob:
+            return LaunchedJob.start(write_recipe(w, TINY, [], nproc_per_node=2, train={"steps": 40},
+                                                  telemetry={"interval_s": 0.1}), cwd=w)
         return _run("runs/ disk full (tmpfs of 16 KiB), 40 steps succeed", work, start, lambda job: None)
     finally:
         subprocess.run(["umount", "-l", str(runs)])

@@ -35,7 +35,7 @@ def _stopped_line(job) -> str:
 def test_a_hanging_rank_is_named_in_the_final_report_not_the_rank_that_timed_out_waiting(launch):
     job = launch(TINY, ["--sleep-rank", "1", "--sleep-at", "2", "--sleep-s", "120"], nproc_per_node=2,
                  train={"steps": 50}, launch={"timeout_s": 5.0, "kill_grace_s": 1.0}, telemetry={"interval_s": 0.2})
-    assert job.wait(timeout=120) == 1, job.output  # rank 0's collective timed out (before: "rank 0 ... failed")
+    assert job.wait(timeout=120) == 1, job.output  # rank 0's collective timed out
     final = _stopped_line(job)
     assert "rank 1 on localhost stopped making progress at step 2, in sleep_here (tiny_train.py:" in final, job.output
     assert "rank 0 on localhost failed waiting for it (exit code 1)" in final
@@ -52,7 +52,7 @@ def test_a_second_sigint_during_the_grace_period_ends_the_launcher_at_once(launc
     job.send(signal.SIGINT)
     job.wait_until(lambda: any("received SIGINT; stopping job" in line for line in job.stderr), "the first stop")
     time.sleep(1.0)
-    job.send(signal.SIGINT)  # (before: ignored; the launcher waited out the 60 s)
+    job.send(signal.SIGINT)
     assert job.wait(timeout=60) == 130, job.output
     assert job.seconds_since("signal") < TEARDOWN_LIMIT_S
     assert any("received SIGINT again; killing job" in line for line in job.stderr)
@@ -66,7 +66,7 @@ def test_a_launcher_killed_in_its_grace_period_leaves_no_worker_that_ignores_sig
     pids = job.worker_pids()
     job.send(signal.SIGINT)  # the launcher asks every node to stop: SIGTERM, which the workers ignore...
     job.wait_until(lambda: any("received SIGINT; stopping job" in line for line in job.stderr), "the first stop")
-    job.proc.kill()  # ...and dies before its grace period is over (before: the workers ran on for good)
+    job.proc.kill()  # ...and dies before its grace period is over
     job.wait()
     assert _no_leftovers_within(job, 3.0 + TEARDOWN_LIMIT_S) == [], pids
 
@@ -87,7 +87,7 @@ def test_nvme_offload_files_are_removed_after_ctrl_c_and_after_a_killed_rank(lau
             rank1 = next(int(line.split()[-1]) for line in job.stdout if line.startswith("[localhost:1] pid "))
             psutil.Process(rank1).kill()
             assert job.wait() == 137, job.output
-        assert files() == [], f"{fault}: {files()} left\n{job.output}"  # (before: all 6 stayed)
+        assert files() == [], f"{fault}: {files()} left\n{job.output}"
         assert any("NVMe offload file(s) of this job on localhost" in line for line in job.stderr), job.output
         assert job.leftovers() == []
 
@@ -100,7 +100,7 @@ def test_a_bad_nvme_path_fails_in_preflight_before_any_worker_starts(launch, tmp
     stderr = "\n".join(job.stderr)
     assert f"preflight failed on localhost; nothing was started: zero.offload_optimizer.nvme_path: {missing} " \
            "does not exist" in stderr, job.output
-    assert job.stdout == [] and job.job_id is None  # (before: every rank started, then each printed a traceback)
+    assert job.stdout == [] and job.job_id is None
 
 
 @pytest.mark.slow
@@ -129,7 +129,7 @@ def test_a_half_open_ssh_link_is_torn_down_within_15_s_and_reported_as_lost_cont
         job = launch_ssh("stubborn.py", nproc=1)
         job.wait_for("ready", count=2)
     client = next(p for p in psutil.Process(job.proc.pid).children() if p.name() == "ssh" and "127.0.0.2" in p.cmdline())
-    client.send_signal(signal.SIGSTOP)  # the link stays "open" and carries nothing (before: 27 s, or never noticed)
+    client.send_signal(signal.SIGSTOP)  # the link stays "open" and carries nothing
     stopped = time.monotonic()
     try:
         assert job.wait(timeout=TEARDOWN_LIMIT_S + 30) != 0, job.output
@@ -209,7 +209,7 @@ def test_a_rank_whose_relay_was_killed_is_named_from_torchruns_line_not_the_peer
     launch_plan = plan(recipe, [Node("a", (0, 1))], "j", 1, MachineFacts(2, "py"))
     supervisor = Supervisor(launch_plan, [_Exited("a", "j")])
     supervisor._failures = [RankExit("a", 0, None, 15)]  # torchrun's SIGTERM to the survivor: its own record
-    supervisor._handle(0, 2, line)  # the killed rank's only trace (before: rank 0 was blamed, exit code 143)
+    supervisor._handle(0, 2, line)  # the killed rank's only trace
     outcome = supervisor._outcome_of_failure()
     assert (outcome.rank, outcome.exit_code) == (1, 137)
     assert outcome.cause.startswith("rank 1 on a failed (killed by SIGKILL; its output relay died with it")
@@ -251,12 +251,11 @@ def test_stopping_many_nodes_asks_every_node_at_once_and_waits_on_a_bounded_pool
     nodes = [Node(f"n{i}", (0,)) for i in range(300)]
     launch_plan = plan(recipe, nodes, "j", 1, MachineFacts(2, "py"))
     Supervisor(launch_plan, [Counting(n.host, "j") for n in nodes])._stop_all()
-    assert 1 < counter.most <= module.STOP_CONCURRENCY  # (before: 300 threads at once)
+    assert 1 < counter.most <= module.STOP_CONCURRENCY
 
 
 @pytest.mark.slow
 def test_a_raising_rank_comes_first_with_its_traceback_and_its_victim_gets_one_line(launch, tmp_path: Path):
-    # (before: about 75 lines of rank 0's "victim" traceback and torchrun's report came before rank 1's)
     job = launch(TINY, ["--raise-rank", "1", "--raise-at", "2"], nproc_per_node=2, train={"steps": 50})
     assert job.wait(timeout=120) == 1, job.output
     stderr = job.stderr

@@ -432,7 +432,7 @@ def test_module_imports_without_torch() -> None:
     ("node-1- slots=1", "is not a host name"),
 ])
 def test_a_host_name_that_is_not_one_is_refused_naming_the_line_and_the_grammar(line: str, problem: str) -> None:
-    with pytest.raises(HostfileError) as err:  # (before: `localhost:` was accepted as a host named "localhost:")
+    with pytest.raises(HostfileError) as err:
         parse_hostfile_text(f"worker-0 slots=1\n{line}\n", "hosts")
     assert str(err.value).startswith("hosts:2: ") and problem in str(err.value)
     assert "letters, digits" in str(err.value) and "HOSTNAME slots=N" in str(err.value)

@@ -12,7 +12,7 @@ from tests.launch.launched import BIG_RECIPE_ENV, recipe_files_shown
 
 @pytest.mark.slow
 def test_a_recipe_over_128_kib_launches_through_a_private_file(launch, tmp_path: Path):
-    job = launch("show_recipe.py", nproc_per_node=2, env=BIG_RECIPE_ENV)  # (before: "Argument list too long")
+    job = launch("show_recipe.py", nproc_per_node=2, env=BIG_RECIPE_ENV)
     assert job.wait(timeout=120) == 0, job.output
     path = recipe_files_shown(job, ranks=2)
     assert job.job_id in path and not Path(path).exists()  # the job's own place, removed at the end
@@ -25,7 +25,7 @@ def test_a_second_job_on_the_same_run_name_or_checkpoint_dir_is_refused_naming_t
     first.wait_for("ready", count=2)
     job_id = first.job_id
     for keys in ({"name": "shared"}, {"name": "other", "checkpoint": {"dir": str(tmp_path / "ckpt")}}):
-        second = launch("stubborn.py", **keys)  # (before: both ran, mixing tags and one telemetry.jsonl)
+        second = launch("stubborn.py", **keys)
         assert second.wait(timeout=60) == 2, second.output
         refused = "\n".join(second.stderr)
         assert f"is in use by job {job_id} (launcher pid {first.proc.pid} on " in refused, second.output
@@ -68,7 +68,7 @@ def test_two_jobs_of_one_name_on_one_nvme_disk_keep_their_own_offload_files(tmp_
         owners = lambda: sorted({p.relative_to(direct_io_dir).parts[0] for p in direct_io_dir.rglob("*.bin")})  # noqa: E731
         jobs[0].wait_until(lambda: len(owners()) == 2 and len(list(direct_io_dir.rglob("*.bin"))) == 12,
                            "both jobs' offload files", timeout=180)
-        assert owners() == sorted(job.job_id for job in jobs)  # (before: one directory, `same`, for both)
+        assert owners() == sorted(job.job_id for job in jobs)
         jobs[0].send(signal.SIGINT)
         assert jobs[0].wait() == 130, jobs[0].output
         left = [p for p in direct_io_dir.rglob("*.bin")]
@@ -132,7 +132,6 @@ def test_an_out_of_memory_kill_is_named_with_the_ranks_last_rss(launch, tmp_path
         job = launch(str(script), [str(group / "cgroup.procs")], nproc_per_node=2, telemetry={"interval_s": 0.2})
         assert job.wait(timeout=120) == 137, job.output
         final = next(line for line in reversed(job.stderr) if line.startswith(f"zerorun: job {job.job_id} stopped: "))
-        # (before: "rank 1 on localhost failed (killed by SIGKILL)")
         assert "rank 1 on localhost failed (out of memory: killed by the kernel's OOM killer (SIGKILL); its last " \
                "RSS was " in final, job.output
         assert job.leftovers() == []
@@ -158,5 +157,5 @@ def test_a_segment_a_killed_rank_left_in_dev_shm_is_removed_when_the_job_ends(la
     job = launch(str(script), nproc_per_node=1)
     assert job.wait(timeout=120) == 137, job.output
     (left,) = [line.rsplit(" ", 1)[1] for line in job.stdout if " left /dev/shm/" in line]
-    assert not Path(left).exists(), job.output  # (before: the segment stayed in /dev/shm)
+    assert not Path(left).exists(), job.output
     assert job.leftovers() == []

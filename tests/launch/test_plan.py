@@ -245,7 +245,7 @@ def test_a_host_name_is_never_an_ssh_option():
     argv = ssh_argv(config.SSHConfig(), "::1", "exec true")
     assert argv[-3:] == ["--", "::1", "exec true"]  # `--` first: whatever the host, ssh reads it as the host
     for bad in ("-V", "-oProxyCommand=touch /tmp/x", "user@host", "host:22", "a b", ""):
-        with pytest.raises(LaunchError, match="is not a host name"):  # (before: `ssh ... -V -- cmd` ran ssh -V)
+        with pytest.raises(LaunchError, match="is not a host name"):
             ssh_argv(config.SSHConfig(), bad, "exec true")
 
 
@@ -267,7 +267,7 @@ def test_preflight_probes_many_hosts_with_bounded_concurrency(monkeypatch):
     monkeypatch.setattr(preflight, "check_host", fake_check)
     checks = preflight._host_checks(launch_plan)
     assert [c.host for c in checks] == [n.host for n in nodes]
-    assert 1 < counter.most <= preflight.SSH_CONCURRENCY  # (before: 300 threads and 300 ssh at once)
+    assert 1 < counter.most <= preflight.SSH_CONCURRENCY
 
 
 def test_nvme_offload_directories_are_the_jobs_not_the_run_names():
@@ -278,5 +278,5 @@ def test_nvme_offload_directories_are_the_jobs_not_the_run_names():
         "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}})
     first = plan(recipe, [Node("a", (0, 1))], "same-1", 1, MachineFacts(2, "py"))
     second = plan(recipe, [Node("a", (0, 1))], "same-2", 1, MachineFacts(2, "py"))
-    assert first.nodes[0].offload_dirs == ("/nvme/same-1/rank-0", "/nvme/same-1/rank-1")  # (before: /nvme/same/...)
+    assert first.nodes[0].offload_dirs == ("/nvme/same-1/rank-0", "/nvme/same-1/rank-1")
     assert set(first.nodes[0].offload_dirs).isdisjoint(second.nodes[0].offload_dirs)

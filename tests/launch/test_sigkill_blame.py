@@ -46,7 +46,7 @@ def test_a_sigkilled_rank_is_named_under_cpu_load(launch, cpu_load, target: str)
     job.wait_until(lambda: sum("pid " in line for line in job.stdout) == 2, "both ranks training", timeout=120)
     time.sleep(2.0)  # a few steps
     worker = psutil.Process(next(int(line.split()[-1]) for line in job.stdout if line.startswith("[localhost:1] pid ")))
-    if target == "relay":  # the process torchrun started: the worker's relay (before: rank 0 was blamed)
+    if target == "relay":  # the process torchrun started: the worker's relay
         worker.parent().kill()
     else:  # the whole rank at once: relay and worker (its process group), as an OOM kill of the group would
         os.killpg(os.getpgid(worker.pid), signal.SIGKILL)

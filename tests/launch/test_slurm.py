@@ -262,7 +262,6 @@ def test_dry_run_inside_an_allocation_prints_the_srun_command_and_its_environmen
 
 @pytest.mark.slow
 def test_a_recipe_over_128_kib_launches_through_srun(cluster, tmp_path):
-    # (before: srun got the whole recipe in one variable and could not start: "Argument list too long")
     job = _salloc(cluster, write_recipe(tmp_path, "show_recipe.py", env=BIG_RECIPE_ENV))
     assert job.wait() == 0, job.output
     path = recipe_files_shown(job, ranks=2)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from tests.harness import run_ranks
@@ -372,7 +371,7 @@ def test_a_full_checkpoint_disk_names_the_path_and_the_checkpoint_kept(tmp_path:
         (root / "latest").write_text("step-5\n")
         (root / ".tmp-step-10").mkdir()
         target = root / ".tmp-step-10" / "rank-00000.safetensors"
-        with pytest.raises(ZerorunError) as err:  # (before: safetensors' traceback, no path)
+        with pytest.raises(ZerorunError) as err:
             write_tensors(target, {"master.0": torch.zeros(1 << 20)})  # 4 MiB on a 1 MiB disk
         assert str(err.value).startswith(f"{target}: no space left on the checkpoint disk (")
         assert "the last complete checkpoint, step-5, is kept; tags there: step-1, step-5." in str(err.value)

@@ -216,6 +216,6 @@ def test_unsupported_optimizers_and_misuse_give_clear_errors() -> None:
     assert "takes over torch.optim.Adam or AdamW, got SGD" in sgd
     assert "amsgrad=True is not supported" in amsgrad
     assert "trainable parameters missing from the optimizer's param groups: embed.weight" in stray
-    assert "already holds state" in stateful and "would drop it" in stateful  # (before: moments silently reset)
+    assert "already holds state" in stateful and "would drop it" in stateful
     assert "call engine.backward(loss), not loss.backward()" in outside
     assert "call engine.step()" in direct

@@ -353,6 +353,5 @@ def test_a_file_system_refusing_o_direct_is_named(direct_io_dir: Path, monkeypat
 def test_sizes_in_messages_use_a_unit_that_shows_them() -> None:
     from zerorun.offload_files import size_text
 
-    # (before: "0.00 GiB free ... need 0.00 GiB" on a small disk)
     assert [size_text(n) for n in (512, 3 * 2**10, 5 * 2**20 + 2**19, 3 * 2**30)] == \
         ["512 bytes", "3.00 KiB", "5.50 MiB", "3.00 GiB"]

@@ -30,7 +30,7 @@ def _resume(rank: int, world: int, root: str) -> list[str]:
     same = engine(1e-3, 0.01)
     same.load_checkpoint()  # nothing differs: nothing to say
     changed = engine(5e-4, 0.1)
-    changed.load_checkpoint()  # (before: the checkpoint's lr and weight decay won without a word)
+    changed.load_checkpoint()
     seen.append(f"lr {changed.optimizer.param_groups[0]['lr']:g}")
     for overrides in (["precision=bf16"], ["optimizer.type=adam"]):
         try:
@@ -62,14 +62,14 @@ def test_resume_states_overridden_values_and_refuses_another_precision_unless_al
     assert seen[0] == "lr 0.001"
     assert seen[1].endswith("cannot resume: the checkpoint was saved in precision fp32, this run trains in bf16. "
                             "Resume with the checkpoint's settings, or set checkpoint.allow_changes: true to carry the "
-                            "saved state over anyway.")  # (before: accepted)
+                            "saved state over anyway.")
     # the script's own AdamW beside the recipe's optimizer.type: refused at initialize, before any resume
     assert seen[2].startswith("the recipe sets optimizer.type (--set optimizer.type=adam), but the script passes its "
                               "own AdamW to zerorun.initialize")
     assert seen[3] == "allowed"
     assert seen[4].endswith("cannot resume: the checkpoint's optimizer is adamw (decoupled weight decay), this run's is "
                             "adam (L2 weight decay). Resume with the checkpoint's settings, or set "
-                            "checkpoint.allow_changes: true to carry the saved state over anyway.")  # (before: accepted)
+                            "checkpoint.allow_changes: true to carry the saved state over anyway.")
     out = capfd.readouterr().out
     assert out.count("zerorun: resuming from step-1: the checkpoint's values replace this run's: lr 0.001 (this "
                      "run: 0.0005); weight_decay 0.01 (this run: 0.1)") == 1, out

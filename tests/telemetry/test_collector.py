@@ -94,7 +94,7 @@ def test_a_connection_that_does_not_prove_the_token_is_closed_and_read_nothing_f
     for token in (None, "wrong"):  # no answer (a forged hello straight away), a wrong one
         sock = connect(address) if token is None else authed(address, token)
         sock.sendall(forged)
-        assert closed_by_peer(sock)  # (before: the hello set the pid the stall watch signals)
+        assert closed_by_peer(sock)
     sock = authed(address)
     sock.sendall(b'{"type":"hello","rank":1,"t":2,"host":"n1","pid":7,"pid_start":1.5}\n')
     wait_for_records(collector, 2)
@@ -106,7 +106,7 @@ def test_a_connection_that_does_not_prove_the_token_is_closed_and_read_nothing_f
 def test_a_bad_record_is_dropped_and_counted_and_the_collector_serves_on(tmp_path: Path):
     collector, address = secured(tmp_path)
     sock = authed(address)
-    bad = [b'{"type":"sample","rank":0,"t":2,"cuda":5}',  # (before: AttributeError killed the collector's thread)
+    bad = [b'{"type":"sample","rank":0,"t":2,"cuda":5}',
            b'{"type":"step","rank":0,"t":2,"step":"many"}', b'{"type":"step","rank":-1,"t":2,"step":3}',
            b'{"type":"step","rank":2,"t":2,"step":3}', b'{"type":"end","exit_code":0,"t":2}',
            b'{"type":"stall","t":2}', b'{"type":"sample","rank":0,"t":2,"where":{"file":"' + b"x" * 5000 + b'"}}',
@@ -128,7 +128,7 @@ def test_unauthenticated_connections_are_bounded_in_bytes_count_and_time(tmp_pat
     hogs = [connect(address) for _ in range(module.MAX_UNPROVEN + 5)]
     for sock in hogs[:10]:
         try:
-            sock.sendall(b"x" * 100_000)  # no newline (before: each held up to 1 MiB, 200 of them 209 MiB)
+            sock.sendall(b"x" * 100_000)  # no newline
         except OSError:
             pass
     assert all(closed_by_peer(sock) for sock in hogs)  # over the byte limit, over the count, or too slow
@@ -145,7 +145,7 @@ def test_stall_history_is_capped():
     state = RunState()
     for i in range(3 * MAX_STALLS):
         state.ingest({"type": "stall", "t": i, "quiet_s": i}, float(i))
-    assert len(state.stalls) == MAX_STALLS and state.stalls[-1]["quiet_s"] == 3 * MAX_STALLS - 1  # (before: all)
+    assert len(state.stalls) == MAX_STALLS and state.stalls[-1]["quiet_s"] == 3 * MAX_STALLS - 1
 
 
 def test_the_report_keeps_jobs_apart_even_when_their_records_interleave(tmp_path: Path):

@@ -112,13 +112,13 @@ def test_comm_is_the_time_blocked_in_collectives_so_its_share_of_step_time_never
     state = fold(records)
     assert state.ranks[0].comm_in_flight_s == pytest.approx(9.0)  # 600% of the 1.5 s of timed steps
     row = next(line for line in text(console.summary(state)).splitlines() if "gpu-node" in line)
-    assert "0.15 s (10%)" in row and "600%" not in row  # (before: "1.20 s (34%)" here, 243% and 535% seen)
+    assert "0.15 s (10%)" in row and "600%" not in row
 
 
 def test_after_a_resume_the_summary_counts_the_steps_this_job_ran():
     records = [r for r in job_records(steps=4) if r.get("type") != "step" or r["step"] > 2]
     shown = text(console.summary(fold(records)))
-    assert "job demo-1: steps 3-4 of 10 (2 run, resumed after step 2) in" in shown  # (before: "4/10 steps")
+    assert "job demo-1: steps 3-4 of 10 (2 run, resumed after step 2) in" in shown
 
 
 def test_model_state_kinds_are_the_runtimes():

@@ -122,7 +122,7 @@ def test_a_full_disk_under_runs_leaves_the_workers_exit_code_and_one_warning(lau
         pytest.skip("cannot mount a size-limited file system here (needs root): the full-disk case is not tested")
     try:
         job = launch(TINY, nproc_per_node=2, train={"steps": 40}, telemetry=FAST)
-        assert job.wait() == 0, job.output  # (before: exit 1 and an OSError from telemetry/collector.py)
+        assert job.wait() == 0, job.output
         stderr = "\n".join(job.stderr)
         warnings = [line for line in job.stderr if line.startswith("zerorun: warning: telemetry: cannot write ")]
         assert len(warnings) == 1 and "No space left on device" in warnings[0], job.output

@@ -97,5 +97,5 @@ def test_the_stall_watch_signals_only_a_process_that_carries_the_jobs_id():
     from zerorun.launch.monitor import _signal_stack
     from zerorun.telemetry.state import RankState
 
-    unverified = RankState(0, host="localhost", pid=os.getpid(), pid_start=None)  # (before: signalled unchecked)
+    unverified = RankState(0, host="localhost", pid=os.getpid(), pid_start=None)
     assert _signal_stack(unverified, "job-1") == "it never said hello"

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zerorun import config, hostfile
+from zerorun import config
 from zerorun.config import Recipe
 from zerorun.errors import HostfileError, LaunchError
-from zerorun.launch import capacity, ownership, preflight, recovery, slurm
+from zerorun.launch import capacity, hostfile, ownership, preflight, recovery, slurm
 from zerorun.launch.devices import gpu_count
 from zerorun.launch.hostfile import Node
 from zerorun.launch.plan import LaunchPlan, MachineFacts, NodeCommand, is_local, plan, render, with_env

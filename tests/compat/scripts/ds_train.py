@@ -14,7 +14,6 @@ import os
 import sys
 
 import deepspeed
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the checkout

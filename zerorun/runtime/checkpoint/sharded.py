@@ -22,7 +22,6 @@ NVMe) is the home's business, not a question this module asks.
 from __future__ import annotations
 
 import base64
-import errno
 import io
 import json
 import logging
