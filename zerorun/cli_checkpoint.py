@@ -1,6 +1,6 @@
 """`zerorun checkpoint info|upgrade|consolidate`: inspect and convert sharded checkpoints.
 
-Kept apart from `cli` as `cli_bench` is; the work happens in `runtime.checkpoint.files` (and
+Kept apart from `cli` as `cli_bench` is; the work happens in `runtime.checkpoint.tools` (and
 `compat.hf_export` for a Hugging Face directory), imported when a command runs.
 """
 
@@ -26,7 +26,7 @@ def checkpoint_info(
     beside it, after checking its manifest and files (an edited or damaged one is an error)."""
     from rich.console import Console
 
-    from zerorun.runtime.checkpoint import files as checkpoint
+    from zerorun.runtime.checkpoint import tools as checkpoint
 
     Console(width=200).print(checkpoint.render(checkpoint.describe(directory, tag, verify)))
 
@@ -40,7 +40,7 @@ def checkpoint_upgrade(
     its structure and every file's CRC32. Check the step and learning rates it shows are the ones you saved."""
     from rich.console import Console
 
-    from zerorun.runtime.checkpoint import files as checkpoint
+    from zerorun.runtime.checkpoint import tools as checkpoint
 
     Console(width=200).print(checkpoint.render(checkpoint.upgrade(directory, tag)))
 
@@ -59,7 +59,7 @@ def checkpoint_consolidate(
 ) -> None:
     """Write the full fp32 state dict, loadable with the plain model's load_state_dict(strict=True), or a
     Hugging Face model directory that from_pretrained loads."""
-    from zerorun.runtime.checkpoint import files as checkpoint
+    from zerorun.runtime.checkpoint import tools as checkpoint
 
     if format not in ("state-dict", "hf"):
         raise ZerorunError(f"--format {format}: choose state-dict or hf.")

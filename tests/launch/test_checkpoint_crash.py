@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from zerorun.runtime.checkpoint import files as checkpoint_format
+from zerorun.runtime.checkpoint import tools as checkpoint_tools
 from zerorun.runtime.checkpoint.background import SLOW_ENV
 from zerorun.runtime.checkpoint.sharded import CRASH_ENV
 
@@ -46,7 +47,7 @@ def test_worker_killed_during_a_save_leaves_the_previous_checkpoint_loadable_and
     assert (ckpt / "latest").read_text() == "step-2\n"
     assert (ckpt / ".tmp-step-4").is_dir() and not (ckpt / "step-4").exists()
     assert checkpoint_format.tags(ckpt) == ["step-2"]
-    assert len(checkpoint_format.consolidate(ckpt)) == 4  # the previous checkpoint loads: two Linear layers
+    assert len(checkpoint_tools.consolidate(ckpt)) == 4  # the previous checkpoint loads: two Linear layers
     if point != "shard":
         return
     _resumes_from_step_2_exactly(launch, launch_once, _keys(ckpt, async_save))

@@ -233,7 +233,7 @@ def _ddp_state_after_half(rank: int, world: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("case", ["stage2", "stage3"])
 def test_consolidated_state_dict_equals_ddp_and_the_engine_and_loads_strict(root, on_two, case, tmp_path):
     from zerorun.cli import app
-    from zerorun.runtime.checkpoint import files as checkpoint
+    from zerorun.runtime.checkpoint import tools as checkpoint
 
     directory = root / f"w2-{case}"
     state = checkpoint.consolidate(directory)
@@ -315,7 +315,7 @@ def test_damaged_checkpoints_fail_on_every_rank_with_a_message_naming_the_file(o
 def test_truncated_file_bad_manifest_and_missing_tag_are_errors_naming_the_file(root, on_two, tmp_path):
     from zerorun.cli import app
     from zerorun.errors import ZerorunError
-    from zerorun.runtime.checkpoint import files as checkpoint
+    from zerorun.runtime.checkpoint import tools as checkpoint
 
     def error(directory: Path, tag: str | None = None) -> str:
         with pytest.raises(ZerorunError) as info:
@@ -340,16 +340,16 @@ def test_truncated_file_bad_manifest_and_missing_tag_are_errors_naming_the_file(
 
 def test_a_same_tag_save_interrupted_between_its_renames_keeps_the_old_copy_and_the_next_save_restores_it(
         root, on_two, tmp_path):
-    from zerorun.runtime.checkpoint import files as checkpoint
+    from zerorun.runtime.checkpoint import files, tools
 
     ckpt = shutil.copytree(root / "w2-stage1", tmp_path / "ckpt")
     (ckpt / "step-10").rename(ckpt / ".old-step-10")  # replace_dir moved it aside, then the job died
     (ckpt / ".tmp-step-10").mkdir()  # the new copy that never arrived
-    assert checkpoint.latest_tag(ckpt) == "step-10"
-    assert checkpoint.Checkpoint.open(ckpt).path == ckpt / ".old-step-10"
-    checkpoint.clean_crashed_saves(ckpt)  # what the next save does first
+    assert files.latest_tag(ckpt) == "step-10"
+    assert files.Checkpoint.open(ckpt).path == ckpt / ".old-step-10"
+    files.clean_crashed_saves(ckpt)  # what the next save does first
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-10"]
-    assert list(checkpoint.consolidate(ckpt)) == list(make_model().state_dict())
+    assert list(tools.consolidate(ckpt)) == list(make_model().state_dict())
 
 
 def test_a_full_checkpoint_disk_names_the_path_and_the_checkpoint_kept(tmp_path: Path):

@@ -274,7 +274,7 @@ def test_info_of_an_intact_checkpoint_shows_its_step_learning_rates_loss_scale_a
 def test_a_format_1_checkpoint_is_upgraded_after_its_files_are_checked_and_then_loads_as_saved(saved, damaged,
                                                                                                tmp_path):
     from zerorun.cli import app
-    from zerorun.runtime.checkpoint import files as checkpoint_format
+    from zerorun.runtime.checkpoint import tools as checkpoint_tools
 
     v1 = shutil.copytree(damaged["v1-format"], tmp_path / "v1")
     message = " ".join(CliRunner().invoke(app, ["checkpoint", "info", str(v1)]).output.split())
@@ -285,7 +285,7 @@ def test_a_format_1_checkpoint_is_upgraded_after_its_files_are_checked_and_then_
     original = json.loads(_manifest(saved).read_text())
     assert {k: v for k, v in upgraded.items() if k not in ("sha256", "upgraded_from")} == \
         {k: v for k, v in original.items() if k != "sha256"}
-    consolidated, expected = checkpoint_format.consolidate(v1), checkpoint_format.consolidate(saved)
+    consolidated, expected = checkpoint_tools.consolidate(v1), checkpoint_tools.consolidate(saved)
     assert all(torch.equal(consolidated[k], expected[k]) for k in expected)
     again = CliRunner().invoke(app, ["checkpoint", "upgrade", str(v1)])
     assert again.exit_code == 2 and "already format 2" in again.output, again.output
