@@ -35,7 +35,7 @@ from torch import nn
 
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
-from zerorun.runtime import events
+from zerorun.runtime import compiled, events
 from zerorun.runtime.accumulation import AccumulationWindow
 from zerorun.runtime.checkpoint import background as checkpoint_async
 from zerorun.runtime.checkpoint.background import Checkpointer
@@ -96,6 +96,7 @@ class Engine:
         setup = partial(events.EngineSetup, host_memory=recipe.zero.host_memory, stage=self.stage,
                         device_type=self.device.type)
         events.emit_setup(setup(done=False))  # process-wide tuning (the worker's host_allocator) follows
+        self.compiled = compiled.inspect(model)  # what the script compiled with torch.compile, if anything
         init_log = sharded_init.log_for(model)
         if init_log is not None and self.stage < 3:  # stages 0-2 hold whole parameters anyway
             init_log.replay(sharded_init.materialize, self.device)
@@ -150,9 +151,14 @@ class Engine:
             return store, reducer
         plan = plan_stage3(model, groups, zero.wrap, zero.param_persistence_threshold, _numel(zero.bucket_mb),
                            _numel(zero.allgather_bucket_mb), self.comm.world_size, dtype)
+        units = plan.gathered_units()
+        compiled.refuse_unworkable(self.compiled, self.stage, [(g.name, g.module) for g in units])
         if self.comm.rank == 0:
             print(describe_plan(plan), flush=True)
             warn_if_nothing_sharded(plan, zero.wrap, zero.param_persistence_threshold)
+            note = compiled.stage3_whole_model_note(self.compiled, len(units))
+            if note is not None:
+                print(note, flush=True)
         hpz = (SecondaryPartition(plan.units, self.comm, zero.hpz_partition_size, zero.cpu_collectives,
                                   self.recipe.launch.timeout_s) if zero.hpz_partition_size > 1 else None)
         say = (lambda text: print(text, flush=True)) if self.comm.rank == 0 else None
@@ -188,6 +194,8 @@ class Engine:
         self.lr_schedules.engine_entered()
         args, kwargs = place_inputs((args, kwargs), self.device, self.policy.param_dtype)
         self._window.count_inputs(args, kwargs, self.tokens_per_sample)
+        if self.compiled.whole or self.compiled.parts:  # the publish's per-module waits: graph breaks if compiled
+            self.wait_published()
         with self.phase.running(Phase.FORWARD), self.store.forward_context():
             out = self.module(*args, **kwargs)
         self.wait_published()  # a unit no module hook waited for (unused in this forward) is current from here on
