@@ -228,6 +228,9 @@ def report(
     from zerorun.telemetry import report as telemetry_report
 
     Console(width=200).print(telemetry_report.render(telemetry_report.load(run, job)))
+    profiles = telemetry_report.profiles(run, job)
+    if profiles:
+        typer.echo(profiles)
     if plots:
         typer.echo(telemetry_report.plot(run, job))
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
-from zerorun.runtime import compiled, events
+from zerorun.runtime import compiled, events, ranges
 from zerorun.runtime.accumulation import AccumulationWindow
 from zerorun.runtime.checkpoint import background as checkpoint_async
 from zerorun.runtime.checkpoint.background import Checkpointer
@@ -113,7 +113,8 @@ class Engine:
             lr_scheduler = lr_scheduler(self.optimizer)
         self.lr_schedules = LrSchedules(self.optimizer, optimizer, lr_scheduler, scheduler_source)
         largest_piece = max((u.shard_numel for u in self.store.units), default=1)
-        self.update = AdamStep(self.optimizer, self.store.home, self.placement.transfers(largest_piece),
+        self.update = AdamStep(self.optimizer, self.store.home,
+                               ranges.offload_copies(self.placement.transfers(largest_piece)),
                                self.placement.step_tile_numel)
         self._pieces = [[Piece(g, u.state_offset, u.shard_numel, grad, target)
                          for u, grad, target in zip(units_of(self.store.units, g), self.reducer.grad_pieces(g),
@@ -318,8 +319,10 @@ class Engine:
         else:
             max_norm = call.max_norm if call.max_norm is not None else self.clip_grad_norm
             coef = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
-            self.update.run(self._pieces, sum_divisor / coef)
-            self.store.publish_after_step()
+            with ranges.named("optimizer"):
+                self.update.run(self._pieces, sum_divisor / coef)
+            with ranges.named("publish"):
+                self.store.publish_after_step()
         self.scaler.update(found_inf)
         self.optimizer.count_step()  # skipped or not, scheduler.step() after engine.step() is the right order
         self.reducer.zero()
@@ -417,7 +420,8 @@ class Engine:
         (or `wait_checkpoint()`) waits for that."""
         self.wait_published()
         state = self.client_state if client_state is None else client_state
-        return self.checkpoints.save(self._checkpoint_dir(dir), tag or f"step-{self.global_step}", state, block)
+        with ranges.named("checkpoint snapshot"):
+            return self.checkpoints.save(self._checkpoint_dir(dir), tag or f"step-{self.global_step}", state, block)
 
     def wait_checkpoint(self) -> None:
         """Wait until the save in flight (if any) is committed; raise its error, if it failed."""
