@@ -223,3 +223,30 @@ def test_the_stage3_plan_of_a_compiled_model_is_the_plan_of_the_model(wrap: list
     groups = [[p for p in layered.parameters() if p.requires_grad]]
     units = plan_stage3(layered, groups, wrap, 0, 2**20, 2**20, 2, torch.float32).gathered_units()
     assert [(g.name, g.numel) for g in units] == eager and all(isinstance(g.module, OptimizedModule) for g in units)
+
+
+def _resume_across_compile(rank: int, world: int, directory: str, stage: int) -> tuple[list[str], bool, int]:
+    """Train a step eagerly and save; resume into a compiled model of other weights (nothing is compiled: no
+    forward runs). What the resumed engine's state dict holds, and whether it equals the saved one."""
+    import zerorun
+    from tests.runtime.reference import batch
+    from zerorun import config
+
+    recipe = config.loads("script: t.py\n", "t.yaml", [f"zero.stage={stage}", *BLOCK_UNITS,
+                                                       f"checkpoint.dir={directory}/stage{stage}"])
+    saved = zerorun.initialize(tied_gpt(0), None, recipe)
+    saved.backward(saved(batch(0, rank, 0)))
+    saved.step()
+    saved.save_checkpoint(block=True)
+    expected = saved.state_dict()
+    resumed = zerorun.initialize(torch.compile(tied_gpt(1)), None, recipe)  # checkpoint.resume: auto
+    state = resumed.state_dict()
+    same = state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
+    return sorted(state), same, resumed.global_step
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_resumes_whether_the_script_compiles_or_not(tmp_path, stage: int) -> None:
+    """Names are the model's own, compiled or not: torch.compile(model) would put `_orig_mod.` before each."""
+    names, same, step = run_ranks(_resume_across_compile, 2, (str(tmp_path), stage))[0]
+    assert step == 1 and same and "blocks.0.qkv.weight" in names and not any("_orig_mod" in n for n in names)

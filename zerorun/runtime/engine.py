@@ -101,7 +101,10 @@ class Engine:
         if init_log is not None and self.stage < 3:  # stages 0-2 hold whole parameters anyway
             init_log.replay(sharded_init.materialize, self.device)
             init_log = None
-        self.module = to_device(model, self.device)
+        self.module = to_device(model, self.device)  # what a forward calls: compiled, when the script compiled it
+        # whose names checkpoints and state dicts use: the model's own, compiled or not (torch.compile(model) would
+        # add `_orig_mod.`), so a checkpoint resumes whether the script compiles or not
+        self.model = compiled.unwrapped(self.module)
         groups, decoupled = param_groups_from(optimizer, model, recipe.optimizer)
         self._sync_buffers()
         self.store: ParamStore
@@ -385,7 +388,7 @@ class Engine:
         precision: on every rank at stages 0-2; stage 3 consolidates on rank 0 ({} elsewhere), one unit at a
         time. Buffers and frozen parameters are as the module holds them."""
         self.wait_published()
-        return self.store.full_state_dict(self.module)
+        return self.store.full_state_dict(self.model)
 
     def gathered(self, params: Any = None, modify: bool = False, src: int = 0) -> Any:
         """Context manager: full parameters inside (stage 3; stages 0-2 always hold them).
