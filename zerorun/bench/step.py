@@ -111,7 +111,7 @@ class Sample:
     live_mib: float | None  # every live tensor after a backward (None for DDP: its buckets live in C++)
     link_bytes: float | None = None  # per timed step, sent by rank 0's node on its link (emulated cluster only)
     profile: dict[str, float] | None = None  # per timed step: CPU by thread and waits per collective (step_profile)
-    first_step_s: float = 0.0  # the warm-up step: with a compiled model, the compile happens here
+    first_step_s: float = 0.0  # the warm-up steps: with a compiled model, the compile happens here
     dynamo: str | None = None  # a compiled system's graphs, breaks and frames left eager (compiling.py)
 
 
@@ -298,7 +298,7 @@ class SystemResult:
     live_mib: float | None  # every live tensor after a backward (see `live_tensor_bytes`)
     link_mb: float | None = None  # per step, sent by rank 0's node on its link (median; emulated cluster only)
     profile: dict[str, float] | None = None  # per step, medians of the rounds' (step_profile.py)
-    first_step_s: float | None = None  # the warm-up step of the first round: a compiled system compiles in it
+    first_step_s: float | None = None  # the warm-up steps of the first round: a compiled system compiles in them
     later_first_step_s: float | None = None  # ... of the later rounds (median): inductor's cache is warm by then
     dynamo: str | None = None  # a compiled system's graphs, breaks and frames left eager (first round's)
 
