@@ -103,7 +103,8 @@ def _step_systems(systems: str, nvme_path: str | None, baseline: str, compile: b
     if unknown:
         raise ZerorunError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(step.SYSTEMS)}, each "
                            f"also as SYSTEM+compile or SYSTEM+compile-blocks (ddp* and zero* only).")
-    uncompilable = [s for s, (base, mode) in zip(chosen, bases) if mode and not base.startswith(compiling.COMPILED_BASES)]
+    uncompilable = [s for s, (base, mode) in zip(chosen, bases)
+                    if mode and not base.startswith(compiling.COMPILED_BASES)]
     if uncompilable:
         raise ZerorunError(f"--systems: {', '.join(uncompilable)}: only ddp* and zero* systems have compiled rows "
                            "(FSDP2's and DeepSpeed's compile support is theirs to measure).")

@@ -155,15 +155,16 @@ def test_the_launcher_and_report_say_where_each_ranks_trace_is(launch, tmp_path:
             names = {e.get("name") for e in json.load(f)["traceEvents"]}
         assert {"zerorun.forward", "zerorun.backward", "zerorun.optimizer"} <= names
     report = CliRunner().invoke(app, ["report", str(tmp_path / "runs" / "recipe"), "--no-plots"])
-    assert report.exit_code == 0 and f"in {tmp_path}/runs/recipe/profile/{job_dir.name}/" in report.output, report.output
+    listed = f"in {tmp_path}/runs/recipe/profile/{job_dir.name}/"
+    assert report.exit_code == 0 and listed in report.output, report.output
     assert job.leftovers() == []
 
 
 def test_the_files_are_described_by_kind() -> None:
     files = [Path("runs/x/profile/j/rank-0.trace.json.gz"), Path("runs/x/profile/j/rank-0.memory.pickle"),
              Path("runs/x/profile/j/rank-1.trace.json.gz")]
-    assert profile_files.describe(files) == ("profile: 2 traces (ui.perfetto.dev or chrome://tracing) and 1 CUDA memory "
-                                             "snapshot (pytorch.org/memory_viz) in runs/x/profile/j/")
+    assert profile_files.describe(files) == ("profile: 2 traces (ui.perfetto.dev or chrome://tracing) and 1 CUDA "
+                                             "memory snapshot (pytorch.org/memory_viz) in runs/x/profile/j/")
     assert profile_files.describe([]) == ""
 
 
@@ -178,7 +179,8 @@ def test_a_cuda_engine_records_the_allocators_history_through_torchs_calls(tmp_p
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: asked.append(("record", kw)))
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: asked.append(("dump", path)))
     monkeypatch.chdir(tmp_path)
-    recipe = config.loads("script: t.py\nname: gpu\n", "gpu.yaml", ["telemetry.profile_start=1", "telemetry.profile_steps=1"])
+    recipe = config.loads("script: t.py\nname: gpu\n", "gpu.yaml",
+                          ["telemetry.profile_start=1", "telemetry.profile_steps=1"])
     engine = SimpleNamespace(recipe=recipe, device=torch.device("cuda", 0), comm=SimpleNamespace(rank=3), global_step=0)
     calls: list[str] = []
     window = profile.attach(engine, profiler=lambda: FakeProfiler(calls))

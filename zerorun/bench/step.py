@@ -311,7 +311,8 @@ def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print, spawn: Sp
     """Run the interleaved rounds; return one result per system (medians). `spawn` starts the ranks
     (default: `cfg.world_size` local processes; `cluster_spawn.run_ranks_on` for an emulated cluster)."""
     spawn = spawn or (lambda fn, args: run_ranks(fn, cfg.world_size, args, timeout=1800, threads=cfg.threads))
-    with compiling.fresh_cache() if any(compiling.split_system(s)[1] for s in cfg.systems) else contextlib.nullcontext():
+    compiled = any(compiling.split_system(s)[1] for s in cfg.systems)
+    with compiling.fresh_cache() if compiled else contextlib.nullcontext():
         return _rounds(cfg, progress, spawn)
 
 
@@ -397,7 +398,8 @@ def render(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[An
         later = f"{r.later_first_step_s:.1f}" if r.later_first_step_s is not None else "-"
         first = [f"{r.first_step_s or 0:.1f} / {later}", r.dynamo or "-"] if compiled else []
         table.add_row(describe(r.system), *ratios,
-                      f"{r.step_s:.3f}", f"{r.forward_s:.3f}", f"{r.backward_s:.3f}", f"{r.optimizer_s:.3f}", *sent, *first,
+                      f"{r.step_s:.3f}", f"{r.forward_s:.3f}", f"{r.backward_s:.3f}", f"{r.optimizer_s:.3f}", *sent,
+                      *first,
                       f"{r.model_state_mib:.0f}", _live(r), f"{r.peak_rss_mib:.0f}", f"{r.final_loss:.4f}")
     return table
 

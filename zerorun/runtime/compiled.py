@@ -3,10 +3,10 @@
 Users compile in two ways, and zerorun's hooks (stage 3's gathers, stages 1/2's publish waits) meet
 dynamo differently in each:
 
-| how the script compiled                         | where zerorun's module hooks run                  |
-|-------------------------------------------------|---------------------------------------------------|
-| `torch.compile(model)` (the root is an `OptimizedModule`) | the root's: outside; every other module's: traced by dynamo |
-| `block.compile()`, or `model.blocks[i] = torch.compile(block)` | the block's own: outside (dynamo compiles its `forward`); its submodules': traced |
+| how the script compiled                        | where zerorun's module hooks run                          |
+|------------------------------------------------|-----------------------------------------------------------|
+| `torch.compile(model)` (an `OptimizedModule`)  | the root's: outside; every other module's: traced         |
+| `block.compile()`, `torch.compile(block)` in place | the block's: outside (dynamo compiles its `forward`); its submodules': traced |
 
 A hook that dynamo traces and cannot put in a graph (a collective, a lock, a state change) is a graph
 break; `eager_under_compile` marks zerorun's own hook functions so that it is one, run as plain Python,

@@ -67,8 +67,9 @@ class ParamScheduler:
     def _hook(self, module: torch.nn.Module, before: Callable[..., None], after: Callable[..., None]) -> None:
         """Hooks that run eagerly even inside a compiled forward: a gather or a release is a collective and a
         state change torch.compile cannot trace, so each is one graph break (docs/profiling-and-compiling.md)."""
-        self._hooks.append(module.register_forward_pre_hook(eager_under_compile(lambda m, args: self._own(before))))
-        self._hooks.append(module.register_forward_hook(eager_under_compile(lambda m, args, out: self._own(after, out))))
+        pre = eager_under_compile(lambda m, args: self._own(before))
+        post = eager_under_compile(lambda m, args, out: self._own(after, out))
+        self._hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
     def _hook_inner(self, module: torch.nn.Module, group: UnitGroup) -> None:
         """Hooks on a submodule of a unit, for a call of it outside the unit's forward. Inside the unit's forward
