@@ -184,6 +184,28 @@ def test_stage3_refuses_a_whole_model_fullgraph_compile_at_initialize_and_stage2
     assert run_ranks(_initialize, 2, (["zero.stage=2"], True)) == ["initialized"] * 2
 
 
+def _compile_after_initialize(rank: int, world: int) -> str:
+    import zerorun
+    from tests.runtime.reference import batch
+    from zerorun import config
+    from zerorun.errors import ZerorunError
+
+    model = tied_gpt(0)
+    engine = zerorun.initialize(model, None, config.loads("script: t.py\n", "t.yaml", ["zero.stage=3", *BLOCK_UNITS]))
+    model.blocks[0].compile()  # the first use of torch.compile in this process
+    try:
+        engine(batch(0, rank, 0))
+    except ZerorunError as exc:
+        return str(exc)
+    return "ran"
+
+
+def test_a_model_compiled_after_initialize_is_refused_at_its_first_forward() -> None:
+    """Before a backward could crash: zerorun marks its hooks at initialize, and dynamo was not loaded then."""
+    said = run_ranks(_compile_after_initialize, 2)
+    assert all("compiled after zerorun.initialize (blocks.0 compiled)" in s for s in said), said
+
+
 def test_what_the_script_compiled_is_read_without_compiling_anything() -> None:
     from zerorun.runtime import compiled as compiled_model
 

@@ -136,6 +136,18 @@ def _inside_fullgraph(unit: str, fullgraph: list[str]) -> bool:
     return any(region == "" or unit.startswith(region + ".") for region in fullgraph if region != unit)
 
 
+def refuse_compiled_since(before: CompiledModel, model: nn.Module) -> None:
+    """Raise if `model` was compiled after `initialize` (`before` is what it saw then): zerorun marked its hooks
+    for torch.compile while dynamo was not loaded, so unmarked ones would be traced into a graph (at stage 3, a
+    crash in backward). The engine asks once, at the first forward after dynamo is loaded."""
+    now = inspect(model)
+    if now.any and not before.any:
+        what = "torch.compile(model)" if now.whole else f"{', '.join(now.parts[:3])} compiled"
+        raise ZerorunError(f"the model was compiled after zerorun.initialize ({what}): zerorun prepares its hooks "
+                           "for torch.compile when it initializes. Compile the model, or each block, before "
+                           "zerorun.initialize (docs/profiling-and-compiling.md).")
+
+
 def stage3_whole_model_note(compiled: CompiledModel, units: int) -> str | None:
     """What rank 0 says when stage 3 meets torch.compile(model): what dynamo then compiles, and the better way."""
     if not compiled.whole or not units:

@@ -97,6 +97,7 @@ class Engine:
                         device_type=self.device.type)
         events.emit_setup(setup(done=False))  # process-wide tuning (the worker's host_allocator) follows
         self.compiled = compiled.inspect(model)  # what the script compiled with torch.compile, if anything
+        self._dynamo_seen = compiled.dynamo_loaded()  # else the first forward after dynamo loads checks for a compile
         init_log = sharded_init.log_for(model)
         if init_log is not None and self.stage < 3:  # stages 0-2 hold whole parameters anyway
             init_log.replay(sharded_init.materialize, self.device)
@@ -198,6 +199,9 @@ class Engine:
         self.lr_schedules.engine_entered()
         args, kwargs = place_inputs((args, kwargs), self.device, self.policy.param_dtype)
         self._window.count_inputs(args, kwargs, self.tokens_per_sample)
+        if not self._dynamo_seen and compiled.dynamo_loaded():
+            self._dynamo_seen = True
+            compiled.refuse_compiled_since(self.compiled, self.module)
         if self.compiled.whole or self.compiled.parts:  # the publish's per-module waits: graph breaks if compiled
             self.wait_published()
         with self.phase.running(Phase.FORWARD), self.store.forward_context():
