@@ -57,3 +57,32 @@ def test_a_baseline_outside_the_systems_is_refused() -> None:
     result = CliRunner().invoke(app, ["bench", "step", "--systems", "ddp,zero1", "--baseline", "ddp-fused"])
     assert result.exit_code != 0
     assert "--baseline" in result.output and "not among --systems" in result.output
+
+
+def _fake_compiled_runs(fn, world, args, timeout, threads):
+    """A compiled system's warm-up step holds its compile; its counts say what dynamo did."""
+    system = args[0]
+    compiled = "+compile" in system
+    return [step.Sample([0.5 if compiled else 1.0], [0.1], [0.2], [0.2], 100.0, 10.0, 1.5, 10.0,
+                        first_step_s=40.0 if compiled else 1.2, dynamo="3 graphs, 0 breaks" if compiled else None)]
+
+
+def test_compile_adds_a_compiled_row_after_each_ddp_and_zerorun_system(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(step, "run_ranks", _fake_compiled_runs)
+    out = tmp_path / "step.json"
+    result = CliRunner().invoke(app, ["bench", "step", "--systems", "ddp,zero3,zero3+compile-blocks", "--compile",
+                                      "--rounds", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(rows) == ["ddp", "ddp+compile", "zero3", "zero3+compile", "zero3+compile-blocks"]
+    assert rows["zero3+compile"]["first_step_s"] == 40.0 and rows["zero3+compile"]["ratio_to_ddp"] == 0.5
+    assert rows["zero3+compile"]["dynamo"] == "3 graphs, 0 breaks" and rows["zero3"]["dynamo"] is None
+    assert "torch.compile(model)" in result.output and "torch.compile(each block)" in result.output
+    assert "40.0 / 40.0" in result.output and "warm-up s" in result.output  # compile time apart from step time
+
+
+def test_only_ddp_and_zerorun_systems_have_compiled_rows() -> None:
+    result = CliRunner().invoke(app, ["bench", "step", "--systems", "fsdp2+compile"])
+    assert result.exit_code != 0 and "only ddp* and zero* systems have compiled rows" in result.output
+    result = CliRunner().invoke(app, ["bench", "step", "--systems", "zero9+compile"])
+    assert result.exit_code != 0 and "unknown zero9+compile" in result.output

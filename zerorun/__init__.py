@@ -66,7 +66,20 @@ def start(engine: Engine, total_steps: int | None) -> Engine:
         probe.attach_engine(engine, total_steps)
     except Exception:  # noqa: BLE001 - telemetry never breaks initialize
         pass
+    _open_profile_window(engine)
     return engine
+
+
+def _open_profile_window(engine: Engine) -> None:
+    """`telemetry.profile_start`: record a profiler trace on this rank (telemetry/profile.py); never fails a run."""
+    try:
+        from zerorun.telemetry import profile
+
+        profile.attach(engine)
+    except Exception as exc:  # noqa: BLE001 - profiling never breaks initialize
+        import logging
+
+        logging.getLogger("zerorun").warning("zerorun: profile off on this rank: %s: %s", type(exc).__name__, exc)
 
 
 def _recipe_choices(recipe: Recipe, optimizer: Any, lr_scheduler: Any) -> tuple[Any, str | None]:

@@ -260,6 +260,9 @@ def report(
 
     terminal = Console().is_terminal
     Console(width=None if terminal else SUMMARY_WIDTH).print(telemetry_report.render(telemetry_report.load(run, job)))
+    profiles = telemetry_report.profiles(run, job)
+    if profiles:
+        typer.echo(profiles)
     if plots:
         typer.echo(telemetry_report.plot(run, job))
 

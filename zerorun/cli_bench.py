@@ -47,7 +47,8 @@ def bench_step(
     ranks: Ranks = 2,
     threads: Annotated[int, typer.Option(help="CPU threads per rank.")] = 1,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds (each system once per round).")] = 3,
-    steps: Annotated[int, typer.Option(help="Timed steps per round, after one warm-up step.")] = 3,
+    steps: Annotated[int, typer.Option(help="Timed steps per round, after one warm-up step (two with a compiled "
+                                                 "system).")] = 3,
     systems: Annotated[str, typer.Option(help="Comma-separated: ddp, ddp-fused, fsdp2, deepspeed2, deepspeed3, "
                                                "zero0-3, zero1-offload, "
                                                "zero2-offload, zero3-offload (CPU), zero2-nvme, zero3-nvme.")] =
@@ -62,6 +63,11 @@ def bench_step(
         None,
     link: Annotated[str, typer.Option(help="The emulated cluster's link rate per node, e.g. 1gbit, 10gbit.")] =
         "1gbit",
+    compile: Annotated[bool, typer.Option("--compile", help="Add a compiled row after each ddp* and zero* system: "
+                                                          "SYSTEM+compile, torch.compile(model) before initialize "
+                                                          "(torch.compile(DDP(model)) for DDP). Any system may also be "
+                                                          "named so in --systems, or as SYSTEM+compile-blocks "
+                                                          "(each block replaced by torch.compile(block)).")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
 ) -> None:
     """Step time and memory of zerorun's stages against DDP, FSDP2 and DeepSpeed, in one interleaved run."""
@@ -70,11 +76,14 @@ def bench_step(
     from zerorun.bench import step, step_profile
     from zerorun.bench.cluster import parse_shape
 
-    chosen = _step_systems(systems, nvme_path, baseline)
+    chosen = _step_systems(systems, nvme_path, baseline, compile)
     shape = parse_shape(cluster) if cluster else None
+    # a compiled stage 3 model compiles in its second step (its first pass runs eagerly): every system warms up
+    # over two steps then, so that the rows still train on the same batches
+    warmup = 2 if any("+" in s for s in chosen) else 1
     cfg = step.StepBenchConfig(GPTConfig(layers, d_model, heads, vocab, seq_len), micro_batch,
-                               shape[0] * shape[1] if shape else ranks, threads, rounds, 1, steps, chosen, precision,
-                               nvme_path, baseline, shape, link)
+                               shape[0] * shape[1] if shape else ranks, threads, rounds, warmup, steps, chosen,
+                               precision, nvme_path, baseline, shape, link)
     results, links = _run_step_bench(cfg)
     Console(width=250).print(step.render(cfg, results, links))
     Console(width=250).print(step_profile.render(results))
@@ -82,14 +91,25 @@ def bench_step(
         json_out.write_text(json.dumps(step.as_json(cfg, results, links), indent=2))
 
 
-def _step_systems(systems: str, nvme_path: str | None, baseline: str) -> tuple[str, ...]:
-    """`--systems` as a tuple, refused with the option's name when it cannot run as asked."""
-    from zerorun.bench import step
+def _step_systems(systems: str, nvme_path: str | None, baseline: str, compile: bool = False) -> tuple[str, ...]:
+    """`--systems` as a tuple (with `--compile`, each ddp*/zero* system followed by its compiled twin), refused
+    with the option's name when it cannot run as asked."""
+    from zerorun.bench import compiling, step
 
     chosen = tuple(s.strip() for s in systems.split(",") if s.strip())
-    unknown = [s for s in chosen if s not in step.SYSTEMS]
+    if compile:
+        chosen = tuple(dict.fromkeys(name for s in chosen for name in (
+            (s, f"{s}+compile") if s.startswith(compiling.COMPILED_BASES) and "+" not in s else (s,))))
+    bases = [compiling.split_system(s) for s in chosen]
+    unknown = [s for s, (base, _) in zip(chosen, bases) if base not in step.SYSTEMS]
     if unknown:
-        raise ZerorunError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(step.SYSTEMS)}.")
+        raise ZerorunError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(step.SYSTEMS)}, each "
+                           f"also as SYSTEM+compile or SYSTEM+compile-blocks (ddp* and zero* only).")
+    uncompilable = [s for s, (base, mode) in zip(chosen, bases)
+                    if mode and not base.startswith(compiling.COMPILED_BASES)]
+    if uncompilable:
+        raise ZerorunError(f"--systems: {', '.join(uncompilable)}: only ddp* and zero* systems have compiled rows "
+                           "(FSDP2's and DeepSpeed's compile support is theirs to measure).")
     if any(s.endswith("nvme") for s in chosen) and not nvme_path:
         raise ZerorunError("--nvme-path: required by the *-nvme systems (a directory on a real disk, not tmpfs).")
     if baseline != "ddp" and baseline not in chosen:

@@ -88,6 +88,21 @@ def tied_gpt(seed: int = 0, checkpoint: str = "none") -> nn.Module:
                          checkpoint=checkpoint))
 
 
+COMPILE_MODES = ("none", "whole", "block")
+
+
+def compiled(model: nn.Module, mode: str) -> nn.Module:
+    """`model` compiled the two ways scripts do: `torch.compile(model)` (whole), or each of its `blocks`
+    in place (`block.compile()`, block)."""
+    assert mode in COMPILE_MODES, f"unknown compile mode {mode!r}"
+    if mode == "whole":
+        return torch.compile(model)
+    if mode == "block":
+        for block in model.blocks:
+            block.compile()
+    return model
+
+
 # Deliberate errors a precision comparison must catch (tests of the tests, test_engine_precision.py)
 MISTAKES = ("no-world-division", "no-unscale", "skip-step-5")
 
@@ -95,7 +110,7 @@ MISTAKES = ("no-world-division", "no-unscale", "skip-step-5")
 def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, seed: int = 0,
                   dtype: torch.dtype = torch.float32, loss_scale: float = 1.0, model_fn=make_model,
                   eval_every: int = 0, mistake: str | None = None, device: str = "cpu",
-                  fused: bool | None = None, bf16_reduce: bool = False) -> Run:
+                  fused: bool | None = None, bf16_reduce: bool = False, compile: str = "none") -> Run:
     """DDP + torch AdamW.
 
     fp32: real DDP. A low-precision `dtype` follows zerorun's policy, which DDP cannot express
@@ -108,6 +123,7 @@ def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, 
     `device`, the model and the batches live there (the default AdamW is then torch's foreach one);
     `fused=True` takes torch's fused AdamW in fp32 too. `bf16_reduce` (fp32 only): DDP all-reduces
     each micro-step's gradients in bf16 (`bf16_allreduce_hook`), and they accumulate in fp32.
+    `compile` (one of COMPILE_MODES): torch.compile the replicas as a script would (`compiled`).
     """
     import torch.distributed as dist
 
@@ -115,6 +131,10 @@ def ddp_reference(rank: int, steps: int, accum: int, clip: float | None = None, 
     master = model_fn(seed).to(device)
     compute = copy.deepcopy(master).to(dtype)  # the replicas that run forward/backward
     model = DDP(compute) if dtype == torch.float32 else compute
+    if compile == "block":  # in place, under DDP
+        compiled(compute, compile)
+    elif compile == "whole":  # torch.compile(DDP(model)), as torch's DDP docs do
+        model = compiled(model, compile)
     if bf16_reduce:
         assert dtype == torch.float32, "bf16_reduce is a DDP comm hook: fp32 models only"
         model.register_comm_hook(None, bf16_allreduce_hook)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence, cast
 import torch
 import torch.distributed as dist
 
-from zerorun.bench import step_profile
+from zerorun.bench import compiling, step_profile
 from zerorun.bench.gpt import GPT, GPTConfig, synthetic_tokens
 from zerorun.bench.spawn import run_ranks
 
@@ -115,9 +115,18 @@ class Sample:
     live_mib: float | None  # every live tensor after a backward (None for DDP: its buckets live in C++)
     link_bytes: float | None = None  # per timed step, sent by rank 0's node on its link (emulated cluster only)
     profile: dict[str, float] | None = None  # per timed step: CPU by thread and waits per collective (step_profile)
+    first_step_s: float = 0.0  # the warm-up steps: with a compiled model, the compile happens here
+    dynamo: str | None = None  # a compiled system's graphs, breaks and frames left eager (compiling.py)
 
 
-def _peers(system: str, model: torch.nn.Module, cfg: StepBenchConfig) -> tuple[Any, torch.optim.Optimizer]:
+def describe(system: str) -> str:
+    """The table's name of a system, compiled ones included (`zero2+compile`)."""
+    base, mode = compiling.split_system(system)
+    return DESCRIPTIONS[base] + (f", {compiling.describe_mode(mode)}" if mode else "")
+
+
+def _peers(system: str, model: torch.nn.Module, cfg: StepBenchConfig,
+           compile: str | None = None) -> tuple[Any, torch.optim.Optimizer]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if system.startswith("deepspeed"):
@@ -129,8 +138,11 @@ def _peers(system: str, model: torch.nn.Module, cfg: StepBenchConfig) -> tuple[A
         engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
         return engine, opt
     if system.startswith("ddp"):
+        if compile == "block":
+            compiling.compile_blocks(model)
         wrapped = DDP(model)
-        return wrapped, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=system == "ddp-fused")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=system == "ddp-fused")
+        return (torch.compile(wrapped) if compile == "whole" else wrapped), optimizer
     from torch.distributed.fsdp import fully_shard
 
     for block in cast(torch.nn.ModuleList, model.blocks):
@@ -161,12 +173,19 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
     from zerorun.runtime import host_allocator
 
     host_allocator.install()  # as the worker does: zero.host_memory applies
+    system, compile = compiling.split_system(system)
+    if compile is not None:
+        compiling.reset()
     torch.manual_seed(0)
     # stage 3 builds the way a user of a large model does: never whole on any rank (same values)
     with zerorun.sharded_init() if system.startswith("zero3") else contextlib.nullcontext():
         model = GPT(cfg.model)
     batches = [synthetic_tokens(cfg.model, cfg.micro_batch, 0, rank, i) for i in range(cfg.warmup + cfg.steps)]
     if system in ZERO_SYSTEMS:
+        if compile == "block":
+            compiling.compile_blocks(model)
+        elif compile == "whole":
+            model = cast(GPT, torch.compile(model))
         nvme = [f"zero.offload_optimizer.nvme_path={cfg.nvme_path}"] if system.endswith("nvme") else []
         recipe = config.loads("script: bench", "<bench>", [*ZERO_SYSTEMS[system], *nvme, "zero.wrap=[Block]",
                                                          f"precision.dtype={cfg.precision}", "optimizer.lr=1e-4",
@@ -176,7 +195,7 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
         state_mib = lambda: engine.memory().model_states() / 2**20  # noqa: E731
         snapshot = step_profile.counters(engine.comm.stats)
     else:
-        wrapped, opt = _peers(system, model, cfg)
+        wrapped, opt = _peers(system, model, cfg, compile)
         forward, backward, settle = wrapped, lambda loss: loss.backward(), lambda: None
 
         def step() -> None:
@@ -186,14 +205,15 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
             backward, step = wrapped.backward, wrapped.step
         state_mib = lambda: _peer_state_mib(model, opt)  # noqa: E731
         snapshot = step_profile.counters(None)
-    times, final_loss, delta = _timed(batches, cfg.warmup, forward, backward, step, settle, snapshot)
+    times, final_loss, delta, first_s = _timed(batches, cfg.warmup, forward, backward, step, settle, snapshot)
     steps = [sum(parts) for parts in zip(*times.values())]
+    dynamo = compiling.counts().describe() if compile is not None else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     backward(forward(batches[-1]))  # untimed: the census is taken where gradients and buffers peak
     live = None if system.startswith("ddp") else live_tensor_bytes(model) / 2**20
     settle()
     return Sample(steps, times["forward"], times["backward"], times["optimizer"], rss, state_mib(), final_loss,
-                  live, delta.get("link_bytes"), step_profile.profile_of(delta))
+                  live, delta.get("link_bytes"), step_profile.profile_of(delta), first_s, dynamo)
 
 
 def live_tensor_bytes(model: torch.nn.Module) -> int:
@@ -207,13 +227,21 @@ def live_tensor_bytes(model: torch.nn.Module) -> int:
     total = 0
     for t in tensors:
         t = t.to_local() if hasattr(t, "to_local") else t
-        if t.is_meta:
+        if t.is_meta or _fake(t):
             continue
         storage = t.untyped_storage()
         if storage.nbytes() and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+def _fake(t: torch.Tensor) -> bool:
+    """A tensor torch.compile traced with (dynamo keeps some alive): it has no memory to count."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
 def _is_tensor(obj: object) -> bool:
@@ -223,15 +251,19 @@ def _is_tensor(obj: object) -> bool:
 
 def _timed(batches: list[torch.Tensor], warmup: int, forward: Callable, backward: Callable, step: Callable,
            settle: Callable[[], None], snapshot: Callable[[], dict[str, float]],
-           ) -> tuple[dict[str, list[float]], float, dict[str, float]]:
-    """Seconds of each phase of each step after `warmup`, the last loss, and how the counters of `snapshot`
-    (step_profile.py) grew per timed step; `settle` finishes what a step leaves in flight."""
+           ) -> tuple[dict[str, list[float]], float, dict[str, float], float]:
+    """Seconds of each phase of each step after `warmup`, the last loss, how the counters of `snapshot`
+    (step_profile.py) grew per timed step, and the seconds of the warm-up steps (where torch.compile compiles);
+    `settle` finishes what a step leaves in flight."""
     times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     before: dict[str, float] = {}
+    started = _now()
+    warm_up_s = 0.0
     for i, tokens in enumerate(batches):
         if i == warmup:  # every rank starts the timed steps together, owing nothing to the warm-up
             settle()
             dist.barrier()
+            warm_up_s = _now() - started
             before = snapshot()
         marks = [_now()]
         loss = forward(tokens)
@@ -246,7 +278,7 @@ def _timed(batches: list[torch.Tensor], warmup: int, forward: Callable, backward
         if i >= warmup:
             for name, a, b in zip(times, marks, marks[1:]):
                 times[name].append(b - a)
-    return times, float(loss.detach()), step_profile.per_step(before, snapshot(), len(batches) - warmup)
+    return times, float(loss.detach()), step_profile.per_step(before, snapshot(), len(batches) - warmup), warm_up_s
 
 
 def _now() -> float:
@@ -270,6 +302,9 @@ class SystemResult:
     live_mib: float | None  # every live tensor after a backward (see `live_tensor_bytes`)
     link_mb: float | None = None  # per step, sent by rank 0's node on its link (median; emulated cluster only)
     profile: dict[str, float] | None = None  # per step, medians of the rounds' (step_profile.py)
+    first_step_s: float | None = None  # the warm-up steps of the first round: a compiled system compiles in them
+    later_first_step_s: float | None = None  # ... of the later rounds (median): inductor's cache is warm by then
+    dynamo: str | None = None  # a compiled system's graphs, breaks and frames left eager (first round's)
 
 
 Spawn = Callable[[Callable[..., Any], tuple], list[Any]]  # run fn(rank, world, *args) on every rank
@@ -280,6 +315,12 @@ def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print, spawn: Sp
     """Run the interleaved rounds; return one result per system (medians). `spawn` starts the ranks
     (default: `cfg.world_size` local processes; `cluster_spawn.run_ranks_on` for an emulated cluster)."""
     spawn = spawn or (lambda fn, args: run_ranks(fn, cfg.world_size, args, timeout=1800, threads=cfg.threads))
+    compiled = any(compiling.split_system(s)[1] for s in cfg.systems)
+    with compiling.fresh_cache() if compiled else contextlib.nullcontext():
+        return _rounds(cfg, progress, spawn)
+
+
+def _rounds(cfg: StepBenchConfig, progress: Callable[[str], None], spawn: Spawn) -> list[SystemResult]:
     samples: dict[str, list[Sample]] = {s: [] for s in cfg.systems}
     ratios: dict[str, dict[str, list[float]]] = {base: {s: [] for s in cfg.systems} for base in {"ddp", cfg.baseline}}
     for round_index in range(cfg.rounds):
@@ -290,7 +331,8 @@ def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print, spawn: Sp
             sample = spawn(_train, (system, cfg))[0]
             samples[system].append(sample)
             this_round[system] = statistics.median(sample.step_s)
-            progress(f"round {round_index + 1}/{cfg.rounds} {system:10s} {this_round[system]:.3f} s/step")
+            progress(f"round {round_index + 1}/{cfg.rounds} {system:10s} {this_round[system]:.3f} s/step, warm-up "
+                     f"{sample.first_step_s:.1f} s")
         for base, per_system in ratios.items():
             for system, seconds in this_round.items():
                 if base in this_round:
@@ -305,7 +347,8 @@ def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print, spawn: Sp
             med("forward_s"), med("backward_s"), med("optimizer_s"),
             max(s.peak_rss_mib for s in runs), runs[-1].model_state_mib, runs[-1].final_loss, runs[-1].live_mib,
             statistics.median(s.link_bytes for s in runs) / 1e6 if runs[0].link_bytes is not None else None,
-            _median_profile(runs)))
+            _median_profile(runs), runs[0].first_step_s,
+            statistics.median(s.first_step_s for s in runs[1:]) if len(runs) > 1 else None, runs[0].dynamo))
     return results
 
 
@@ -347,15 +390,20 @@ def render(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[An
                         f"{where} x {cfg.threads} thread(s), {cfg.rounds} interleaved rounds")
     baseline = [f"x {cfg.baseline}"] if cfg.baseline != "ddp" else []
     link = ["node 0 sent MB/step (ideal)"] if cfg.cluster else []
-    for col in ("system", "x DDP", *baseline, "step s", "forward", "backward", "optimizer", *link,
+    compiled = any(r.dynamo is not None for r in results)
+    warm_up = ["warm-up s: round 1 / later", "compiled: graphs, breaks"] if compiled else []
+    for col in ("system", "x DDP", *baseline, "step s", "forward", "backward", "optimizer", *link, *warm_up,
                 "model states MiB/rank", "live tensors MiB/rank (+% over states)", "peak RSS MiB/rank", "final loss"):
         table.add_column(col, justify="left" if col == "system" else "right")
     ratio = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
     for r in results:
         ratios = [ratio(r.ratio_to_ddp)] + ([ratio(r.ratio_to_baseline)] if baseline else [])
         sent = [f"{r.link_mb:.0f} ({ideal_link_mb(r.system, params, cfg.cluster[0]):.0f})"] if cfg.cluster else []
-        table.add_row(DESCRIPTIONS[r.system], *ratios,
+        later = f"{r.later_first_step_s:.1f}" if r.later_first_step_s is not None else "-"
+        first = [f"{r.first_step_s or 0:.1f} / {later}", r.dynamo or "-"] if compiled else []
+        table.add_row(describe(r.system), *ratios,
                       f"{r.step_s:.3f}", f"{r.forward_s:.3f}", f"{r.backward_s:.3f}", f"{r.optimizer_s:.3f}", *sent,
+                      *first,
                       f"{r.model_state_mib:.0f}", _live(r), f"{r.peak_rss_mib:.0f}", f"{r.final_loss:.4f}")
     return table
 

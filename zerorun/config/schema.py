@@ -253,6 +253,12 @@ class TelemetryConfig:
     mlflow: bool = _f(False, "Also log to an MLflow run (the recipe as its parameters), from the telemetry stream, in "
                              "the launcher; MLFLOW_TRACKING_URI says where (needs `pip install 'zerorun[mlflow]'`; "
                              "a failure is a warning).")
+    profile_start: int | None = _f(
+        None, "Record a torch.profiler trace on every rank from this optimizer step (counted from 0, as the logs "
+              "count them), with zerorun's phases as named ranges; each rank writes "
+              "runs/<name>/profile/<job id>/rank-<r>.trace.json.gz (Perfetto, chrome://tracing), and on a GPU a CUDA "
+              "memory snapshot beside it. A failure to write is a warning (null: no profile).", ge=0)
+    profile_steps: int = _f(2, "Optimizer steps the profile records, from profile_start.", ge=1)
 
 
 @dataclass

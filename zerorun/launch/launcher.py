@@ -39,7 +39,7 @@ from zerorun.launch.plan import LaunchPlan, MachineFacts, NodeCommand, is_local,
 from zerorun.launch.ssh import SSHTransport
 from zerorun.launch.supervisor import Ending, Outcome, Supervisor
 from zerorun.launch.transport import LocalTransport, Transport
-from zerorun.telemetry import ADDRESS_ENV, RUNS_DIR, TOKEN_ENV
+from zerorun.telemetry import ADDRESS_ENV, RUNS_DIR, TOKEN_ENV, profile_files
 
 if TYPE_CHECKING:
     from zerorun.launch.monitor import Monitor
@@ -152,6 +152,9 @@ def _run_attempts(launch_plan: LaunchPlan) -> int:
     base_job_id = launch_plan.job_id  # attempt k runs as <base>-r<k>: its processes apart from the last one's
     failures: list[recovery.Failure] = []
     exit_code = 1
+    profile = launch_plan.telemetry
+    if profile.profile_start is not None:
+        _say(profile_files.planned(launch_plan.name, base_job_id, profile.profile_start, profile.profile_steps))
     try:
         while True:
             outcome = _attempt(launch_plan, monitor)
@@ -170,6 +173,15 @@ def _run_attempts(launch_plan: LaunchPlan) -> int:
     finally:
         if monitor is not None:
             monitor.finish(exit_code)
+        if profile.profile_start is not None:
+            _say_profiles(launch_plan.name, base_job_id)
+
+
+def _say_profiles(name: str, job_id: str) -> None:
+    """Where the ranks' profiles went (those of this machine; other nodes keep theirs at the same path)."""
+    files = profile_files.written_under(Path(RUNS_DIR) / name, job_id)
+    _say(profile_files.describe(files) or f"profile: no trace in {Path(RUNS_DIR) / name / 'profile'}/ on this "
+         "machine (the job ended before the window, or the ranks warned why)")
 
 
 def _attempt(launch_plan: LaunchPlan, monitor: Monitor | None) -> Outcome:

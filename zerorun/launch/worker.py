@@ -108,7 +108,7 @@ def run_script(script: str, args: list[str]) -> int:
 def _run_path(script: str) -> dict[str, Any]:
     """Run the script as `__main__`; the moment it returns or raises, the probe (if any) stops reporting where it is."""
     from zerorun.runtime.checkpoint import background as checkpoint_async
-    from zerorun.telemetry import probe
+    from zerorun.telemetry import probe, profile
 
     raised: BaseException | None = None
     try:
@@ -119,6 +119,7 @@ def _run_path(script: str) -> dict[str, Any]:
         raised = exc
         raise
     finally:
+        profile.finish()  # a window the script ended inside writes what it recorded
         probe.script_ended(raised)
 
 

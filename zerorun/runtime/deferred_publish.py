@@ -19,6 +19,10 @@ set `zero.overlap_publish: false` for such a model, or call `engine.wait_publish
 its forward). Every forward ends with a wait for everything, so backward and what follows the
 forward always see current values. The values are bit-identical to a synchronous publish: the same
 collectives fill the same bytes, only the moment of the wait moves.
+
+A compiled model (`torch.compile` before `initialize`) has the engine wait for everything before its
+forward instead: each hook's wait would be a graph break inside it (docs/profiling-and-compiling.md).
+The gathers still overlap what the script does between `step()` and the next forward.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zerorun.runtime.comm.collectives import Pending
+from zerorun.runtime.compiled import eager_under_compile
 from zerorun.runtime.units import Unit
 
 
@@ -95,10 +100,17 @@ class DeferredPublish:
             return True
 
     def _waiter(self, ks: list[int]) -> Callable[[nn.Module, object], None]:
+        # Inside a compiled forward nothing is pending (the engine waits before it): dynamo traces the test of
+        # `_pending` into a guard, and the waits, which take a lock, run as Python only when there are some.
+        wait = eager_under_compile(self._wait_units)
+
         def wait_units(module: nn.Module, args: object) -> None:
             if self._pending:
-                self.deferred_waits += sum(self._wait(k) for k in ks)
+                wait(ks)
         return wait_units
+
+    def _wait_units(self, ks: list[int]) -> None:
+        self.deferred_waits += sum(self._wait(k) for k in ks)
 
     def remove(self) -> None:
         self.wait_all()

@@ -35,7 +35,7 @@ from torch import nn
 
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
-from zerorun.runtime import events
+from zerorun.runtime import compiled, events, ranges
 from zerorun.runtime.accumulation import AccumulationWindow
 from zerorun.runtime.checkpoint import background as checkpoint_async
 from zerorun.runtime.checkpoint.background import Checkpointer
@@ -98,11 +98,16 @@ class Engine:
         setup = partial(events.EngineSetup, host_memory=recipe.zero.host_memory, stage=self.stage,
                         device_type=self.device.type)
         events.emit_setup(setup(done=False))  # process-wide tuning (the worker's host_allocator) follows
+        self.compiled = compiled.inspect(model)  # what the script compiled with torch.compile, if anything
+        self._dynamo_seen = compiled.dynamo_loaded()  # else the first forward after dynamo loads checks for a compile
         init_log = sharded_init.log_for(model)
         if init_log is not None and self.stage < 3:  # stages 0-2 hold whole parameters anyway
             init_log.replay(sharded_init.materialize, self.device)
             init_log = None
-        self.module = to_device(model, self.device)
+        self.module = to_device(model, self.device)  # what a forward calls: compiled, when the script compiled it
+        # whose names checkpoints and state dicts use: the model's own, compiled or not (torch.compile(model) would
+        # add `_orig_mod.`), so a checkpoint resumes whether the script compiles or not
+        self.model = compiled.unwrapped(self.module)
         groups, decoupled = param_groups_from(optimizer, model, recipe.optimizer)
         self._sync_buffers()
         self.store: ParamStore
@@ -114,7 +119,8 @@ class Engine:
             lr_scheduler = lr_scheduler(self.optimizer)
         self.lr_schedules = LrSchedules(self.optimizer, optimizer, lr_scheduler, scheduler_source)
         largest_piece = max((u.shard_numel for u in self.store.units), default=1)
-        self.update = AdamStep(self.optimizer, self.store.home, self.placement.transfers(largest_piece),
+        self.update = AdamStep(self.optimizer, self.store.home,
+                               ranges.offload_copies(self.placement.transfers(largest_piece)),
                                self.placement.step_tile_numel, Direct(self.device), self.device)
         self._pieces = [[Piece(g, u.state_offset, u.shard_numel, grad, target)
                          for u, grad, target in zip(units_of(self.store.units, g), self.reducer.grad_pieces(g),
@@ -160,9 +166,14 @@ class Engine:
             return store, reducer
         plan = plan_stage3(model, groups, zero.wrap, zero.param_persistence_threshold, _numel(zero.bucket_mb),
                            _numel(zero.allgather_bucket_mb), self.comm.world_size, dtype)
+        units = plan.gathered_units()
+        compiled.refuse_unworkable(self.compiled, self.stage, [(g.name, g.module) for g in units])
         if self.comm.rank == 0:
             print(describe_plan(plan), flush=True)
             warn_if_nothing_sharded(plan, zero.wrap, zero.param_persistence_threshold)
+            note = compiled.stage3_whole_model_note(self.compiled, len(units))
+            if note is not None:
+                print(note, flush=True)
         hpz = (SecondaryPartition(plan.units, self.comm, zero.hpz_partition_size, zero.cpu_collectives,
                                   self.recipe.launch.timeout_s) if zero.hpz_partition_size > 1 else None)
         say = (lambda text: print(text, flush=True)) if self.comm.rank == 0 else None
@@ -199,6 +210,11 @@ class Engine:
         self._roll_back_speculation()
         args, kwargs = place_inputs((args, kwargs), self.device, self.policy.param_dtype)
         self._window.count_inputs(args, kwargs, self.tokens_per_sample)
+        if not self._dynamo_seen and compiled.dynamo_loaded():
+            self._dynamo_seen = True
+            compiled.refuse_compiled_since(self.compiled, self.module)
+        if self.compiled.whole or self.compiled.parts:  # the publish's per-module waits: graph breaks if compiled
+            self.wait_published()
         with self.phase.running(Phase.FORWARD), self.store.forward_context():
             out = self.module(*args, **kwargs)
         self.wait_published()  # a unit no module hook waited for (unused in this forward) is current from here on
@@ -333,12 +349,15 @@ class Engine:
         else:
             max_norm = call.max_norm if call.max_norm is not None else self.clip_grad_norm
             coef = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
-            if speculated and self.overlap is not None and self.overlap.matches(sum_divisor / coef, call.value is not None):
-                self.overlap.commit()  # the update made under the backward is this step's
-            else:
-                self._roll_back_speculation()
-                self.update.run(self._pieces, sum_divisor / coef)
-            self.store.publish_after_step()
+            with ranges.named("optimizer"):
+                if speculated and self.overlap is not None and self.overlap.matches(sum_divisor / coef,
+                                                                                    call.value is not None):
+                    self.overlap.commit()  # the update made under the backward is this step's
+                else:
+                    self._roll_back_speculation()
+                    self.update.run(self._pieces, sum_divisor / coef)
+            with ranges.named("publish"):
+                self.store.publish_after_step()
         self._roll_back_speculation()  # a skipped step: the speculation is undone
         self.scaler.update(found_inf)
         self.optimizer.count_step()  # skipped or not, scheduler.step() after engine.step() is the right order
@@ -406,7 +425,7 @@ class Engine:
         time. Buffers and frozen parameters are as the module holds them."""
         self._roll_back_speculation()
         self.wait_published()
-        return self.store.full_state_dict(self.module)
+        return self.store.full_state_dict(self.model)
 
     def gathered(self, params: Any = None, modify: bool = False, src: int = 0) -> Any:
         """Context manager: full parameters inside (stage 3; stages 0-2 always hold them).
@@ -443,7 +462,8 @@ class Engine:
         self._roll_back_speculation()
         self.wait_published()
         state = self.client_state if client_state is None else client_state
-        return self.checkpoints.save(self._checkpoint_dir(dir), tag or f"step-{self.global_step}", state, block)
+        with ranges.named("checkpoint snapshot"):
+            return self.checkpoints.save(self._checkpoint_dir(dir), tag or f"step-{self.global_step}", state, block)
 
     def wait_checkpoint(self) -> None:
         """Wait until the save in flight (if any) is committed; raise its error, if it failed."""

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from zerorun.errors import ZerorunError
+from zerorun.runtime import ranges
 from zerorun.runtime.comm.collectives import Collectives, Handle
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.phase import Phase, TrainingPhase
@@ -118,6 +119,7 @@ class GradReducer:
         self.phase, self.on_launch = phase, on_launch
         self.on_reduced: Callable[[int], None] | None = None  # told when unit k's reduced gradient is ready (waited)
         self.staged = reduction is Reduction.SCATTER_SHARD  # per-unit staging; only this rank's shard is kept
+        self._range = "all-reduce" if reduction is Reduction.ALL_REDUCE else "reduce-scatter"  # in a profile's trace
         total = 0 if self.staged else sum(u.padded_numel for u in self.units)
         self.full_grads = torch.zeros(total, dtype=dtype, device=device)  # stages 0/1: laid out like the parameters
         shards = self.group_numels if self.staged else []
@@ -231,7 +233,8 @@ class GradReducer:
         for index, span in enumerate(unit.layout.spans):
             if not self._written(k, index):  # an unused parameter's gradient is zero
                 region[span.offset:span.end].zero_()
-        self._inflight.append((k, self._collective(k, region)))
+        with ranges.named(self._range):
+            self._inflight.append((k, self._collective(k, region)))
         self.direct_launches += k in self._direct
         # bound staging memory: finish the oldest beyond the limit, and any already done (recycled at once)
         while self._inflight and (len(self._inflight) > MAX_INFLIGHT or self._inflight[0][1].ready):
@@ -267,7 +270,8 @@ class GradReducer:
         self._reset_backward_state(reduce=False)
 
     def _finish(self, k: int, handle: Handle) -> None:
-        handle.wait()
+        with ranges.named(f"{self._range} wait"):
+            handle.wait()
         staging = self._staging.pop(k, None)
         if staging is not None and k not in self._direct:
             self.pool.put(staging)

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from enum import Enum
 from typing import Iterator
 
+from zerorun.runtime import ranges
+
 
 class Phase(Enum):
     """What the engine is doing right now."""
@@ -38,6 +40,7 @@ class TrainingPhase:
         assert self.now is Phase.IDLE, f"cannot start {phase.value} while {self.now.value} is running"
         self.now = phase
         try:
-            yield
+            with ranges.named(phase.value):  # a profile window's trace shows each phase (ranges.py)
+                yield
         finally:
             self.now = Phase.IDLE

@@ -17,7 +17,7 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from zerorun.errors import ZerorunError
-from zerorun.telemetry import console
+from zerorun.telemetry import console, profile_files
 from zerorun.telemetry.state import RunState
 
 FILE_NAME = "telemetry.jsonl"
@@ -69,6 +69,15 @@ def plot(path: str | Path, job_id: str | None = None) -> str:
     if not written:
         return "plots: none: the job has no step records yet"
     return f"plots: {written[0].parent}/ " + ", ".join(p.name for p in written)
+
+
+def profiles(path: str | Path, job_id: str | None = None) -> str:
+    """The job's profiler traces and memory snapshots (telemetry.profile_start), one line; "" when it has none."""
+    records = load_records(path, job_id)
+    path = Path(path)
+    run_dir = path if path.is_dir() else path.parent
+    job = records[0].get("job_id")
+    return profile_files.describe(profile_files.written_under(run_dir, job if isinstance(job, str) else None))
 
 
 def render(state: RunState) -> RenderableType:

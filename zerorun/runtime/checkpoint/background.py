@@ -133,7 +133,7 @@ class Checkpointer:
         root, tmp = checkpoint.begin(self.engine, directory, tag)
         rng = checkpoint.gather_rng(self.engine)
         save = Save(tag, self.engine.global_step, root, tmp, started, waited_s=waited)
-        job = _Job(self, save, checkpoint.describe(self.engine, tag, rng), checkpoint.extras_of(self.engine.module,
+        job = _Job(self, save, checkpoint.describe(self.engine, tag, rng), checkpoint.extras_of(self.engine.model,
                    copy=True), checkpoint.client_payload(client_state), self.state.ready_event())
         self.current, self._reported = save, False
         if self not in _pending:

@@ -78,7 +78,7 @@ class Engine(Protocol):
     """What a checkpoint saves and restores of the engine (runtime/engine.py implements it)."""
 
     recipe: Recipe
-    module: nn.Module
+    model: nn.Module  # the model as the script built it, under any torch.compile wrapper: its names are saved
     store: ParamStore
     optimizer: ShardedAdamW
     scaler: LossScaler
@@ -119,7 +119,7 @@ def save(engine: Engine, directory: str | os.PathLike, tag: str, client_state: d
     rng = gather_rng(engine)
     if rank == 0:
         files = {shard_file(r): {"bytes": int(n), "crc32": int(c)} for r, (n, c) in enumerate(sealed[:shards].tolist())}
-        commit(root, tmp, describe(engine, tag, rng), files, extras_of(engine.module), client_payload(client_state),
+        commit(root, tmp, describe(engine, tag, rng), files, extras_of(engine.model), client_payload(client_state),
                engine.recipe.checkpoint.keep_last)
     _barrier(engine)
     return root / tag
@@ -190,7 +190,7 @@ def extras_of(module: nn.Module, copy: bool = False) -> dict[str, torch.Tensor]:
 
 def describe(engine: Engine, tag: str, rng: list[dict]) -> dict[str, Any]:
     """The manifest, less its files: what the state is and where each parameter's pieces lie."""
-    store, names = engine.store, _first_names(engine.module)
+    store, names = engine.store, _first_names(engine.model)
     params = {}
     for unit in store.units:
         for index, (param, shape) in enumerate(zip(unit.params, unit.shapes)):
@@ -201,7 +201,7 @@ def describe(engine: Engine, tag: str, rng: list[dict]) -> dict[str, Any]:
                     pieces.append([r, unit.state_offset + piece.shard_start, piece.param_start, piece.numel])
             params[names[param]] = {"shape": list(shape), "dtype": _dtype_name(param.dtype), "group": unit.group,
                                     "pieces": pieces}
-    extras = _extras(engine.module)
+    extras = _extras(engine.model)
     opt = engine.optimizer
     groups = [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in opt.param_groups]
     return {
@@ -214,8 +214,8 @@ def describe(engine: Engine, tag: str, rng: list[dict]) -> dict[str, Any]:
         "lr_schedulers": engine.lr_schedules.checkpoint_entries(engine.global_step),
         "params": params,
         "extras": {n: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)} for n, t in extras.items()},
-        "keys": list(engine.module.state_dict(keep_vars=True)),
-        "aliases": _aliases(engine.module),
+        "keys": list(engine.model.state_dict(keep_vars=True)),
+        "aliases": _aliases(engine.model),
         "rng": rng,
     }
 
@@ -254,7 +254,7 @@ def load(engine: Engine, directory: str | os.PathLike, tag: str | None = None) -
 
 def _plan_reads(engine: Engine, ckpt: Checkpoint) -> list[dict[int, list]]:
     """Per group, per saved rank: the `Copy`s (partition.py) that fill this rank's state."""
-    store, names, saved = engine.store, _first_names(engine.module), ckpt.manifest["params"]
+    store, names, saved = engine.store, _first_names(engine.model), ckpt.manifest["params"]
     _match_model(engine, ckpt)
     reads: list[dict[int, list]] = [defaultdict(list) for _ in store.group_numels]
     for unit in store.units:
@@ -273,11 +273,11 @@ def _plan_reads(engine: Engine, ckpt: Checkpoint) -> list[dict[int, list]]:
 
 def _match_model(engine: Engine, ckpt: Checkpoint) -> None:
     """The checkpoint must describe this model: same parameter names, shapes and param groups."""
-    names, m = _first_names(engine.module), ckpt.manifest
+    names, m = _first_names(engine.model), ckpt.manifest
     here = {names[p]: {"shape": list(shape), "group": u.group} for u in engine.store.units
             for p, shape in zip(u.params, u.shapes)}
     there = {n: {"shape": e["shape"], "group": e["group"]} for n, e in m["params"].items()}
-    extras_here = {n: {"shape": list(t.shape)} for n, t in _extras(engine.module).items()}
+    extras_here = {n: {"shape": list(t.shape)} for n, t in _extras(engine.model).items()}
     extras_there = {n: {"shape": e["shape"]} for n, e in m["extras"].items()}
     problems = _differences("parameter", here, there) + _differences("buffer/frozen parameter", extras_here,
                                                                      extras_there)
@@ -314,7 +314,7 @@ def _verify_files(engine: Engine, ckpt: Checkpoint) -> None:
 def _restore_extras(engine: Engine, ckpt: Checkpoint) -> None:
     with ckpt.reading(EXTRAS) as f:
         with torch.no_grad():
-            for name, tensor in _extras(engine.module).items():
+            for name, tensor in _extras(engine.model).items():
                 tensor.copy_(f.get_tensor(name))
 
 

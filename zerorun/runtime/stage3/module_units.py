@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from zerorun.errors import ZerorunError, ZerorunWarning
+from zerorun.runtime import compiled
 from zerorun.runtime.stage3.unit_group import AROUND_USE, UnitGroup, UnitKind
 from zerorun.runtime.units import Unit, cut_units, group_numels
 
@@ -111,9 +112,14 @@ def wrapped_modules(model: nn.Module, wrap: list[str], auto_numel: int) -> list[
     `auto_numel` parameters. Outermost matches only: a unit never nests in another."""
     if wrap:
         check_wrap_names(model, wrap)
+        # a module compiled as `torch.compile(block)` becomes a unit as its wrapper, whose hooks run outside the graph
+        wrapper_of = {compiled.unwrapped(mod): (name, mod) for name, mod in model.named_modules()
+                      if compiled.unwrapped(mod) is not mod and mod is not model}
         found, inside = [], set[str]()
         for name, mod in model.named_modules():
-            if type(mod).__name__ in wrap and mod is not model and not any(name.startswith(p + ".") for p in inside):
+            if type(mod).__name__ in wrap and mod is not compiled.unwrapped(model) \
+                    and not any(name.startswith(p + ".") for p in inside):
+                name, mod = wrapper_of.get(mod, (name, mod))
                 found.append((name, mod))
                 inside.add(name)
         return found
@@ -130,7 +136,13 @@ def wrapped_modules(model: nn.Module, wrap: list[str], auto_numel: int) -> list[
                 out.append((f"{prefix}{name}", child))
         return out
 
-    return visit("", model, layers=isinstance(model, CONTAINERS))
+    inner = compiled.unwrapped(model)  # torch.compile(model): plan the model it holds, as if it were not compiled
+    prefix = "" if inner is model else f"{_name_of(model, inner)}."
+    return visit(prefix, inner, layers=isinstance(inner, CONTAINERS))
+
+
+def _name_of(model: nn.Module, sub: nn.Module) -> str:
+    return next(str(name) for name, mod in model.named_modules() if mod is sub)
 
 
 def holds_repeated_layers(module: nn.Module) -> bool:
@@ -161,13 +173,14 @@ def split_modules(model: nn.Module, wrapped: list[nn.Module], min_numel: int) ->
             elif sum(p.numel() for p in child.parameters()) >= min_numel:
                 found.append((f"{prefix}{name}", child))
 
-    visit("", model)
+    inner = compiled.unwrapped(model)
+    visit("" if inner is model else f"{_name_of(model, inner)}.", inner)
     return found
 
 
 def check_wrap_names(model: nn.Module, wrap: list[str]) -> None:
     """Every `zero.wrap` name must be the class of a module inside `model` (a typo would shard nothing)."""
-    classes = sorted({type(mod).__name__ for mod in model.modules() if mod is not model})
+    classes = sorted({type(mod).__name__ for mod in model.modules() if mod is not compiled.unwrapped(model)})
     unknown = [name for name in wrap if name not in classes]
     if not unknown:
         return
@@ -175,8 +188,9 @@ def check_wrap_names(model: nn.Module, wrap: list[str]) -> None:
     for name in unknown:
         close = difflib.get_close_matches(name, classes, n=1)
         hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    itself = " (the model itself is always the root unit)" if type(model).__name__ in unknown else ""
-    raise ZerorunError(f"zero.wrap: no module of class {', '.join(hints)} in {type(model).__name__}{itself}; "
+    model_class = type(compiled.unwrapped(model)).__name__
+    itself = " (the model itself is always the root unit)" if model_class in unknown else ""
+    raise ZerorunError(f"zero.wrap: no module of class {', '.join(hints)} in {model_class}{itself}; "
                        f"its module classes are {', '.join(classes)}. List the classes of its repeated layers "
                        "(e.g. [Block]), or [] to pick its layers automatically.")
 
@@ -185,7 +199,7 @@ def describe(plan: Stage3Plan) -> str:
     """One line: how stage 3 cut the model (what `zerorun.initialize` prints on rank 0)."""
     gathered = [g for g in plan.gathered_units() if g.kind is UnitKind.WRAPPED]
     split = [g for g in plan.gathered_units() if g.kind is UnitKind.SPLIT]
-    classes = sorted({type(g.module).__name__ for g in gathered})
+    classes = sorted({type(compiled.unwrapped(g.module)).__name__ for g in gathered})
     sharded = sum(g.numel for g in gathered)
     apart = (f", {len(split)} split off the root ({', '.join(g.name for g in split)}; "
              f"{sum(g.numel for g in split):,} parameters)" if split else "")

@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from zerorun.runtime.compiled import dynamo_loaded, eager_under_compile
 from zerorun.runtime.phase import Phase, TrainingPhase
 from zerorun.runtime.stage3.sharded_params import ShardedParams
 from zerorun.runtime.stage3.unit_group import AROUND_USE, UnitGroup, UnitKind
@@ -60,12 +61,34 @@ class ParamScheduler:
             owned = set(group.params)
             for sub in group.module.modules():  # submodules called on their own, outside their unit's forward
                 if sub is not group.module and any(p in owned for p in sub._parameters.values()):
-                    self._hook(sub, lambda group=group: group.ensure_gathered(), lambda out, group=group: self._guard(group, out))
+                    self._hook_inner(sub, group)
         self._hook(self.root.module, self._root_before, self._root_after)
 
     def _hook(self, module: torch.nn.Module, before: Callable[..., None], after: Callable[..., None]) -> None:
-        self._hooks.append(module.register_forward_pre_hook(lambda m, args: self._own(before)))
-        self._hooks.append(module.register_forward_hook(lambda m, args, out: self._own(after, out)))
+        """Hooks that run eagerly even inside a compiled forward: a gather or a release is a collective and a
+        state change torch.compile cannot trace, so each is one graph break (docs/profiling-and-compiling.md)."""
+        pre = eager_under_compile(lambda m, args: self._own(before))
+        post = eager_under_compile(lambda m, args, out: self._own(after, out))
+        self._hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+    def _hook_inner(self, module: torch.nn.Module, group: UnitGroup) -> None:
+        """Hooks on a submodule of a unit, for a call of it outside the unit's forward. Inside the unit's forward
+        (where it is almost always called) they have nothing to do; under torch.compile they say so in a form
+        dynamo traces (a guard on `_inside`), so a compiled unit is one graph, not one per submodule."""
+        own = eager_under_compile(self._own)
+
+        def skip() -> bool:
+            return torch.compiler.is_compiling() and group in self._inside
+
+        def before(m: torch.nn.Module, args: object) -> None:
+            if not skip():
+                own(group.ensure_gathered)
+
+        def after(m: torch.nn.Module, args: object, out: object) -> None:
+            if not skip():
+                own(self._guard, group, out)
+        self._hooks.append(module.register_forward_pre_hook(before))
+        self._hooks.append(module.register_forward_hook(after))
 
     def _own(self, fn: Callable[..., None], *args: object) -> None:
         self._own_work += 1
@@ -132,7 +155,7 @@ class ParamScheduler:
             return
         owner: dict[torch.Tensor, UnitGroup] = {p: group for group in split for p in group.params}
         outside: set[UnitGroup] = set()
-        with _UseWatch(self, owner, outside):
+        with _UseWatch(self, owner, outside), _eager_pass():
             yield
         self.whole_pass = {group for group in split if group in outside}
         self.kept_whole = [group.name for group in split if group in self.whole_pass]
@@ -187,6 +210,15 @@ class ParamScheduler:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def _eager_pass() -> contextlib.AbstractContextManager:
+    """The first pass runs eagerly even in a compiled model: dynamo would trace the watch's torch function mode
+    into graphs that only this pass runs, and compile everything again for the next."""
+    if not dynamo_loaded():
+        return contextlib.nullcontext()
+    stance: contextlib.AbstractContextManager = torch.compiler.set_stance("force_eager")
+    return stance
 
 
 def kept_whole_message(names: list[str]) -> str:

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from torch import nn
 
+from zerorun.runtime import ranges
 from zerorun.runtime.comm.collectives import Handle, Pending
 from zerorun.runtime.units import Unit
 
@@ -99,13 +100,15 @@ class UnitGroup:
         """RELEASED -> GATHERING: this rank's pieces into place, the all-gathers launched."""
         self.expect(UnitState.RELEASED)
         buffers = self._bound()
-        self.pending, self.state = Pending([buffers.gather(k) for k in self.slots]), UnitState.GATHERING
+        with ranges.named("all-gather"):
+            self.pending, self.state = Pending([buffers.gather(k) for k in self.slots]), UnitState.GATHERING
 
     def finish_gather(self) -> None:
         """GATHERING -> GATHERED: wait for the all-gathers."""
         self.expect(UnitState.GATHERING)
         assert self.pending is not None, "a GATHERING unit has its all-gathers pending"
-        self.pending.wait()
+        with ranges.named("all-gather wait"):
+            self.pending.wait()
         self.pending, self.state = None, UnitState.GATHERED
         for k in self.slots:
             self._bound().landed(k)
