@@ -1,7 +1,7 @@
 """The `zerorun` command: parse the flags, call one function, render its result or its error.
 
-Every subcommand is a plain `@app.command()` function here (`tune` in `cli_tune`, the `bench` and
-`checkpoint` groups in `cli_bench` and `cli_checkpoint`); the work happens in the modules they call. A `ZerorunError` from any of them (a bad recipe, hostfile or flag) is printed as one line,
+Every subcommand is a plain `@app.command()` function here (`tune` in `cli/tune.py`, the `bench` and
+`checkpoint` groups in `cli/bench.py` and `cli/checkpoint.py`); the work happens in the modules they call. A `ZerorunError` from any of them (a bad recipe, hostfile or flag) is printed as one line,
 `zerorun: error: <message>`, with exit status 2 and no traceback (see `_ZerorunGroup`).
 """
 
@@ -16,11 +16,11 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 import zerorun
-from zerorun import cli_suggest
-from zerorun.cli_bench import bench_app
-from zerorun.cli_checkpoint import checkpoint_app
-from zerorun.cli_tune import tune
-from zerorun.cli_types import count
+from zerorun.cli import suggest
+from zerorun.cli.bench import bench_app
+from zerorun.cli.checkpoint import checkpoint_app
+from zerorun.cli.counts import count
+from zerorun.cli.tune import tune
 from zerorun.errors import ZerorunError
 
 try:  # typer >= 0.24 vendors click privately; older releases use click itself
@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
 
 class _ZerorunGroup(TyperGroup):
     """Turns a ZerorunError from any subcommand into one line on stderr and exit status 2, and gives
-    every unknown flag the nearest real one (`cli_suggest`)."""
+    every unknown flag the nearest real one (`cli/suggest.py`)."""
 
     # typer hands its own Context subclass; the base classes name click's (vendored privately by typer).
     def invoke(self, ctx: typer.Context) -> object:  # type: ignore[override]
@@ -57,7 +57,7 @@ def _with_nearest(exc: click_api.NoSuchOption) -> click_api.NoSuchOption:
              for opt in (*getattr(param, "opts", ()), *getattr(param, "secondary_opts", ())) if opt.startswith("-")]
     flags.append("--help")
     path = exc.ctx.command_path if exc.ctx is not None else "zerorun"
-    exc.message = cli_suggest.message(exc.option_name, flags, with_recipe_keys="--set" in flags, command=path)
+    exc.message = suggest.message(exc.option_name, flags, with_recipe_keys="--set" in flags, command=path)
     exc.possibilities = None
     return exc
 
@@ -335,13 +335,10 @@ def estimate(
         typer.echo(line)
 
 
-app.command()(tune)  # zerorun/cli_tune.py
-app.add_typer(checkpoint_app, name="checkpoint")  # zerorun/cli_checkpoint.py
+app.command()(tune)  # zerorun/cli/tune.py
+app.add_typer(checkpoint_app, name="checkpoint")  # zerorun/cli/checkpoint.py
 
 
 def main() -> None:
     app()
 
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """`zerorun checkpoint info|upgrade|consolidate`: inspect and convert sharded checkpoints.
 
-Kept apart from `cli` as `cli_bench` is; the work happens in `runtime.checkpoint.tools` (and
+Kept apart from `cli/app.py` as `cli/bench.py` is; the work happens in `runtime.checkpoint.tools` (and
 `compat.hf_export` for a Hugging Face directory), imported when a command runs.
 """
 

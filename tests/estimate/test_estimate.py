@@ -196,7 +196,7 @@ def test_cli_bad_model_is_a_one_line_error(spec: str) -> None:
 
 
 def test_cli_sizes_the_recipes_own_world_unless_the_flags_say_otherwise() -> None:
-    recipe = str(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")  # nproc_per_node: 2
+    recipe = str(Path(__file__).parents[2] / "recipes" / "quickstart.yaml")  # nproc_per_node: 2
     result = CliRunner().invoke(app, ["estimate", recipe, "--params", "1e8", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["cluster"]["gpus_per_node"] == 2
@@ -240,7 +240,7 @@ def test_every_measured_one_gpu_row_of_the_guide_is_within_10_percent() -> None:
     from zerorun.bench.gpt import GPT
     from zerorun.bench.shape import GPTConfig
 
-    page = (Path(__file__).parents[1] / "docs" / "gpu.md").read_text()
+    page = (Path(__file__).parents[2] / "docs" / "gpu.md").read_text()
     section = page.split("## ZeRO-Offload on one H100", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| \*{0,2}[\d.]+B\*{0,2} \((\d+) x (\d+)\) \| (\d) \| [^|]+\| [^|]+\| [^|]+\| [^|]+\| "
                       r"[^|]+\| [^|]+\| ([\d.]+) GiB \|", section, re.M)

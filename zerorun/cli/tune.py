@@ -1,6 +1,6 @@
 """`zerorun tune`: the command's flags, the tuning with its progress, the tuned recipe and the sweep.
 
-Kept apart from `cli` as `cli_bench` is; the work happens in `zerorun.tune` (imported when run).
+Kept apart from `cli/app.py` as `cli/bench.py` is; the work happens in `zerorun.tune` (imported when run).
 """
 
 from __future__ import annotations

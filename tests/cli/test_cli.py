@@ -114,8 +114,8 @@ def test_every_unknown_flag_names_the_nearest_real_one(args: list[str], nearest:
 
 
 def test_a_flag_near_nothing_still_gets_the_least_far_and_a_pointer_to_help():
-    from zerorun import cli_suggest
+    from zerorun.cli import suggest
 
-    text = cli_suggest.message("--xyz", ["--dry-run", "--set"], with_recipe_keys=False, command="zerorun launch")
+    text = suggest.message("--xyz", ["--dry-run", "--set"], with_recipe_keys=False, command="zerorun launch")
     assert text.startswith("No such option: --xyz. The nearest: --")
     assert text.endswith("though not near; `zerorun launch --help` lists every option.")

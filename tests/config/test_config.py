@@ -89,7 +89,7 @@ def test_load_resolves_script_relative_to_the_recipe_and_checks_it_exists(tmp_pa
 
 
 def test_every_shipped_recipe_is_valid() -> None:
-    for path in Path(__file__).parents[1].joinpath("recipes").glob("*.yaml"):
+    for path in Path(__file__).parents[2].joinpath("recipes").glob("*.yaml"):
         config.load(path)
 
 

@@ -115,7 +115,7 @@ def test_without_deepspeed_the_side_by_side_skips_with_the_reason(monkeypatch: p
 @pytest.mark.slow
 def test_a_launch_runs_the_quick_start_shortened(monkeypatch: pytest.MonkeyPatch) -> None:
     """The launch step's command line, its loss parsing and its checks, on CPU ranks (gloo)."""
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     result = gpu.launch(root, gpu.Launch("2 CPU ranks, stage 2", 2, ("launch.backend=gloo", "zero.stage=2")), 180)
     assert result.status is gpu.Status.PASS, result.detail
     assert re.fullmatch(r"loss [\d.]+ -> [\d.]+", result.detail), result.detail

@@ -1,5 +1,5 @@
 """`zerorun bench ...`: the measurement commands (step time against DDP/FSDP2, collectives, Adam
-kernels, NVMe I/O, the largest model), kept apart from `cli` so each module reads on its own.
+kernels, NVMe I/O, the largest model), kept apart from `cli/app.py` so each module reads on its own.
 
 Each command imports its benchmark only when run, so `zerorun --help` stays fast.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from zerorun.bench.shape import BENCHMARK, GPTConfig
-from zerorun.cli_types import count
+from zerorun.cli.counts import count
 from zerorun.config.counts import parse_count
 from zerorun.errors import ZerorunError
 
