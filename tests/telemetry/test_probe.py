@@ -15,6 +15,7 @@ from zerorun import config
 from zerorun.runtime import events
 from zerorun.runtime.memory import MemoryReport
 from zerorun.telemetry import probe as probe_module
+from zerorun.telemetry import whereabouts
 from zerorun.telemetry.collector import Collector
 from zerorun.telemetry.probe import OUTBOX, Probe, where
 
@@ -221,7 +222,7 @@ def test_after_an_exception_samples_say_where_it_was_raised_and_whether_a_collec
             fn()
         except Exception as exc:  # noqa: BLE001 - the test's exceptions
             raised[name] = exc
-    own, in_peer_wait = probe_module.where_raised(raised["own"]), probe_module.where_raised(raised["victim"])
+    own, in_peer_wait = whereabouts.where_raised(raised["own"]), whereabouts.where_raised(raised["victim"])
     assert own is not None and own["function"] == "own_code" and not own["in_collective"]
     assert in_peer_wait is not None and in_peer_wait["function"] == "all_reduce" and in_peer_wait["in_collective"]
 

@@ -44,7 +44,6 @@ import logging
 import math
 import os
 import socket
-import sys
 import threading
 import time
 import weakref
@@ -57,6 +56,7 @@ from zerorun.config import TelemetryConfig
 from zerorun.telemetry import TOKEN_ENV
 from zerorun.telemetry.flops import ModelFlops, peak_tflops
 from zerorun.telemetry.records import prove
+from zerorun.telemetry.whereabouts import where, where_raised
 
 log = logging.getLogger("zerorun")
 
@@ -66,10 +66,6 @@ FLUSH_S = 0.25  # steps reach the launcher at least this often
 SOCKET_TIMEOUT_S = 1.0
 MAX_BACKOFF_S = 5.0
 _BATCH_BYTES = 256 * 1024
-# A training thread whose stack passes through these is waiting for other ranks.
-_COLLECTIVE_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep,
-                     os.path.join("zerorun", "runtime", "comm", "collectives.py"))
-
 _probe: Probe | None = None
 _flops_override: dict[str, float | None] = {}
 
@@ -103,7 +99,7 @@ def script_ended(raised: BaseException | None = None) -> None:
     failed waiting for a hung peer then looked like a culprit itself, and the report could not
     name the peer (seen in CI with shared-memory collectives).
 
-    When it raised, later samples say where the exception came from instead (`where_raised`): the
+    When it raised, later samples say where the exception came from instead (`whereabouts.where_raised`): the
     last periodic sample may be older than the raise (it can find the rank in a barrier it has
     since left), and a rank that raised in its own code must not pass for a victim of its peers."""
     if _probe is not None:
@@ -386,37 +382,6 @@ class Probe:
 
 
 # -- measurements ------------------------------------------------------------------------------
-
-
-def where(thread_id: int | None) -> dict[str, Any] | None:
-    """The innermost Python frame of a thread, and whether its stack waits in a collective."""
-    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
-    if frame is None:
-        return None
-    spot = {"file": frame.f_code.co_filename, "line": frame.f_lineno, "function": frame.f_code.co_name}
-    in_collective = False
-    while frame is not None and not in_collective:
-        in_collective = _in_collective_file(frame.f_code.co_filename)
-        frame = frame.f_back
-    return dict(spot, in_collective=in_collective)
-
-
-def where_raised(exc: BaseException) -> dict[str, Any] | None:
-    """Where `exc` was raised (its traceback's innermost frame), and whether it came out of a collective."""
-    tb = exc.__traceback__
-    if tb is None:
-        return None
-    in_collective = False
-    while tb.tb_next is not None:
-        in_collective = in_collective or _in_collective_file(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    code = tb.tb_frame.f_code
-    return {"file": code.co_filename, "line": tb.tb_lineno, "function": code.co_name,
-            "in_collective": in_collective or _in_collective_file(code.co_filename)}
-
-
-def _in_collective_file(filename: str) -> bool:
-    return any(part in filename for part in _COLLECTIVE_FILES)
 
 
 def _engine_memory(engine: Any) -> dict[str, dict[str, int]] | None:
