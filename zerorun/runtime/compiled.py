@@ -69,6 +69,11 @@ def unwrapped(module: nn.Module) -> nn.Module:
     return module
 
 
+def model_name(name: str) -> str:
+    """A module's name as the model names it: without the `_orig_mod.` that compile wrappers insert."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 @dataclass(frozen=True)
 class CompiledModel:
     """What the script compiled in a model, by module name ("" is the root)."""

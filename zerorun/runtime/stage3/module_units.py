@@ -201,7 +201,7 @@ def describe(plan: Stage3Plan) -> str:
     split = [g for g in plan.gathered_units() if g.kind is UnitKind.SPLIT]
     classes = sorted({type(compiled.unwrapped(g.module)).__name__ for g in gathered})
     sharded = sum(g.numel for g in gathered)
-    apart = (f", {len(split)} split off the root ({', '.join(g.name for g in split)}; "
+    apart = (f", {len(split)} split off the root ({', '.join(compiled.model_name(g.name) for g in split)}; "
              f"{sum(g.numel for g in split):,} parameters)" if split else "")
     return (f"zerorun: stage 3: {len(gathered)} units ({', '.join(classes) or 'none'}; {sharded:,} parameters "
             f"gathered around their use){apart}, {plan.root.numel:,} in the root unit, "
