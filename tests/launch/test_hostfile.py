@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from zerorun.errors import HostfileError, ZerorunError
 from zerorun.launch.hostfile import Node, load, local_node, parse_hostfile, parse_hostfile_text, select_nodes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "hostfiles"
 FOUR_BY_FOUR = {"worker-0": 4, "worker-1": 4, "worker-2": 4, "worker-3": 4}
 ALL = (0, 1, 2, 3)
