@@ -25,8 +25,8 @@ STAGES = {"stage 2": ["zero.stage=2"], "stage 3": ["zero.stage=3", "zero.wrap=[B
 def _files_of_one_step(rank: int, world_size: int, overrides: list[str]) -> list[str]:
     import torch
     import torch._dynamo  # noqa: F401 - loaded or not depends on the torch version and on what ran before in this
-    # process; the engine's forward looks for it (runtime/compiled.py) until it is: the steady state is "loaded"
 
+    # process; the engine's forward looks for it (runtime/compiled.py) until it is: the steady state is "loaded"
     import zerorun
     from zerorun import config
 
