@@ -15,6 +15,9 @@ Not listed, because the script asks for them by name: `with zerorun.sharded_init
 `nn.Module.register_parameter` inside the block only) and the module hooks the stages register on the
 model (the reducer's gradient hooks, stage 3's gathers), which are how the engine does its work.
 docs/coming-from-ddp.md lists the same, with how to opt out of each.
+
+May import optim (what a routed clip call checks, what a refusal says); never the engine, a store or
+checkpoints: the engine hands it what it guards.
 """
 
 from __future__ import annotations
