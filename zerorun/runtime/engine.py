@@ -128,7 +128,7 @@ class Engine:
         self.grad_accum_steps = recipe.train.grad_accum_steps
         self.clip_grad_norm = recipe.train.clip_grad_norm
         self.window = AccumulationWindow()
-        self.clip = clip.ScriptClipping(self.grad_accum_steps)  # the script's clip_grad_norm_/value_ calls
+        self.clip_calls = clip.ScriptClipping(self.grad_accum_steps)  # the script's clip_grad_norm_/value_ calls
         self.micro_steps = 0
         self.global_step = 0
         self.skipped_steps = 0
@@ -204,7 +204,7 @@ class Engine:
         self._roll_back_speculation()
         self.wait_published()  # the forward may have run on the module itself, outside the engine
         self.window.backward_started(reduce or self.stage >= 2)
-        self.clip.gradients_changed()
+        self.clip_calls.gradients_changed()
         with self.phase.running(Phase.BACKWARD):
             self.reducer.begin_backward(reduce=reduce)
             self.store.begin_backward()
@@ -253,14 +253,14 @@ class Engine:
         """`torch.nn.utils.clip_grad_norm_` over the model's parameters, done by the engine (optim/clip.py): the
         update of this window is clipped to `max_norm` by the global norm over every shard. Returns that
         norm (nan before the window's last backward, when it is not known yet)."""
-        return self.clip.norm(self, parameters, max_norm, norm_type, error_if_nonfinite,
+        return self.clip_calls.norm(self, parameters, max_norm, norm_type, error_if_nonfinite,
                               self.window.complete(self.is_boundary),
                               lambda: self._global_norm() / (self.comm.world_size * self.scaler.scale))
 
     def clip_grad_value_(self, parameters: list[torch.Tensor], clip_value: float) -> None:
         """`torch.nn.utils.clip_grad_value_` over the model's parameters: the window's averaged gradients are
         clamped to [-clip_value, clip_value] before the update (and before its norm)."""
-        self.clip.value(self, parameters, clip_value)
+        self.clip_calls.value(self, parameters, clip_value)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (steps already do this; for loops that skip a step)."""
@@ -274,7 +274,7 @@ class Engine:
         self.checkpoints.before_update()  # a background save must have captured the state it changes
         speculated = self.overlap is not None and self.overlap.settle() is not None  # updated under the backward
         sum_divisor = self.comm.world_size * self.scaler.scale  # reduced gradients are sums of scaled grads
-        call = self.clip.take()
+        call = self.clip_calls.take()
         if call.value is not None:
             for piece in (p.grad for group in self._pieces for p in group):
                 piece.clamp_(-call.value * sum_divisor, call.value * sum_divisor)
