@@ -163,3 +163,29 @@ def test_the_parameter_guard_waits_keeps_the_class_leaves_copies_plain_and_goes_
     assert type(model) is nn.Sequential
     list(model.parameters())
     assert owner.waits == 2
+
+
+def _failed_build(rank: int, world_size: int) -> list[str]:
+    import torch
+
+    import zerorun
+    from tests.runtime.reference import OPT, make_model
+    from zerorun import config
+    from zerorun.errors import ZerorunError
+
+    recipe = config.loads("script: t.py\n", "t.yaml", ["zero.stage=2", "zero.overlap_publish=true"])
+    model = make_model(0)
+    optimizer = torch.optim.AdamW(model.parameters(), **OPT)
+    elsewhere = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(make_model(1).parameters()), lambda step: 1.0)
+    before = _record(_objects(model, optimizer, elsewhere))
+    with pytest.raises(ZerorunError, match="another optimizer") as refused:
+        zerorun.initialize(model, optimizer, recipe, lr_scheduler=elsewhere)
+    differences = _differences(before, _record(_objects(model, optimizer, elsewhere)))
+    del refused  # its traceback kept the half-built engine alive until now, as a script's handler may
+    return differences
+
+
+def test_an_engine_that_fails_to_build_changes_nothing() -> None:
+    """The interceptions are installed last, so a refusal at initialize leaves torch and the script's objects
+    as they were (not only once the half-built engine is garbage-collected)."""
+    assert run_ranks(_failed_build, 2) == [[], []]

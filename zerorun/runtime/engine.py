@@ -98,14 +98,8 @@ class Engine:
                             self.policy, self.phase, self.device, self.compiled)
         self.store: ParamStore = stage.store
         self.reducer: GradReducer = stage.reducer
-        self.interop = Interop(self)  # everything changed outside zerorun, undone by destroy() (runtime/interop/)
-        self.interop.take_over(self, model)
-        if stage.deferred is not None:
-            self.interop.guard_parameter_reads(model, stage.deferred.wait_all)
         cast_frozen(self.module, self.policy.param_dtype)
         self.optimizer = ShardedAdamW(groups, decoupled, handed_over=optimizer)
-        if optimizer is not None:
-            self.interop.refuse_direct_use(optimizer)
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
         self.lr_schedules = LrSchedules(self.optimizer, optimizer, schedulers_of, lr_scheduler, scheduler_source)
@@ -136,9 +130,17 @@ class Engine:
         self._boundary: bool | None = None  # set_boundary's answer; None: every grad_accum_steps-th micro-step
         self.tokens_per_sample: int | None = None  # set it when inputs are not (batch, seq) token ids
         self._window = StepWindow()
-        self.interop.route_clip_calls(self)
         self.checkpoints = Checkpointer(self)  # saves: in the background, at most one in flight
         self.checkpoints.clean_start()
+        # last, so that an engine that failed to build changed nothing: all that is changed outside zerorun,
+        # undone by destroy() (runtime/interop/)
+        self.interop = Interop(self)
+        self.interop.take_over(self, model)
+        if stage.deferred is not None:
+            self.interop.guard_parameter_reads(model, stage.deferred.wait_all)
+        if optimizer is not None:
+            self.interop.refuse_direct_use(optimizer)
+        self.interop.route_clip_calls(self)
         events.emit_setup(setup(done=True))
 
     # -- setup helpers ----------------------------------------------------------------------
