@@ -147,6 +147,7 @@ RUNTIME_LAYERS = {
     "optim": {"offload", "core"},
     "stage3": {"comm", "offload", "core"},
     "checkpoint": {"comm", "offload", "optim", "core"},
+    "interop": {"optim"},
 }
 
 

@@ -166,34 +166,6 @@ def test_the_default_recipe_defers_the_publish_only_across_nodes() -> None:
     assert run_ranks(_engine_defers, 2, (2,)) == [False, False]  # both on one node
 
 
-def test_the_parameter_guard_waits_keeps_the_class_and_leaves_copies_plain() -> None:
-    import copy
-    import io
-    import pickle
-
-    from torch import nn
-
-    from zerorun.runtime.deferred_publish import _guard_parameter_reads
-
-    class Owner:
-        waits = 0
-
-        def wait_all(self) -> None:
-            self.waits += 1
-
-    model, owner = nn.Sequential(nn.Linear(2, 2)), Owner()
-    _guard_parameter_reads(model, owner)  # type: ignore[arg-type]
-    list(model.parameters())
-    dict(model.named_parameters())
-    assert owner.waits == 2
-    assert isinstance(model, nn.Sequential) and type(model).__name__ == "Sequential"
-    assert type(copy.deepcopy(model)) is nn.Sequential  # AveragedModel's copy: no guard, no owner
-    assert type(pickle.loads(pickle.dumps(model))) is nn.Sequential
-    torch.save(model, io.BytesIO())
-    list(model[0].parameters())  # a submodule is not guarded (documented: wait_published)
-    assert owner.waits == 2
-
-
 class _GatedGather:
     """A pending gather that lands (writes `value` into `param`) only once `gate` is set."""
 
@@ -224,11 +196,13 @@ def test_a_forward_waits_for_a_gather_another_thread_is_already_waiting_for() ->
     from torch import nn
 
     from zerorun.runtime.deferred_publish import DeferredPublish
+    from zerorun.runtime.interop.publish_guard import guard_parameter_reads
 
     model = nn.Sequential(nn.Linear(1, 1, bias=False))
     with torch.no_grad():
         model[0].weight.fill_(1.0)  # the previous step's value
     deferred = DeferredPublish(model, [SimpleNamespace(params=[model[0].weight])])  # type: ignore[list-item]
+    guard_parameter_reads(model, deferred.wait_all)  # as the engine's interop does
     gather = _GatedGather(model[0].weight, 2.0)  # the step's update, still on the wire
     deferred.start(lambda order: {k: gather for k in order})  # type: ignore[misc]
 
@@ -253,7 +227,7 @@ def _torn_down(rank: int, world: int) -> dict:
     import zerorun
     from tests.runtime.reference import OPT, batch, make_model, tied_gpt
     from zerorun import config
-    from zerorun.launch.worker import _settle_before_teardown
+    from zerorun.runtime import interop
     from zerorun.runtime.comm.dist import init_distributed
     from zerorun.runtime.stage3.unit_group import UnitState
 
@@ -271,8 +245,9 @@ def _torn_down(rank: int, world: int) -> dict:
         2: engines[2].store.deferred.outstanding,
         3: sum(g.state is UnitState.GATHERING for g in engines[3].store.groups)}
     before = in_flight()
-    _settle_before_teardown()  # what the worker installs before the script runs
+    release = interop.hold_for_script()  # what the worker holds while the script runs
     dist.destroy_process_group()  # the script's own, at the end of training (a DDP habit)
+    release()
     return {"before": before, "after": in_flight()}
 
 

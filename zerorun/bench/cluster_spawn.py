@@ -90,7 +90,7 @@ def _main(payload: str, result: str, threads: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from zerorun.runtime.engine import settle_all
+    from zerorun.runtime.interop import settle_all
 
     torch.set_num_threads(int(threads))
     fn, args = pickle.loads(Path(payload).read_bytes())

@@ -58,7 +58,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, thread
     import torch
     import torch.distributed as dist
 
-    from zerorun.runtime.engine import settle_all
+    from zerorun.runtime.interop import settle_all
 
     torch.set_num_threads(threads)
     try:

@@ -255,6 +255,11 @@ class DeepSpeedEngine:
         self.global_samples = own.get("global_samples", self.global_steps * self.train_batch_size())
         return str(Path(load_dir) / str(self.engine.resumed_from)), state
 
+    def destroy(self) -> None:
+        """DeepSpeed's `engine.destroy()`: the engine ends, and what it changed outside zerorun is undone
+        (`Engine.destroy`, runtime/interop/)."""
+        self.engine.destroy()
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)

@@ -72,12 +72,12 @@ def run_script(script: str, args: list[str]) -> int:
         from zerorun.compat import shim
 
         args = shim.install(recipe, args)
-    from zerorun.runtime import host_allocator
-    from zerorun.runtime.optim import clip
+    from zerorun.runtime import host_allocator, interop
 
     host_allocator.install()  # zero.host_memory: this process's allocator follows each engine's setup
-    clip.install()  # before the script imports clip_grad_norm_: its calls on the engine's parameters reach the engine
-    _settle_before_teardown()
+    # before the script imports clip_grad_norm_ or destroy_process_group (runtime/interop/): a clip call on the
+    # engine's parameters reaches the engine, and the script's own teardown settles the engines first
+    release_interop = interop.hold_for_script()
     script = os.path.abspath(script)
     sys.argv = [script, *args]
     # The script's directory comes first, as for `python script.py`; the entries after it stay, so
@@ -95,6 +95,7 @@ def run_script(script: str, args: list[str]) -> int:
     except BaseException as exc:  # noqa: BLE001 - the user's error, reported as Python would
         _print_user_traceback(exc, script)
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+    release_interop()  # torch's own functions again (an engine still alive holds its own until it goes)
     if stop_probe is not None:
         stop_probe()
     namespace.clear()
@@ -157,23 +158,8 @@ def _print_user_traceback(exc: BaseException, script: str) -> None:
     traceback.print_exception(type(exc), exc, walk)  # None: the script did not start (SyntaxError)
 
 
-def _settle_before_teardown() -> None:
-    """A script's own `dist.destroy_process_group()` (a DDP habit at the end of training) first finishes the
-    engines' collectives still in flight (`engine.settle_all`): gloo aborts a process whose group is torn
-    down under a running one, and after the last `step()` a deferred publish or a prefetch may be."""
-    import torch.distributed as dist
-
-    destroy = dist.destroy_process_group
-
-    def settled_destroy(*args: Any, **kwargs: Any) -> None:
-        _settle_engines()
-        destroy(*args, **kwargs)
-
-    dist.destroy_process_group = settled_destroy
-
-
 def _settle_engines() -> None:
-    from zerorun.runtime.engine import settle_all
+    from zerorun.runtime.interop import settle_all
 
     settle_all()
 

@@ -9,7 +9,7 @@ and each is waited for just before the first module that reads it:
 |---------------------------------------------|--------------------------------------------------|
 | a module's forward (pre-hook, installed once) | the units of every parameter in its subtree (the root: its own parameters only) |
 | `module.state_dict()` (any module's)          | everything                                       |
-| the root's `parameters()` / `named_parameters()` (an EMA, a weight-norm log) | everything |
+| the root's `parameters()` / `named_parameters()` (an EMA, a weight-norm log; runtime/interop/publish_guard.py) | everything |
 | the engine's next step, backward, checkpoint save/load, `state_dict`, `gathered`, `parameters()` | everything |
 | anything else (a submodule's `parameters()`, or a list of parameters taken before training, read right after `step()`) | call `engine.wait_published()` first |
 
@@ -27,11 +27,9 @@ The gathers still overlap what the script does between `step()` and the next for
 
 from __future__ import annotations
 
-import copyreg
 import os
 import threading
-import weakref
-from typing import Any, Callable, Iterator, Literal
+from typing import Callable, Literal
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -69,7 +67,6 @@ class DeferredPublish:
             self._hooks.append(module.register_forward_pre_hook(self._waiter(ks)))
             self._hooks.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
         self.deferred_waits = 0  # units first waited for by a forward hook (not by a barrier): the overlap at work
-        _guard_parameter_reads(root, self)
 
     def start(self, publish: Callable[[list[int]], dict[int, Pending]]) -> None:
         """Start every unit's gather (in forward order) through `publish`; waits happen later."""
@@ -134,40 +131,3 @@ def _reads(root: nn.Module, units: list[Unit], forward_order: list[int]) -> dict
         if ks:
             reads[module] = sorted(ks, key=order.__getitem__)
     return reads
-
-
-_OWNERS: weakref.WeakKeyDictionary[nn.Module, DeferredPublish] = weakref.WeakKeyDictionary()
-_GUARDED: dict[type, type] = {}  # a model class -> its subclass whose named_parameters() waits
-
-
-def _guard_parameter_reads(root: nn.Module, owner: DeferredPublish) -> None:
-    """Make `root.parameters()` and `root.named_parameters()` wait for the publish in flight.
-
-    A DDP habit (an EMA of the weights, a weight-norm log, `AveragedModel.update_parameters(model)`)
-    reads the root's parameters right after `step()`; without the wait it would read half-gathered
-    values. The class is swapped for a subclass of the same name, as FSDP2's `fully_shard` does, so
-    `isinstance`, printing and the class name Hugging Face saves are unchanged; a copy or a pickle of the
-    model is of the original class.
-    """
-    base = type(root)
-    if base not in _GUARDED.values():
-        if base not in _GUARDED:
-            _GUARDED[base] = type(base.__name__, (base,), {
-                "named_parameters": _named_parameters_after_publish, "__reduce_ex__": _reduce_as_base,
-                "__module__": base.__module__, "__qualname__": base.__qualname__})
-        root.__class__ = _GUARDED[base]
-    _OWNERS[root] = owner
-
-
-def _named_parameters_after_publish(self: nn.Module, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-    owner = _OWNERS.get(self)
-    if owner is not None:
-        owner.wait_all()
-    base: type[nn.Module] = type(self).__mro__[1]
-    return base.named_parameters(self, *args, **kwargs)
-
-
-def _reduce_as_base(self: nn.Module, protocol: int) -> tuple[Any, ...]:
-    """Copies and pickles are of the original class (a pickle cannot name the guarded one)."""
-    base = type(self).__mro__[1]
-    return copyreg._reconstructor, (base, object, None), self.__getstate__()  # type: ignore[attr-defined]  # what pickle protocols 0-1 use: object.__new__(base), then the state

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import weakref
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -41,40 +40,25 @@ from zerorun.runtime.checkpoint import background as checkpoint_async
 from zerorun.runtime.checkpoint.background import Checkpointer
 from zerorun.runtime.comm.collectives import Collectives
 from zerorun.runtime.comm.dist import init_distributed
-from zerorun.runtime.deferred_publish import publish_overlaps
 from zerorun.runtime.devices import place_inputs, to_device
 from zerorun.runtime.events import StepWindow
-from zerorun.runtime.flat_params import FlatParams
-from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
+from zerorun.runtime.grad_reducer import GradReducer
+from zerorun.runtime.interop import Interop, schedulers_of
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
 from zerorun.runtime.offload.placement import Placement
 from zerorun.runtime.offload.transfers import Direct
 from zerorun.runtime.optim import clip
 from zerorun.runtime.optim.adam_step import AdamStep, Piece
-from zerorun.runtime.optim.clip import ClipCall
 from zerorun.runtime.optim.lr_schedules import LrSchedules
 from zerorun.runtime.optim.optimizer import ShardedAdamW, param_groups_from
 from zerorun.runtime.optim.overlap import OverlappedUpdate, overlaps
 from zerorun.runtime.phase import Phase, TrainingPhase
 from zerorun.runtime.precision import LossScaler, PrecisionPolicy
 from zerorun.runtime.stage3 import sharded_init
-from zerorun.runtime.stage3.hpz import SecondaryPartition
-from zerorun.runtime.stage3.module_units import describe as describe_plan
-from zerorun.runtime.stage3.module_units import plan_stage3, warn_if_nothing_sharded
-from zerorun.runtime.stage3.scheduled_params import ScheduledParams
+from zerorun.runtime.stage_setup import build_stage, cast_frozen
 from zerorun.runtime.store import ParamStore, units_of
 
 log = logging.getLogger("zerorun")
-_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()  # every engine of this process, for `settle_all`
-
-
-def settle_all() -> None:
-    """Finish the collectives every engine of this process still has in flight. The worker calls it when the
-    script ends (and before a script's own `destroy_process_group()`): after the last `step()` a deferred
-    publish or a prefetch may still be on the wire, and gloo aborts a process whose group is torn down
-    under a running collective ("terminate called without an active exception")."""
-    for engine in list(_LIVE):
-        engine.store.settle()
 
 
 class Engine:
@@ -110,14 +94,15 @@ class Engine:
         self.model = compiled.unwrapped(self.module)
         groups, decoupled = param_groups_from(optimizer, model, recipe.optimizer)
         self._sync_buffers()
-        self.store: ParamStore
-        self.reducer: GradReducer
-        self.store, self.reducer = self._build_stage(model, [g["params"] for g in groups], init_log)
-        self._cast_frozen()
+        stage = build_stage(recipe, model, [g["params"] for g in groups], init_log, self.comm, self.placement,
+                            self.policy, self.phase, self.device, self.compiled)
+        self.store: ParamStore = stage.store
+        self.reducer: GradReducer = stage.reducer
+        cast_frozen(self.module, self.policy.param_dtype)
         self.optimizer = ShardedAdamW(groups, decoupled, handed_over=optimizer)
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
-        self.lr_schedules = LrSchedules(self.optimizer, optimizer, lr_scheduler, scheduler_source)
+        self.lr_schedules = LrSchedules(self.optimizer, optimizer, schedulers_of, lr_scheduler, scheduler_source)
         largest_piece = max((u.shard_numel for u in self.store.units), default=1)
         self.update = AdamStep(self.optimizer, self.store.home,
                                ranges.offload_copies(self.placement.transfers(largest_piece)),
@@ -137,7 +122,7 @@ class Engine:
         self.grad_accum_steps = recipe.train.grad_accum_steps
         self.clip_grad_norm = recipe.train.clip_grad_norm
         self.window = AccumulationWindow()
-        self._clip_call: ClipCall | None = None  # the script's clip_grad_norm_/clip_grad_value_ of this window
+        self.clip_calls = clip.ScriptClipping(self.grad_accum_steps)  # the script's clip_grad_norm_/value_ calls
         self.micro_steps = 0
         self.global_step = 0
         self.skipped_steps = 0
@@ -145,59 +130,24 @@ class Engine:
         self._boundary: bool | None = None  # set_boundary's answer; None: every grad_accum_steps-th micro-step
         self.tokens_per_sample: int | None = None  # set it when inputs are not (batch, seq) token ids
         self._window = StepWindow()
-        clip.route_to(self)
         self.checkpoints = Checkpointer(self)  # saves: in the background, at most one in flight
         self.checkpoints.clean_start()
-        _LIVE.add(self)
+        # last, so that an engine that failed to build changed nothing: all that is changed outside zerorun,
+        # undone by destroy() (runtime/interop/)
+        self.interop = Interop(self)
+        self.interop.take_over(self, model)
+        if stage.deferred is not None:
+            self.interop.guard_parameter_reads(model, stage.deferred.wait_all)
+        if optimizer is not None:
+            self.interop.refuse_direct_use(optimizer)
+        self.interop.route_clip_calls(self)
         events.emit_setup(setup(done=True))
 
     # -- setup helpers ----------------------------------------------------------------------
-    def _build_stage(self, model: nn.Module, groups: list[list[nn.Parameter]],
-                     init_log: Any) -> tuple[ParamStore, GradReducer]:
-        """The stage's parameter store (at stage 3 with its scheduler) and the gradient reducer around it."""
-        zero, dtype, reduce_dtype = self.recipe.zero, self.policy.param_dtype, self.policy.reduce_dtype
-        if self.stage < 3:
-            shard_world = 1 if self.stage == 0 else self.comm.world_size
-            defer_to = model if publish_overlaps(zero.overlap_publish, self.comm.world_size) else None
-            store = FlatParams(groups, self.placement, self.policy, self.comm, shard_world, _numel(zero.bucket_mb),
-                               defer_to)
-            reducer = GradReducer(store, self.comm, reduce_dtype, self.device, Reduction.for_stage(self.stage),
-                                  LaunchOrder.LAYOUT, zero.overlap_comm, self.phase)
-            return store, reducer
-        plan = plan_stage3(model, groups, zero.wrap, zero.param_persistence_threshold, _numel(zero.bucket_mb),
-                           _numel(zero.allgather_bucket_mb), self.comm.world_size, dtype)
-        units = plan.gathered_units()
-        compiled.refuse_unworkable(self.compiled, self.stage, [(g.name, g.module) for g in units])
-        if self.comm.rank == 0:
-            print(describe_plan(plan), flush=True)
-            warn_if_nothing_sharded(plan, zero.wrap, zero.param_persistence_threshold)
-            note = compiled.stage3_whole_model_note(self.compiled, len(units))
-            if note is not None:
-                print(note, flush=True)
-        hpz = (SecondaryPartition(plan.units, self.comm, zero.hpz_partition_size, zero.cpu_collectives,
-                                  self.recipe.launch.timeout_s) if zero.hpz_partition_size > 1 else None)
-        say = (lambda text: print(text, flush=True)) if self.comm.rank == 0 else None
-        sharded = ScheduledParams(model, plan, self.placement, self.policy, self.comm, init_log, hpz,
-                                  prefetch=zero.prefetch_units, phase=self.phase,
-                                  prefetch_after_step=zero.overlap_comm, say=say)
-        # each unit's gradients are reduce-scattered as soon as backward completes it; then it is released
-        reducer = GradReducer(sharded, self.comm, reduce_dtype, self.device, Reduction.SCATTER_SHARD, LaunchOrder.READY,
-                              zero.overlap_comm, self.phase, on_launch=sharded.scheduler.gradients_sent)
-        return sharded, reducer
-
     def _sync_buffers(self) -> None:
         """Every rank starts from rank 0's buffers (parameters are synced by the store)."""
         for buffer in self.module.buffers():
             self.comm.broadcast(buffer, src=0).wait()
-
-    def _cast_frozen(self) -> None:
-        """Frozen parameters and floating buffers follow the compute dtype (they are not sharded)."""
-        dtype = self.policy.param_dtype
-        if dtype == torch.float32:
-            return
-        for param in self.module.parameters():
-            if not param.requires_grad and param.is_floating_point():
-                param.data = param.data.to(dtype)
 
     # -- training loop ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -256,8 +206,7 @@ class Engine:
         self._roll_back_speculation()
         self.wait_published()  # the forward may have run on the module itself, outside the engine
         self.window.backward_started(reduce or self.stage >= 2)
-        if self._clip_call is not None:
-            self._clip_call.norm = None  # a later backward changes the gradients it measured
+        self.clip_calls.gradients_changed()
         with self.phase.running(Phase.BACKWARD):
             self.reducer.begin_backward(reduce=reduce)
             self.store.begin_backward()
@@ -303,26 +252,17 @@ class Engine:
 
     def clip_grad_norm_(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
-        """`torch.nn.utils.clip_grad_norm_` over the model's parameters, done by the engine (clip.py): the
+        """`torch.nn.utils.clip_grad_norm_` over the model's parameters, done by the engine (optim/clip.py): the
         update of this window is clipped to `max_norm` by the global norm over every shard. Returns that
         norm (nan before the window's last backward, when it is not known yet)."""
-        self._clip_call = clip.check_call(self, self._clip_call, parameters, "clip_grad_norm_", norm_type)
-        self._clip_call.max_norm = float(max_norm)
-        if not self.window.complete(self.is_boundary):
-            return torch.tensor(clip.too_early(self.grad_accum_steps))
-        if self._clip_call.norm is None:
-            self._clip_call.norm = self._global_norm() / (self.comm.world_size * self.scaler.scale)
-        norm = self._clip_call.norm
-        if error_if_nonfinite and not math.isfinite(norm):
-            raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
-                               "so it cannot be clipped.")
-        return torch.tensor(norm)
+        return self.clip_calls.norm(self, parameters, max_norm, norm_type, error_if_nonfinite,
+                              self.window.complete(self.is_boundary),
+                              lambda: self._global_norm() / (self.comm.world_size * self.scaler.scale))
 
     def clip_grad_value_(self, parameters: list[torch.Tensor], clip_value: float) -> None:
         """`torch.nn.utils.clip_grad_value_` over the model's parameters: the window's averaged gradients are
         clamped to [-clip_value, clip_value] before the update (and before its norm)."""
-        self._clip_call = clip.check_call(self, self._clip_call, parameters, "clip_grad_value_")
-        self._clip_call.value = float(clip_value)
+        self.clip_calls.value(self, parameters, clip_value)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (steps already do this; for loops that skip a step)."""
@@ -336,7 +276,7 @@ class Engine:
         self.checkpoints.before_update()  # a background save must have captured the state it changes
         speculated = self.overlap is not None and self.overlap.settle() is not None  # updated under the backward
         sum_divisor = self.comm.world_size * self.scaler.scale  # reduced gradients are sums of scaled grads
-        call, self._clip_call = self._clip_call or ClipCall(), None
+        call = self.clip_calls.take()
         if call.value is not None:
             for piece in (p.grad for group in self._pieces for p in group):
                 piece.clamp_(-call.value * sum_divisor, call.value * sum_divisor)
@@ -375,6 +315,15 @@ class Engine:
         if self.store.shard_world > 1:
             self.comm.all_reduce(local, async_op=False).wait()
         return float(local.sqrt())
+
+    def destroy(self) -> None:
+        """End the engine: a save in flight commits, collectives in flight finish, and everything it changed outside
+        zerorun is undone (torch's clip functions, the model root's class, the handed-over optimizer: runtime/
+        interop/), and the reducer's gradient hooks are removed. Build no new work on the engine after this."""
+        self.checkpoints.wait()
+        self.store.settle()
+        self.reducer.remove_hooks()
+        self.interop.remove()
 
     # -- introspection ----------------------------------------------------------------------
     @property
@@ -495,8 +444,3 @@ class Engine:
         if dir is None:
             raise ZerorunError("no checkpoint directory: pass dir=... or set checkpoint.dir in the recipe.")
         return dir
-
-
-def _numel(mib: float) -> int:
-    """fp32 elements in `mib` MiB (at least one)."""
-    return max(1, int(mib * 2**20 // 4))

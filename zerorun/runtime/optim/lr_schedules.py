@@ -9,9 +9,9 @@ carries the state of every scheduler that drives the engine's optimizer, and a r
 | `ENGINE` | `zerorun.initialize(lr_scheduler=...)`, or the recipe's `scheduler` | the engine, after every applied update (DeepSpeed's contract) |
 | `SCRIPT` | any `torch.optim.lr_scheduler` the script built on the engine's optimizer or on the one it handed over | the script |
 
-The script's schedulers are found by asking the garbage collector what refers to the optimizer
-(`gc.get_referrers`: a scan of every tracked object, so it runs at the first update, at saves and
-while a restore waits, never every step). A `SequentialLR` or `ChainedScheduler` is one scheduler:
+The script's schedulers are found by the function the engine hands in (`find`: runtime/interop/
+schedulers.py, which asks the garbage collector what refers to the optimizer and says why); it runs at the
+first update, at saves and while a restore waits, never every step. A `SequentialLR` or `ChainedScheduler` is one scheduler:
 its children are part of its state.
 
 A save taken inside `engine.step()` (`checkpoint.every_steps`) lands before the script's own
@@ -25,17 +25,15 @@ engine is next entered (a forward, backward or step), before any update uses its
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from torch.optim.lr_scheduler import LRScheduler
 
 from zerorun.errors import ZerorunError
 
@@ -63,8 +61,11 @@ class LrSchedules:
     """The schedulers that drive `optimizer` (the engine's) and `handed_over` (the script's, if any)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, handed_over: torch.optim.Optimizer | None,
-                 owned: Any = None, recipe_says: str | None = None) -> None:
-        """`owned`: a scheduler the engine steps; `recipe_says`: where the recipe set it (for messages)."""
+                 find: Callable[[list[torch.optim.Optimizer]], list[Any]], owned: Any = None,
+                 recipe_says: str | None = None) -> None:
+        """`find`: the schedulers built on some of the optimizers; `owned`: a scheduler the engine steps;
+        `recipe_says`: where the recipe set it (for messages)."""
+        self._find = find
         self._optimizers = [opt for opt in (optimizer, handed_over) if opt is not None]
         self._recipe_says = recipe_says
         self._tracked: list[_Tracked] = []
@@ -130,7 +131,7 @@ class LrSchedules:
         """Track every script scheduler on the optimizers that is not tracked yet."""
         self._searched = True
         known = {id(t.scheduler) for t in self._tracked}
-        for found in _schedulers_of(self._optimizers):
+        for found in self._find(self._optimizers):
             if id(found) in known:
                 continue
             engine_owned = [t for t in self._tracked if t.owner is Owner.ENGINE]
@@ -204,22 +205,6 @@ class LrSchedules:
             _load(match.scheduler, entry)
             match.epoch_at_update = None
         self._pending = waiting
-
-
-def _schedulers_of(optimizers: list[torch.optim.Optimizer]) -> list[Any]:
-    """The top-level LR schedulers built on any of `optimizers` (children of a SequentialLR left out)."""
-    referrers = gc.get_referrers(*optimizers)
-    dicts = [obj for obj in referrers if type(obj) is dict]  # before Python 3.11 an instance refers through its __dict__
-    owners = [obj for obj in gc.get_referrers(*dicts)
-              if isinstance(obj, LRScheduler) and any(obj.__dict__ is d for d in dicts)] if dicts else []
-    found = [obj for obj in referrers + owners
-             if isinstance(obj, LRScheduler) and any(obj.optimizer is o for o in optimizers)]
-    children = {id(child) for s in found for child in getattr(s, "_schedulers", [])}
-    unique: dict[int, Any] = {}
-    for s in found:
-        if id(s) not in children:
-            unique.setdefault(id(s), s)
-    return list(unique.values())
 
 
 def _load(scheduler: Any, entry: dict[str, Any]) -> None:

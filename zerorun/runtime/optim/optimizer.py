@@ -59,7 +59,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     Given the user's optimizer (`handed_over`), it shares that optimizer's `param_groups` list, the
     very same dicts: a scheduler built on either object, before or after `zerorun.initialize`, and
     code that sets `group["lr"]`, drive the engine's update. The user's optimizer itself can no
-    longer step or hold state (`refuse_direct_use`).
+    longer step or hold state (the engine's interop makes it refuse: runtime/interop/optimizer_guard.py).
     """
 
     def __init__(self, groups: list[dict[str, Any]], decoupled: bool,
@@ -71,7 +71,6 @@ class ShardedAdamW(torch.optim.Optimizer):
             assert len(handed_over.param_groups) == len(groups), "one engine group per param group of the optimizer"
             self.param_groups = handed_over.param_groups
             self.defaults = handed_over.defaults
-            refuse_direct_use(handed_over)
         self.handed_over = handed_over
         self.decoupled = decoupled
         self.steps = [0 for _ in groups]  # a Python int: no device sync to read it
@@ -103,16 +102,16 @@ class ShardedAdamW(torch.optim.Optimizer):
             self.handed_over._opt_called = True  # type: ignore[attr-defined]
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]  # noqa: D102 - refuses: the engine drives the update
-        raise ZerorunError(_STEP)
+        raise ZerorunError(REFUSALS["step"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
-        raise ZerorunError(_ZERO_GRAD)
+        raise ZerorunError(REFUSALS["zero_grad"])
 
     def state_dict(self) -> dict[str, Any]:  # noqa: D102
-        raise ZerorunError(_STATE_DICT)
+        raise ZerorunError(REFUSALS["state_dict"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102
-        raise ZerorunError(_STATE_DICT)
+        raise ZerorunError(REFUSALS["state_dict"])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:  # noqa: D102
         if getattr(self, "_groups_fixed", False):
@@ -124,33 +123,16 @@ class ShardedAdamW(torch.optim.Optimizer):
         getattr(add, "__wrapped__", add)(self, param_group)
 
 
-
-_STEP = ("this optimizer is driven by the zerorun engine: call engine.step(), which reduces gradients across "
-         "ranks and updates the shard this rank owns (at accumulation boundaries). Its param groups stay live: "
-         "an LR scheduler on it, or group['lr'] = ..., still sets what engine.step() uses.")
-_ZERO_GRAD = ("this optimizer is driven by the zerorun engine: engine.step() already clears gradients after every "
-              "update; call engine.zero_grad() to drop gradients accumulated since the last update.")
 _STATE_DICT = ("this optimizer's state is sharded across ranks by the zerorun engine: save and restore it with "
                "engine.save_checkpoint(dir) and engine.load_checkpoint(dir) (moments, step counts and param "
                "groups included).")
-
-
-def refuse_direct_use(optimizer: torch.optim.Optimizer) -> None:
-    """Make the user's handed-over optimizer refuse what would silently do nothing or the wrong thing.
-
-    `step` refuses through a step pre-hook, which runs inside torch's own `step` wrapper: a scheduler
-    built on the optimizer before or after this keeps its wrapper (replacing `step` would make it warn
-    that step was overridden). The other methods are shadowed on the instance.
-    """
-    def refuse(message: str) -> Any:
-        def method(*args: Any, **kwargs: Any) -> Any:
-            raise ZerorunError(message)
-        return method
-
-    def refuse_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        raise ZerorunError(_STEP)
-
-    optimizer.register_step_pre_hook(refuse_step)
-    optimizer.zero_grad = refuse(_ZERO_GRAD)  # type: ignore[method-assign]
-    optimizer.state_dict = refuse(_STATE_DICT)  # type: ignore[method-assign]
-    optimizer.load_state_dict = refuse(_STATE_DICT)  # type: ignore[method-assign]
+# what the engine's optimizer, and the one the script handed over (runtime/interop/optimizer_guard.py), say
+REFUSALS = {
+    "step": "this optimizer is driven by the zerorun engine: call engine.step(), which reduces gradients across "
+            "ranks and updates the shard this rank owns (at accumulation boundaries). Its param groups stay live: "
+            "an LR scheduler on it, or group['lr'] = ..., still sets what engine.step() uses.",
+    "zero_grad": "this optimizer is driven by the zerorun engine: engine.step() already clears gradients after every "
+                 "update; call engine.zero_grad() to drop gradients accumulated since the last update.",
+    "state_dict": _STATE_DICT,
+    "load_state_dict": _STATE_DICT,
+}

@@ -1,0 +1,104 @@
+"""Everything zerorun changes outside itself, in one place: installed with an engine, removed with it.
+
+| what                                                         | installed                       | removed                              | module |
+|--------------------------------------------------------------|---------------------------------|--------------------------------------|--------|
+| `torch.nn.utils[.clip_grad].clip_grad_norm_`/`clip_grad_value_` wrapped: calls over an engine's parameters go to it | `zerorun.initialize`; the worker, before the script is imported | the last `engine.destroy()`; the worker, when the script returns | clip_functions.py |
+| `torch.distributed.destroy_process_group` wrapped: settles the engines first | the worker, before the script is imported | the worker, when the script returns | process_group.py |
+| the model root's class: a same-named subclass whose `named_parameters()` waits for a deferred publish | `zerorun.initialize` (stages 1/2 with `zero.overlap_publish`) | `engine.destroy()` | publish_guard.py |
+| the handed-over optimizer: a step pre-hook and `zero_grad`/`state_dict`/`load_state_dict` that refuse | `zerorun.initialize(model, optimizer)` | `engine.destroy()` | optimizer_guard.py |
+| nothing (reads only): the script's LR schedulers found through `gc.get_referrers` | - | - | schedulers.py |
+
+An engine the script drops without `destroy()` has the same done when it is garbage-collected. A second
+engine over parameters of a live one takes them over: the first engine's interceptions are removed (with
+a warning) before the second's are installed, so a clip call or a publish wait has one owner.
+Not listed, because the script asks for them by name: `with zerorun.sharded_init():` (replaces
+`nn.Module.register_parameter` inside the block only) and the module hooks the stages register on the
+model (the reducer's gradient hooks, stage 3's gathers), which are how the engine does its work.
+docs/coming-from-ddp.md lists the same, with how to opt out of each.
+
+May import optim (what a routed clip call checks, what a refusal says); never the engine, a store or
+checkpoints: the engine hands it what it guards.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from zerorun.runtime.interop import clip_functions, engines, process_group
+from zerorun.runtime.interop.engines import live, settle_all
+from zerorun.runtime.interop.optimizer_guard import refuse_direct_use
+from zerorun.runtime.interop.publish_guard import guard_parameter_reads
+from zerorun.runtime.interop.schedulers import schedulers_of
+from zerorun.runtime.optim.clip import trainable
+
+__all__ = ["Interop", "hold_for_script", "live", "schedulers_of", "settle_all"]
+
+log = logging.getLogger("zerorun")
+
+
+class Interop:
+    """What one engine changes outside zerorun, and the undo of each; `remove()` undoes them all, once."""
+
+    def __init__(self, engine: Any) -> None:
+        self._undo: list[Callable[[], None]] = []
+        self.models: list[nn.Module] = []  # the models this engine wraps (compared by identity)
+        # the engine garbage-collected without destroy(): the same undo (this object holds no reference to it)
+        self._finalizer = weakref.finalize(engine, self._undo_all)
+
+    @property
+    def installed(self) -> bool:
+        return self._finalizer.alive
+
+    def take_over(self, engine: Any, model: nn.Module) -> None:
+        """Remove the interceptions of any live engine that steps the same parameters or wraps the same model."""
+        mine = {id(p) for p in trainable(engine)}
+        for other in engines.live():
+            if other is engine:
+                continue
+            shared = any(model is m for m in other.interop.models) or any(id(p) in mine for p in trainable(other))
+            if shared and other.interop.installed:
+                log.warning("zerorun: a new engine wraps the model of a live one; the earlier engine's clip routing "
+                            "and guards are removed (call engine.destroy() before building another engine over "
+                            "the same model)")
+                other.interop.remove()
+        self.models.append(model)
+
+    def route_clip_calls(self, engine: Any) -> None:
+        """torch's clip functions, called over this engine's parameters, reach this engine."""
+        engines.enter(engine)
+        ref = weakref.ref(engine)
+        self._undo.append(clip_functions.hold())
+        self._undo.append(lambda: engines.leave(ref()))
+
+    def guard_parameter_reads(self, root: nn.Module, wait_all: Callable[[], None]) -> None:
+        """`root.parameters()`/`named_parameters()` wait for the deferred publish (publish_guard.py)."""
+        self._undo.append(guard_parameter_reads(root, wait_all))
+
+    def refuse_direct_use(self, optimizer: torch.optim.Optimizer) -> None:
+        """The handed-over optimizer refuses to step or save (optimizer_guard.py)."""
+        self._undo.append(refuse_direct_use(optimizer))
+
+    def remove(self) -> None:
+        """Undo every interception of this engine (idempotent)."""
+        self._finalizer()
+
+    def _undo_all(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+        self.models.clear()
+
+
+def hold_for_script() -> Callable[[], None]:
+    """What the launcher's worker holds while the script runs: the clip functions (a script binds them at import,
+    before its engine exists) and the settling `destroy_process_group`. Returns the release."""
+    releases = [clip_functions.hold(), process_group.hold()]
+
+    def release() -> None:
+        for each in releases:
+            each()
+    return release

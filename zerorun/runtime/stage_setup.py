@@ -1,0 +1,86 @@
+"""Which parameter store and gradient reducer a ZeRO stage uses, built once from the recipe at `initialize`.
+
+Stages 0-2 keep whole parameters as views into one flat buffer (`FlatParams`), optionally publishing
+the post-step all-gather under the next forward (`DeferredPublish`); stage 3 plans its units, shards
+them (`ScheduledParams`) and reduce-scatters each unit's gradients as soon as backward completes it.
+The engine drives whatever this returns through the `ParamStore` Protocol only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zerorun.config import Recipe
+from zerorun.runtime import compiled
+from zerorun.runtime.comm.collectives import Collectives
+from zerorun.runtime.deferred_publish import DeferredPublish, publish_overlaps
+from zerorun.runtime.flat_params import FlatParams
+from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
+from zerorun.runtime.offload.placement import Placement
+from zerorun.runtime.phase import TrainingPhase
+from zerorun.runtime.precision import PrecisionPolicy
+from zerorun.runtime.stage3.hpz import SecondaryPartition
+from zerorun.runtime.stage3.module_units import describe as describe_plan
+from zerorun.runtime.stage3.module_units import plan_stage3, warn_if_nothing_sharded
+from zerorun.runtime.stage3.scheduled_params import ScheduledParams
+from zerorun.runtime.stage3.sharded_init import InitLog
+from zerorun.runtime.store import ParamStore
+
+
+@dataclass
+class Stage:
+    """What the engine holds of its stage."""
+
+    store: ParamStore
+    reducer: GradReducer
+    deferred: DeferredPublish | None  # stages 1/2 with zero.overlap_publish: the publish the root's reads wait for
+
+
+def build_stage(recipe: Recipe, model: nn.Module, groups: list[list[nn.Parameter]], init_log: InitLog | None,
+                comm: Collectives, placement: Placement, policy: PrecisionPolicy, phase: TrainingPhase,
+                device: torch.device, seen: compiled.CompiledModel) -> Stage:
+    """The stage's parameter store (at stage 3 with its scheduler) and the gradient reducer around it."""
+    zero, stage = recipe.zero, recipe.zero.stage
+    if stage < 3:
+        shard_world = 1 if stage == 0 else comm.world_size
+        defer_to = model if publish_overlaps(zero.overlap_publish, comm.world_size) else None
+        store = FlatParams(groups, placement, policy, comm, shard_world, numel(zero.bucket_mb), defer_to)
+        reducer = GradReducer(store, comm, policy.reduce_dtype, device, Reduction.for_stage(stage),
+                              LaunchOrder.LAYOUT, zero.overlap_comm, phase)
+        return Stage(store, reducer, store.deferred)
+    plan = plan_stage3(model, groups, zero.wrap, zero.param_persistence_threshold, numel(zero.bucket_mb),
+                       numel(zero.allgather_bucket_mb), comm.world_size, policy.param_dtype)
+    units = plan.gathered_units()
+    compiled.refuse_unworkable(seen, stage, [(g.name, g.module) for g in units])
+    if comm.rank == 0:
+        print(describe_plan(plan), flush=True)
+        warn_if_nothing_sharded(plan, zero.wrap, zero.param_persistence_threshold)
+        note = compiled.stage3_whole_model_note(seen, len(units))
+        if note is not None:
+            print(note, flush=True)
+    hpz = (SecondaryPartition(plan.units, comm, zero.hpz_partition_size, zero.cpu_collectives,
+                              recipe.launch.timeout_s) if zero.hpz_partition_size > 1 else None)
+    say = (lambda text: print(text, flush=True)) if comm.rank == 0 else None
+    sharded = ScheduledParams(model, plan, placement, policy, comm, init_log, hpz, prefetch=zero.prefetch_units,
+                              phase=phase, prefetch_after_step=zero.overlap_comm, say=say)
+    # each unit's gradients are reduce-scattered as soon as backward completes it; then it is released
+    reducer = GradReducer(sharded, comm, policy.reduce_dtype, device, Reduction.SCATTER_SHARD, LaunchOrder.READY,
+                          zero.overlap_comm, phase, on_launch=sharded.scheduler.gradients_sent)
+    return Stage(sharded, reducer, None)
+
+
+def cast_frozen(module: nn.Module, dtype: torch.dtype) -> None:
+    """Frozen parameters follow the compute dtype (they are not sharded)."""
+    if dtype == torch.float32:
+        return
+    for param in module.parameters():
+        if not param.requires_grad and param.is_floating_point():
+            param.data = param.data.to(dtype)
+
+
+def numel(mib: float) -> int:
+    """fp32 elements in `mib` MiB (at least one)."""
+    return max(1, int(mib * 2**20 // 4))
