@@ -58,3 +58,14 @@ def test_ruff_finds_nothing() -> None:
         pytest.skip("ruff is not installed (pip install '.[test]')")
     done = subprocess.run([ruff, "check", "zerorun", "tests", "recipes"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+MAX_LINES = 450
+
+
+def test_no_module_of_the_package_is_over_450_lines() -> None:
+    """A module past ~450 lines has usually grown a second concern: split it where the concerns part (as
+    checkpoint/tools.py left files.py, telemetry/whereabouts.py left probe.py)."""
+    long = {str(path.relative_to(ROOT)): n for path in sorted((ROOT / "zerorun").rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
