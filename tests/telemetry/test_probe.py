@@ -17,7 +17,8 @@ from zerorun.runtime.memory import MemoryReport
 from zerorun.telemetry import probe as probe_module
 from zerorun.telemetry import whereabouts
 from zerorun.telemetry.collector import Collector
-from zerorun.telemetry.probe import OUTBOX, Probe, where
+from zerorun.telemetry.probe import OUTBOX, SOCKET_TIMEOUT_S, Probe
+from zerorun.telemetry.whereabouts import where
 
 FAST = config.TelemetryConfig(interval_s=0.05)
 
@@ -122,8 +123,9 @@ def test_a_frozen_or_dead_launcher_never_blocks_the_step_listener_and_stop_is_bo
             started = time.monotonic()
             probe.stop(timeout=2.0)
             assert time.monotonic() - started < 3.0
-            # blocking on the socket would take SOCKET_TIMEOUT_S (1 s); GIL hand-offs take milliseconds
-            assert slowest < 0.2, f"a step listener call took {slowest * 1e3:.1f} ms ({address})"
+            # blocking on the socket would take SOCKET_TIMEOUT_S (1 s); a GIL hand-off takes milliseconds, but the
+            # slowest of 20,000 calls also meets the OS scheduling the thread out: 259 ms seen on the 2-core machine
+            assert slowest < 0.5 * SOCKET_TIMEOUT_S, f"a step listener call took {slowest * 1e3:.1f} ms ({address})"
             assert len(probe._outbox) <= OUTBOX
     finally:
         frozen.close()

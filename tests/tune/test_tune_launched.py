@@ -66,7 +66,7 @@ def test_tuning_the_quick_start_writes_a_recipe_that_loads_with_what_it_measured
         name = {"offload_optimizer": "zero.offload_optimizer.device", "offload_param": "zero.offload_param.device",
                 "micro_batch": "train.micro_batch_size", "grad_accum": "train.grad_accum_steps",
                 "checkpointing": "train.activation_checkpointing", "bucket_mb": "zero.bucket_mb",
-                "stage": "zero.stage"}[key]
+                "stage": "zero.stage", "host_share": "zero.offload_optimizer_ratio"}[key]
         section, _, field = name.rpartition(".")
         holder = tuned
         for part in section.split("."):

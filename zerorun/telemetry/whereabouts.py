@@ -10,8 +10,9 @@ import sys
 from typing import Any
 
 # A training thread whose stack passes through these is waiting for other ranks.
+# (every module of zerorun's comm/: a wait can sit in collectives.py, handles.py or a codec thread's module)
 _COLLECTIVE_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep,
-                     os.path.join("zerorun", "runtime", "comm", "collectives.py"))
+                     os.sep + os.path.join("zerorun", "runtime", "comm") + os.sep)
 
 
 def where(thread_id: int | None) -> dict[str, Any] | None:
