@@ -131,7 +131,7 @@ class NvmeFiles:
         self._ring: dict[str, list[torch.Tensor]] = {}  # per name, RING_SLOTS buffers (allocated on first use)
         self._bounce: torch.Tensor | None = None  # the synchronous helpers' buffer
         self._fds: dict[str, int] = {}
-        self._paths: list[Path] = []
+        self._paths: list[tuple[Path, int]] = []  # each file this store made, with its inode
         self.root.mkdir(parents=True, exist_ok=True)
         self._engine: AioEngine = open_engine(aio)
         self._cleanup = weakref.finalize(self, _remove, self._engine, self._fds, self._paths, self.root)
@@ -150,12 +150,19 @@ class NvmeFiles:
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"NvmeFiles: {name!r} cannot be a file name")
         path = self.root / f"{name}.bin"
+        # a file of its own, never one an earlier store at this path (an engine not yet collected) still holds
+        # open: that store's cleanup then removes only its own file, and this one keeps its data
+        path.unlink(missing_ok=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+            except FileNotFoundError:  # that earlier store's cleanup removed the empty directory just now
+                self.root.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise ZerorunError(f"{path}: cannot open for O_DIRECT I/O ({exc.strerror}); NVMe offload needs a "
                                "directory on a real disk.") from None
-        self._paths.append(path)
+        self._paths.append((path, os.fstat(fd).st_ino))
         size = _round_up(numel * self.itemsize)
         if size:
             try:
@@ -364,14 +371,19 @@ class NvmeFiles:
                     pass  # the error that stopped the pass is the one to report
 
 
-def _remove(engine: AioEngine, fds: dict[str, int], paths: list[Path], root: Path) -> None:
-    """Close and delete a store's files (weakref.finalize: on close(), garbage collection or exit)."""
+def _remove(engine: AioEngine, fds: dict[str, int], paths: list[tuple[Path, int]], root: Path) -> None:
+    """Close and delete a store's files (weakref.finalize: on close(), garbage collection or exit); a file a later
+    store made at the same path is that store's, and stays."""
     engine.close()
     for fd in fds.values():
         os.close(fd)
     fds.clear()
-    for path in paths:
-        path.unlink(missing_ok=True)
+    for path, inode in paths:
+        try:
+            if os.stat(path).st_ino == inode:
+                path.unlink()
+        except FileNotFoundError:
+            pass
     try:
         root.rmdir()  # only if nothing else lives there
     except OSError:
