@@ -48,7 +48,7 @@ def _hard_input(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _torch_codec(x: torch.Tensor) -> Quantized:
     out = Quantized.empty(x.numel(), x.device)
-    codec._torch_quantize(x, out)
+    codec.torch_quantize(x, out)
     return out
 
 

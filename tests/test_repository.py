@@ -69,3 +69,43 @@ def test_no_module_of_the_package_is_over_450_lines() -> None:
     long = {str(path.relative_to(ROOT)): n for path in sorted((ROOT / "zerorun").rglob("*.py"))
             if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def _private_names(tree: ast.Module) -> set[str]:
+    """The private names a module defines: its functions, classes and globals, and the attributes its classes
+    set on `self`."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_module_reads_another_modules_private_names() -> None:
+    """A module of zerorun may use what another module defines only through its public names: a private one
+    (`ops._load`, `scheduler._inside`) is an implementation detail its owner may change. torch's own private
+    names (`torch._foreach_norm`, a compiled module's `_orig_mod`) are torch's business, not this rule's."""
+    import torch
+
+    torch_objects = (torch, torch.nn.Module(), torch.empty(0))
+    trees = {path: ast.parse(path.read_text()) for path in sorted((ROOT / "zerorun").rglob("*.py"))}
+    defined = {path: _private_names(tree) for path, tree in trees.items()}
+    crossing = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "super"):
+                continue
+            if any(hasattr(torch_object, node.attr) for torch_object in torch_objects):
+                continue  # torch's own (`module._buffers`), though a zerorun module has a name like it
+            owners = [other for other, names in defined.items() if node.attr in names]
+            if owners and path not in owners:
+                crossing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)} "
+                                f"(private to {', '.join(str(o.relative_to(ROOT)) for o in owners)})")
+    assert not crossing, "\n".join(crossing)

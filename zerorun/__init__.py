@@ -10,13 +10,20 @@ In a training script:
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from zerorun.version import __version__  # noqa: F401 - the package's version, as zerorun.__version__
 
 if TYPE_CHECKING:
+    from torch import nn
+    from torch.optim import Optimizer
+    from torch.optim.lr_scheduler import LRScheduler
+
     from zerorun.config import Recipe
     from zerorun.runtime.engine import Engine
+
+    # a scheduler on the script's optimizer, or a function that builds one on the engine's optimizer
+    SchedulerArg = Union[LRScheduler, Callable[[Optimizer], LRScheduler], None]
 
 _recipe: Recipe | None = None
 
@@ -38,7 +45,8 @@ def sharded_init() -> Any:
     return _sharded_init()
 
 
-def initialize(model: Any, optimizer: Any = None, config: Recipe | None = None, lr_scheduler: Any = None) -> Engine:
+def initialize(model: nn.Module, optimizer: Optimizer | None = None, config: Recipe | None = None,
+               lr_scheduler: SchedulerArg = None) -> Engine:
     """Wrap `model` in a ZeRO engine.
 
     `optimizer`: a torch Adam/AdamW whose param groups are taken over (None: the recipe's `optimizer`

@@ -39,9 +39,7 @@ from zerorun.kernel_cache import (  # noqa: F401 - KernelSpec, cache_root and so
     cache_root,
     sources_dir,
 )
-from zerorun.toolchain import BuildError, cuda_home
-
-_cuda_home = cuda_home  # the name `zerorun bench gpu` reports
+from zerorun.toolchain import BuildError
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -53,13 +51,13 @@ class KernelWarning(UserWarning):
 # ---- per process: what is loaded, what is not and why ----
 
 @dataclass
-class _Loaded:
+class LoadedKernel:
     lib: ctypes.CDLL | None
     reason: str  # why lib is None ("" when loaded)
     unavailable: bool = False  # nothing to build here (no CUDA device, disabled): not a failure
 
 
-_loaded: dict[str, _Loaded] = {}
+_loaded: dict[str, LoadedKernel] = {}
 _warned: set[str] = set()
 _process_lock = threading.Lock()
 
@@ -120,7 +118,7 @@ def _open(kind: str, library: Path) -> ctypes.CDLL:
     return lib
 
 
-def _load(kind: str, retry_failed: bool = False) -> _Loaded:
+def load_kernel(kind: str, retry_failed: bool = False) -> LoadedKernel:
     """This process's handle on a kernel: loaded from the cache, built now, or the reason it is not."""
     with _process_lock:
         state = _loaded.get(kind)
@@ -128,17 +126,17 @@ def _load(kind: str, retry_failed: bool = False) -> _Loaded:
             return state
         reason = _unavailable_reason(kind)
         if reason is not None:
-            state = _Loaded(None, reason, unavailable=True)
+            state = LoadedKernel(None, reason, unavailable=True)
         else:
             try:
                 library, _ = build_or_wait(kind, retry_failed)
             except BuildError as exc:
-                state = _Loaded(None, str(exc))
+                state = LoadedKernel(None, str(exc))
             else:
                 try:
-                    state = _Loaded(_open(kind, library), "")
+                    state = LoadedKernel(_open(kind, library), "")
                 except (OSError, AttributeError) as exc:  # a damaged cache entry: say how to rebuild it
-                    state = _Loaded(None, f"cannot load {library} ({exc}); delete {library.parent} to rebuild")
+                    state = LoadedKernel(None, f"cannot load {library} ({exc}); delete {library.parent} to rebuild")
         _loaded[kind] = state
         return state
 
@@ -158,7 +156,7 @@ _FALLBACKS = {  # what runs instead of each kernel, for the one warning per proc
 
 def _kernel(kind: str) -> ctypes.CDLL | None:
     """The loaded kernel, or None after warning once (per process) what runs instead and why."""
-    state = _load(kind)
+    state = load_kernel(kind)
     if state.lib is None and not state.unavailable and kind not in _warned:
         _warned.add(kind)
         warnings.warn(f"zerorun: the {kind} kernel is unavailable ({state.reason}); {_FALLBACKS[kind]}. "
@@ -308,7 +306,7 @@ def status() -> dict[str, str]:
             isa = f", {state.lib.zr_cpu_adam_isa_name(state.lib.zr_cpu_adam_isa()).decode()}" \
                 if kind == "cpu_adam" else ""
             if kind == "aio":
-                isa = f", {_aio_backend(state.lib)} backend"
+                isa = f", {aio_backend_of(state.lib)} backend"
             if kind == "quantize":
                 isa = f", {state.lib.zr_quantize_isa_name().decode()}"
             out[kind] = f"loaded{isa} (cached at {directory})"
@@ -329,11 +327,11 @@ def build(kinds: Sequence[str] = KINDS) -> dict[str, str]:
     if unknown:
         raise ValueError(f"unknown kernels {unknown}; choose from {list(SPECS)}")
     for kind in kinds:
-        _load(kind, retry_failed=True)
+        load_kernel(kind, retry_failed=True)
     return {kind: line for kind, line in status().items() if kind in kinds}
 
 
-def _aio_backend(lib: ctypes.CDLL) -> str:
+def aio_backend_of(lib: ctypes.CDLL) -> str:
     """The backend the aio kernel picks here by default: `libaio` (native AIO) or `threads`."""
     engine = lib.zr_aio_create(0, 1, 1, 4096, None, 0)
     try:
@@ -347,10 +345,10 @@ def aio_backend() -> str:
     state = _loaded.get("aio")
     if (state is None or state.lib is None) and _unavailable_reason("aio") is None \
             and built_library(build_dir("aio")) is not None:
-        state = _load("aio")
+        state = load_kernel("aio")
     if state is None or state.lib is None:
         return "python (thread pool: the aio kernel is not loaded)"
-    return _aio_backend(state.lib)
+    return aio_backend_of(state.lib)
 
 
 def aio_library() -> ctypes.CDLL | None:
@@ -360,7 +358,7 @@ def aio_library() -> ctypes.CDLL | None:
 
 def use_cpu_isa(level: int) -> str:
     """Restrict cpu_adam to an instruction set (-1 best, 0 generic, 1 avx2); the name of the one in use."""
-    lib = _load("cpu_adam").lib
+    lib = load_kernel("cpu_adam").lib
     if lib is None:
         raise BuildError(_loaded["cpu_adam"].reason)
     return lib.zr_cpu_adam_isa_name(lib.zr_cpu_adam_use_isa(level)).decode()
@@ -368,7 +366,7 @@ def use_cpu_isa(level: int) -> str:
 
 def use_quantize_isa(level: int) -> str:
     """Restrict the quantize kernel to an instruction set (-1 best, 0 generic, 1 avx2); the name of the one in use."""
-    lib = _load("quantize").lib
+    lib = load_kernel("quantize").lib
     if lib is None:
         raise BuildError(_loaded["quantize"].reason)
     lib.zr_quantize_use_isa(level)

@@ -144,7 +144,7 @@ def _measure(rank: int, world: int) -> dict:
         report = engine.memory()
         out[(dtype, stage, offload_optimizer, offload_param)] = {
             place: sum(report.total(kind, place) for kind in MODEL_STATE_KINDS) for place in ("cpu", "nvme")}
-        engine.reducer.remove_hooks()
+        engine.destroy()
         if engine.stage == 3:
             engine.store.scheduler.remove()
     return out

@@ -232,5 +232,5 @@ def engine_master_params(engine) -> dict[str, torch.Tensor]:
     """The fp32 master weights of stages 0-2 as full parameters, by name (engine.state_dict() in fp32)."""
     from zerorun.runtime.store import master_state_dict
 
-    state = master_state_dict(engine.module, engine.store, every_rank=True)
+    state = master_state_dict(engine.module, engine.store, engine.comm, every_rank=True)
     return {n: state[n] for n, _ in engine.module.named_parameters()}

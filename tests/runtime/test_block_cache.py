@@ -71,14 +71,14 @@ def _stage3_blocks(rank: int, world: int) -> dict:
         engine = zerorun.initialize(model, None, recipe)
         x = torch.randn(8, 64)
         during = []
-        engine.reducer.on_launch = _spy(engine.reducer.on_launch, lambda: during.append(
-            engine.store.blocks.idle_bytes()))
+        engine.reducer.launch = _spy(engine.reducer.launch, lambda: during.append(
+            engine.store.buffers.blocks.idle_bytes()))
         for _ in range(2):
             engine.backward(engine(x).pow(2).mean())
             engine.step()
-        idle_after = engine.store.blocks.idle_bytes()
-        out[host_memory] = (isinstance(engine.store.blocks, BlockCache), max(during), idle_after)
-        engine.reducer.remove_hooks()
+        idle_after = engine.store.buffers.blocks.idle_bytes()
+        out[host_memory] = (isinstance(engine.store.buffers.blocks, BlockCache), max(during), idle_after)
+        engine.destroy()
     return out
 
 

@@ -43,7 +43,7 @@ def _measure(rank: int, world: int) -> dict:
         report = engine.memory()
         params = sum(p.numel() for p in model.parameters())
         out[(dtype, stage)] = (report.model_states(), params, report.as_dict())
-        engine.reducer.remove_hooks()
+        engine.destroy()
     return out
 
 
@@ -83,7 +83,7 @@ def _working_buffers(rank: int, world: int, collectives: str) -> dict:
         assert engine.reducer.pool.allocated_bytes == 0, name  # staging is held during a backward only
         out[name] = (engine.reducer.pool.peak_bytes, (MAX_INFLIGHT + 1) * largest_unit,
                      engine.update.transfers.held_bytes(), largest_piece, len(engine.store.units))
-        engine.reducer.remove_hooks()
+        engine.destroy()
     return out
 
 

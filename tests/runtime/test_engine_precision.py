@@ -167,9 +167,7 @@ def _state_dicts(rank: int, world: int) -> dict[int, dict[str, tuple[str, float]
         _, engine = engine_run(rank, 2, 1, [f"zero.stage={stage}", "precision=bf16", *extra])
         state = engine.state_dict()
         out[stage] = {k: (str(v.dtype), float(v.double().sum())) for k, v in state.items()}
-        if engine.stage == 3:
-            engine.store.scheduler.remove()
-        engine.reducer.remove_hooks()
+        engine.destroy()
     return out
 
 

@@ -63,12 +63,29 @@ def _setup(reduction: Reduction, order: LaunchOrder, overlap: bool = True, param
     store = SimpleNamespace(units=units, group_numels=group_numels(units, 1), shard_rank=0)
     comm, phase, launched, inflight = _FakeComm(), TrainingPhase(), [], []
 
-    def on_launch(k: int) -> None:
+    reducer = GradReducer(store, comm, torch.float32, torch.device("cpu"), reduction, order, overlap, phase)
+    launch = reducer._launch
+
+    def spied(k: int) -> None:  # every launch, the reducer's own or a caller's, and what was in flight after it
+        launch(k)
         launched.append(k)
         inflight.append(comm.outstanding)
-    reducer = GradReducer(store, comm, torch.float32, torch.device("cpu"), reduction, order, overlap, phase, on_launch)
+    reducer._launch = spied
+    if order is LaunchOrder.READY:
+        _hook_like_stage3(reducer, weights)
     return SimpleNamespace(weights=weights, reducer=reducer, comm=comm, phase=phase, launched=launched,
                            inflight=inflight)
+
+
+def _hook_like_stage3(reducer: GradReducer, weights: list[nn.Parameter]) -> None:
+    """What stage 3's unit groups do with a `READY` reducer (unit_group.py): hand each gradient over, launch a
+    unit it completes."""
+    def arrived(param: nn.Parameter) -> None:
+        k = reducer.accept(param)
+        if k is not None and reducer.launches_now(k):
+            reducer.launch(k)
+    for weight in weights:
+        weight.register_post_accumulate_grad_hook(arrived)
 
 
 def _backward(t, arrival: list[int], reduce: bool = True, scale: float = 1.0) -> list[int]:
@@ -159,6 +176,7 @@ def _one_unit(sizes: list[int], finishes_at_once: bool = False):
     comm, phase = _FakeComm(finishes_at_once), TrainingPhase()
     reducer = GradReducer(store, comm, torch.float32, torch.device("cpu"), Reduction.SCATTER_SHARD,
                           LaunchOrder.READY, True, phase)
+    _hook_like_stage3(reducer, weights)
     return weights, reducer, phase
 
 

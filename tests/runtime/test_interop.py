@@ -37,8 +37,32 @@ def _torch_namespaces() -> dict[str, object]:
 
 
 def _record(objects: dict[str, object]) -> dict[str, dict[str, object]]:
-    """Per object: its class and every entry of its `__dict__` (a module's or class's namespace)."""
-    return {label: {"type()": type(obj), "__class__": obj.__class__, **dict(vars(obj))} for label, obj in objects.items()}
+    """Per object: its class, every entry of its `__dict__` (a module's or class's namespace) and what each of its
+    dicts holds (a module's hooks live in dicts that stay the same objects as hooks come and go)."""
+    return {label: {"type()": type(obj), "__class__": obj.__class__, **dict(vars(obj)), **_dict_contents(obj)}
+            for label, obj in objects.items()}
+
+
+def _dict_contents(obj: object) -> dict[str, object]:
+    """`name[...]` -> the entries of each dict attribute (a parameter's gradient hooks included), as a tuple."""
+    import torch
+
+    if not isinstance(obj, (torch.nn.Module, torch.Tensor)):
+        return {}
+    dicts = {name: value for name, value in vars(obj).items() if isinstance(value, dict) and name != "_modules"}
+    if isinstance(obj, torch.Tensor) and obj._post_accumulate_grad_hooks is not None:
+        dicts["_post_accumulate_grad_hooks"] = obj._post_accumulate_grad_hooks
+    return {f"{name}[...]": _Entries(tuple(value.items())) for name, value in dicts.items()}
+
+
+class _Entries(tuple):
+    """A dict's entries, compared by what they are (`_differences` compares other values by identity)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, tuple) and len(self) == len(other) and all(
+            a[0] == b[0] and a[1] is b[1] for a, b in zip(self, other))
+
+    __hash__ = tuple.__hash__
 
 
 def _differences(before: dict[str, dict[str, object]], after: dict[str, dict[str, object]]) -> list[str]:
@@ -50,7 +74,7 @@ def _differences(before: dict[str, dict[str, object]], after: dict[str, dict[str
                 continue
             if name not in now:
                 found.append(f"{label}.{name}: removed")
-            elif now[name] is not value:
+            elif (now[name] != value) if isinstance(value, _Entries) else (now[name] is not value):
                 found.append(f"{label}.{name}: {value!r} is now {now[name]!r}")
         for name in now.keys() - entries.keys() - TRAINING_STATE:
             if not isinstance(now[name], types.ModuleType):  # a submodule imported lazily is the import system's
@@ -61,6 +85,7 @@ def _differences(before: dict[str, dict[str, object]], after: dict[str, dict[str
 def _objects(model, optimizer, schedule) -> dict[str, object]:
     objects: dict[str, object] = dict(_torch_namespaces())
     objects.update({f"model.{name or '<root>'}": module for name, module in model.named_modules()})
+    objects.update({f"parameter {name}": param for name, param in model.named_parameters()})
     objects.update({"optimizer": optimizer, "scheduler": schedule})
     return objects
 

@@ -55,7 +55,7 @@ def _build(rank: int, world: int, overrides: list[str]) -> dict:
     normal = GPT(CFG).state_dict()
     after_normal = torch.rand(3)
     with LargestAllocation() as normal_build:  # the reference peak: the whole model, then the engine's states
-        zerorun.initialize(GPT(CFG), None, recipe).reducer.remove_hooks()
+        zerorun.initialize(GPT(CFG), None, recipe).destroy()
     torch.manual_seed(7)
     with LargestAllocation() as tracker:
         with zerorun.sharded_init():

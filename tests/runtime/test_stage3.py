@@ -54,8 +54,7 @@ def _compare(rank: int, world: int, cases: list[tuple[str, int, list[str]]]) -> 
                 problems.append(f"{name}: parameter {pname} differs by {diff:.2e}")
         if ONE_PARAMETER_UNITS[0] in extra and engine.reducer.direct_launches == 0:
             problems.append(f"{name}: no one-parameter unit was reduced from its own gradient")
-        engine.store.scheduler.remove()
-        engine.reducer.remove_hooks()
+        engine.destroy()
     return problems
 
 
@@ -91,15 +90,15 @@ def _memory(rank: int, world: int) -> dict:
         engine.backward(engine(synthetic_tokens(cfg, 2, 0, rank, i)))
         engine.step()
     store = engine.store
-    unit_bytes = {g.kind.value: [sum(store.full[k].numel() * 4 for k in g.slots)] for g in store.groups}
-    blocks = [sum(store.full[k].numel() * 4 for k in g.slots) for g in store.plan.gathered_units()]
+    unit_bytes = {g.kind.value: [sum(store.buffers.full[k].numel() * 4 for k in g.slots)] for g in store.groups}
+    blocks = [sum(store.buffers.full[k].numel() * 4 for k in g.slots) for g in store.plan.gathered_units()]
     # overlap_comm: the next forward's first block is already gathering when step() returns (reported as
     # "gathered" working memory, not as a model state)
-    prefetched = sum(sum(store.full[k].numel() * 4 for k in g.slots) for g in store.plan.gathered_units()
+    prefetched = sum(sum(store.buffers.full[k].numel() * 4 for k in g.slots) for g in store.plan.gathered_units()
                      if g.kind.value == "wrapped" and g.state.value != "released")
     return {"model_states": engine.memory().model_states(), "params": params, "persistent": persistent,
             "prefetched": prefetched,
-            "peak": store.peak_gathered_bytes, "root": unit_bytes["root"][0], "persistent_bytes": unit_bytes["persistent"][0],
+            "peak": store.buffers.peak_gathered_bytes, "root": unit_bytes["root"][0], "persistent_bytes": unit_bytes["persistent"][0],
             "largest_block": max(blocks), "all_blocks": sum(blocks)}
 
 

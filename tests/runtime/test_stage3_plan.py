@@ -87,8 +87,7 @@ def _plan(rank: int, world: int, overrides: list[str]) -> tuple[list[str], int]:
         warnings.simplefilter("always")
         recipe = config.loads("script: t.py", "t.yaml", ["zero.stage=3", *overrides])
         engine = zerorun.initialize(_quick_gpt(), None, recipe)
-    engine.store.scheduler.remove()
-    engine.reducer.remove_hooks()
+    engine.destroy()
     assert engine.num_parameters() == sum(p.numel() for p in _quick_gpt().parameters())  # not the released ones
     return [str(w.message) for w in caught if w.category.__name__ == "ZerorunWarning"], engine.memory().units
 

@@ -40,6 +40,7 @@ import torch
 
 from zerorun import ops
 from zerorun.bench import gpu_kernel
+from zerorun.toolchain import cuda_home
 
 STEPS = ("environment", "build", "numerics", "bandwidth", "codec", "pytest", "launch", "sanitizer", "deepspeed")
 CUDA_TESTS = ("tests/test_kernels_cuda.py", "tests/runtime/test_cuda_parity.py", "tests/runtime/test_wire.py",
@@ -117,7 +118,7 @@ def commit(root: Path) -> str:
 
 def environment(root: Path = Path(".")) -> StepResult:
     cuda = torch.version.cuda
-    home = ops._cuda_home() if cuda else None
+    home = cuda_home() if cuda else None
     line = (f"torch {torch.__version__}, CUDA build {cuda or 'none'}, CUDA_HOME {home or 'none'}, "
             f"commit {commit(root)}")
     if not torch.cuda.is_available():

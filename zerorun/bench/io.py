@@ -116,7 +116,7 @@ def run(path: str, size: int, block_sizes: list[int], queue_depths: list[int], t
     if lib is None:
         backends = [b for b in backends if b == "python"]
         progress(f"the aio kernel is unavailable ({ops.status()['aio']}); only the python backend runs")
-    default = ops._aio_backend(lib) if lib is not None else "python"  # noqa: SLF001 - what `auto` picks
+    default = ops.aio_backend_of(lib) if lib is not None else "python"  # what `auto` picks
     results = [IoResult(c) for c in cases(block_sizes, queue_depths, threads, backends, shutil.which("fio") is not None)]
     target = Path(path) / f"zerorun-bench-io-{os.getpid()}.bin"
     buffer = aligned_empty(min(size, 256 * MiB), torch.uint8)

@@ -76,9 +76,9 @@ def _operation(operation: str, implementation: str, numel: int, device: torch.de
         return {"quantize": lambda: codec.quantize(x), "dequantize": lambda: codec.dequantize_into(q, out),
                 "dequantize+add": lambda: codec.dequantize_add(q, out)}[operation]
     # the fallbacks themselves: what runs where the kernel is not built
-    return {"quantize": lambda: codec._torch_quantize(x, codec.Quantized.empty(numel, device)),  # noqa: SLF001
-            "dequantize": lambda: codec._torch_dequantize_into(q, out),  # noqa: SLF001
-            "dequantize+add": lambda: codec._torch_dequantize_add(q, out)}[operation]  # noqa: SLF001
+    return {"quantize": lambda: codec.torch_quantize(x, codec.Quantized.empty(numel, device)),
+            "dequantize": lambda: codec.torch_dequantize_into(q, out),
+            "dequantize+add": lambda: codec.torch_dequantize_add(q, out)}[operation]
 
 
 def run(sizes: list[int], threads: int = 1, repeats: int = 10, budget_s: float = 3.0,
@@ -92,7 +92,7 @@ def run(sizes: list[int], threads: int = 1, repeats: int = 10, budget_s: float =
     try:
         bandwidth = measure_bandwidth(bandwidth_numel) if place.type == "cpu" else copy_bandwidth(bandwidth_numel, place)
         # the bench must not time torch's fallback under our name
-        ours = ops._load("quantize" if place.type == "cpu" else "quantize_cuda")  # noqa: SLF001
+        ours = ops.load_kernel("quantize" if place.type == "cpu" else "quantize_cuda")
         results = []
         for numel in sizes:
             for operation in OPERATIONS:

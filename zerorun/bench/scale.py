@@ -37,6 +37,7 @@ from zerorun.bench.scale_plan import (
     predict,
 )
 from zerorun.bench.spawn import RankFailure, run_ranks
+from zerorun.runtime.store import ParamIO
 
 OVER_BUDGET_EXIT = 86
 
@@ -125,7 +126,7 @@ def _io_counters(engine: Any) -> dict[str, float]:
     """Cumulative NVMe and collective counters of this rank's engine."""
     stats = engine.update.stats()
     comm = engine.comm.stats.as_dict()
-    param_io = engine.store.param_io()  # zeros unless stage 3's parameters live on NVMe
+    param_io = engine.passes.param_io() if engine.passes is not None else ParamIO()  # stage 3's shard on NVMe
     return {"read": stats.get("nvme_read", {}).get("bytes", 0) + param_io.read_bytes,
             "write": stats.get("nvme_write", {}).get("bytes", 0) + param_io.written_bytes,
             "wait": stats.get("wait", {}).get("seconds", 0.0) + param_io.blocked_s,

@@ -106,7 +106,7 @@ def _pieces(params: list[torch.Tensor]) -> dict[Any, Piece]:
         log.replay(keep)
         _PIECES[id(log)] = staged
         for param, piece in staged.items():  # the log now ends with the staged values
-            log.ops.append(sharded_init._Op(param, "copy_", _assemble_into, (piece,), {}))
+            log.ops.append(sharded_init.RecordedOp(param, "copy_", _assemble_into, (piece,), {}))
     found = {p: piece for log in logs for p, piece in _PIECES[id(log)].items()}
     stray = [p for p in params if p not in found]
     if stray:

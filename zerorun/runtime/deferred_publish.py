@@ -109,7 +109,7 @@ class DeferredPublish:
     def _wait_units(self, ks: list[int]) -> None:
         self.deferred_waits += sum(self._wait(k) for k in ks)
 
-    def remove(self) -> None:
+    def remove_hooks(self) -> None:
         self.wait_all()
         for hook in self._hooks:
             hook.remove()

@@ -8,9 +8,8 @@
 
 It composes three ideas, each built once from the recipe:
 - a `Placement` (placement.py): where the optimizer state (`Home`) and stage 3's parameter shard live;
-- a `ParamStore` (store.py): `FlatParams` for stages 0-2, `ScheduledParams` for stage 3 (the sharded
-  store with the `ParamScheduler` deciding when units are gathered); every stage-specific moment (a
-  forward, a backward's begin and end, the publish after a step) is a method of that one protocol;
+- a `ParamStore` (store.py): `FlatParams` for stages 0-2, `ScheduledParams` for stage 3, which is also
+  the engine's `UnitPasses` (its `ParamScheduler` gathers and releases units around each pass);
 - the `TrainingPhase` it owns (phase.py), which the gradient reducer and the scheduler read.
 
 An optimizer step, in order: the reducer has left this rank's summed gradient pieces; their global
@@ -56,7 +55,7 @@ from zerorun.runtime.phase import Phase, TrainingPhase
 from zerorun.runtime.precision import LossScaler, PrecisionPolicy
 from zerorun.runtime.stage3 import sharded_init
 from zerorun.runtime.stage_setup import build_stage, cast_frozen
-from zerorun.runtime.store import ParamStore, units_of
+from zerorun.runtime.store import ParamStore, UnitPasses, units_of
 
 log = logging.getLogger("zerorun")
 
@@ -97,6 +96,7 @@ class Engine:
         stage = build_stage(recipe, model, [g["params"] for g in groups], init_log, self.comm, self.placement,
                             self.policy, self.phase, self.device, self.compiled)
         self.store: ParamStore = stage.store
+        self.passes: UnitPasses | None = stage.passes  # stage 3's gather and release around every pass
         self.reducer: GradReducer = stage.reducer
         cast_frozen(self.module, self.policy.param_dtype)
         self.optimizer = ShardedAdamW(groups, decoupled, handed_over=optimizer)
@@ -136,6 +136,9 @@ class Engine:
         # undone by destroy() (runtime/interop/)
         self.interop = Interop(self)
         self.interop.take_over(self, model)
+        for hooks in (self.reducer, self.passes, stage.deferred):
+            if hooks is not None:
+                self.interop.remove_with_engine(hooks.remove_hooks)
         if stage.deferred is not None:
             self.interop.guard_parameter_reads(model, stage.deferred.wait_all)
         if optimizer is not None:
@@ -165,7 +168,8 @@ class Engine:
             compiled.refuse_compiled_since(self.compiled, self.module)
         if self.compiled.whole or self.compiled.parts:  # the publish's per-module waits: graph breaks if compiled
             self.wait_published()
-        with self.phase.running(Phase.FORWARD), self.store.forward_context():
+        around = self.passes.forward_context() if self.passes is not None else contextlib.nullcontext()
+        with self.phase.running(Phase.FORWARD), around:
             out = self.module(*args, **kwargs)
         self.wait_published()  # a unit no module hook waited for (unused in this forward) is current from here on
         return out
@@ -209,7 +213,8 @@ class Engine:
         self.clip_calls.gradients_changed()
         with self.phase.running(Phase.BACKWARD):
             self.reducer.begin_backward(reduce=reduce)
-            self.store.begin_backward()
+            if self.passes is not None:
+                self.passes.begin_backward()
             if self.overlap is not None and reduce:  # the window's last backward: its units' updates can start
                 self.checkpoints.before_update()  # a background save must have captured the state first
                 self.overlap.begin(self.comm.world_size * self.scaler.scale)
@@ -217,7 +222,8 @@ class Engine:
                 (loss * (self.scaler.scale / self.grad_accum_steps)).backward()
             finally:
                 self.reducer.end_backward()
-                self.store.end_backward()
+                if self.passes is not None:
+                    self.passes.end_backward()
 
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, update the parameters."""
@@ -318,11 +324,10 @@ class Engine:
 
     def destroy(self) -> None:
         """End the engine: a save in flight commits, collectives in flight finish, and everything it changed outside
-        zerorun is undone (torch's clip functions, the model root's class, the handed-over optimizer: runtime/
-        interop/), and the reducer's gradient hooks are removed. Build no new work on the engine after this."""
+        zerorun is undone (torch's clip functions, the model root's class, the handed-over optimizer, every hook on
+        the model and its parameters: runtime/interop/). Build no new work on the engine after this."""
         self.checkpoints.wait()
         self.store.settle()
-        self.reducer.remove_hooks()
         self.interop.remove()
 
     # -- introspection ----------------------------------------------------------------------
@@ -348,7 +353,6 @@ class Engine:
         if self.overlap is not None:
             self.overlap.account(report)
         self.checkpoints.account(report)
-        report.units = self.store.unit_count()
         return report
 
     def _frozen_parameters(self) -> list[nn.Parameter]:

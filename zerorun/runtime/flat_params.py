@@ -40,7 +40,14 @@ from zerorun.runtime.deferred_publish import DeferredPublish
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.offload.placement import Place, Placement
 from zerorun.runtime.precision import PrecisionPolicy
-from zerorun.runtime.store import InMaster, ParamIO, ParamTensor, UpdateTarget, master_state_dict, units_of
+from zerorun.runtime.store import (
+    InMaster,
+    ParamTensor,
+    UpdateTarget,
+    master_state_dict,
+    saved_home_state,
+    units_of,
+)
 from zerorun.runtime.units import Unit, cut_units, group_numels
 
 
@@ -131,17 +138,12 @@ class FlatParams:
     def settle(self) -> None:
         self.wait_published()  # the deferred publish is the only collective left between steps
 
-    def forward_context(self) -> AbstractContextManager:
-        return contextlib.nullcontext()  # whole parameters: nothing to gather around a forward
+    def saved_state(self) -> dict[str, torch.Tensor]:
+        return saved_home_state(self.home, self.group_numels)
 
-    def begin_backward(self) -> None:
-        pass
-
-    def end_backward(self) -> None:
-        pass
-
-    def master_changed(self, group: int, values: torch.Tensor) -> None:
-        if self.params_are_master:
+    def restore_state(self, group: int, kind: str, values: torch.Tensor) -> None:
+        self.home.write(group, kind, values)
+        if kind != "master" or self.params_are_master:
             return  # the home wrote them
         for unit in units_of(self.units, group):
             self.own_piece(unit).copy_(unit.state_slice(values))
@@ -153,13 +155,7 @@ class FlatParams:
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         if self.buffer.dtype == torch.float32 and not self.quantized_publish:  # the parameters equal their master
             return module.state_dict()
-        return master_state_dict(module, self, every_rank=True)
-
-    def unit_count(self) -> int:
-        return 0  # no stage 3 units: parameters are never released
+        return master_state_dict(module, self, self.comm, every_rank=True)
 
     def account(self, report: MemoryReport) -> None:
         report.add("params", self.device.type, self.buffer.numel() * self.buffer.element_size())
-
-    def param_io(self) -> ParamIO:
-        return ParamIO()  # the parameters live in memory

@@ -20,8 +20,10 @@ embedding's last) then takes a staging buffer for a moment at the end, not for t
 
 Launch order (`LaunchOrder`): stages 0-2 launch strictly in layout order (a ready unit waits for
 the ones before it), so every rank issues the same collectives in the same order even if hooks fire
-in another order; stage 3 launches each unit as soon as it is complete (backward's own order, the
-same on every rank for the same graph) and tells the scheduler, which frees its parameters. Units
+in another order; at stage 3 each unit's `UnitGroup` (stage3/unit_group.py) hooks its own parameters,
+hands their gradients to `accept` and launches each unit as soon as it is complete (backward's own
+order, the same on every rank for the same graph), then frees its parameters, as FSDP2's group
+does. Units
 whose parameters got no gradient (an unused branch) are reduced at the end of backward, with zeros.
 Gradients are *summed* across ranks; the optimizer divides by the world size in its own pass.
 """
@@ -60,7 +62,7 @@ class Reduction(Enum):
 
 class LaunchOrder(Enum):
     LAYOUT = "layout"  # strictly in unit order: the same collective sequence on every rank
-    READY = "ready"  # each unit as soon as all its gradients arrived (stage 3)
+    READY = "ready"  # each unit as soon as all its gradients arrived, launched by its group (stage 3, unit_group.py)
 
 
 class BufferPool:
@@ -111,12 +113,12 @@ class GradReducer:
     """Receives gradients from backward hooks and leaves this rank's reduced pieces ready to step."""
 
     def __init__(self, store: ParamStore, comm: Collectives, dtype: torch.dtype, device: torch.device,
-                 reduction: Reduction, order: LaunchOrder, overlap: bool, phase: TrainingPhase,
-                 on_launch: Callable[[int], None] | None = None) -> None:
-        """`on_launch(k)` is told when unit k's gradients have gone out; `dtype` is the reduce dtype."""
+                 reduction: Reduction, order: LaunchOrder, overlap: bool, phase: TrainingPhase) -> None:
+        """`dtype` is the reduce dtype. With `LaunchOrder.LAYOUT` the reducer hooks every parameter and launches
+        itself; with `READY` the caller (stage 3's unit groups) hooks them and calls `accept` and `launch`."""
         self.units, self.group_numels, self.rank = store.units, store.group_numels, store.shard_rank
         self.comm, self.reduction, self.order, self.overlap = comm, reduction, order, overlap
-        self.phase, self.on_launch = phase, on_launch
+        self.phase = phase
         self.on_reduced: Callable[[int], None] | None = None  # told when unit k's reduced gradient is ready (waited)
         self.staged = reduction is Reduction.SCATTER_SHARD  # per-unit staging; only this rank's shard is kept
         self._range = "all-reduce" if reduction is Reduction.ALL_REDUCE else "reduce-scatter"  # in a profile's trace
@@ -126,7 +128,8 @@ class GradReducer:
         self.grad_shards = [torch.zeros(n, dtype=dtype, device=device) for n in shards]
         self.pool = BufferPool(dtype, device, max((u.padded_numel for u in self.units), default=1))
         self._place = {param: (k, i) for k, unit in enumerate(self.units) for i, param in enumerate(unit.params)}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._place]
+        self._hooks = ([p.register_post_accumulate_grad_hook(self._on_grad) for p in self._place]
+                       if order is LaunchOrder.LAYOUT else [])
         self._reset_backward_state(reduce=False)
         self._written_units: set[int] = set()  # staged: units whose shard piece holds this window's sum
         self._written_params: set[tuple[int, int]] = set()  # full: (unit, parameter) holding this window's gradient
@@ -149,6 +152,16 @@ class GradReducer:
         self._launched: set[int] = set()
 
     def _on_grad(self, param: nn.Parameter) -> None:
+        """Stages 0-2's hook: take the gradient, then launch every unit ready in layout order."""
+        if self.accept(param) is None or not (self.overlap and self._reduce):
+            return
+        launched = len(self._launched)
+        self._launch_ready()
+        self.overlapped_launches += len(self._launched) - launched
+
+    def accept(self, param: nn.Parameter) -> int | None:
+        """Move `param`'s fresh gradient out of `param.grad` into its unit's staging; the unit's index, or None
+        while the gradient is only held (`launches_now` then says whether the unit can go)."""
         if self.phase.now is not Phase.BACKWARD:
             raise ZerorunError("a gradient arrived outside engine.backward(loss): call engine.backward(loss), "
                                "not loss.backward(), so zerorun can reduce gradients across ranks.")
@@ -168,17 +181,21 @@ class GradReducer:
             held[index] = grad
             self._seen[k].add(index)
             if 2 * sum(g.numel() for g in held.values()) < self.units[k].padded_numel:
-                return
+                return None
             self._grad_region(k)  # half the unit is here: stage it, with what was held
         else:  # (a second gradient for a held parameter is added in the staging buffer, as any other)
             self._accumulate(k, index, grad)
-        if self.overlap and self._reduce:
-            launched = len(self._launched)
-            if self.order is LaunchOrder.LAYOUT:
-                self._launch_ready()
-            elif self._complete(k):
-                self._launch(k)
-            self.overlapped_launches += len(self._launched) - launched
+        return k
+
+    def launches_now(self, k: int) -> bool:
+        """Whether unit k has all its gradients and this backward reduces them while it runs (`overlap_comm`,
+        and not an accumulation-only micro-step of stages 0-1)."""
+        return self.overlap and self._reduce and self._complete(k) and k not in self._launched
+
+    def launch(self, k: int) -> None:
+        """Start unit k's reduction now, while backward runs (stage 3's groups call it; `launches_now` first)."""
+        self._launch(k)
+        self.overlapped_launches += 1
 
     def _reducible_as_is(self, k: int, index: int, grad: torch.Tensor) -> bool:
         """Whether unit k is this one gradient, laid out as the unit's region (one parameter, no padding, the
@@ -242,8 +259,6 @@ class GradReducer:
         self._launched.add(k)
         while self._next_launch in self._launched:
             self._next_launch += 1
-        if self.on_launch is not None:
-            self.on_launch(k)
 
     def _collective(self, k: int, region: torch.Tensor) -> Handle:
         unit = self.units[k]

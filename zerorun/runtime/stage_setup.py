@@ -3,7 +3,8 @@
 Stages 0-2 keep whole parameters as views into one flat buffer (`FlatParams`), optionally publishing
 the post-step all-gather under the next forward (`DeferredPublish`); stage 3 plans its units, shards
 them (`ScheduledParams`) and reduce-scatters each unit's gradients as soon as backward completes it.
-The engine drives whatever this returns through the `ParamStore` Protocol only.
+The engine drives whatever this returns through the `ParamStore` Protocol only, and stage 3's
+scheduler through `UnitPasses`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from zerorun.runtime.stage3.module_units import describe as describe_plan
 from zerorun.runtime.stage3.module_units import plan_stage3, warn_if_nothing_sharded
 from zerorun.runtime.stage3.scheduled_params import ScheduledParams
 from zerorun.runtime.stage3.sharded_init import InitLog
-from zerorun.runtime.store import ParamStore
+from zerorun.runtime.store import ParamStore, UnitPasses
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Stage:
     """What the engine holds of its stage."""
 
     store: ParamStore
+    passes: UnitPasses | None  # stage 3: the scheduler's work around every pass; None at stages 0-2
     reducer: GradReducer
     deferred: DeferredPublish | None  # stages 1/2 with zero.overlap_publish: the publish the root's reads wait for
 
@@ -50,7 +52,7 @@ def build_stage(recipe: Recipe, model: nn.Module, groups: list[list[nn.Parameter
         store = FlatParams(groups, placement, policy, comm, shard_world, numel(zero.bucket_mb), defer_to)
         reducer = GradReducer(store, comm, policy.reduce_dtype, device, Reduction.for_stage(stage),
                               LaunchOrder.LAYOUT, zero.overlap_comm, phase)
-        return Stage(store, reducer, store.deferred)
+        return Stage(store, None, reducer, store.deferred)
     plan = plan_stage3(model, groups, zero.wrap, zero.param_persistence_threshold, numel(zero.bucket_mb),
                        numel(zero.allgather_bucket_mb), comm.world_size, policy.param_dtype)
     units = plan.gathered_units()
@@ -66,10 +68,12 @@ def build_stage(recipe: Recipe, model: nn.Module, groups: list[list[nn.Parameter
     say = (lambda text: print(text, flush=True)) if comm.rank == 0 else None
     sharded = ScheduledParams(model, plan, placement, policy, comm, init_log, hpz, prefetch=zero.prefetch_units,
                               phase=phase, prefetch_after_step=zero.overlap_comm, say=say)
-    # each unit's gradients are reduce-scattered as soon as backward completes it; then it is released
+    # each unit's group reduce-scatters its gradients as soon as backward completes them, then releases itself
     reducer = GradReducer(sharded, comm, policy.reduce_dtype, device, Reduction.SCATTER_SHARD, LaunchOrder.READY,
-                          zero.overlap_comm, phase, on_launch=sharded.scheduler.gradients_sent)
-    return Stage(sharded, reducer, None)
+                          zero.overlap_comm, phase)
+    for group in plan.groups:
+        group.reduce_with(reducer)
+    return Stage(sharded, sharded, reducer, None)
 
 
 def cast_frozen(module: nn.Module, dtype: torch.dtype) -> None:

@@ -11,7 +11,9 @@ Both lay parameters out in `Unit`s (units.py) and keep this rank's optimizer sta
 (homes.py) that the placement chose. An optimizer step reads the reduced gradients from the
 reducer, updates the home's state tile by tile, and writes each unit's updated compute-dtype
 values to its `UpdateTarget`; `publish` then makes every rank's parameters current. A checkpoint
-reads and writes the home and tells the store when the master changed (`master_changed`).
+saves what `saved_state` yields and hands it back through `restore_state`; it never reaches past them.
+Stage 3 alone also acts around every pass (gather, prefetch, release): that is `UnitPasses`, a second
+Protocol, so neither store carries methods that do nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import nn
 
 from zerorun.runtime.comm.collectives import Collectives, Pending
 from zerorun.runtime.memory import MemoryReport
-from zerorun.runtime.offload.homes import Home
+from zerorun.runtime.offload.homes import KINDS, Home
 from zerorun.runtime.offload.transfers import Transfers
 from zerorun.runtime.units import Unit
 
@@ -92,14 +94,14 @@ class ParamIO:
 
 @runtime_checkable
 class ParamStore(Protocol):
-    """Where the trainable parameters live between steps, and how every rank gets the updated values."""
+    """Where the trainable parameters live between steps, and how every rank gets the updated values: what the
+    engine, the optimizer step, checkpoints and the gradient reducer use at every stage."""
 
     units: list[Unit]  # in optimizer-state order per group (each unit's `state_offset`)
     group_numels: list[int]  # elements of this rank's state per param group
     shard_world: int  # ranks the state is sharded over (1 at stage 0)
     shard_rank: int
-    home: Home  # this rank's master weights and moments
-    comm: Collectives
+    home: Home  # this rank's master weights and moments: what the step updates and a background save captures
     device: torch.device
 
     def update_targets(self, group: int) -> list[UpdateTarget]:
@@ -113,24 +115,11 @@ class ParamStore(Protocol):
         next forward's hooks; stage 3 then starts gathering the next forward's first units (`overlap_comm`)."""
 
     def wait_published(self) -> None:
-        """Return once the last step's publish has reached every rank (a no-op where it was waited for)."""
+        """Return once the last step's publish has reached every rank."""
 
     def settle(self) -> None:
         """Finish every collective still in flight (the deferred publish, stage 3's prefetched gathers): before
         the process group is torn down, which aborts a gloo process whose collectives are still running."""
-
-    def forward_context(self) -> AbstractContextManager:
-        """Entered around every engine forward (stage 3's first-pass watch; nothing elsewhere)."""
-
-    def begin_backward(self) -> None:
-        """A backward starts (stage 3: the scheduler's per-pass state; nothing elsewhere)."""
-
-    def end_backward(self) -> None:
-        """A backward ended, or raised (stage 3: units gathered for it are released; nothing elsewhere)."""
-
-    def master_changed(self, group: int, values: torch.Tensor) -> None:
-        """The home's master of `group` was overwritten with `values` (a checkpoint load): parameters follow
-        at the next `publish`."""
 
     def gathered(self, params: Iterable[nn.Parameter] | None, modify: bool, src: int) -> AbstractContextManager:
         """Full parameters inside the block; with `modify`, rank `src`'s values are written back."""
@@ -139,14 +128,48 @@ class ParamStore(Protocol):
         """The model's state dict, trainable parameters in fp32 at every precision (their master): on every
         rank at stages 0-2; stage 3 consolidates on rank 0 ({} elsewhere)."""
 
-    def unit_count(self) -> int:
-        """Stage 3's module units that are gathered and released around their use (0: never released)."""
-
     def account(self, report: MemoryReport) -> None:
         """Add the bytes of parameters (and their own buffers) this store holds to `report`."""
 
+    # -- what a checkpoint saves and restores -----------------------------------------------------------
+    def saved_state(self) -> dict[str, torch.Tensor]:
+        """This rank's flat fp32 state, `<kind>.<group>` -> a CPU tensor of `group_numels[group]` elements, in
+        the rank file's order (`state_names`)."""
+
+    def restore_state(self, group: int, kind: str, values: torch.Tensor) -> None:
+        """Overwrite this rank's flat `kind` state of `group` with `values` (a checkpoint load); parameters
+        follow the master at the next `publish`."""
+
+
+@runtime_checkable
+class UnitPasses(Protocol):
+    """What only stage 3 does around each pass, beside its `ParamStore`: its units are gathered and released
+    around their use by module hooks (`ScheduledParams`). Stages 0-2 have none (the engine holds None)."""
+
+    def forward_context(self) -> AbstractContextManager:
+        """Entered around every engine forward: the first pass's watch for parameters used outside their unit."""
+
+    def begin_backward(self) -> None:
+        """A backward starts: the scheduler's per-pass state."""
+
+    def end_backward(self) -> None:
+        """A backward ended, or raised: units gathered for it are released."""
+
     def param_io(self) -> ParamIO:
-        """The parameter shard's file I/O so far (zeros unless stage 3 keeps parameters on NVMe)."""
+        """The parameter shard's file I/O so far (zeros unless the parameters live on NVMe)."""
+
+    def remove_hooks(self) -> None:
+        """Take the module hooks off the model (the engine is destroyed)."""
+
+
+def state_names(group_numels: list[int]) -> list[tuple[str, int, str]]:
+    """(tensor name, group, kind) of a rank's flat state, in the rank file's order."""
+    return [(f"{kind}.{g}", g, kind) for g in range(len(group_numels)) for kind in KINDS]
+
+
+def saved_home_state(home: Home, group_numels: list[int]) -> dict[str, torch.Tensor]:
+    """`ParamStore.saved_state` of a store whose state is `home`."""
+    return {name: home.state(g, kind) for name, g, kind in state_names(group_numels)}
 
 
 def units_of(units: list[Unit], group: int) -> list[Unit]:
@@ -154,7 +177,8 @@ def units_of(units: list[Unit], group: int) -> list[Unit]:
     return [u for u in units if u.group == group]
 
 
-def master_state_dict(module: nn.Module, store: ParamStore, every_rank: bool) -> dict[str, torch.Tensor]:
+def master_state_dict(module: nn.Module, store: ParamStore, comm: Collectives,
+                      every_rank: bool) -> dict[str, torch.Tensor]:
     """The model's state dict with every trainable parameter as its fp32 master, gathered one unit at a time
     (on every rank, or on rank 0 with {} elsewhere); buffers and frozen parameters as they are."""
     names: dict[nn.Parameter, list[str]] = {}
@@ -165,7 +189,7 @@ def master_state_dict(module: nn.Module, store: ParamStore, every_rank: bool) ->
         full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=store.device)
         store.home.read(unit.group, "master", unit.piece(full, store.shard_rank), start=unit.state_offset)
         if store.shard_world > 1:
-            store.comm.all_gather(full).wait()
+            comm.all_gather(full).wait()
         if every_rank or store.shard_rank == 0:
             for span, param, shape in zip(unit.layout.spans, unit.params, unit.shapes):
                 for name in names[param]:

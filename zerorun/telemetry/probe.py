@@ -55,6 +55,7 @@ import psutil
 from zerorun.config import TelemetryConfig
 from zerorun.telemetry import TOKEN_ENV
 from zerorun.telemetry.flops import ModelFlops, peak_tflops
+from zerorun.telemetry.probed_engine import ProbedEngine
 from zerorun.telemetry.records import prove
 from zerorun.telemetry.whereabouts import where, where_raised
 
@@ -107,7 +108,7 @@ def script_ended(raised: BaseException | None = None) -> None:
         _probe.script_running = False
 
 
-def attach_engine(engine: Any, total_steps: int | None = None) -> None:
+def attach_engine(engine: ProbedEngine, total_steps: int | None = None) -> None:
     """Tell the running probe (if any) about the engine: memory figures, the model's FLOPs, and the
     steps the script will run where they are known (None: the progress shows no total)."""
     if _probe is not None:
@@ -187,7 +188,8 @@ class Probe:
         """The learning rate the step just used (the first param group's): read in the step listener,
         before the script's scheduler moves it for the next step."""
         try:
-            return _finite(float(self.engine().optimizer.param_groups[0]["lr"]))
+            engine = self.engine()
+            return _finite(float(engine.optimizer.param_groups[0]["lr"])) if engine is not None else None
         except Exception:  # noqa: BLE001 - no engine, no groups, an lr that is a tensor: no lr in the record
             return None
 
@@ -195,22 +197,20 @@ class Probe:
         """The engine's checkpoint listener: one small record per save (a few per run)."""
         self._enqueue({"type": "checkpoint", "rank": self.rank, "t": time.time(), **dataclasses.asdict(stats)})
 
-    def engine(self) -> Any:
+    def engine(self) -> ProbedEngine | None:
         """The attached engine, while it lives (the probe holds only a weak reference)."""
         return self._engine() if self._engine is not None else None
 
-    def attach_engine(self, engine: Any) -> None:
+    def attach_engine(self, engine: ProbedEngine) -> None:
         self._engine = weakref.ref(engine)
-        recipe = getattr(engine, "recipe", None)
-        dtype = recipe.precision.dtype if recipe is not None else "fp32"
-        device = getattr(engine, "device", None) or self.device
-        self.device = device
+        dtype = engine.recipe.precision.dtype
+        device = self.device = engine.device
         device_name = _device_name(device)
         peak = self.peak_override or peak_tflops(device_name, dtype)
         params = engine.num_parameters()  # the whole model's, not what stage 3 has gathered right now
         self._flops = ModelFlops(params, **{k: v for k, v in _flops_override.items() if v is not None})
         self._engine_record = {"type": "engine", "rank": self.rank, "params": params,
-                               "stage": getattr(engine, "stage", None), "dtype": dtype,
+                               "stage": engine.stage, "dtype": dtype,
                                "device_name": device_name, "peak_tflops": peak,
                                "flops_per_token": self._flops.per_token, "flops_per_sample": self._flops.per_sample,
                                "global_step": engine.global_step,  # after its auto-resume
@@ -384,7 +384,7 @@ class Probe:
 # -- measurements ------------------------------------------------------------------------------
 
 
-def _engine_memory(engine: Any) -> dict[str, dict[str, int]] | None:
+def _engine_memory(engine: ProbedEngine | None) -> dict[str, dict[str, int]] | None:
     if engine is None:
         return None
     for _ in range(3):  # the training thread may resize a list we iterate: just try again

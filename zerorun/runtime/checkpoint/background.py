@@ -51,7 +51,6 @@ from zerorun.runtime.checkpoint import sharded as checkpoint
 from zerorun.runtime.checkpoint.files import clean_crashed_saves, shard_file, write_atomic, write_tensors
 from zerorun.runtime.checkpoint.snapshot import HostSnapshot, RankState, StreamedState
 from zerorun.runtime.memory import MemoryReport
-from zerorun.runtime.offload.homes import MemoryHome
 
 log = logging.getLogger("zerorun")
 
@@ -206,8 +205,9 @@ class Checkpointer:
             return self.fallback
         home, numels = self.engine.store.home, list(self.engine.store.group_numels)
         writes = self.rank < self.shards
-        memory = isinstance(home, MemoryHome)
-        need = 0 if not writes else HostSnapshot.bytes_for(numels) if memory else StreamedState.bytes_for(numels)
+        resident = home.resident  # where the state sits in memory; None: in files, streamed at each save
+        snapshot = HostSnapshot if resident is not None else StreamedState
+        need = snapshot.bytes_for(numels) if writes else 0
         available = psutil.virtual_memory().available
         flag = torch.tensor([float(need > HOST_HEADROOM * available)], device=self.engine.device)
         self.engine.comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=False).wait()
@@ -218,9 +218,12 @@ class Checkpointer:
                             "available (at most %d%% may go to it): checkpoints are saved synchronously",
                             self.rank, need / 2**30, available / 2**30, HOST_HEADROOM * 100)
             return True
-        device = getattr(home, "place", self.engine.device)
-        self.state = (HostSnapshot(home, numels, device) if memory else StreamedState(home, numels)) if writes \
-            else RankState()
+        if not writes:
+            self.state = RankState()
+        elif resident is not None:
+            self.state = HostSnapshot(home, numels, resident)
+        else:
+            self.state = StreamedState(home, numels)
         return False
 
     def snapshot_bytes(self) -> int:

@@ -14,9 +14,9 @@ Before anything is read, every file's size and CRC32 are checked (each CRC by on
 verdict agreed by all) and the manifest is matched against the model, so damage is an error naming
 the file, never a wrong load.
 
-All reads and writes of this rank's master weights and Adam moments go through `_rank_state` and
-`_restore_rank_state`, and through the store's `home` only: where the state lives (device, host,
-NVMe) is the home's business, not a question this module asks.
+All reads and writes of this rank's master weights and Adam moments go through the store's
+`saved_state` and `restore_state` (store.py) only: where the state lives (device, host, NVMe) is the
+store's business, not a question this module asks.
 """
 
 from __future__ import annotations
@@ -92,20 +92,6 @@ class Engine(Protocol):
     lr_schedules: LrSchedules
 
 
-# -- this rank's flat state: the only two functions that touch master and moments ---------------
-def _rank_state(engine: Engine) -> dict[str, torch.Tensor]:
-    """This rank's flat fp32 state, `<kind>.<group>` -> a CPU tensor of `group_numels[group]` elements."""
-    home = engine.store.home
-    return {f"{kind}.{g}": home.state(g, kind) for g in range(len(engine.store.group_numels)) for kind in KINDS}
-
-
-def _restore_rank_state(engine: Engine, kind: str, group: int, values: torch.Tensor) -> None:
-    """Overwrite this rank's flat `kind` state of `group` with `values` (CPU fp32); the caller republishes."""
-    engine.store.home.write(group, kind, values)
-    if kind == "master":
-        engine.store.master_changed(group, values)
-
-
 # -- save -----------------------------------------------------------------------------------------
 def save(engine: Engine, directory: str | os.PathLike, tag: str, client_state: dict | None) -> Path:
     """Write a checkpoint of `engine` as `directory/tag` (every rank calls this) and point `latest` at it."""
@@ -113,7 +99,7 @@ def save(engine: Engine, directory: str | os.PathLike, tag: str, client_state: d
     rank, world, shards = engine.comm.rank, engine.comm.world_size, engine.store.shard_world
     sealed = torch.zeros(world, 2, dtype=torch.int64, device=engine.device)
     if rank < shards:  # stage 0: one copy of the state, rank 0's
-        sealed[rank] = torch.tensor(write_tensors(tmp / shard_file(rank), _rank_state(engine)))
+        sealed[rank] = torch.tensor(write_tensors(tmp / shard_file(rank), engine.store.saved_state()))
     crash_point("shard", rank, tag)
     engine.comm.all_reduce(sealed, async_op=False).wait()  # every shard is on disk: rank 0 may commit
     rng = gather_rng(engine)
@@ -245,7 +231,7 @@ def load(engine: Engine, directory: str | os.PathLike, tag: str | None = None) -
                     source = ckpt.slice_of(f, r, f"{kind}.{g}")
                     for copy in reads[g][r]:
                         values[copy.dst:copy.dst + copy.numel] = source[copy.src:copy.src + copy.numel]
-            _restore_rank_state(engine, kind, g, values)
+            engine.store.restore_state(g, kind, values)
     _restore_extras(engine, ckpt)
     _restore_counters(engine, ckpt.manifest)
     engine.store.publish().wait()

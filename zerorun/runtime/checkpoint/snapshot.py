@@ -1,6 +1,6 @@
 """What a background checkpoint writes for this rank: its flat state, captured off the training path.
 
-Two ways to capture, chosen by where the state lives (`background.py` picks):
+Two ways to capture, chosen by where the state lives (`Home.resident`; `background.py` picks):
 
 | class           | home            | capture                                          | host memory           |
 |-----------------|-----------------|--------------------------------------------------|-----------------------|
@@ -15,7 +15,7 @@ waits for it); on the CPU the same code copies with memcpy. The buffers are allo
 reused by every save: at most one save is in flight, so one snapshot is enough.
 
 The tensors come out in the order and under the names of the synchronous save
-(`checkpoint._rank_state`), so both write the same bytes.
+(`ParamStore.saved_state`), so both write the same bytes.
 """
 
 from __future__ import annotations

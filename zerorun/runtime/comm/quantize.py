@@ -82,11 +82,11 @@ def quantize(x: torch.Tensor, out: Quantized | None = None) -> Quantized:
     """`x` (any float dtype, contiguous) as block-scaled int8, into `out` (made here when None)."""
     out = out or Quantized.empty(x.numel(), x.device)
     if not ops.quantize_blocks(x.reshape(-1), out.values, out.scales, BLOCK):
-        _torch_quantize(x, out)
+        torch_quantize(x, out)
     return out
 
 
-def _torch_quantize(x: torch.Tensor, out: Quantized) -> None:
+def torch_quantize(x: torch.Tensor, out: Quantized) -> None:
     """The kernel's arithmetic in torch, with as few passes as torch allows: the block maxima without an
     `abs()` copy, and the division written straight into the one fp32 scratch. An inf or a NaN in a block
     makes every value it dequantizes to a NaN, as in the kernel (not the same int8 and scale bits there)."""
@@ -115,21 +115,21 @@ def dequantize_add(q: Quantized, into: torch.Tensor) -> torch.Tensor:
     `dequantize_into`'s result: a product, then a sum, never a fused multiply-add)."""
     if ops.dequantize_blocks(q.values, q.scales, into, BLOCK, accumulate=True):
         return into
-    return _torch_dequantize_add(q, into)
+    return torch_dequantize_add(q, into)
 
 
-def _torch_dequantize_add(q: Quantized, into: torch.Tensor) -> torch.Tensor:
-    return into.add_(_torch_dequantize_into(q, torch.empty_like(into)))
+def torch_dequantize_add(q: Quantized, into: torch.Tensor) -> torch.Tensor:
+    return into.add_(torch_dequantize_into(q, torch.empty_like(into)))
 
 
 def dequantize_into(q: Quantized, out: torch.Tensor) -> torch.Tensor:
     """`out` (any float dtype) = the dequantized values of `q`; returns `out`."""
     if ops.dequantize_blocks(q.values, q.scales, out, BLOCK):
         return out
-    return _torch_dequantize_into(q, out)
+    return torch_dequantize_into(q, out)
 
 
-def _torch_dequantize_into(q: Quantized, out: torch.Tensor) -> torch.Tensor:
+def torch_dequantize_into(q: Quantized, out: torch.Tensor) -> torch.Tensor:
     """Whole blocks go straight into `out` when it is fp32 (one pass); the rest through a block of scratch."""
     whole = q.numel // BLOCK
     flat = out.view(-1)

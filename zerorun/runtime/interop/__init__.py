@@ -75,6 +75,11 @@ class Interop:
         self._undo.append(clip_functions.hold())
         self._undo.append(lambda: engines.leave(ref()))
 
+    def remove_with_engine(self, remove_hooks: Callable[[], None]) -> None:
+        """Hooks the runtime put on the script's modules and parameters (the reducer's, stage 3's scheduler's and
+        groups', the deferred publish's waits): removed with the rest, at destroy, collection or a takeover."""
+        self._undo.append(remove_hooks)
+
     def guard_parameter_reads(self, root: nn.Module, wait_all: Callable[[], None]) -> None:
         """`root.parameters()`/`named_parameters()` wait for the deferred publish (publish_guard.py)."""
         self._undo.append(guard_parameter_reads(root, wait_all))

@@ -46,6 +46,10 @@ class Home(Protocol):
     def state(self, group: int, kind: str) -> torch.Tensor:
         """All of `kind` for `group` as one contiguous host tensor (the home's own when it already is one)."""
 
+    @property
+    def resident(self) -> torch.device | None:
+        """Where the state lives in memory (a background save copies it from there); None: in files."""
+
     def place_of(self, group: int, offset: int) -> str:
         """Where `group`'s state at element `offset` lives: "device" (updated there, in place), "host" or "nvme"
         (streamed through the step's staging)."""
@@ -97,6 +101,10 @@ class MemoryHome:
         ranges = [[r for r in ((0, h, host, "host"), (h, n, device, "device")) if r[1] > r[0]] or [(0, 0, host, "host")]
                   for n, h in zip(group_numels, host_numels)]
         return cls(group_numels, host, segments=ranges)
+
+    @property
+    def resident(self) -> torch.device:
+        return self.place
 
     def place_of(self, group: int, offset: int) -> str:
         roles = self._roles[group]
@@ -171,6 +179,10 @@ class NvmeHome:
         out = torch.empty(self.group_numels[group], dtype=torch.float32)
         self.read(group, kind, out)
         return out
+
+    @property
+    def resident(self) -> None:
+        return None  # in files
 
     def place_of(self, group: int, offset: int) -> str:
         return "nvme"

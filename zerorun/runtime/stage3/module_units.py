@@ -12,8 +12,9 @@ The model is cut into *module units*, each gathered and released as a whole:
 A split module is gathered for the whole pass, like the root, until the first forward has run
 under a watch (`ParamScheduler`): a parameter of it used outside its own forward (`self.pos.weight[:t]`
 in the model's forward, a weight tied by hand through a function) keeps it gathered for the whole
-pass from then on, so that use never meets a released parameter. The plan itself never changes: what
-the first pass learns is the scheduler's own state (`ParamScheduler.whole_pass`).
+pass from then on, so that use never meets a released parameter. The plan's layout never changes:
+what the first pass learns is each group's runtime state (`UnitGroup.whole_pass`), as its gathered
+state is.
 
 Each module unit is a `UnitGroup` (unit_group.py), which owns its state and its transitions, and
 holds one or more `Unit`s (units.py) per param group, of at most `zero.allgather_bucket_mb`: each

@@ -6,7 +6,7 @@
 | a wrapped module's forward starts    | its unit is gathered; the next `prefetch_units` in the recorded order start gathering |
 | it ends                              | released (not in backward: recomputation; nor a split unit kept whole or ending the forward) |
 | gradients reach its outputs          | gathered again; the previous units in that order start gathering     |
-| the reducer launched its gradients   | released                                                              |
+| its group launched its gradients     | released (by the group itself, unit_group.py)                        |
 | backward ends                        | everything but the persistent unit released, idle blocks handed back  |
 | a step published (`overlap_comm`)    | the first `prefetch_units` of the order start gathering for the next forward |
 
@@ -16,9 +16,10 @@ whose parameters are used outside its own forward stays gathered for the whole p
 Whether backward is running is the engine's `phase`, read here and by the gradient reducer alike.
 The scheduler sees the pass (its order, what to prefetch, what the first pass keeps whole); each
 group moves itself (unit_group.py), by its forgiving forms where a unit may legitimately be in more
-than one state (a prefetched unit, a unit called twice), by its strict ones elsewhere. The reducer
-tells the scheduler which unit's gradients went out (`gradients_sent`), which frees the group once
-all of its units' have.
+than one state (a prefetched unit, a unit called twice), by its strict ones elsewhere. A group
+releases itself once it has launched all its units' reduce-scatters; what the first pass keeps
+whole is each group's `whole_pass`. The scheduler holds the plan and the buffers, not the store
+that owns it: no reference cycle.
 """
 
 from __future__ import annotations
@@ -33,29 +34,29 @@ from torch.utils.hooks import RemovableHandle
 
 from zerorun.runtime.compiled import dynamo_loaded, eager_under_compile
 from zerorun.runtime.phase import Phase, TrainingPhase
-from zerorun.runtime.stage3.sharded_params import ShardedParams
+from zerorun.runtime.stage3.module_units import Stage3Plan
+from zerorun.runtime.stage3.unit_buffers import UnitBuffers
 from zerorun.runtime.stage3.unit_group import AROUND_USE, UnitGroup, UnitKind
 
 
 class ParamScheduler:
     """Module hooks that gather, prefetch and release units around forward and backward."""
 
-    def __init__(self, store: ShardedParams, prefetch: int, phase: TrainingPhase,
+    def __init__(self, plan: Stage3Plan, buffers: UnitBuffers, prefetch: int, phase: TrainingPhase,
                  say: Callable[[str], None] | None = None) -> None:
         """`say` tells the user (rank 0) which split units the first pass keeps whole, and why."""
-        self.store, self.prefetch, self.phase, self.say = store, prefetch, phase, say
+        self.plan, self.buffers, self.prefetch, self.phase, self.say = plan, buffers, prefetch, phase, say
         self.order: list[UnitGroup] | None = None  # forward execution order, recorded on the first pass
         self._observed: list[UnitGroup] = []
         self._backward_seen: set[UnitGroup] = set()
         self._hooks: list[RemovableHandle] = []
         self._inside: set[UnitGroup] = set()  # module units whose forward is running now (the first pass's watch)
         self._own_work = 0  # > 0 while a hook of this scheduler runs: its gathers are not the model's uses
-        self.root = store.plan.root
-        # what the first pass learns, not written back into the plan: split units gathered for the whole
-        # pass, as the root (all of them until the first pass has seen which are used outside their forward)
-        self.whole_pass: set[UnitGroup] = {group for group in store.groups if group.kind is UnitKind.SPLIT}
+        self.root = plan.root
+        # what the first pass learns is each group's `whole_pass`: split units gathered for the whole pass, as the
+        # root (all of them until the first pass has seen which are used outside their forward)
         self.kept_whole: list[str] = []  # split units the first pass saw used outside their forward
-        for group in store.plan.gathered_units():
+        for group in plan.gathered_units():
             self._hook(group.module, lambda group=group: self._before_forward(group),
                        lambda out, group=group: self._after_forward(group, out))
             owned = set(group.params)
@@ -63,6 +64,15 @@ class ParamScheduler:
                 if sub is not group.module and any(p in owned for p in sub._parameters.values()):
                     self._hook_inner(sub, group)
         self._hook(self.root.module, self._root_before, self._root_after)
+
+    @property
+    def in_own_hook(self) -> bool:
+        """A hook of this scheduler runs now: what it gathers is not a use by the model."""
+        return self._own_work > 0
+
+    def inside(self, group: UnitGroup) -> bool:
+        """`group`'s forward is running now."""
+        return group in self._inside
 
     def _hook(self, module: torch.nn.Module, before: Callable[..., None], after: Callable[..., None]) -> None:
         """Hooks that run eagerly even inside a compiled forward: a gather or a release is a collective and a
@@ -105,8 +115,8 @@ class ParamScheduler:
     def _root_before(self) -> None:
         if not self._in_backward:
             self._observed = []
-        for group in self.store.groups:  # the root, and split units gathered for the whole pass
-            if group is self.root or group in self.whole_pass:
+        for group in self.plan.groups:  # the root, and split units gathered for the whole pass
+            if group is self.root or group.whole_pass:
                 group.ensure_gathered()
 
     def _root_after(self, out: object) -> None:
@@ -116,8 +126,8 @@ class ParamScheduler:
             self.order = list(self._observed)  # first pass, or the execution order changed: re-record
         self._guard(self.root, out)
         keep_root = torch.is_grad_enabled()  # backward will need the root (and shared) parameters
-        for group in self.store.groups:
-            held = keep_root and (group in self.whole_pass or self._first_in_backward(group))
+        for group in self.plan.groups:
+            held = keep_root and (group.whole_pass or self._first_in_backward(group))
             if (group.kind in AROUND_USE and not held) or (group.kind is UnitKind.ROOT and not keep_root):
                 group.release_if_held()  # prefetched ones too
 
@@ -141,7 +151,7 @@ class ParamScheduler:
         self._inside.discard(group)
         self._guard(group, out)
         # during backward this is checkpoint recomputation: backward needs them
-        if not self._in_backward and group not in self.whole_pass and not self._first_in_backward(group):
+        if not self._in_backward and not group.whole_pass and not self._first_in_backward(group):
             group.release()
 
     @contextlib.contextmanager
@@ -149,7 +159,7 @@ class ParamScheduler:
         """Around the engine's forwards: the first one, while split units are still gathered for the whole
         pass, notes which split units' parameters are used outside their own forward; the others are
         gathered around their use from then on. A forward that raises decides nothing."""
-        split = [] if self.order is not None else [group for group in self.store.groups if group in self.whole_pass]
+        split = [] if self.order is not None else [group for group in self.plan.groups if group.whole_pass]
         if not split:
             yield
             return
@@ -157,8 +167,9 @@ class ParamScheduler:
         outside: set[UnitGroup] = set()
         with _UseWatch(self, owner, outside), _eager_pass():
             yield
-        self.whole_pass = {group for group in split if group in outside}
-        self.kept_whole = [group.name for group in split if group in self.whole_pass]
+        for group in split:
+            group.whole_pass = group in outside
+        self.kept_whole = [group.name for group in split if group.whole_pass]
         if self.kept_whole and self.say is not None:
             self.say(kept_whole_message(self.kept_whole))
 
@@ -193,19 +204,12 @@ class ParamScheduler:
     def begin_backward(self) -> None:
         self._backward_seen = set()
 
-    def gradients_sent(self, slot: int) -> None:
-        """The reducer sent the gradients of the unit at `slot`: its group is released once all of its have
-        gone (unless the pass keeps it whole)."""
-        group = self.store.plan.group_of[slot]
-        if group.gradients_sent(slot) and group.kind in AROUND_USE and group not in self.whole_pass:
-            group.release_if_held()  # released already when unused in this pass (its zeros are reduced)
-
     def end_backward(self) -> None:
-        for group in self.store.groups:
+        for group in self.plan.groups:
             group.end_backward()
             if group.kind is not UnitKind.PERSISTENT:
                 group.release_if_held()
-        self.store.drop_idle_blocks()
+        self.buffers.drop_idle_blocks()
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -237,10 +241,10 @@ class _UseWatch(TorchFunctionMode):
         self.scheduler, self.owner, self.outside = scheduler, owner, outside
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if not self.scheduler._own_work:
+        if not self.scheduler.in_own_hook:
             for leaf in tree_leaves((args, kwargs or {})):
                 group = self.owner.get(leaf) if isinstance(leaf, torch.Tensor) else None
-                if group is not None and group not in self.scheduler._inside:
+                if group is not None and not self.scheduler.inside(group):
                     self.outside.add(group)
         return func(*args, **(kwargs or {}))
 

@@ -2,8 +2,8 @@
 
 `ShardedParams` (sharded_params.py) knows how a unit is gathered and released; `ParamScheduler`
 (param_scheduler.py) knows when, from module hooks. `ScheduledParams` is both, so the engine talks to
-one `ParamStore` at every stage: its forward context, backward begin/end and post-step publish are
-the scheduler's work here and no-ops at stages 0-2.
+one `ParamStore` at every stage, and to this store alone as `UnitPasses` too: its forward context,
+backward begin/end and hooks are the scheduler's work, which stages 0-2 do not have.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class ScheduledParams(ShardedParams):
         """`prefetch_after_step` (`zero.overlap_comm`): a step's publish starts gathering the next forward's
         first `prefetch` units; `say` tells the user (rank 0) what the first pass keeps whole."""
         super().__init__(model, plan, placement, policy, comm, init_log, hpz)
-        self.scheduler = ParamScheduler(self, prefetch, phase, say)
+        self.scheduler = ParamScheduler(plan, self.buffers, prefetch, phase, say)
         self.prefetch_after_step = prefetch_after_step
 
     def publish_after_step(self) -> None:
@@ -50,3 +50,8 @@ class ScheduledParams(ShardedParams):
 
     def end_backward(self) -> None:
         self.scheduler.end_backward()
+
+    def remove_hooks(self) -> None:
+        self.scheduler.remove()
+        for group in self.groups:
+            group.remove_hooks()

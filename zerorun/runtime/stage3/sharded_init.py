@@ -44,7 +44,7 @@ PURE = {"zero_", "fill_", "copy_", "zeros_", "ones_", "constant_", "eye_", "dira
 
 
 @dataclass
-class _Op:
+class RecordedOp:
     param: nn.Parameter
     name: str
     func: Callable[..., Any]
@@ -59,10 +59,10 @@ class InitLog:
     rng_state: torch.Tensor
     params: list[nn.Parameter] = field(default_factory=list)
     devices: dict[int, torch.device] = field(default_factory=dict)
-    ops: list[_Op] = field(default_factory=list)
+    ops: list[RecordedOp] = field(default_factory=list)
 
     @staticmethod
-    def overwrites(op: _Op) -> bool:
+    def overwrites(op: RecordedOp) -> bool:
         return op.name in OVERWRITE or getattr(op.func, "__module__", "") == "torch.nn.init"
 
     def owns(self, param: torch.Tensor) -> bool:
@@ -106,14 +106,14 @@ class InitLog:
                 torch.random.set_rng_state(saved)
 
 
-def _call(op: _Op, target: torch.Tensor) -> None:
+def _call(op: RecordedOp, target: torch.Tensor) -> None:
     args = tuple(_real(a, op) for a in op.args)
     kwargs = {k: _real(v, op) for k, v in op.kwargs.items()}
     with torch.no_grad():
         op.func(target, *args, **kwargs)
 
 
-def _real(value: Any, op: _Op) -> Any:
+def _real(value: Any, op: RecordedOp) -> Any:
     if isinstance(value, torch.Tensor) and value.is_meta:
         raise ZerorunError(f"sharded_init: {op.name} on parameter {tuple(op.param.shape)} reads another meta tensor; "
                            "only in-place initialisation from constants can be replayed (initialise it under "
@@ -175,7 +175,7 @@ class _Recorder(TorchFunctionMode):
             if target.shape != param.shape:
                 raise ZerorunError(f"sharded_init: {name} writes part of parameter {tuple(param.shape)} through a view; "
                                    "initialise whole parameters, or do it under engine.gathered(modify=True).")
-            self.log.ops.append(_Op(param, name, _method(func), rest, options))
+            self.log.ops.append(RecordedOp(param, name, _method(func), rest, options))
             if _writes_values_only(func, name):
                 return target  # a meta tensor has no values to write (see _writes_values_only)
             return func(*args, **kwargs)

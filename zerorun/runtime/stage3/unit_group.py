@@ -9,13 +9,18 @@ reduce-scatter. The group holds where it is and moves itself between states, onl
 Every transition asserts where it starts (`expect`, like FSDP2's `_assert_in_states`): a hook
 firing in an order nobody planned is a loud bug, not a silent repair. `ensure_gathered`, `prefetch`
 and `release_if_held` are the forgiving forms, for callers where more than one state is legitimate
-(a prefetched unit, a unit called twice). The group also counts which of its units' gradients the
-reducer has sent in this backward (`gradients_sent`): once all have gone, its parameters may go.
+(a prefetched unit, a unit called twice).
+
+The group also ends its own backward, as FSDP2's `post_backward`: a post-accumulate-grad hook on
+each of its parameters hands the gradient to the reducer (`UnitReducer.accept`), and as soon as one
+of its units has all its gradients the group launches that unit's reduce-scatter itself; once all
+have gone, it releases its parameters (unless the pass keeps it whole, `whole_pass`). Nobody is
+called back: the reducer stages and reduces, the group decides when.
 
 What a gather *does* to memory and the wire (a buffer filled from the shard, an all-gather or hpZ's
-gather within the node, the parameters pointed at the buffer) is the store's (sharded_params.py),
-through the three calls of `GatherBuffers`; *when* a group gathers and releases is the scheduler's
-(param_scheduler.py), which alone sees the order of the pass.
+gather within the node, the parameters pointed at the buffer) is the `UnitBuffers`'
+(unit_buffers.py), through the three calls of `GatherBuffers`; *when* a group gathers in forward and
+backward is the scheduler's (param_scheduler.py), which alone sees the order of the pass.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from enum import Enum
 from typing import Protocol
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zerorun.runtime import ranges
 from zerorun.runtime.comm.collectives import Handle, Pending
@@ -60,6 +66,19 @@ class GatherBuffers(Protocol):
         """Hand the slot's buffer memory back; its parameters become empty tensors."""
 
 
+class UnitReducer(Protocol):
+    """What a group asks of the gradient reducer (grad_reducer.py), by a unit's slot in the plan."""
+
+    def accept(self, param: nn.Parameter) -> int | None:
+        """Take `param`'s fresh gradient out of `param.grad`; its unit's slot, or None while it is only held."""
+
+    def launches_now(self, slot: int) -> bool:
+        """Whether the unit at `slot` has all its gradients and this backward reduces them as they complete."""
+
+    def launch(self, slot: int) -> None:
+        """Start the unit's reduce-scatter."""
+
+
 class UnitGroup:
     """Parameters gathered and released together, with the state they are in."""
 
@@ -70,7 +89,10 @@ class UnitGroup:
         self.state = UnitState.RELEASED
         self.pending: Pending | None = None  # the all-gathers of a GATHERING group
         self._buffers: GatherBuffers | None = None
-        self._sent: set[int] = set()  # slots whose gradients the reducer sent in this backward
+        self._reducer: UnitReducer | None = None
+        self._grad_hooks: list[RemovableHandle] = []
+        self._sent: set[int] = set()  # slots whose reduce-scatter this group launched in this backward
+        self.whole_pass = kind is UnitKind.SPLIT  # kept gathered for the whole pass (the scheduler's first pass decides)
 
     def __repr__(self) -> str:
         return f"UnitGroup({self.name!r}, {self.kind.value}, {self.state.value}, {len(self.units)} units)"
@@ -80,8 +102,18 @@ class UnitGroup:
         self.units.append(unit)
 
     def bind(self, buffers: GatherBuffers) -> None:
-        """The store whose buffers this group's gathers fill (once, when the store is built)."""
+        """The buffers this group's gathers fill (once, when the store is built)."""
         self._buffers = buffers
+
+    def reduce_with(self, reducer: UnitReducer) -> None:
+        """Reduce this group's gradients through `reducer` as backward produces them (once, at setup)."""
+        self._reducer = reducer
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._gradient_arrived) for p in self.params]
+
+    def remove_hooks(self) -> None:
+        for hook in self._grad_hooks:
+            hook.remove()
+        self._grad_hooks = []
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -145,12 +177,17 @@ class UnitGroup:
             self.release()
 
     # -- gradients ----------------------------------------------------------------------------------------
-    def gradients_sent(self, slot: int) -> bool:
-        """The reducer sent the gradients of its unit at `slot`; whether all of this group's have gone now
-        (its parameters are then not needed again in this backward)."""
-        assert slot in self.slots, f"unit {slot} is not in stage 3 unit {self.name}"
+    def _gradient_arrived(self, param: nn.Parameter) -> None:
+        """A parameter's gradient is accumulated: hand it over; launch a unit it completes; once every unit's
+        reduce-scatter is out, release the parameters (this backward needs them no more)."""
+        assert self._reducer is not None, f"stage 3 unit {self.name} has no reducer"
+        slot = self._reducer.accept(param)
+        if slot is None or not self._reducer.launches_now(slot):
+            return
+        self._reducer.launch(slot)
         self._sent.add(slot)
-        return len(self._sent) == len(self.slots)
+        if self.all_sent and self.kind in AROUND_USE and not self.whole_pass:
+            self.release_if_held()  # released already when unused in this pass (its zeros are reduced)
 
     @property
     def all_sent(self) -> bool:
