@@ -50,8 +50,8 @@ def _dict_contents(obj: object) -> dict[str, object]:
     if not isinstance(obj, (torch.nn.Module, torch.Tensor)):
         return {}
     dicts = {name: value for name, value in vars(obj).items() if isinstance(value, dict) and name != "_modules"}
-    if isinstance(obj, torch.Tensor) and obj._post_accumulate_grad_hooks is not None:
-        dicts["_post_accumulate_grad_hooks"] = obj._post_accumulate_grad_hooks
+    if isinstance(obj, torch.Tensor):  # None until a hook is first registered, an empty dict once it is removed
+        dicts["_post_accumulate_grad_hooks"] = obj._post_accumulate_grad_hooks or {}
     return {f"{name}[...]": _Entries(tuple(value.items())) for name, value in dicts.items()}
 
 

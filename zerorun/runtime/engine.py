@@ -92,17 +92,17 @@ class Engine:
         # add `_orig_mod.`), so a checkpoint resumes whether the script compiles or not
         self.model = compiled.unwrapped(self.module)
         groups, decoupled = param_groups_from(optimizer, model, recipe.optimizer)
-        self._sync_buffers()
+        self._sync_buffers()  # then the optimizer and schedulers, refused before any hook is on the model
+        self.optimizer = ShardedAdamW(groups, decoupled, handed_over=optimizer)
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            lr_scheduler = lr_scheduler(self.optimizer)
+        self.lr_schedules = LrSchedules(self.optimizer, optimizer, schedulers_of, lr_scheduler, scheduler_source)
         stage = build_stage(recipe, model, [g["params"] for g in groups], init_log, self.comm, self.placement,
                             self.policy, self.phase, self.device, self.compiled)
         self.store: ParamStore = stage.store
         self.passes: UnitPasses | None = stage.passes  # stage 3's gather and release around every pass
         self.reducer: GradReducer = stage.reducer
         cast_frozen(self.module, self.policy.param_dtype)
-        self.optimizer = ShardedAdamW(groups, decoupled, handed_over=optimizer)
-        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-            lr_scheduler = lr_scheduler(self.optimizer)
-        self.lr_schedules = LrSchedules(self.optimizer, optimizer, schedulers_of, lr_scheduler, scheduler_source)
         largest_piece = max((u.shard_numel for u in self.store.units), default=1)
         self.update = AdamStep(self.optimizer, self.store.home,
                                ranges.offload_copies(self.placement.transfers(largest_piece)),
@@ -123,9 +123,7 @@ class Engine:
         self.clip_grad_norm = recipe.train.clip_grad_norm
         self.window = AccumulationWindow()
         self.clip_calls = clip.ScriptClipping(self.grad_accum_steps)  # the script's clip_grad_norm_/value_ calls
-        self.micro_steps = 0
-        self.global_step = 0
-        self.skipped_steps = 0
+        self.micro_steps = self.global_step = self.skipped_steps = 0
         self.grad_norm: float | None = None
         self._boundary: bool | None = None  # set_boundary's answer; None: every grad_accum_steps-th micro-step
         self.tokens_per_sample: int | None = None  # set it when inputs are not (batch, seq) token ids
@@ -136,11 +134,12 @@ class Engine:
         # undone by destroy() (runtime/interop/)
         self.interop = Interop(self)
         self.interop.take_over(self, model)
-        for hooks in (self.reducer, self.passes, stage.deferred):
+        self.deferred = stage.deferred  # stages 1/2 with zero.overlap_publish: the publish the next forward waits for
+        for hooks in (self.reducer, self.passes, self.deferred):
             if hooks is not None:
                 self.interop.remove_with_engine(hooks.remove_hooks)
-        if stage.deferred is not None:
-            self.interop.guard_parameter_reads(model, stage.deferred.wait_all)
+        if self.deferred is not None:
+            self.interop.guard_parameter_reads(model, self.deferred.wait_all)
         if optimizer is not None:
             self.interop.refuse_direct_use(optimizer)
         self.interop.route_clip_calls(self)
@@ -178,7 +177,8 @@ class Engine:
         """Wait until the last step's updated parameters have reached every rank (stages 1/2 with
         `overlap_publish` publish them under the next forward). The engine's own methods, forwards and
         `state_dict()` calls do this themselves; call it before reading `p.data` right after `step()`."""
-        self.store.wait_published()
+        if self.deferred is not None:
+            self.deferred.wait_all()
 
     def _roll_back_speculation(self) -> None:
         """Undo an update the host made under the backward for a step() that has not come (optim/overlap.py):

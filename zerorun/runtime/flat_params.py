@@ -131,12 +131,9 @@ class FlatParams:
         else:
             self.publish().wait()
 
-    def wait_published(self) -> None:
-        if self.deferred is not None:
-            self.deferred.wait_all()
-
     def settle(self) -> None:
-        self.wait_published()  # the deferred publish is the only collective left between steps
+        if self.deferred is not None:  # the deferred publish is the only collective left between steps
+            self.deferred.wait_all()
 
     def saved_state(self) -> dict[str, torch.Tensor]:
         return saved_home_state(self.home, self.group_numels)

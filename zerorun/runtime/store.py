@@ -114,9 +114,6 @@ class ParamStore(Protocol):
         """After an applied update: `publish`, waited for here or (stages 1/2 with `overlap_publish`) by the
         next forward's hooks; stage 3 then starts gathering the next forward's first units (`overlap_comm`)."""
 
-    def wait_published(self) -> None:
-        """Return once the last step's publish has reached every rank."""
-
     def settle(self) -> None:
         """Finish every collective still in flight (the deferred publish, stage 3's prefetched gathers): before
         the process group is torn down, which aborts a gloo process whose collectives are still running."""

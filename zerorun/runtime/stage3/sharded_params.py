@@ -112,9 +112,6 @@ class ShardedParams:
     def publish_after_step(self) -> None:
         self.publish().wait()
 
-    def wait_published(self) -> None:
-        pass  # `publish_after_step` waited for the units gathered then; the rest gather when used
-
     def settle(self) -> None:
         for group in self.groups:  # a prefetch for the next forward (`overlap_comm`) may still be in flight
             if group.state is UnitState.GATHERING:
