@@ -71,6 +71,8 @@ def build_stage(recipe: Recipe, model: nn.Module, groups: list[list[nn.Parameter
     # each unit's group reduce-scatters its gradients as soon as backward completes them, then releases itself
     reducer = GradReducer(sharded, comm, policy.reduce_dtype, device, Reduction.SCATTER_SHARD, LaunchOrder.READY,
                           zero.overlap_comm, phase)
+    assert sorted(k for group in plan.groups for k in group.slots) == list(range(len(plan.units))), \
+        "every stage 3 unit belongs to exactly one group, whose hooks reduce its gradients"
     for group in plan.groups:
         group.reduce_with(reducer)
     return Stage(sharded, sharded, reducer, None)
