@@ -29,6 +29,7 @@ import torch
 from zerorun.runtime.checkpoint.safetensors_writer import Source
 from zerorun.runtime.offload.homes import KINDS, Home
 from zerorun.runtime.offload.nvme import aligned_empty
+from zerorun.runtime.store import state_names
 
 STREAM_CHUNK = 1 << 24  # fp32 elements per NVMe read (64 MiB), a multiple of the 4096-byte O_DIRECT block
 
@@ -43,8 +44,8 @@ def snapshot_bytes(numels: list[int], streamed: bool) -> int:
 
 
 def _names(numels: list[int]) -> list[tuple[str, int, str, int]]:
-    """(tensor name, group, kind, numel) in the rank file's order."""
-    return [(f"{kind}.{g}", g, kind, n) for g, n in enumerate(numels) for kind in KINDS]
+    """(tensor name, group, kind, numel) in the rank file's order (the store's `state_names`)."""
+    return [(name, g, kind, numels[g]) for name, g, kind in state_names(numels)]
 
 
 class RankState:

@@ -187,7 +187,7 @@ class UnitGroup:
         self._reducer.launch(slot)
         self._sent.add(slot)
         if self.all_sent and self.kind in AROUND_USE and not self.whole_pass:
-            self.release_if_held()  # released already when unused in this pass (its zeros are reduced)
+            self.release_if_held()  # (already released if nothing gathered it again for this backward)
 
     @property
     def all_sent(self) -> bool:
