@@ -49,6 +49,37 @@ def test_a_quantized_reduce_scatter_is_within_half_a_step_per_peer_of_the_exact_
         assert 0 < error <= 2 * bound  # the peers' bounds, each from its own data (< 2x ours here)
 
 
+def _chunked(rank: int, world: int) -> dict[str, list[list[float]]]:
+    """Each quantized collective on gloo's point-to-point wire twice: in one chunk, and in chunks of one block
+    (six, more than the codec keeps on the wire at once), so the pipeline's lag and its last chunks run."""
+    from zerorun.runtime.comm import collectives
+    from zerorun.runtime.comm.dist import init_distributed
+
+    init_distributed()
+    numel = 5 * BLOCK + 100  # per rank: a last chunk shorter than a block
+    full = torch.randn(world * numel, generator=torch.Generator().manual_seed(rank))
+    start = torch.randn(numel, generator=torch.Generator().manual_seed(10 + rank))
+    results: dict[str, list[list[float]]] = {}
+    for chunk in (collectives.CODEC_CHUNK, BLOCK):
+        collectives.CODEC_CHUNK = chunk
+        comm = collectives.Collectives(cpu="gloo", quantized_gradients=True, quantized_weights=True)
+        direct, added, narrow = torch.empty(numel), start.clone(), torch.empty(numel, dtype=torch.bfloat16)
+        comm.reduce_scatter(full.clone(), direct).wait()
+        comm.reduce_scatter(full.clone(), added, accumulate=True).wait()
+        comm.reduce_scatter(full.clone(), narrow).wait()
+        gathered = full.clone()
+        comm.all_gather(gathered, compute_copy=True).wait()
+        for name, value in (("direct", direct), ("added", added), ("bf16", narrow), ("gathered", gathered)):
+            results.setdefault(name, []).append(value.float().tolist())
+    return results
+
+
+def test_the_codec_pipeline_gives_the_same_bits_in_any_number_of_chunks():
+    for results in run_ranks(_chunked, 3):
+        for name, (whole, chunked) in results.items():
+            assert torch.equal(torch.tensor(whole), torch.tensor(chunked)), name
+
+
 def _losses(rank: int, world: int) -> tuple[list[float], list[float]]:
     from tests.runtime.reference import engine_run
     from zerorun.runtime.comm.dist import init_distributed

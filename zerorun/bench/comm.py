@@ -3,7 +3,12 @@
 This is the measurement behind `zerorun.runtime.comm.collectives`: on gloo a pairwise reduce-scatter and
 a pairwise all-gather, against gloo's own and an all-reduce that keeps one
 piece; ranks on one host do better still through shared memory (`zero.cpu_collectives`), measured
-alongside. `--cluster 2x1 --link 1gbit` measures them across an emulated link instead of loopback.
+alongside, and ZeRO++'s block int8 ones (qgZ, qwZ) where the network is slow. `--cluster 2x1 --link 1gbit`
+measures them across an emulated link instead of loopback.
+
+Beside each time, the CPU the calling thread spent in it (launch and wait): in training that thread is the
+one that computes, so this is what a collective takes from the forward and backward, where the rest of its
+time hides under them.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class CommResult:
     operation: str
     implementation: str
     median_ms: float
+    caller_cpu_ms: float  # CPU time of the calling thread (the training thread in a real step), median
 
 
 def _measure(rank: int, world: int, sizes_mib: list[float], repeats: int) -> list[CommResult]:
@@ -33,6 +39,7 @@ def _measure(rank: int, world: int, sizes_mib: list[float], repeats: int) -> lis
 
     init_distributed()
     comm = Collectives()
+    int8 = Collectives(quantized_gradients=True, quantized_weights=True)
     shm = Collectives(cpu="auto") if dist.get_backend() == "gloo" else None
     shm = shm if shm is not None and shm.shm is not None else None
     out = []
@@ -47,19 +54,22 @@ def _measure(rank: int, world: int, sizes_mib: list[float], repeats: int) -> lis
             ("reduce-scatter", "zerorun", lambda: comm.reduce_scatter(full, shard).wait()),
             ("all-gather", "backend all_gather_into_tensor", lambda: dist.all_gather_into_tensor(full, shard)),
             ("all-gather", "zerorun", lambda: comm.all_gather(full).wait()),
+            ("reduce-scatter", "zerorun int8 (qgZ)", lambda: int8.reduce_scatter(full, shard).wait()),
+            ("all-gather", "zerorun int8 (qwZ)", lambda: int8.all_gather(full, compute_copy=True).wait()),
         ]
         if shm is not None:
             cases += [("all-reduce", "zerorun shared memory", lambda: shm.all_reduce(full).wait()),
                       ("reduce-scatter", "zerorun shared memory", lambda: shm.reduce_scatter(full, shard).wait()),
                       ("all-gather", "zerorun shared memory", lambda: shm.all_gather(full).wait())]
         for operation, impl, fn in cases:
-            times = []
+            times, cpu = [], []
             for _ in range(repeats):
                 dist.barrier()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.thread_time()
                 fn()
                 times.append(time.perf_counter() - start)
-            out.append(CommResult(mib, operation, impl, statistics.median(times) * 1e3))
+                cpu.append(time.thread_time() - start_cpu)
+            out.append(CommResult(mib, operation, impl, statistics.median(times) * 1e3, statistics.median(cpu) * 1e3))
     return out
 
 
@@ -74,9 +84,9 @@ def render(results: list[CommResult], world_size: int, backend: str = "gloo", wh
     from rich.table import Table
 
     table = Table(title=f"collectives on {backend}, {world_size} ranks{where}, fp32, median")
-    for col in ("MiB", "operation", "implementation", "ms", "GB/s (buffer)"):
+    for col in ("MiB", "operation", "implementation", "ms", "GB/s (buffer)", "caller's CPU ms"):
         table.add_column(col, justify="left" if col in ("operation", "implementation") else "right")
     for r in results:
         table.add_row(f"{r.size_mib:g}", r.operation, r.implementation, f"{r.median_ms:.1f}",
-                      f"{r.size_mib * 2**20 / (r.median_ms / 1e3) / 1e9:.2f}")
+                      f"{r.size_mib * 2**20 / (r.median_ms / 1e3) / 1e9:.2f}", f"{r.caller_cpu_ms:.1f}")
     return table
