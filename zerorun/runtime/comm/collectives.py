@@ -265,9 +265,9 @@ class Collectives:
         c is quantized and sent while the chunks before it are on the wire, and each chunk is finished as soon as
         it has landed, between two chunks' quantizing (the thread waits for the wire only once everything is
         sent). Quantizing and dequantizing both hide under the link, and the training thread goes on computing
-        meanwhile: finishing on the waiter's thread had cost it 0.04-0.05 s of CPU per 96M-element collective
-        (0.1 s per step of the standard GPT in `zerorun bench step --cluster 2x1`). The tags are taken here, on
-        the caller's thread, so every rank numbers the transfers in the same order. On NCCL the device quantizes
+        meanwhile: finishing on the waiter's thread had taken that thread's CPU (`zerorun bench comm`'s
+        caller's CPU column). The tags are taken here, on the caller's thread, so every rank numbers the
+        transfers in the same order. On NCCL the device quantizes
         everything (a pass at memory speed), one collective moves each buffer, and the waiter finishes it all.
         """
         device = outbox.values.device.type
