@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import sys
 
 import pytest
@@ -114,6 +115,25 @@ def test_parameters_before_initialize_change_only_inside_gathering_blocks() -> N
         assert values["0.weight"] == torch.full((4, 3), 2.0).tolist()
         assert values["0.bias"] == plain[0].bias.tolist()
         assert values["1.weight"] == plain[1].weight.tolist()  # the write outside was dropped
+
+
+def _gathered_on_nccl(rank: int, world: int) -> tuple[dict, set[tuple[str, str]]]:
+    """The same script on GPUs over NCCL (stood in for on the CPU): the model is built on the host inside zero.Init,
+    and NCCL carries device memory only."""
+    from tests.runtime.cuda_standin import pretend_cuda
+    from zerorun.runtime.comm.dist import init_distributed
+
+    init_distributed()  # the real process group, gloo underneath; pretend_cuda then reports nccl
+    os.environ.update(LOCAL_WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    with pretend_cuda("nccl") as seen:
+        return _gathered_before_initialize(rank, world), seen
+
+
+def test_parameters_gathered_before_initialize_travel_on_the_gpu_over_nccl() -> None:
+    on_cpu = run_ranks(_gathered_before_initialize, 2)
+    for (values, seen), expected in zip(run_ranks(_gathered_on_nccl, 2), on_cpu):
+        assert values == expected
+        assert {("all_gather_into_tensor", "cuda"), ("broadcast", "cuda")} <= seen, seen
 
 
 def test_a_module_built_on_a_stage3_parameters_meta_device_is_refused_naming_resize_token_embeddings() -> None:

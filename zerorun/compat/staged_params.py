@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
+from zerorun.runtime.comm.wire import CARRIES, Primitive
 from zerorun.runtime.stage3 import sharded_init
 
 
@@ -58,9 +59,20 @@ class Piece:
         _, world = _rank_world()
         if world == 1:
             return self.values[:self.shape.numel()].clone().view(self.shape)
-        out = torch.empty(self.values.numel() * world, dtype=self.values.dtype, device=self.values.device)
-        dist.all_gather_into_tensor(out, self.values)
-        return out[:self.shape.numel()].view(self.shape)
+        wire = _wire_device(self.values.device, Primitive.ALL_GATHER_INTO_TENSOR)
+        out = torch.empty(self.values.numel() * world, dtype=self.values.dtype, device=wire)
+        dist.all_gather_into_tensor(out, self.values.to(wire))
+        return out[:self.shape.numel()].view(self.shape).to(self.values.device)
+
+
+def _wire_device(device: torch.device, primitive: Primitive) -> torch.device:
+    """Where the process group's backend takes `primitive` of tensors on `device`: that device, or this rank's GPU
+    for host tensors on NCCL, which carries device memory only (wire.py). A model built on the host inside
+    `zero.Init` keeps its pieces there; only the collective's copy visits the GPU."""
+    carried = CARRIES.get(dist.get_backend(), {}).get(primitive)
+    if carried is None or device.type in carried:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _rank_world() -> tuple[int, int]:
@@ -135,7 +147,9 @@ def gathered(params: list[torch.Tensor], modifier_rank: int | None) -> Iterator[
             value = param.data
             if modifier_rank is not None:
                 if _rank_world()[1] > 1:
-                    dist.broadcast(value, src=modifier_rank)
+                    carried = value.to(_wire_device(value.device, Primitive.BROADCAST))
+                    dist.broadcast(carried, src=modifier_rank)
+                    value = carried.to(value.device)
                 pieces[param].keep(value)
             _swap(param, torch.nn.Parameter(torch.empty_like(value, device="meta"), requires_grad=param.requires_grad))
 
