@@ -129,3 +129,28 @@ def test_no_parameter_store_has_a_method_that_does_nothing() -> None:
              for node in ast.walk(ast.parse((ROOT / path).read_text()))
              if isinstance(node, ast.FunctionDef) and _does_nothing(node)]
     assert not empty, empty
+
+
+TENSOR_COLLECTIVES = {"all_reduce", "broadcast", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single",
+                      "reduce_scatter", "all_gather", "isend", "irecv", "send", "recv", "reduce", "gather", "scatter"}
+
+
+def test_every_module_that_moves_tensors_through_torch_distributed_asks_the_wire_table() -> None:
+    """What each backend carries (NCCL: device memory only; gloo's point to point: host memory only) is one table,
+    runtime/comm/wire.py. A module that calls a tensor collective of torch.distributed itself, outside
+    runtime/comm/ (which is built on the table) and the benchmarks (which time the backend's own on purpose),
+    must consult it: compat/staged_params.py did not, and two GPUs over NCCL failed there while every CPU test
+    passed."""
+    unchecked = []
+    for path in sorted((ROOT / "zerorun").rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative.startswith(("zerorun/runtime/comm/", "zerorun/bench/")):
+            continue
+        tree = ast.parse(path.read_text())
+        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                 and node.func.attr in TENSOR_COLLECTIVES and ast.unparse(node.func.value) in ("dist", "torch.distributed")]
+        uses_wire = any(isinstance(node, ast.ImportFrom) and node.module == "zerorun.runtime.comm.wire"
+                        for node in ast.walk(tree))
+        if calls and not uses_wire:
+            unchecked += [f"{relative}:{call.lineno}: {ast.unparse(call.func)}" for call in calls]
+    assert not unchecked, "\n".join(unchecked)
