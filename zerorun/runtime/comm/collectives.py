@@ -267,9 +267,8 @@ class Collectives:
         sent). Quantizing and dequantizing both hide under the link, and the training thread goes on computing
         meanwhile: finishing on the waiter's thread had taken that thread's CPU (`zerorun bench comm`'s
         caller's CPU column). The tags are taken here, on the caller's thread, so every rank numbers the
-        transfers in the same order. On NCCL the device quantizes
-        everything (a pass at memory speed), one collective moves each buffer, and the waiter finishes it all.
-        """
+        transfers in the same order. On NCCL the device quantizes everything (a pass at memory speed), one
+        collective moves each buffer, and the waiter finishes it all."""
         device = outbox.values.device.type
         if route(op, self.backend, device).primitive is not Primitive.POINT_TO_POINT:
             quantize_chunk(0, outbox.numel)
