@@ -230,12 +230,14 @@ class _Event:
         return 0.0
 
 
-def _checked(name: str, real: Callable, backend: str, seen: set[tuple[str, str]]) -> Callable:
-    """`real` (a torch.distributed call), refusing what `backend` does not carry; `seen` collects (call, device)."""
-    allowed = CARRIES[backend][CALLS[name]]
+def _checked(name: str, real: Callable, backends: _Backends, seen: set[tuple[str, str]]) -> Callable:
+    """`real` (a torch.distributed call), refusing what its group's backend does not carry; `seen` collects (call,
+    device)."""
 
     @functools.wraps(real)
     def call(*args: Any, **kwargs: Any) -> Any:
+        backend = backends.of(kwargs.get("group"))
+        allowed = CARRIES[backend][CALLS[name]]
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         for tensor in tensors:
             kind = "cuda" if isinstance(tensor, FakeCudaTensor) else tensor.device.type
@@ -247,6 +249,27 @@ def _checked(name: str, real: Callable, backend: str, seen: set[tuple[str, str]]
         return real(*plain, **{k: v.as_subclass(torch.Tensor) if isinstance(v, FakeCudaTensor) else v
                                for k, v in kwargs.items()})
     return call
+
+
+class _Backends:
+    """The emulated backend of each process group: the job's, or gloo for a group made with `backend="gloo"` (as a
+    real NCCL job makes one for host tensors)."""
+
+    def __init__(self, default: str) -> None:
+        self.default = default
+        self.gloo: list[Any] = []  # groups asked for as gloo (compared by identity)
+
+    def of(self, group: Any = None) -> str:
+        return "gloo" if group is not None and any(group is g for g in self.gloo) else self.default
+
+    def new_group(self, real: Callable) -> Callable:
+        @functools.wraps(real)
+        def new_group(*args: Any, **kwargs: Any) -> Any:
+            group = real(*args, **{k: v for k, v in kwargs.items() if k != "backend"}, backend="gloo")
+            if str(kwargs.get("backend", "")).lower() == "gloo":
+                self.gloo.append(group)
+            return group
+        return new_group
 
 
 def _init_on_gloo(real: Callable) -> Callable:
@@ -268,6 +291,7 @@ def pretend_cuda(backend: str = "gloo") -> Iterator[set[tuple[str, str]]]:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = local_world if backend == "nccl" else 1  # NCCL: a GPU per rank; gloo: the ranks share one
     _DEVICE[0] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % gpus)
+    backends = _Backends(backend)
     patches: dict[tuple[Any, str], Any] = {
         (torch.cuda, "is_available"): lambda: True,
         (torch.cuda, "device_count"): lambda: gpus,
@@ -291,12 +315,13 @@ def pretend_cuda(backend: str = "gloo") -> Iterator[set[tuple[str, str]]]:
         (torch.cuda, "get_device_capability"): lambda device=None: (9, 0),
         (torch.cuda, "mem_get_info"): lambda device=None: (64 * 2**30, 80 * 2**30),
         (torch.cuda.nccl, "version"): lambda: (2, 21, 5),  # torch.distributed's error logging asks for it
-        (dist, "get_backend"): lambda group=None: backend,
+        (dist, "get_backend"): backends.of,
         (dist, "init_process_group"): _init_on_gloo(dist.init_process_group),
+        (dist, "new_group"): backends.new_group(dist.new_group),
     }
     seen: set[tuple[str, str]] = set()
     for name in CALLS:
-        patches[(dist, name)] = _checked(name, getattr(dist, name), backend, seen)
+        patches[(dist, name)] = _checked(name, getattr(dist, name), backends, seen)
     saved = {key: getattr(*key) for key in patches}
     for (owner, name), value in patches.items():
         setattr(owner, name, value)

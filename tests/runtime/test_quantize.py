@@ -52,7 +52,7 @@ def test_a_quantized_reduce_scatter_is_within_half_a_step_per_peer_of_the_exact_
 def _chunked(rank: int, world: int) -> dict[str, list[list[float]]]:
     """Each quantized collective on gloo's point-to-point wire twice: in one chunk, and in chunks of one block
     (six, more than the codec keeps on the wire at once), so the pipeline's lag and its last chunks run."""
-    from zerorun.runtime.comm import collectives
+    from zerorun.runtime.comm import collectives, pairwise
     from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
@@ -60,8 +60,8 @@ def _chunked(rank: int, world: int) -> dict[str, list[list[float]]]:
     full = torch.randn(world * numel, generator=torch.Generator().manual_seed(rank))
     start = torch.randn(numel, generator=torch.Generator().manual_seed(10 + rank))
     results: dict[str, list[list[float]]] = {}
-    for chunk in (collectives.CODEC_CHUNK, BLOCK):
-        collectives.CODEC_CHUNK = chunk
+    for chunk in (pairwise.CODEC_CHUNK, BLOCK):
+        pairwise.CODEC_CHUNK = chunk
         comm = collectives.Collectives(cpu="gloo", quantized_gradients=True, quantized_weights=True)
         direct, added, narrow = torch.empty(numel), start.clone(), torch.empty(numel, dtype=torch.bfloat16)
         comm.reduce_scatter(full.clone(), direct).wait()

@@ -11,8 +11,11 @@
 4. Run the user's script as `__main__` with `runpy`, with `sys.argv` and `sys.path[0]` as
    `python script.py args` would set them. Nothing is seeded: that is the script's (or the
    engine's) business.
+   The script's own `dist.init_process_group(...)` joins the job (runtime/interop/process_group.py).
 5. Wait for a checkpoint still being written in the background (`checkpoint.background.wait_all`):
-   the job ends once it is committed, or with its error.
+   the job ends once it is committed, or with its error. Then the ranks meet a last time through the
+   newest engine's checked collectives: a rank whose peers still train (a data loader that ran out on
+   one rank) stops them all with a message naming where each was, instead of leaving them waiting.
 6. Stop the probe (a last sample and what is still queued, for at most 2 s). Destroy the process
    group on a clean exit. After a failure it is left alone: tearing down a communicator whose
    peers are gone can block, and the process is about to end anyway.
@@ -86,6 +89,7 @@ def run_script(script: str, args: list[str]) -> int:
     namespace: dict[str, Any] = {}
     try:
         namespace = _run_path(script)  # kept: the probe's last sample sees the engine
+        _meet_at_the_end()
         code = 0
     except SystemExit as exc:
         code = _exit_code(exc.code)
@@ -158,27 +162,29 @@ def _print_user_traceback(exc: BaseException, script: str) -> None:
     traceback.print_exception(type(exc), exc, walk)  # None: the script did not start (SyntaxError)
 
 
-def _settle_engines() -> None:
-    from zerorun.runtime.interop import settle_all
+def _meet_at_the_end() -> None:
+    """Once every rank is done with its collectives, meet: through the newest engine's checked collectives where
+    one lives (a rank still training meets this as a mismatch, and every rank stops naming it), else a barrier.
 
-    settle_all()
+    The engines' collectives still in flight are finished first. Without the meeting a rank whose last collective
+    finished early closes its connections while a peer may still be receiving. Either one left out aborts the
+    process at exit ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    from zerorun.runtime.interop import engines
+
+    if not dist.is_initialized():  # the script destroyed it itself (and met there), or never had one
+        return
+    engines.settle_all()
+    if not engines.end_of_script():
+        dist.barrier()
 
 
 def _destroy_process_group() -> None:
-    """Tear the process group down once every rank is done with its collectives.
-
-    The engines' collectives still in flight are finished first (`_settle_engines`). Without the barrier a
-    rank whose last collective finished early closes its connections while a peer may still be receiving.
-    Either one left out aborts the process at exit ("terminate called without an active exception").
-    """
+    """Tear the process group down (every rank met at the end of its script)."""
     import torch.distributed as dist
 
-    _settle_engines()
     if dist.is_initialized():
-        try:
-            dist.barrier()
-        except Exception:  # noqa: BLE001 - a peer already gone: tear down anyway
-            pass
         dist.destroy_process_group()
 
 

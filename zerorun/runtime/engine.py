@@ -6,16 +6,12 @@
         engine.backward(loss)                          # scales by 1/grad_accum_steps (and the fp16 loss scale)
         engine.step()                                  # steps at accumulation boundaries only
 
-It composes three ideas, each built once from the recipe:
-- a `Placement` (placement.py): where the optimizer state (`Home`) and stage 3's parameter shard live;
-- a `ParamStore` (store.py): `FlatParams` for stages 0-2, `ScheduledParams` for stage 3, which is also
-  the engine's `UnitPasses` (its `ParamScheduler` gathers and releases units around each pass);
-- the `TrainingPhase` it owns (phase.py), which the gradient reducer and the scheduler read.
-
-An optimizer step, in order: the reducer has left this rank's summed gradient pieces; their global
-L2 norm is one all-reduce of a scalar, which also tells every rank whether any rank saw an inf/nan
-(then the step is skipped everywhere); `AdamStep` divides by world size x loss scale / clip
-coefficient in its kernel pass over the home's state; the store publishes the updated parameters.
+It composes, each built once from the recipe: a `Placement` (placement.py: where the optimizer state and stage 3's
+parameter shard live); a `ParamStore` (store.py: `FlatParams` for stages 0-2, `ScheduledParams` for stage 3, also
+the engine's `UnitPasses`); the `TrainingPhase` it owns (phase.py) and the `EnginePlace` every collective's tag
+reports (engine_place.py). An optimizer step, in order: the reducer has left this rank's summed gradient pieces;
+their global L2 norm is one all-reduce of a scalar (inf/nan on any rank skips the step everywhere); `AdamStep`
+divides by world size x loss scale / clip coefficient in its kernel pass; the store publishes the update.
 """
 
 from __future__ import annotations
@@ -40,6 +36,7 @@ from zerorun.runtime.checkpoint.background import Checkpointer
 from zerorun.runtime.comm.collectives import Collectives
 from zerorun.runtime.comm.dist import init_distributed
 from zerorun.runtime.devices import place_inputs, to_device
+from zerorun.runtime.engine_place import Activity, EnginePlace
 from zerorun.runtime.events import StepWindow
 from zerorun.runtime.grad_reducer import GradReducer
 from zerorun.runtime.interop import Interop, schedulers_of
@@ -77,6 +74,7 @@ class Engine:
                                 quantized_gradients=recipe.zero.quantized_gradients,
                                 quantized_weights=recipe.zero.quantized_weights, device=self.device)
         self.phase = TrainingPhase()
+        self.where = EnginePlace(self.phase, self, self.comm)  # every collective's tag says where its caller stands
         self.placement = Placement.from_recipe(recipe, self.device, self.info.rank)
         setup = partial(events.EngineSetup, host_memory=recipe.zero.host_memory, stage=self.stage,
                         device_type=self.device.type)
@@ -130,8 +128,7 @@ class Engine:
         self._window = StepWindow()
         self.checkpoints = Checkpointer(self)  # saves: in the background, at most one in flight
         self.checkpoints.clean_start()
-        # last, so that an engine that failed to build changed nothing: all that is changed outside zerorun,
-        # undone by destroy() (runtime/interop/)
+        # last, so that an engine that failed to build changed nothing outside zerorun (runtime/interop/)
         self.interop = Interop(self)
         self.interop.take_over(self, model)
         self.deferred = stage.deferred  # stages 1/2 with zero.overlap_publish: the publish the next forward waits for
@@ -142,12 +139,14 @@ class Engine:
             self.interop.guard_parameter_reads(model, self.deferred.wait_all)
         if optimizer is not None:
             self.interop.refuse_direct_use(optimizer)
+        if self.stage == 3:  # the model's own state_dict() gathers (never a closure over the engine: the hook lives on)
+            self.interop.gather_state_dicts(self.model, partial(self.where.gathered_state, self.store, self.comm))
         self.interop.route_clip_calls(self)
+        self.where.built(self.model, [u.params for u in self.store.units])
         events.emit_setup(setup(done=True))
 
     # -- setup helpers ----------------------------------------------------------------------
-    def _sync_buffers(self) -> None:
-        """Every rank starts from rank 0's buffers (parameters are synced by the store)."""
+    def _sync_buffers(self) -> None:  # every rank starts from rank 0's buffers (the store syncs parameters)
         for buffer in self.module.buffers():
             self.comm.broadcast(buffer, src=0).wait()
 
@@ -240,10 +239,11 @@ class Engine:
             self.lr_schedules.update_ended()
             events.emit(self._window.close(self.global_step, norm, self.scaler.scale, found_inf, self.skipped_steps,
                                            self.comm.stats.as_dict(), self.update.stats()))
-            if self.checkpoints.due(self.global_step):
-                with self.lr_schedules.saving_inside_step():
-                    self.save_checkpoint()
-            self.checkpoints.poll()  # a background save's failure ends training here
+            with self.where.doing(Activity.CHECKPOINT):
+                if self.checkpoints.due(self.global_step):
+                    with self.lr_schedules.saving_inside_step():
+                        self.save_checkpoint()
+                self.checkpoints.poll()  # a background save's failure ends training here
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -330,7 +330,6 @@ class Engine:
         self.store.settle()
         self.interop.remove()
 
-    # -- introspection ----------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
@@ -378,20 +377,19 @@ class Engine:
         time. Buffers and frozen parameters are as the module holds them."""
         self._roll_back_speculation()
         self.wait_published()
-        return self.store.full_state_dict(self.model)
+        with self.where.doing(Activity.STATE_DICT):
+            return self.store.full_state_dict(self.model)
 
     def gathered(self, params: Any = None, modify: bool = False, src: int = 0) -> Any:
-        """Context manager: full parameters inside (stage 3; stages 0-2 always hold them).
-
-        With `modify=True`, rank `src`'s values are written back to every rank's shard on exit.
-        """
+        """Context manager: full parameters inside (stage 3; stages 0-2 always hold them). With `modify=True`, rank
+        `src`'s values are written back to every rank's shard on exit."""
         self._roll_back_speculation()
         self.wait_published()
         if modify:
             self.checkpoints.before_update()
-        return self.store.gathered(params, modify, src)
+        return self.where.around(Activity.GATHERED, self.store.gathered(params, modify, src))
 
-    # -- checkpoints (runtime/checkpoint/sharded.py) -------------------------------------------------
+    # -- checkpoints (runtime/checkpoint/sharded.py) -----------------------------------------------------
     resumed_from: str | None = None  # the tag `resume()` or `load_checkpoint()` restored
 
     @property
@@ -415,12 +413,13 @@ class Engine:
         self._roll_back_speculation()
         self.wait_published()
         state = self.client_state if client_state is None else client_state
-        with ranges.named("checkpoint snapshot"):
+        with ranges.named("checkpoint snapshot"), self.where.doing(Activity.CHECKPOINT):
             return self.checkpoints.save(self._checkpoint_dir(dir), tag or f"step-{self.global_step}", state, block)
 
     def wait_checkpoint(self) -> None:
         """Wait until the save in flight (if any) is committed; raise its error, if it failed."""
-        self.checkpoints.wait()
+        with self.where.doing(Activity.CHECKPOINT):  # a collective: every rank calls it
+            self.checkpoints.wait()
 
     def load_checkpoint(self, dir: str | None = None, tag: str | None = None) -> dict | None:
         """Restore from `tag` (default: the latest); returns its client_state, or None when there is no checkpoint."""
@@ -429,7 +428,8 @@ class Engine:
         self._roll_back_speculation()
         self.wait_published()  # loading writes the pieces an unfinished publish may still be sending
         checkpoint_async.wait_all()  # and the state a save in flight reads; `latest` is final once it commits
-        loaded = checkpoint.load(self, self._checkpoint_dir(dir), tag)
+        with self.where.doing(Activity.CHECKPOINT):
+            loaded = checkpoint.load(self, self._checkpoint_dir(dir), tag)
         if loaded is None:
             return None
         self.resumed_from, self.client_state = loaded

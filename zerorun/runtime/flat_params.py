@@ -121,7 +121,8 @@ class FlatParams:
         """`publish`, one `Pending` per unit index, started in `order` (the order they will be waited for)."""
         if self.shard_world == 1:
             return {}
-        return {k: Pending([self.comm.all_gather(self.unit_full(self.units[k]), compute_copy=self.quantized_publish)])
+        return {k: Pending([self.comm.all_gather(self.unit_full(self.units[k]), compute_copy=self.quantized_publish,
+                                                 unit=k)])
                 for k in order}
 
     def publish_after_step(self) -> None:

@@ -263,12 +263,13 @@ class GradReducer:
     def _collective(self, k: int, region: torch.Tensor) -> Handle:
         unit = self.units[k]
         if self.reduction is Reduction.ALL_REDUCE:
-            return self.comm.all_reduce(region)
+            return self.comm.all_reduce(region, unit=k)
         if self.reduction is Reduction.SCATTER_FULL:
-            return self.comm.reduce_scatter(region, unit.piece(region, self.rank))
+            return self.comm.reduce_scatter(region, unit.piece(region, self.rank), unit=k)
         accumulate = k in self._written_units  # the window's first reduce writes the shard piece
         self._written_units.add(k)
-        return self.comm.reduce_scatter(region, unit.state_slice(self.grad_shards[unit.group]), accumulate=accumulate)
+        return self.comm.reduce_scatter(region, unit.state_slice(self.grad_shards[unit.group]), accumulate=accumulate,
+                                        unit=k)
 
     def end_backward(self) -> None:
         """After `loss.backward()`: reduce what is left, wait for every unit, recycle staging."""

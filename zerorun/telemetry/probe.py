@@ -303,6 +303,10 @@ class Probe:
         record["cuda"] = _cuda_memory(self.device)
         record["memory"] = _engine_memory(self.engine())
         record["where"] = where(self._main_thread) if self.script_running and not final else self.raised_at
+        engine = self.engine()
+        last = engine.where.last_collective() if engine is not None and record["where"] is not None else None
+        if last is not None:
+            record["where"] = {**record["where"], "collective": last}
         record["dropped"] = self._dropped
         return record
 

@@ -16,6 +16,10 @@ class MemoryFigures(Protocol):
     def as_dict(self) -> dict[str, dict[str, int]]: ...
 
 
+class CollectivePlace(Protocol):
+    def last_collective(self) -> str | None: ...
+
+
 class ProbedEngine(Protocol):
     """What the probe reads of an engine (runtime/engine.py's `Engine`), written down so that a renamed
     attribute fails the type check instead of a run's telemetry."""
@@ -25,6 +29,9 @@ class ProbedEngine(Protocol):
     stage: int
     global_step: int
     resumed_from: str | None
+
+    @property
+    def where(self) -> CollectivePlace: ...  # the last collective's place, for the stall report
 
     @property
     def optimizer(self) -> torch.optim.Optimizer: ...

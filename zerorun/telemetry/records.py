@@ -115,7 +115,7 @@ SCHEMAS: dict[str, Mapping[str, Check]] = {
     "sample": {"rss": optional(count), "cpu_percent": optional(number), "io": optional(mapping(count)),
                "cuda": optional(mapping(count)), "memory": optional(mapping(mapping(count))),
                "where": optional(fields({"file": text, "line": optional(count), "function": text,
-                                         "in_collective": flag})),
+                                         "in_collective": flag, "collective": optional(text)})),
                "dropped": optional(count)},
     "bye": {},
     "checkpoint": FLAT,

@@ -181,7 +181,8 @@ class RankState:
         if not self.where:
             return "no sample yet"
         w = self.where
-        return f"in {w.get('function')} ({os.path.basename(str(w.get('file')))}:{w.get('line')})"
+        spot = f"in {w.get('function')} ({os.path.basename(str(w.get('file')))}:{w.get('line')})"
+        return spot + (f"; its last collective: {w['collective']}" if w.get("collective") else "")
 
 
 def _comm_totals(comm: dict[str, dict[str, float]]) -> tuple[float, float]:

@@ -20,6 +20,10 @@ order, so data written before a counter is visible to whoever sees the counter; 
 meeting is a gloo barrier (milliseconds, against microseconds). A rank that waits longer than the
 collective timeout, or sees a peer's process gone, raises naming that rank: never a hang.
 
+Every operation carries its caller's tag (tags.py): each rank writes it into the header before the operation's
+first meeting and compares everyone's after it, before reading a slot, so ranks at different collectives stop
+there instead of reading each other's data.
+
 The segment lives in /dev/shm only while the ranks open it: once everyone has mapped it, rank 0
 unlinks it, so nothing is left behind whatever happens next; a rank killed before that leaves it, and
 the node supervisor removes the job's segments by their name (`zerorun.jobs.shm_prefix`: the job id). Space is reserved up front
@@ -42,13 +46,16 @@ import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
 from zerorun.jobs import JOB_ID_ENV, SHM_DIR, shm_prefix
+from zerorun.runtime.comm.places import WORDS, DesyncError, Tag, UnitNames, check_agree
 
 log = logging.getLogger("zerorun")
 CpuCollectives = Literal["auto", "shm", "gloo"]
 
 SLOT_BYTES = 2 * 2**20  # per rank and half: many times a meeting's cost, and 8 MiB in all for 2 ranks
 SEGMENT_BYTES = 32 * 2**20  # at most, whatever the rank count (Docker's default /dev/shm is 64 MiB)
-HEADER_BYTES = 64 * 2**10  # a 64-byte line per rank's meeting counter (up to 1024 ranks)
+COUNTER_BYTES = 64 * 2**10  # a 64-byte line per rank's meeting counter (up to 1024 ranks)
+TAG_LINE = 2 * WORDS  # int64 words per rank and parity: the tag's words, then the operation's position
+HEADER_BYTES = COUNTER_BYTES + 2 * 1024 * TAG_LINE * 8  # then each rank's tag, for even and odd operations
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")  # and the futex syscall number is x86-64's
 _SUMMABLE = {dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN}
 
@@ -64,40 +71,60 @@ class ShmCollectives:
                  slot_bytes: int | None = None, timeout_s: float = 300.0) -> None:
         slot_bytes = slot_bytes or min(SLOT_BYTES, SEGMENT_BYTES // (2 * world_size) // 4096 * 4096)
         assert slot_bytes >= 8 * world_size, "a slot holds at least one 8-byte element per rank"
-        assert world_size * 64 <= HEADER_BYTES, "one header line per rank"
+        assert world_size * 64 <= COUNTER_BYTES, "one header line per rank"
         self.rank, self.world_size, self.slot_bytes = rank, world_size, slot_bytes
         mapped = _map_segment(group, rank, HEADER_BYTES + 2 * world_size * slot_bytes)
         self._header, self._segment = mapped[:HEADER_BYTES], mapped[HEADER_BYTES:]
+        self.board = TagBoard(mapped[COUNTER_BYTES:HEADER_BYTES], rank, world_size)
         pids: list[int] = [0] * world_size
         dist.all_gather_object(pids, os.getpid(), group=group)
         if ORDERED_STORES:
-            self._meet: Callable[[], None] = _Meeting(self._header, rank, pids, timeout_s)
+            self._rendezvous: Callable[[], None] = _Meeting(self._header, rank, pids, timeout_s)
         else:
             barrier_group = dist.new_group(None if group is None else dist.get_process_group_ranks(group),
                                            backend="gloo")
-            self._meet = lambda: dist.barrier(group=barrier_group)
+            self._rendezvous = lambda: dist.barrier(group=barrier_group)
         self._half = 0
         # one thread runs every operation, in the order they were issued (the same on every rank), so
         # the caller goes on computing while its rank waits for the others, as with gloo's own threads
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerorun-shm")
-        self._failed: str | None = None  # the first operation's error: the ranks' meetings are out of step since
+        self._failed: Exception | None = None  # the first operation's error: the ranks' meetings are out of step since
 
-    def submit(self, fn: Callable[..., None], *args: object) -> Future:
-        """Run `fn(*args)` (one of the operations below) after every operation issued before it."""
-        return self._worker.submit(self._run, fn, *args)
+    def submit(self, fn: Callable[..., None], *args: object, tag: Tag | None = None,
+               names: UnitNames | None = None) -> Future:
+        """Run `fn(*args)` (one of the operations below) after every operation issued before it; with `tag`, only
+        once every rank's operation at this place in the queue has the same tag (`names` words the mismatch)."""
+        return self._worker.submit(self._run, fn, tag, names, *args)
 
-    def _run(self, fn: Callable[..., None], *args: object) -> None:
+    def _run(self, fn: Callable[..., None], tag: Tag | None, names: UnitNames | None, *args: object) -> None:
         """Operations queued behind a failed one fail at once, naming it, instead of each waiting out the
-        timeout (which kept a failed rank alive, in the interpreter's exit, for a timeout per queued one)."""
+        timeout (which kept a failed rank alive, in the interpreter's exit, for a timeout per queued one); ranks
+        that disagree get the very error that stopped the first."""
+        if isinstance(self._failed, DesyncError):
+            raise self._failed
         if self._failed is not None:
             raise RuntimeError(f"shared-memory collective not run: an earlier one failed ({self._failed})")
         try:
+            self.board.post(tag, names)
             fn(*args)
+            if self.board.pending:  # an operation on nothing still meets once: its tag is checked too
+                self._meet()
         except Exception as err:
-            self._failed = str(err)
+            self._failed = err
             raise
+        finally:
+            self.board.done()  # the segment outlives engines: it keeps no reference to one
 
     # -- the meeting and the slots ----------------------------------------------------------------
+    def _meet(self) -> None:
+        """Wait for every rank; the operation's first meeting then compares every rank's tag."""
+        self._rendezvous()
+        self.board.check()
+
+    def barrier(self) -> None:
+        """Only a meeting (with a tag: a check that every rank is at the same place)."""
+        self._meet()
+
     def _slots(self, dtype: torch.dtype) -> torch.Tensor:
         """The half to use next, as [world_size, slot elements] of `dtype`; the next call gets the other."""
         half = self._segment.view(2, self.world_size, self.slot_bytes)[self._half]
@@ -227,6 +254,41 @@ class _Meeting:
         if waited > self.timeout_s:
             raise RuntimeError(f"shared-memory collective: rank {q} did not arrive within {waited:.0f} s "
                                f"(the collective timeout, launch.timeout_s)")
+
+
+class TagBoard:
+    """Each rank's tag for its current operation, in the segment's header (an even and an odd line per rank).
+
+    A rank writes operation p's tag into line p % 2 before p's first meeting. Nobody writes line p % 2 again before
+    everyone has passed operation p + 1's first meeting, by which time everyone has read p's tags.
+    """
+
+    def __init__(self, region: torch.Tensor, rank: int, world_size: int) -> None:
+        self._lines = region.view(torch.int64).view(2, -1, TAG_LINE)[:, :world_size]
+        self.rank, self.world_size = rank, world_size
+        self.position = 0  # operations this rank has run (tagged or not): the same count on every rank
+        self.pending: Tag | None = None  # this operation's tag, until its first meeting has checked it
+        self._names: UnitNames | None = None
+
+    def post(self, tag: Tag | None, names: UnitNames | None) -> None:
+        """Before an operation: count it, and write its tag where the peers read it."""
+        self.position += 1
+        self.pending, self._names = tag, names
+        if tag is not None:
+            self._lines[self.position % 2, self.rank].copy_(torch.tensor([*tag.words(), self.position, *[0] * 7]))
+
+    def done(self) -> None:
+        self.pending, self._names = None, None
+
+    def check(self) -> None:
+        """After a meeting: the first one of a tagged operation compares every rank's tag (raises on a mismatch)."""
+        if self.pending is None:
+            return
+        self.pending = None
+        rows = self._lines[self.position % 2].tolist()
+        tags = [Tag.from_words(row[:WORDS]) if row[WORDS] == self.position else None for row in rows]
+        assert self._names is not None, "a tagged operation names its units"
+        check_agree(tags, self._names)
 
 
 def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: dist.ReduceOp.RedOpType) -> None:

@@ -3,9 +3,11 @@
 | what                                                         | installed                       | removed                              | module |
 |--------------------------------------------------------------|---------------------------------|--------------------------------------|--------|
 | `torch.nn.utils[.clip_grad].clip_grad_norm_`/`clip_grad_value_` wrapped: calls over an engine's parameters go to it | `zerorun.initialize`; the worker, before the script is imported | the last `engine.destroy()`; the worker, when the script returns | clip_functions.py |
-| `torch.distributed.destroy_process_group` wrapped: settles the engines first | the worker, before the script is imported | the worker, when the script returns | process_group.py |
+| `torch.distributed.destroy_process_group` wrapped: settles the engines and meets the other ranks first | the worker, before the script is imported | the worker, when the script returns | process_group.py |
+| `torch.distributed.init_process_group` wrapped: the script's own call joins the job the worker joined | the worker, before the script is imported | the worker, when the script returns | process_group.py |
 | the model root's class: a same-named subclass whose `named_parameters()` waits for a deferred publish | `zerorun.initialize` (stages 1/2 with `zero.overlap_publish`) | `engine.destroy()` | publish_guard.py |
 | the handed-over optimizer: a step pre-hook and `zero_grad`/`state_dict`/`load_state_dict` that refuse | `zerorun.initialize(model, optimizer)` | `engine.destroy()` | optimizer_guard.py |
+| stage 3: the model root's `state_dict()` hooks: its trainable entries gathered (every rank calls it) | `zerorun.initialize` (stage 3) | `engine.destroy()` | state_dict_gather.py |
 | nothing (reads only): the script's LR schedulers found through `gc.get_referrers` | - | - | schedulers.py |
 
 An engine the script drops without `destroy()` has the same done when it is garbage-collected. A second
@@ -34,6 +36,7 @@ from zerorun.runtime.interop.engines import live, settle_all
 from zerorun.runtime.interop.optimizer_guard import refuse_direct_use
 from zerorun.runtime.interop.publish_guard import guard_parameter_reads
 from zerorun.runtime.interop.schedulers import schedulers_of
+from zerorun.runtime.interop.state_dict_gather import gather_state_dicts
 from zerorun.runtime.optim.clip import trainable
 
 __all__ = ["Interop", "hold_for_script", "live", "schedulers_of", "settle_all"]
@@ -84,6 +87,10 @@ class Interop:
         """`root.parameters()`/`named_parameters()` wait for the deferred publish (publish_guard.py)."""
         self._undo.append(guard_parameter_reads(root, wait_all))
 
+    def gather_state_dicts(self, root: nn.Module, full_values: Callable[[nn.Module], dict[str, torch.Tensor]]) -> None:
+        """Stage 3: `root.state_dict()` holds whole parameters, gathered on every rank (state_dict_gather.py)."""
+        self._undo.append(gather_state_dicts(root, full_values))
+
     def refuse_direct_use(self, optimizer: torch.optim.Optimizer) -> None:
         """The handed-over optimizer refuses to step or save (optimizer_guard.py)."""
         self._undo.append(refuse_direct_use(optimizer))
@@ -100,7 +107,8 @@ class Interop:
 
 def hold_for_script() -> Callable[[], None]:
     """What the launcher's worker holds while the script runs: the clip functions (a script binds them at import,
-    before its engine exists) and the settling `destroy_process_group`. Returns the release."""
+    before its engine exists), the joining `init_process_group` and the settling `destroy_process_group`. Returns
+    the release."""
     releases = [clip_functions.hold(), process_group.hold()]
 
     def release() -> None:

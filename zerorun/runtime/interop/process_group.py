@@ -1,9 +1,18 @@
-"""A script's own `torch.distributed.destroy_process_group()` first finishes the engines' collectives.
+"""A script's own `init_process_group()` joins the job; its own `destroy_process_group()` first finishes and checks.
 
-A DDP habit ends training with `dist.destroy_process_group()`. After the last `step()` a deferred publish
-or a prefetch may still be on the wire, and gloo aborts a process whose group is torn down under a
-running collective. The launcher's worker holds this wrapper for the run of the script (installed before
-the script is imported, which may bind the function then; removed when the script returns).
+Under `zerorun launch` the worker has joined the process group before the script runs (with the recipe's backend
+and collective timeout), so that `torch.distributed` works from the script's first line. A torchrun script calls
+`dist.init_process_group(...)` itself, and torch refuses a second one ("trying to initialize the default process
+group twice"). While the worker holds these wrappers (installed before the script is imported, which may bind the
+functions then; removed when the script returns):
+
+- `init_process_group(...)` joins the job: with no backend, or one that fits this rank's device, it returns (the
+  group is the one the worker made); a backend that cannot serve the device (`nccl` on CPU workers) is refused in
+  one line naming the fix; another workable backend (`gloo` on GPUs) replaces the worker's group, built with the
+  script's own arguments; a `world_size` or `rank` the job does not have is refused.
+- `destroy_process_group()` first finishes the engines' collectives still in flight (gloo aborts a process whose
+  group goes under a running collective) and meets the other ranks once more through the newest engine's checked
+  collectives, so a rank whose peers still train is named, not left waiting (`engines.end_of_script`).
 """
 
 from __future__ import annotations
@@ -11,8 +20,10 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
+from zerorun.errors import ZerorunError
 from zerorun.runtime.interop import engines
 from zerorun.runtime.interop.patches import AttributePatch
 
@@ -20,14 +31,58 @@ from zerorun.runtime.interop.patches import AttributePatch
 def _settled(destroy: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(destroy)
     def settled_destroy(*args: Any, **kwargs: Any) -> Any:
-        engines.settle_all()
+        if dist.is_initialized() and not args and kwargs.get("group") is None:  # the default group, not a subgroup
+            engines.settle_all()
+            engines.end_of_script()
         return destroy(*args, **kwargs)
     return settled_destroy
 
 
-_PATCH = AttributePatch(dist, "destroy_process_group", _settled)
+def _joining(init: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(init)
+    def join_the_job(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if not dist.is_initialized():  # the script tore the worker's group down: a fresh one, as it asks
+            return init(backend, *args, **kwargs)
+        refuse_unfit(backend, kwargs)
+        if backend is None or wanted(backend) == dist.get_backend():
+            return None  # joined: the group the worker made is this job's
+        dist.destroy_process_group()  # nothing of zerorun's holds it yet: the script's own choice replaces it
+        return init(backend, *args, **kwargs)
+    return join_the_job
+
+
+def wanted(backend: Any) -> str:
+    """The backend `init_process_group(backend)` asks for on this rank's device ("cpu:gloo,cuda:nccl" resolved)."""
+    text = str(backend).strip().lower()
+    if ":" in text:
+        per_device = dict(part.split(":", 1) for part in text.split(",") if ":" in part)
+        return per_device.get("cuda" if torch.cuda.is_available() else "cpu", text)
+    return text
+
+
+def refuse_unfit(backend: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse what the job cannot be: NCCL without a GPU, another world size or rank."""
+    if backend is not None and wanted(backend) == "nccl" and not torch.cuda.is_available():
+        raise ZerorunError(f"the script calls init_process_group(backend={str(backend)!r}), but this worker has no "
+                           f"GPU (torch sees no CUDA device) and NCCL runs on GPUs only. Pass backend='gloo', or "
+                           f"leave it out: zerorun's worker has already joined the job (gloo on CPU workers).")
+    for key, have in (("world_size", dist.get_world_size()), ("rank", dist.get_rank())):
+        given = kwargs.get(key, -1)
+        if given not in (-1, None) and int(given) != have:
+            raise ZerorunError(f"the script calls init_process_group({key}={given}), but this job has "
+                               f"{dist.get_world_size()} ranks and this is rank {dist.get_rank()}: leave {key} out "
+                               f"(torchrun's and zerorun's workers set it in the environment).")
+
+
+_DESTROY = AttributePatch(dist, "destroy_process_group", _settled)
+_INIT = AttributePatch(dist, "init_process_group", _joining)
 
 
 def hold() -> Callable[[], None]:
-    """Settle the engines before `dist.destroy_process_group()` until the returned release is called."""
-    return _PATCH.hold()
+    """Hold both wrappers until the returned release is called."""
+    releases = [_DESTROY.hold(), _INIT.hold()]
+
+    def release() -> None:
+        for each in releases:
+            each()
+    return release

@@ -32,7 +32,8 @@ class SecondaryPartition:
             raise ZerorunError(f"zero.hpz_partition_size: {size} does not divide the world size {comm.world_size}; "
                                f"set it to the ranks per node (a divisor of the world size), or 1 for off.")
         groups = [dist.new_group(list(range(start, start + size))) for start in range(0, comm.world_size, size)]
-        self.comm = Collectives(groups[comm.rank // size], cpu=cpu, timeout_s=timeout_s)
+        # its gathers happen at the same place on every rank: numbered and checked with the world's collectives
+        self.comm = Collectives(groups[comm.rank // size], cpu=cpu, timeout_s=timeout_s, tags=comm.tags)
         self.size, self.rank = size, comm.rank % size
         self.units = units
         self.pieces: list[torch.Tensor | None] = [None] * len(units)  # allocated at the first full gather
@@ -47,7 +48,7 @@ class SecondaryPartition:
         piece = self.pieces[k]
         assert piece is not None and self.valid[k], f"hpZ: unit {k} has no valid secondary piece"
         full.view(self.size, -1)[self.rank].copy_(piece)
-        return self.comm.all_gather(full)
+        return self.comm.all_gather(full, unit=k)
 
     def keep(self, k: int, full: torch.Tensor) -> None:
         """After a gather from every rank: keep this rank's node-group piece of `full`."""

@@ -1,0 +1,71 @@
+"""Each collective's tag, numbered in issue order and checked across ranks before its payload (places.py says why).
+
+Two checks, one per kind of transport:
+- shared memory (shm_collectives.py): every rank writes its tag into the segment's header before the operation's
+  first meeting and reads everyone's after it, before any slot is read.
+- the wire (gloo, NCCL): one all-reduce (MAX) of two integers per collective, a 64-bit fingerprint of the tag and its
+  negation, on a gloo group (NCCL's own group for device tensors would make the host wait for the device); equal
+  fingerprints on every rank mean equal tags. Only after a mismatch do the ranks exchange their whole tags, to say
+  where each was. Its cost is one small host round trip per collective (`zerorun bench step` before and after).
+The exchange is blocking, on the caller's thread, before the payload is posted: a rank never posts a payload its
+peers are not posting too, so a size mismatch can neither hang NCCL nor abort gloo's point to point first.
+A peer that never comes to a collective at all (stuck in its own code) cannot be told from a slow one here; the
+stall report names where each rank is, its last collective included (`last`, sent with the probe's samples).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from zerorun.runtime.comm.places import WORDS, Activity, Nowhere, Place, PlaceSource, Tag, check_agree
+from zerorun.runtime.comm.wire import Op
+
+
+class TagCheck:
+    """Numbers the collectives of one `Collectives` (and of those that share its tags) and checks them on the wire."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, backend: str) -> None:
+        self.places: PlaceSource = Nowhere()  # the engine sets itself: where the caller stands at each call
+        self.rank, self.world_size = rank, world_size
+        self.seq = 0
+        self.last: Tag | None = None  # the latest collective issued: where the stall report says this rank is
+        self._wire = group
+        if backend != "gloo" and world_size > 1:  # the host exchanges tags: a gloo group beside NCCL's
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            self._wire = dist.new_group(ranks, backend="gloo")
+
+    def next(self, op: Op, numel: int, unit: int = -1, detail: int = 0) -> Tag:
+        """The tag of the collective about to be issued, where the caller stands now."""
+        self.seq += 1
+        self.last = Tag(self.seq, op, numel, unit, self.places.place(), detail)
+        return self.last
+
+    def end(self) -> Tag:
+        """The tag of the worker's last meeting: the script has returned (at the caller's last counters)."""
+        self.seq += 1
+        now = self.places.place()
+        self.last = Tag(self.seq, Op.ALL_REDUCE, 0, -1, Place(Activity.SCRIPT_END, now.step, now.micro_step,
+                                                              now.backwards))
+        return self.last
+
+    def on_wire(self, tag: Tag) -> None:
+        """Return once every rank has issued a collective with this very tag; else raise `DesyncError` on every rank."""
+        mine = fingerprint(tag)
+        extremes = torch.tensor([mine, -mine], dtype=torch.int64)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self._wire)
+        if int(extremes[0]) == mine and -int(extremes[1]) == mine:
+            return
+        everyone = torch.zeros((self.world_size, WORDS), dtype=torch.int64)
+        everyone[self.rank] = torch.tensor(tag.words(), dtype=torch.int64)
+        dist.all_reduce(everyone, group=self._wire)  # every row is one rank's: the sum is the table
+        check_agree([Tag.from_words(row) for row in everyone.tolist()], self.places.names)
+        raise AssertionError("fingerprints differ but tags agree")  # a hash collision the other way round cannot be
+
+
+def fingerprint(tag: Tag) -> int:
+    """A 62-bit digest of the tag's words: the same on every rank for the same tag, and its negation fits int64."""
+    raw = b"".join(word.to_bytes(8, "little", signed=True) for word in tag.words())
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 2
