@@ -115,4 +115,4 @@ def unit_name(param_names: Sequence[str]) -> str:
         common.append(parts[0])
     if common:
         return ".".join(common)
-    return param_names[0] if len(param_names) == 1 else f"{param_names[0]} .. {param_names[-1]}"
+    return param_names[0] if len(param_names) == 1 else f"{param_names[0]} + {len(param_names) - 1} more"

@@ -178,11 +178,9 @@ def _advice(tags: list[Tag]) -> str:
         return ("Some ranks' scripts returned while others still train: a data loader that ran out early on one "
                 "rank, or a loop bound that differs by rank. Give every rank the same number of batches "
                 "(DistributedSampler(..., drop_last=True), or stop every rank at the same step).")
-    if len({(t.place.step, t.place.micro_step) for t in tags}) > 1:
-        return ("The ranks counted different steps: engine.step() or engine.backward() was called a different "
-                "number of times on some ranks (a skipped batch, a condition that differs by rank, another "
-                "accumulation count).")
-    if len({t.place.backwards for t in tags}) > 1:
-        return "A rank skipped engine.backward() in this accumulation window: every rank must run every backward."
+    if len({(t.place.step, t.place.micro_step, t.place.backwards) for t in tags}) > 1:
+        return ("The ranks counted different micro-steps or backward passes: engine.step() or engine.backward() was "
+                "called a different number of times on some ranks (a skipped batch or backward, a condition that "
+                "differs by rank, another accumulation count).")
     return ("The same place issued different collectives: code that depends on the rank or on the data (a module "
             "used on some ranks only, a different model or recipe per rank).")

@@ -20,7 +20,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from zerorun.runtime.comm.places import WORDS, Activity, Nowhere, Place, PlaceSource, Tag, check_agree
+from zerorun.runtime.comm.places import WORDS, Activity, DesyncError, Nowhere, Place, PlaceSource, Tag, check_agree
 from zerorun.runtime.comm.wire import Op
 
 
@@ -32,13 +32,18 @@ class TagCheck:
         self.rank, self.world_size = rank, world_size
         self.seq = 0
         self.last: Tag | None = None  # the latest collective issued: where the stall report says this rank is
+        self.failed: DesyncError | None = None  # once ranks disagreed, every later collective raises the same
         self._wire = group
         if backend != "gloo" and world_size > 1:  # the host exchanges tags: a gloo group beside NCCL's
             ranks = None if group is None else dist.get_process_group_ranks(group)
             self._wire = dist.new_group(ranks, backend="gloo")
 
     def next(self, op: Op, numel: int, unit: int = -1, detail: int = 0) -> Tag:
-        """The tag of the collective about to be issued, where the caller stands now."""
+        """The tag of the collective about to be issued, where the caller stands now. After a mismatch, raises it
+        again: the cleanup that runs while it unwinds (a backward's last reduce-scatters) must not wait for peers
+        that have stopped."""
+        if self.failed is not None:
+            raise self.failed
         self.seq += 1
         self.last = Tag(self.seq, op, numel, unit, self.places.place(), detail)
         return self.last
@@ -61,7 +66,11 @@ class TagCheck:
         everyone = torch.zeros((self.world_size, WORDS), dtype=torch.int64)
         everyone[self.rank] = torch.tensor(tag.words(), dtype=torch.int64)
         dist.all_reduce(everyone, group=self._wire)  # every row is one rank's: the sum is the table
-        check_agree([Tag.from_words(row) for row in everyone.tolist()], self.places.names)
+        try:
+            check_agree([Tag.from_words(row) for row in everyone.tolist()], self.places.names)
+        except DesyncError as mismatch:
+            self.failed = mismatch
+            raise
         raise AssertionError("fingerprints differ but tags agree")  # a hash collision the other way round cannot be
 
 

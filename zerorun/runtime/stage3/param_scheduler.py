@@ -122,7 +122,8 @@ class ParamScheduler:
     def _root_after(self, out: object) -> None:
         if self._in_backward:
             return
-        if self._observed and self._observed != self.order:
+        pinned = any(group.pinned for group in self.plan.groups)  # inside engine.gathered(): maybe one rank's pass
+        if self._observed and self._observed != self.order and not pinned:
             self.order = list(self._observed)  # first pass, or the execution order changed: re-record
         self._guard(self.root, out)
         keep_root = torch.is_grad_enabled()  # backward will need the root (and shared) parameters
@@ -151,7 +152,7 @@ class ParamScheduler:
         self._inside.discard(group)
         self._guard(group, out)
         # during backward this is checkpoint recomputation: backward needs them
-        if not self._in_backward and not group.whole_pass and not self._first_in_backward(group):
+        if not self._in_backward and not group.whole_pass and not self._first_in_backward(group) and not group.pinned:
             group.release()
 
     @contextlib.contextmanager

@@ -168,13 +168,16 @@ def _gathered(store: ShardedParams, params: Iterable[nn.Parameter] | None, modif
         group.prefetch()
     for group in chosen:
         group.ensure_gathered()
+        group.pinned += 1  # what runs inside (a forward on one rank) leaves it gathered: no collective of its own
     try:
         yield
     finally:
         for group in chosen:
+            group.pinned -= 1
             for k, unit in zip(group.slots, group.units) if modify else []:
                 full = store.buffers.full[k]
                 store.comm.broadcast(full, src=src).wait()
                 store.set_piece(unit, unit.piece(full, store.shard_rank))
         for group in released:
-            group.release()
+            if not group.pinned:
+                group.release_if_held()

@@ -93,6 +93,8 @@ class UnitGroup:
         self._grad_hooks: list[RemovableHandle] = []
         self._sent: set[int] = set()  # slots whose reduce-scatter this group launched in this backward
         self.whole_pass = kind is UnitKind.SPLIT  # kept gathered for the whole pass (the scheduler's first pass decides)
+        # inside engine.gathered(): kept gathered, whatever runs inside (a forward on rank 0 alone issues no collective)
+        self.pinned = 0
 
     def __repr__(self) -> str:
         return f"UnitGroup({self.name!r}, {self.kind.value}, {self.state.value}, {len(self.units)} units)"
@@ -170,7 +172,9 @@ class UnitGroup:
             self.start_gather()
 
     def release_if_held(self) -> None:
-        """Whatever its state, return RELEASED (an in-flight gather is finished first)."""
+        """Whatever its state, return RELEASED (an in-flight gather is finished first); a pinned group stays."""
+        if self.pinned:
+            return
         if self.state is UnitState.GATHERING:
             self.finish_gather()
         if self.state is UnitState.GATHERED:
