@@ -93,6 +93,7 @@ class Supervisor:
         self._failures: list[RankExit] = []  # every rank that failed before the stop, in arrival order
         self._torchrun_exits: dict[tuple[str, int], RankExit] = {}  # what torchrun said of failed ranks
         self._errors_shown: set[bytes] = set()
+        self._repeating: set[tuple[str, int]] = set()  # ranks in the middle of repeating an error shown already
         self._signals: list[int] = []
         self._stopping = False
         self._reader: OutputReader | None = None
@@ -331,12 +332,19 @@ class Supervisor:
             self._torchrun_exits.setdefault((failure.host, failure.rank), failure)
 
     def _repeated_error(self, item: RankLine) -> bool:
-        """Whether this is a `zerorun: error:` line another rank already printed."""
+        """Whether this is a `zerorun: error:` line another rank already printed, or an indented line that continues
+        one (the worker indents the further lines of a message)."""
         text = item.line.split(b"] ", 1)[-1]
+        source = (item.host, item.rank)
+        if text.startswith(b"  ") and source in self._repeating:
+            return True
+        self._repeating.discard(source)
         if not text.startswith(ERROR_PREFIX):
             return False
         seen = text in self._errors_shown
         self._errors_shown.add(text)
+        if seen:
+            self._repeating.add(source)
         return seen
 
     def _drain(self, timeout: float) -> None:

@@ -94,7 +94,7 @@ def run_script(script: str, args: list[str]) -> int:
     except SystemExit as exc:
         code = _exit_code(exc.code)
     except ZerorunError as exc:  # the user's to fix, and the message says how: no traceback
-        print(f"zerorun: error: {exc}", file=sys.stderr)
+        print("zerorun: error: " + str(exc).replace("\n", "\n  "), file=sys.stderr)  # more lines: indented
         code = USER_ERROR
     except BaseException as exc:  # noqa: BLE001 - the user's error, reported as Python would
         _print_user_traceback(exc, script)

@@ -1,0 +1,128 @@
+"""A script written for torchrun (scripts/torchrun_gpt.py, the shape of nanoGPT's train.py: its own
+init_process_group, DDP, evaluation and saving on the master process) under `zerorun launch`: it runs as it is,
+as DDP or ported to zerorun.initialize, to the same losses as under torchrun; the habits that cannot work at
+stage 3 stop the job in seconds, naming where each rank was; a backend the workers cannot serve is refused in
+one line.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.launch.launched import SCRIPTS, subprocess_env
+
+SCRIPT = "torchrun_gpt.py"
+
+
+def keys(stage: int, **more: object) -> dict:
+    base = {"train": {"grad_accum_steps": 2, "micro_batch_size": 4}, "zero": {"stage": stage},
+            "launch": {"kill_grace_s": 1.0}}
+    base.update(more)
+    return base
+
+
+def printed(lines: list[str], kind: str = "iter") -> dict[int, str]:
+    """iteration -> the value rank 0 printed for it (`iter I loss L` or `eval I val V`)."""
+    found = {}
+    for line in lines:
+        match = re.search(rf"\b{kind} (\d+) \w+ (\S+)$", line)
+        if match:
+            found[int(match.group(1))] = match.group(2)
+    return found
+
+
+def under_torchrun(tmp_path: Path, args: list[str], stage: int | None = None) -> list[str]:
+    """The script under plain torchrun (2 ranks), with zerorun's recipe from a file when it is ported."""
+    if stage is not None:
+        recipe = tmp_path / "torchrun-recipe.yaml"
+        recipe.write_text(yaml.safe_dump({"script": str(SCRIPTS / SCRIPT), **keys(stage)}))
+        args = [*args, "--recipe", str(recipe)]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(port), str(SCRIPTS / SCRIPT), *args], capture_output=True, text=True,
+                          env=subprocess_env(), cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
+def finished(job) -> object:
+    assert job.wait(timeout=300) == 0, job.output
+    return job
+
+
+def stopped(job, within_s: float = 60.0) -> str:
+    """The job failed on its own, promptly, printing the desync once as it happened (and once in the failed rank's
+    box), not once per rank; what it printed on stderr."""
+    started = time.monotonic()
+    assert job.wait(timeout=300) == 2, job.output
+    assert time.monotonic() - started < within_s, f"took {time.monotonic() - started:.0f} s:\n{job.output}"
+    stderr = "\n".join(job.stderr)
+    assert stderr.count("ranks reached different collectives") == 2, job.output
+    assert len([line for line in job.stderr if "]     rank 0: " in line]) == 2, job.output
+    assert job.leftovers() == []
+    return stderr
+
+
+@pytest.mark.parametrize("stage", [3, pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow),
+                                   pytest.param(2, marks=pytest.mark.slow)])
+def test_a_torchrun_script_that_joins_the_group_itself_trains_under_zerorun_as_under_torchrun(launch, tmp_path, stage):
+    args = ["--wrap", "zerorun", "--eval", "all", "--save", "all"]
+    job = finished(launch(SCRIPT, args, **keys(stage)))
+    reference = under_torchrun(tmp_path, args, stage)
+    assert printed(job.stdout) == printed(reference) and len(printed(reference)) == 6
+    assert printed(job.stdout, "eval") == printed(reference, "eval") and len(printed(reference, "eval")) == 1
+
+
+@pytest.mark.slow
+def test_a_ddp_script_that_never_calls_zerorun_runs_as_plain_ddp(launch, tmp_path):
+    args = ["--wrap", "ddp", "--eval", "master", "--save", "master"]
+    job = finished(launch(SCRIPT, args, **keys(2)))
+    assert printed(job.stdout) == printed(under_torchrun(tmp_path, args)) and len(printed(job.stdout)) == 6
+
+
+def test_nccl_asked_for_on_cpu_workers_is_refused_in_one_line(launch):
+    job = launch(SCRIPT, ["--wrap", "ddp", "--backend", "nccl"], **keys(0))
+    assert job.wait(timeout=300) == 2, job.output
+    stderr = "\n".join(job.stderr)
+    assert "zerorun: error: the script calls init_process_group(backend='nccl'), but this worker has no GPU" in stderr
+    assert "Pass backend='gloo'" in stderr and "Traceback" not in stderr, job.output
+
+
+@pytest.mark.slow
+def test_a_script_that_never_joins_the_group_still_runs(launch):
+    finished(launch(SCRIPT, ["--wrap", "zerorun", "--backend", "none"], **keys(2)))
+
+
+@pytest.mark.parametrize("habit,place", [
+    (["--eval", "master"], "a forward outside a training step (no_grad, not in engine.backward)"),
+    pytest.param(["--save", "master", "--eval", "none"], "a state dict", marks=pytest.mark.slow),
+])
+def test_master_only_evaluation_or_saving_at_stage_3_stops_the_job_naming_both_places(launch, habit, place):
+    stderr = stopped(launch(SCRIPT, ["--wrap", "zerorun", *habit], **keys(3)))
+    assert f"rank 0: step 3, micro-step 6, {place}" in stderr
+    assert re.search(r"rank 1: step 3, micro-step 6, forward, all-gather of unit \S+", stderr), stderr
+
+
+@pytest.mark.slow
+def test_master_only_evaluation_inside_gathered_at_stage_3_trains_as_evaluating_on_every_rank(launch):
+    gathered = finished(launch(SCRIPT, ["--wrap", "zerorun", "--eval", "gathered"], **keys(3)))
+    everyone = finished(launch(SCRIPT, ["--wrap", "zerorun", "--eval", "all"], **keys(3)))
+    assert printed(gathered.stdout) == printed(everyone.stdout)
+    assert printed(gathered.stdout, "eval") == printed(everyone.stdout, "eval")
+
+
+@pytest.mark.slow
+def test_a_data_loader_that_runs_out_on_one_rank_stops_the_job_naming_it(launch):
+    stderr = stopped(launch(SCRIPT, ["--wrap", "zerorun", "--stop-early-rank", "1", "--stop-at", "2"], **keys(2)))
+    assert "rank 1: step 2, micro-step 4, the end of the script" in stderr, stderr
+    assert "a data loader that ran out early on one rank" in stderr
