@@ -70,6 +70,33 @@ def _measure(rank: int, world: int, sizes_mib: list[float], repeats: int) -> lis
                 times.append(time.perf_counter() - start)
                 cpu.append(time.thread_time() - start_cpu)
             out.append(CommResult(mib, operation, impl, statistics.median(times) * 1e3, statistics.median(cpu) * 1e3))
+    return out + _tag_costs(comm, shm, repeats)
+
+
+def _tag_costs(comm: Any, shm: Any, repeats: int) -> list[CommResult]:
+    """What the check of every collective's tag adds (runtime/comm/tags.py): on the wire, the fingerprint's
+    all-reduce per collective; in shared memory, a tagged all-gather of one element per rank against an untagged
+    one (the tag is written before and compared after the meeting)."""
+    from zerorun.runtime.comm.collectives import Collectives
+    from zerorun.runtime.comm.wire import Op
+
+    cases: list[tuple[str, Callable[[], Any]]] = [
+        ("the wire: one fingerprint all-reduce", lambda: comm.tags.on_wire(comm.tags.next(Op.ALL_GATHER, 1)))]
+    if shm is not None:
+        bare = Collectives(cpu="auto", tagged=False)
+        tiny = torch.zeros(comm.world_size)
+        cases += [("shared memory: a tagged 1-element all-gather", lambda: shm.all_gather(tiny).wait()),
+                  ("shared memory: the same, untagged", lambda: bare.all_gather(tiny).wait())]
+    out = []
+    for implementation, fn in cases:
+        times, cpu = [], []
+        for _ in range(max(repeats, 200)):  # microseconds each: many, for a stable median
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            fn()
+            times.append(time.perf_counter() - start)
+            cpu.append(time.thread_time() - start_cpu)
+        out.append(CommResult(0.0, "tag check", implementation, statistics.median(times) * 1e3,
+                              statistics.median(cpu) * 1e3))
     return out
 
 
@@ -87,6 +114,9 @@ def render(results: list[CommResult], world_size: int, backend: str = "gloo", wh
     for col in ("MiB", "operation", "implementation", "ms", "GB/s (buffer)", "caller's CPU ms"):
         table.add_column(col, justify="left" if col in ("operation", "implementation") else "right")
     for r in results:
+        if r.operation == "tag check":  # microseconds, no bandwidth
+            table.add_row("-", r.operation, r.implementation, f"{r.median_ms:.3f}", "-", f"{r.caller_cpu_ms:.3f}")
+            continue
         table.add_row(f"{r.size_mib:g}", r.operation, r.implementation, f"{r.median_ms:.1f}",
                       f"{r.size_mib * 2**20 / (r.median_ms / 1e3) / 1e9:.2f}", f"{r.caller_cpu_ms:.1f}")
     return table
