@@ -119,8 +119,14 @@ def launch(
     exclude: Annotated[str | None, typer.Option("--exclude", "-e",
                                                 help="Hosts/slots to leave out, same syntax as --include.")] = None,
     num_nodes: Annotated[int | None, typer.Option("--num-nodes", "--num_nodes", help="Use the first N hosts.")] = None,
-    num_gpus: Annotated[int | None, typer.Option("--num-gpus", "--num_gpus",
-                                                 help="Use the first N slots of every host.")] = None,
+    num_gpus: Annotated[int | None, typer.Option("--num-gpus", "--num_gpus", "--nproc-per-node", "--nproc_per_node",
+                                                 help="Use the first N slots of every host (workers per node).")] = None,
+    nnodes: Annotated[int | None, typer.Option(
+        "--nnodes", help="Every node runs this same command, no SSH: the job's node count (else PET_NNODES). "
+                         "Node 0's launcher is the job's; the others join it.")] = None,
+    node_rank: Annotated[int | None, typer.Option(
+        "--node-rank", help="With --nnodes: this node's rank, 0 for the node the others join (else "
+                            "PET_NODE_RANK, or an Indexed Job's JOB_COMPLETION_INDEX).")] = None,
     master_addr: Annotated[str | None, typer.Option("--master-addr", "--master_addr",
                                                     help="Rendezvous address (default: the first node).")] = None,
     master_port: Annotated[int | None, typer.Option("--master-port", "--master_port",
@@ -141,9 +147,10 @@ def launch(
 ) -> None:
     """Run a recipe's training script on every selected node and worker."""
     import dataclasses
+    import os
 
     from zerorun.compat import cmdline
-    from zerorun.launch import launcher
+    from zerorun.launch import launcher, node_role, peer_launch
 
     options = launcher.LaunchOptions(hostfile=hostfile, include=include, exclude=exclude, num_nodes=num_nodes,
                                      num_gpus=num_gpus, master_addr=master_addr, master_port=master_port,
@@ -152,6 +159,16 @@ def launch(
     if recipe.suffix == ".py":
         recipe = cmdline.script_recipe(recipe, ctx.meta["script_args"], local_rank_arg=not no_local_rank)
         typer.echo(f"zerorun: the command line as a recipe: {recipe}", err=True)
+    role = node_role.node_role(node_role.RoleFlags(nnodes, node_rank, master_addr, master_port), os.environ)
+    if role is not None:  # every node its own launcher
+        job = peer_launch.prepare(recipe, options, role)
+        batch = cmdline.batch_overrides(recipe, options.overrides, job.world_size)
+        if batch:
+            job = peer_launch.prepare(recipe, dataclasses.replace(options, overrides=(*batch, *options.overrides)), role)
+        if dry_run:
+            typer.echo(peer_launch.render(job))
+            return
+        raise typer.Exit(peer_launch.run(job))
     launch_plan = launcher.make_plan(recipe, options)
     # DeepSpeed's train_batch_size splits by the world size, known only now that the nodes are chosen
     batch = cmdline.batch_overrides(recipe, options.overrides, launch_plan.world_size)
