@@ -41,6 +41,7 @@ MAX_JOINING = 64  # connections proving themselves at once; more wait in the ker
 LINK_CLOSED = 255  # what poll() says of a node whose link closed (ssh's status for a lost connection)
 _EXIT_WAIT_S = 5.0
 _PROGRESS_S = 30.0  # while waiting for nodes to join: how often to say which
+_END_WAIT_S = 2.0  # at the job's end: how long the nodes have to close their links once told
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,8 @@ class Roster:
             members = list(self._members.values())
         for member in members:
             member.link.send(Kind.END, str(exit_code).encode())
+        with self._lock:  # closing first, with their beats unread, would reset the links before they read it
+            self._lock.wait_for(lambda: all(m.link.closed for m in members), timeout=_END_WAIT_S)
         self._hub.stop()
 
     def closed(self, member: Member) -> None:
