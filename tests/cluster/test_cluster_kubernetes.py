@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch.launched import LaunchedJob, subprocess_env, write_recipe
-from zerorun.bench.cluster import EmulatedCluster, unavailable_reason
+from zerorun.bench.cluster import IFACE, EmulatedCluster, unavailable_reason
 from zerorun.launch import k8s_submit, kubernetes
 from zerorun.launch.secret import SECRET_ENV
 
@@ -63,6 +63,7 @@ class Pods:
     def env(self, index: int) -> dict[str, str]:
         env = {k: v for k, v in subprocess_env().items() if not k.startswith(("PET_", "MASTER_", "ZERORUN_"))}
         for item in self.container["env"]:
+            assert "value" in item or item["name"] == SECRET_ENV  # the one variable from a Secret
             env[item["name"]] = item["value"] if "value" in item else SECRET  # the secretKeyRef, resolved
         return {**env, "PATH": str(self.bin), "JOB_COMPLETION_INDEX": str(index)}
 
@@ -129,29 +130,47 @@ def test_a_failing_worker_ends_every_pod_within_15_s_and_node_0_names_it_first_w
     assert node0.leftovers() == [] and node1.leftovers() == []
 
 
-def test_a_vanished_pod_is_noticed_and_its_replacement_rejoins_and_the_job_resumes(pods, tmp_path):
+def _link(node, state: str) -> None:
+    subprocess.run(["ip", "-n", node.namespace, "link", "set", IFACE, state], check=True)
+
+
+@pytest.mark.parametrize("vanish", ["killed", "cut off"])
+def test_a_vanished_pod_is_noticed_it_rejoins_and_the_job_resumes(nodes, pods, tmp_path, vanish):
+    """Killed: the pod's launcher SIGKILLed, and the cluster replaces the pod. Cut off: its link goes down, no FIN,
+    no reset; both sides notice the silence, and the pod's launcher joins again once the link is back."""
     job = pods(["--step-s", "0.5"], train={"steps": 14, "micro_batch_size": 4},
                checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 2},
                launch={"kill_grace_s": 1.0, "max_restarts": 1}, telemetry={"interval_s": 0.2})
     node0, node1 = job.start(0), job.start(1)
     node0.wait_until(lambda: any("rank 1 host node1 step 5 " in line for line in node0.stdout), "step 5", timeout=240)
-    node1.proc.kill()  # the pod is gone: its launcher SIGKILLed (the cluster replaces the pod)
+    if vanish == "killed":
+        node1.proc.kill()
+    else:
+        _link(nodes.nodes[1], "down")
     killed = time.monotonic()
-    node0.wait_until(lambda: any("lost contact with node1" in line for line in node0.stderr), "the loss", timeout=60)
-    noticed = time.monotonic() - killed
-    print(f"node 0 noticed the vanished pod after {noticed:.1f} s")
-    assert noticed < 30, node0.output
-    node0.wait_until(lambda: any(line.startswith("zerorun: restart 1 of 1 on the same nodes, node1 included")
-                                 for line in node0.stderr), "the restart", timeout=60)
-    deadline = time.monotonic() + 60
-    while node1.leftovers() and time.monotonic() < deadline:  # its node supervisor ends the workers by itself
-        time.sleep(0.5)
-    assert node1.leftovers() == [], [p.cmdline() for p in node1.leftovers()]
-    replacement = job.start(1)
-    assert replacement.wait(timeout=240) == 0, replacement.output + node0.output
+    try:
+        node0.wait_until(lambda: any("lost contact with node1" in line for line in node0.stderr), "the loss",
+                         timeout=60)
+        noticed = time.monotonic() - killed
+        print(f"{vanish}: node 0 noticed the vanished pod after {noticed:.1f} s")
+        assert noticed < 30, node0.output
+        node0.wait_until(lambda: any(line.startswith("zerorun: restart 1 of 1 on the same nodes, node1 included")
+                                     for line in node0.stderr), "the restart", timeout=60)
+        deadline = time.monotonic() + 60
+        while node1.leftovers() and time.monotonic() < deadline:  # its node supervisor ends the workers by itself
+            time.sleep(0.5)
+        assert node1.leftovers() == [], [p.cmdline() for p in node1.leftovers()]
+    finally:
+        if vanish == "cut off":
+            _link(nodes.nodes[1], "up")
+    if vanish == "killed":
+        node1 = job.start(1)  # the replacement pod
+    else:
+        assert any("lost contact with node 0 at recipe-0.recipe:29501: no heartbeat" in line for line in node1.stderr)
+    assert node1.wait(timeout=240) == 0, node1.output + node0.output
     assert node0.wait(timeout=60) == 0, node0.output
     resumed = [line for line in node0.stdout if "rank 0 resumed from step-" in line]
     assert resumed and int(re.search(r"at step (\d+)", resumed[0]).group(1)) >= 4, node0.output
     assert any("rank 1 host node1 step 13 " in line for line in node0.stdout), node0.output
-    assert node0.leftovers() == [] and replacement.leftovers() == []
+    assert node0.leftovers() == [] and node1.leftovers() == []
     assert os.path.exists(tmp_path / "ckpt" / "latest")
