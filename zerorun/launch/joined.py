@@ -32,6 +32,7 @@ from typing import IO
 from zerorun.errors import LaunchError
 from zerorun.launch.link import Attempt, Hello, Kind, Link, LinkError, admit
 from zerorun.launch.node import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S
+from zerorun.launch.node_output import Intake
 from zerorun.launch.node_role import NodeRole
 from zerorun.launch.plan import NodeCommand
 from zerorun.launch.processes import KILL_WAIT_S
@@ -121,9 +122,9 @@ class Roster:
             hello = _read_hello(link)
             problem = self._problem(hello)
             if problem:
-                link.send(Kind.REFUSE, problem.encode())
-                link.release()
                 self._refused(peer, f"node {hello.node_rank} ({hello.host}): {problem}")
+                link.send(Kind.REFUSE, problem.encode())
+                link.finish()
                 return
             member = Member(hello, link)
             with self._lock:
@@ -238,26 +239,21 @@ class _Hub:
     def __init__(self, roster: Roster) -> None:
         self.roster = roster
         self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._added: list[Member] = []
+        self._intake: Intake[Member] = Intake()
         self._members: list[Member] = []
-        self._lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._serve, name="zerorun-links", daemon=True)
 
     def start(self) -> None:
-        self._selector.register(self._wake_r, selectors.EVENT_READ, data=None)
+        self._selector.register(self._intake.socket, selectors.EVENT_READ, data=None)
         self._thread.start()
 
     def add(self, member: Member) -> None:
-        with self._lock:
-            self._added.append(member)
-        self._wake_w.send(b"x")
+        self._intake.put(member)
 
     def stop(self) -> None:
         self._stopping = True
-        self._wake_w.send(b"x")
+        self._intake.wake()
         self._thread.join(timeout=2.0)
 
     def _serve(self) -> None:
@@ -273,16 +269,11 @@ class _Hub:
                 self._beat()
         for member in list(self._members):
             self._release(member)
+        self._selector.close()
+        self._intake.close()
 
     def _take_added(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except BlockingIOError:
-            pass
-        with self._lock:
-            added, self._added = self._added, []
-        for member in added:
+        for member in self._intake.take():
             self._members.append(member)
             self._selector.register(member.link.sock, selectors.EVENT_READ, data=member)
 

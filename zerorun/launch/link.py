@@ -205,6 +205,22 @@ class Link:
         except OSError:
             pass
 
+    def finish(self, timeout_s: float = 2.0) -> None:
+        """Close once the peer has read what was sent (its end comes first): closing over bytes of its that were
+        never read would reset the connection, and the peer might lose the last frame."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                if not select.select([self.sock], [], [], remaining)[0] or not self.sock.recv(_READ_SIZE):
+                    break
+            except (OSError, ValueError):
+                break
+        self.release()
+
     def release(self) -> None:
         """Free the socket (the thread that reads it, once it has stopped reading)."""
         self.close()
