@@ -119,8 +119,8 @@ def launch(
     exclude: Annotated[str | None, typer.Option("--exclude", "-e",
                                                 help="Hosts/slots to leave out, same syntax as --include.")] = None,
     num_nodes: Annotated[int | None, typer.Option("--num-nodes", "--num_nodes", help="Use the first N hosts.")] = None,
-    num_gpus: Annotated[int | None, typer.Option("--num-gpus", "--num_gpus", "--nproc-per-node", "--nproc_per_node",
-                                                 help="Use the first N slots of every host (workers per node).")] = None,
+    num_gpus: Annotated[int | None, typer.Option("--num-gpus", "--num_gpus",
+                                                 help="Use the first N slots of every host.")] = None,
     nnodes: Annotated[int | None, typer.Option(
         "--nnodes", help="Every node runs this same command, no SSH: the job's node count (else PET_NNODES). "
                          "Node 0's launcher is the job's; the others join it.")] = None,
