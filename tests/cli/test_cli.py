@@ -96,7 +96,7 @@ def test_env_prints_a_table():
     (["launch", "r.yaml", "--nproc", "4"], "--set nproc_per_node=N"),  # torchrun's habit: the recipe key
     (["launch", "r.yaml", "--nproc-per-node", "4"], "--set nproc_per_node=N"),
     (["launch", "r.yaml", "--dryrun"], "--dry-run"),
-    (["launch", "r.yaml", "--nnodes", "2"], "--num-nodes"),
+    (["launch", "r.yaml", "--nnode", "2"], "--nnodes"),  # torchrun's --nnodes is a flag: every node its own launcher
     (["launch", "r.yaml", "--stage", "3"], "--set zero.stage=N"),
     (["estimate", "--gpus", "8"], "--gpus-per-node"),  # a prefix: below difflib's cutoff before
     (["estimate", "--param", "7B"], "--params"),

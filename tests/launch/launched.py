@@ -95,6 +95,11 @@ class LaunchedJob:
             reader.join(timeout=5)
         return code
 
+    def time_of(self, event: str) -> float:
+        """When `event` (a stdout line, "signal" or "exit") first happened, on `time.monotonic`'s clock."""
+        assert event in self._times, f"never saw {event!r}:\n{self.output}"
+        return self._times[event]
+
     def seconds_since(self, event: str) -> float:
         """Seconds from `event` (the stdout line, or "signal") until the launcher exited."""
         assert event in self._times and "exit" in self._times, f"never saw {event!r}:\n{self.output}"

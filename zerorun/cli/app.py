@@ -1,6 +1,7 @@
 """The `zerorun` command: parse the flags, call one function, render its result or its error.
 
-Every subcommand is a plain `@app.command()` function here (`tune` in `cli/tune.py`, the `bench` and
+Every subcommand is a plain `@app.command()` function here (`tune` and `submit` in `cli/tune.py` and
+`cli/submit.py`, the `bench` and
 `checkpoint` groups in `cli/bench.py` and `cli/checkpoint.py`); the work happens in the modules they call. A `ZerorunError` from any of them (a bad recipe, hostfile or flag) is printed as one line,
 `zerorun: error: <message>`, with exit status 2 and no traceback (see `_ZerorunGroup`).
 """
@@ -20,6 +21,7 @@ from zerorun.cli import suggest
 from zerorun.cli.bench import bench_app
 from zerorun.cli.checkpoint import checkpoint_app
 from zerorun.cli.counts import count
+from zerorun.cli.submit import submit
 from zerorun.cli.tune import tune
 from zerorun.errors import ZerorunError
 
@@ -121,6 +123,12 @@ def launch(
     num_nodes: Annotated[int | None, typer.Option("--num-nodes", "--num_nodes", help="Use the first N hosts.")] = None,
     num_gpus: Annotated[int | None, typer.Option("--num-gpus", "--num_gpus",
                                                  help="Use the first N slots of every host.")] = None,
+    nnodes: Annotated[int | None, typer.Option(
+        "--nnodes", help="Every node runs this same command, no SSH: the job's node count (else PET_NNODES). "
+                         "Node 0's launcher is the job's; the others join it.")] = None,
+    node_rank: Annotated[int | None, typer.Option(
+        "--node-rank", help="With --nnodes: this node's rank, 0 for the node the others join (else "
+                            "PET_NODE_RANK, or an Indexed Job's JOB_COMPLETION_INDEX).")] = None,
     master_addr: Annotated[str | None, typer.Option("--master-addr", "--master_addr",
                                                     help="Rendezvous address (default: the first node).")] = None,
     master_port: Annotated[int | None, typer.Option("--master-port", "--master_port",
@@ -141,9 +149,10 @@ def launch(
 ) -> None:
     """Run a recipe's training script on every selected node and worker."""
     import dataclasses
+    import os
 
     from zerorun.compat import cmdline
-    from zerorun.launch import launcher
+    from zerorun.launch import launcher, node_role, peer_launch
 
     options = launcher.LaunchOptions(hostfile=hostfile, include=include, exclude=exclude, num_nodes=num_nodes,
                                      num_gpus=num_gpus, master_addr=master_addr, master_port=master_port,
@@ -152,6 +161,16 @@ def launch(
     if recipe.suffix == ".py":
         recipe = cmdline.script_recipe(recipe, ctx.meta["script_args"], local_rank_arg=not no_local_rank)
         typer.echo(f"zerorun: the command line as a recipe: {recipe}", err=True)
+    role = node_role.node_role(node_role.RoleFlags(nnodes, node_rank, master_addr, master_port), os.environ)
+    if role is not None:  # every node its own launcher
+        job = peer_launch.prepare(recipe, options, role)
+        batch = cmdline.batch_overrides(recipe, options.overrides, job.world_size)
+        if batch:
+            job = peer_launch.prepare(recipe, dataclasses.replace(options, overrides=(*batch, *options.overrides)), role)
+        if dry_run:
+            typer.echo(peer_launch.render(job))
+            return
+        raise typer.Exit(peer_launch.run(job))
     launch_plan = launcher.make_plan(recipe, options)
     # DeepSpeed's train_batch_size splits by the world size, known only now that the nodes are chosen
     batch = cmdline.batch_overrides(recipe, options.overrides, launch_plan.world_size)
@@ -161,42 +180,6 @@ def launch(
         typer.echo(launcher.render(launch_plan))
         return
     raise typer.Exit(launcher.run(launch_plan))
-
-
-@app.command()
-def submit(
-    recipe: Annotated[Path, typer.Argument(help="The recipe YAML file.", show_default=False)],
-    nodes: Annotated[int, typer.Option(help="Nodes to allocate (one torchrun on each).")] = 1,
-    gpus_per_node: Annotated[int | None, typer.Option(help="GPUs per node (also the workers per node, "
-                                                           "unless the recipe sets nproc_per_node).")] = None,
-    partition: Annotated[str | None, typer.Option(help="Slurm partition.")] = None,
-    time: Annotated[str | None, typer.Option(help="Time limit, in Slurm's syntax (e.g. 4:00:00).")] = None,
-    account: Annotated[str | None, typer.Option(help="Account to charge.")] = None,
-    sbatch_arg: Annotated[list[str] | None, typer.Option(
-        "--sbatch-arg", metavar="ARG", help="One more #SBATCH line, e.g. --sbatch-arg=--mem=0 (repeatable).")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
-                                                      help="Override a recipe key, e.g. --set zero.stage=3.")] = None,
-    no_follow: Annotated[bool, typer.Option("--no-follow", help="Print the job id and return at once.")] = False,
-) -> None:
-    """Submit a recipe as a Slurm batch job (script kept in runs/<name>/) and follow it to its end."""
-    from zerorun.launch import submit as batch
-
-    options = batch.SubmitOptions(nodes=nodes, gpus_per_node=gpus_per_node, partition=partition, time=time,
-                                  account=account, sbatch_args=tuple(sbatch_arg or ()), overrides=tuple(set_ or ()))
-    job = batch.submit(recipe, options)
-    typer.echo(f"zerorun: submitted Slurm job {job.job_id}; script {job.script}; output {job.output}", err=True)
-    if no_follow:
-        typer.echo(job.job_id)
-        return
-    raise typer.Exit(batch.follow(job, ask=_confirm))
-
-
-def _confirm(question: str) -> bool:
-    """Ask on the terminal; no answer (stdin closed) means no."""
-    try:
-        return typer.confirm(question, default=False, err=True)
-    except (typer.Abort, EOFError):
-        return False
 
 
 @app.command()
@@ -336,6 +319,7 @@ def estimate(
 
 
 app.command()(tune)  # zerorun/cli/tune.py
+app.command()(submit)  # zerorun/cli/submit.py
 app.add_typer(checkpoint_app, name="checkpoint")  # zerorun/cli/checkpoint.py
 
 

@@ -291,6 +291,10 @@ class LaunchConfig:
     oversubscribe: bool = _f(False, "Allow more workers than CPU cores on a machine without GPUs (tests of several "
                                     "ranks on a small machine, debugging). Without it such a launch is refused "
                                     "before anything starts: the workers would take turns on the cores.")
+    join_timeout_s: float = _f(
+        600.0, "When every node runs its own launcher (`zerorun launch --nnodes N`, a Kubernetes Job): how long "
+               "node 0 waits for the others to join, and the others for node 0 to answer, at the start and after "
+               "a lost node (a replaced pod may take minutes to be scheduled and pull its image).", gt=0)
 
 
 @dataclass

@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from zerorun import config
 from zerorun.config import Recipe
@@ -44,7 +44,7 @@ from zerorun.telemetry import ADDRESS_ENV, RUNS_DIR, TOKEN_ENV, profile_files
 if TYPE_CHECKING:
     from zerorun.launch.monitor import Monitor
 
-__all__ = ["LaunchOptions", "make_plan", "render", "run"]
+__all__ = ["LaunchOptions", "Reach", "make_plan", "render", "run"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,26 @@ class LaunchOptions:
     max_restarts: int | None = None  # overrides the recipe's `launch.max_restarts`
 
 
+class Reach(Protocol):
+    """How the launcher reaches the nodes of each attempt, and what its telemetry tells the workers."""
+
+    telemetry_token: str | None  # the collector's token (None: a random one per job)
+    telemetry_host: str | None  # the address workers reach the collector by (None: this host's name)
+
+    def transports(self, launch_plan: LaunchPlan) -> list[Transport]:
+        """One transport per node of the plan, in order."""
+
+
+class _Direct:
+    """The launcher starts every node itself: a local process, ssh, or an srun step."""
+
+    telemetry_token: str | None = None
+    telemetry_host: str | None = None
+
+    def transports(self, launch_plan: LaunchPlan) -> list[Transport]:
+        return [transport_for(node, launch_plan) for node in launch_plan.nodes]
+
+
 def make_plan(recipe_path: str | os.PathLike, options: LaunchOptions) -> LaunchPlan:
     """Load the recipe, select the nodes and plan the job; starts nothing."""
     flags = [f"master_addr={options.master_addr}"] if options.master_addr else []
@@ -74,7 +94,7 @@ def make_plan(recipe_path: str | os.PathLike, options: LaunchOptions) -> LaunchP
         return _slurm_plan(recipe, options)
     gpus = gpu_count()
     nodes = select_nodes(recipe, options, gpus)
-    facts = _machine_facts(os.cpu_count() or 1)
+    facts = machine_facts(os.cpu_count() or 1)
     master_port = recipe.master_port or (free_port() if is_local(nodes[0].host) else 29500)
     launch_plan = plan(recipe, nodes, new_job_id(recipe.name or "job"), master_port, facts)
     capacity.check(launch_plan.nodes, capacity.this_machine(gpus), recipe.launch.oversubscribe,
@@ -119,21 +139,23 @@ def _slurm_plan(recipe: Recipe, options: LaunchOptions) -> LaunchPlan:
                           "allocation every allocated node runs (ask salloc/sbatch for fewer nodes).")
     allocation = slurm.read_allocation(os.environ)
     nproc = slurm.procs_per_node(allocation, options.num_gpus or recipe.nproc_per_node)
-    facts = _machine_facts(min(allocation.cpus_per_node, default=os.cpu_count() or 1))
+    facts = machine_facts(min(allocation.cpus_per_node, default=os.cpu_count() or 1))
     here = slurm.runs_here(allocation, os.environ)
     master_port = recipe.master_port or (free_port() if here else slurm.default_port(allocation))
     return slurm.plan_step(recipe, allocation, nproc, new_job_id(recipe.name or "job"), master_port, facts)
 
 
-def _machine_facts(cpu_count: int) -> MachineFacts:
+def machine_facts(cpu_count: int) -> MachineFacts:
+    """This machine's facts, as `plan()` takes them."""
     cwd = os.getcwd()
     return MachineFacts(cpu_count=cpu_count, python=sys.executable, inherited_env=dict(os.environ),
                         cwd=cwd, env_file=load_env_file(cwd), hostname=socket.getfqdn())
 
 
-def run(launch_plan: LaunchPlan) -> int:
+def run(launch_plan: LaunchPlan, reach: Reach | None = None) -> int:
     """Run the planned job to its end, restarting it after failures as `launch.max_restarts` allows;
-    return the launcher's exit code (the last attempt's)."""
+    return the launcher's exit code (the last attempt's). `reach`: how the nodes are reached (default:
+    the launcher starts each itself)."""
     if importlib.util.find_spec("torch") is None:
         raise LaunchError(f"torch is not installed for {sys.executable}; zerorun runs workers with torchrun.")
     claim = ownership.claim_paths(launch_plan)  # runs/<name>/ and checkpoint.dir are this job's until it ends
@@ -141,13 +163,13 @@ def run(launch_plan: LaunchPlan) -> int:
         for note in claim.notes:
             _say(f"warning: {note}")
         preflight.check(launch_plan)
-        return _run_attempts(launch_plan)
+        return _run_attempts(launch_plan, reach or _Direct())
     finally:
         claim.release()
 
 
-def _run_attempts(launch_plan: LaunchPlan) -> int:
-    monitor = _start_monitor(launch_plan)
+def _run_attempts(launch_plan: LaunchPlan, reach: Reach) -> int:
+    monitor = _start_monitor(launch_plan, reach)
     policy = _policy(launch_plan)
     base_job_id = launch_plan.job_id  # attempt k runs as <base>-r<k>: its processes apart from the last one's
     failures: list[recovery.Failure] = []
@@ -157,7 +179,7 @@ def _run_attempts(launch_plan: LaunchPlan) -> int:
         _say(profile_files.planned(launch_plan.name, base_job_id, profile.profile_start, profile.profile_steps))
     try:
         while True:
-            outcome = _attempt(launch_plan, monitor)
+            outcome = _attempt(launch_plan, monitor, reach)
             torn_down_at = time.time()
             exit_code = outcome.exit_code
             if outcome.ending is Ending.SUCCESS or not policy.max_restarts:
@@ -184,9 +206,9 @@ def _say_profiles(name: str, job_id: str) -> None:
          "machine (the job ended before the window, or the ranks warned why)")
 
 
-def _attempt(launch_plan: LaunchPlan, monitor: Monitor | None) -> Outcome:
+def _attempt(launch_plan: LaunchPlan, monitor: Monitor | None, reach: Reach) -> Outcome:
     """One run of the plan on its nodes, from start to teardown."""
-    transports = [transport_for(node, launch_plan) for node in launch_plan.nodes]
+    transports = reach.transports(launch_plan)
     if is_local(launch_plan.nodes[0].host):
         _check_port_free(launch_plan.master_addr, launch_plan.master_port)
     if monitor is not None:
@@ -253,7 +275,7 @@ def replan(launch_plan: LaunchPlan, nodes: Sequence[Node], batch: recovery.Batch
         nproc = inputs.nodes[0].nproc
         return slurm.plan_step(recipe, inputs.allocation, nproc, job_id, port, inputs.facts,
                                [node.host for node in nodes])
-    return plan(recipe, nodes, job_id, port, inputs.facts)
+    return plan(recipe, nodes, job_id, port, inputs.facts, joined=inputs.joined)
 
 
 def resume_point(recipe: Recipe, failure: recovery.Failure) -> str:
@@ -286,13 +308,13 @@ def _say(message: str) -> None:
     print(f"zerorun: {message}", file=sys.stderr, flush=True)
 
 
-def _start_monitor(launch_plan: LaunchPlan) -> Monitor | None:
+def _start_monitor(launch_plan: LaunchPlan, reach: Reach) -> Monitor | None:
     """The telemetry monitor, listening; None when the recipe turned telemetry off or it cannot start."""
     if not launch_plan.telemetry.enabled:
         return None
     from zerorun.launch.monitor import Monitor
 
-    monitor = Monitor(launch_plan)
+    monitor = Monitor(launch_plan, token=reach.telemetry_token, advertise=reach.telemetry_host)
     try:
         monitor.start()
     except OSError as exc:  # the job runs without telemetry rather than not at all

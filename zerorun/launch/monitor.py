@@ -63,14 +63,17 @@ class Monitor(Output):
     """Collector, display and stall watch for one job."""
 
     def __init__(self, plan: LaunchPlan, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
-                 live: bool | None = None, runs_dir: str | os.PathLike = RUNS_DIR, width: int | None = None) -> None:
+                 live: bool | None = None, runs_dir: str | os.PathLike = RUNS_DIR, width: int | None = None,
+                 token: str | None = None, advertise: str | None = None) -> None:
+        """`token`: the job's (default: a random one); `advertise`: the address the workers are told
+        (default: loopback when every node is local, else this host's name)."""
         super().__init__(stdout, stderr)
         self.plan = plan
         self.telemetry = plan.telemetry
         self.path = Path(runs_dir) / plan.name / "telemetry.jsonl"
         local = all(is_local(node.host) for node in plan.nodes)
-        self.token = secrets.token_hex(32)
-        advertise = "127.0.0.1" if local else socket.getfqdn()
+        self.token = token or secrets.token_hex(32)
+        advertise = advertise or ("127.0.0.1" if local else socket.getfqdn())
         self.collector = Collector(self.path, bind_host="127.0.0.1" if local else bind_address(advertise),
                                    advertise_host=advertise, token=self.token, job_id=plan.job_id)
         self.state = self.collector.state

@@ -18,12 +18,50 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Generic, TypeVar
 
 MAX_LINE = 1 << 20
 _READ_SIZE = 1 << 16
 
 Event = tuple[int, int, "bytes | None"]
+Item = TypeVar("Item")
+
+
+class Intake(Generic[Item]):
+    """What other threads hand a selector thread, and the socket that wakes it (register `socket`)."""
+
+    def __init__(self) -> None:
+        self.socket, self._wake_w = socket.socketpair()
+        self.socket.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._items: list[Item] = []
+        self._lock = threading.Lock()
+
+    def put(self, item: Item) -> None:
+        with self._lock:
+            self._items.append(item)
+        self.wake()
+
+    def wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # BlockingIOError: wake-ups are already waiting; OSError: closed
+            pass
+
+    def take(self) -> list[Item]:
+        """Everything put since the last call (the selector thread, when `socket` is readable)."""
+        try:
+            while self.socket.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        with self._lock:
+            items, self._items = self._items, []
+        return items
+
+    def close(self) -> None:
+        self.socket.close()
+        self._wake_w.close()
 
 
 @dataclass
@@ -41,12 +79,8 @@ class OutputReader:
         self._events = events
         self._heard = heard  # called with the node index whenever bytes arrive from it
         self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, data=None)
-        self._added: list[_Pipe] = []
-        self._lock = threading.Lock()
+        self._intake: Intake[_Pipe] = Intake()
+        self._selector.register(self._intake.socket, selectors.EVENT_READ, data=None)
         self._closing = False
         self._thread = threading.Thread(target=self._serve, name="zerorun-node-output", daemon=True)
         self._thread.start()
@@ -54,21 +88,13 @@ class OutputReader:
     def add(self, node_index: int, fd: int, stream: IO[bytes]) -> None:
         """Read `stream` (a pipe) from now on; its lines come as events of `node_index` and `fd`."""
         os.set_blocking(stream.fileno(), False)
-        with self._lock:
-            self._added.append(_Pipe(node_index, fd, stream))
-        self._wake()
+        self._intake.put(_Pipe(node_index, fd, stream))
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop reading: the pipes still open are closed (their nodes were stopped before)."""
         self._closing = True
-        self._wake()
+        self._intake.wake()
         self._thread.join(timeout)
-
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"x")
-        except OSError:  # BlockingIOError: wake-ups are already waiting; OSError: closed
-            pass
 
     def _serve(self) -> None:
         try:
@@ -83,18 +109,10 @@ class OutputReader:
                 if key.data is not None:
                     key.data.stream.close()
             self._selector.close()
-            self._wake_r.close()
-            self._wake_w.close()
+            self._intake.close()
 
     def _take_added(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except BlockingIOError:
-            pass
-        with self._lock:
-            added, self._added = self._added, []
-        for pipe in added:
+        for pipe in self._intake.take():
             self._selector.register(pipe.stream.fileno(), selectors.EVENT_READ, data=pipe)
 
     def _read(self, pipe: _Pipe) -> None:

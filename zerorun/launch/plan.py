@@ -99,6 +99,7 @@ class PlanInputs:
     nodes: tuple[Node, ...]
     facts: MachineFacts
     allocation: Any = None  # a Slurm step's: zerorun.launch.slurm.Allocation (typed there, to keep plan pure)
+    joined: bool = False  # every node runs its own launcher (`peer_launch`): none is reached over SSH
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,10 @@ class LaunchPlan:
     inputs: PlanInputs | None = field(default=None, compare=False, repr=False)
 
 
-def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, facts: MachineFacts) -> LaunchPlan:
-    """Build the per-node commands for `recipe` on `nodes` (in node-rank order)."""
+def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, facts: MachineFacts,
+         joined: bool = False) -> LaunchPlan:
+    """Build the per-node commands for `recipe` on `nodes` (in node-rank order); `joined`: every node
+    runs its own launcher, which starts its command where it is (nothing over SSH)."""
     assert nodes, "plan: at least one node is needed"
     master_addr = recipe.master_addr or _address_of(nodes[0].host)
     if is_local(nodes[0].host) and not all(is_local(node.host) for node in nodes) and not recipe.master_addr:
@@ -133,7 +136,7 @@ def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, f
     for node_rank, node in enumerate(nodes):
         argv = torchrun_argv(facts.python, len(nodes), node_rank, node.nproc, master_addr, master_port,
                              recipe.script, recipe.args)
-        over_ssh = runs_over_ssh(node.host, recipe.launch.transport)
+        over_ssh = not joined and runs_over_ssh(node.host, recipe.launch.transport)
         env = node_env(recipe, node, job_id, recipe_json, facts, over_ssh)
         ranks = range(first_rank, first_rank + node.nproc)
         commands.append(NodeCommand(node.host, node_rank, first_rank, node.nproc, argv, env, over_ssh, facts.cwd,
@@ -143,7 +146,7 @@ def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, f
                       world_size=first_rank, kill_grace_s=recipe.launch.kill_grace_s, nodes=tuple(commands),
                       steps=None if recipe.launch.deepspeed_compat else recipe.train.steps,
                       telemetry=recipe.telemetry, ssh=recipe.ssh,
-                      nvme_paths=nvme_paths(recipe), inputs=PlanInputs(recipe, tuple(nodes), facts))
+                      nvme_paths=nvme_paths(recipe), inputs=PlanInputs(recipe, tuple(nodes), facts, joined=joined))
 
 
 def with_env(launch_plan: LaunchPlan, extra: Mapping[str, str]) -> LaunchPlan:
