@@ -43,11 +43,12 @@ class _FakeComm:
         self.kinds: list[str] = []
         self.finishes_at_once = finishes_at_once
 
-    def all_reduce(self, tensor: torch.Tensor) -> _Handle:
+    def all_reduce(self, tensor: torch.Tensor, unit: int = -1) -> _Handle:
         self.kinds.append("all_reduce")
         return _Handle(self, lambda: tensor.mul_(2))
 
-    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> _Handle:
+    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
+                       unit: int = -1) -> _Handle:
         self.kinds.append("reduce_scatter")
         piece = 2 * full[:out.numel()]  # rank 0's piece, summed with an identical peer
 
