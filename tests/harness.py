@@ -4,11 +4,13 @@
 
 A failure on any rank fails the test with that rank's traceback; a hang is killed after `timeout`.
 
-Each rank is a new process forked from a server that imported torch once for the whole session
-(`forkserver`, torch preloaded), rather than a fresh interpreter importing torch again: that import
-took seconds per rank, for each of the suite's ~150 multi-rank calls. The server imports nothing else
-(no zerorun module, no test's), runs nothing (no thread pool exists to be forked), and each rank
-still sets torchrun's variables and joins its own process group, so a test proves what it proved.
+Each rank is a new process forked from a server that imported, once for the whole session, what every rank
+imports (`forkserver` with `PRELOAD`), rather than a fresh interpreter importing it again: torch itself, and
+torch._dynamo, which torch imports lazily when the first optimizer is built (its import, sympy included, was
+most of the seconds each multi-rank call cost: `python -m tests.harness`), and zerorun's runtime. Importing
+runs no code of a test and starts no thread (no thread pool exists to be forked); a module's state is as
+import leaves it, so every rank starts from the same fresh state, sets torchrun's variables and joins its own
+process group, and a test proves what it proved.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import pytest
 from zerorun.bench.spawn import RankFailure
 from zerorun.bench.spawn import run_ranks as _run_ranks
 
-PRELOAD = ["torch", "torch.distributed"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim", "zerorun", "zerorun.runtime.engine",
+           "tests.runtime.reference"]
 _context: Any = None
 
 
 def _forkserver() -> Any:
-    """The session's forkserver context, torch imported in its server (started at the first call)."""
+    """The session's forkserver context, `PRELOAD` imported in its server (started at the first call)."""
     global _context
     if _context is None:
         _context = mp.get_context("forkserver")
@@ -66,16 +69,18 @@ class Concurrency:
 
 
 def _join(rank: int, world: int) -> int:
+    import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # what every engine does: torch imports dynamo here
     dist.barrier()
     return rank
 
 
 if __name__ == "__main__":
-    # python -m tests.harness: seconds per 2-rank call that only joins the process group, spawned ranks against the
-    # forkserver's, interleaved (the start-up cost each multi-rank test pays)
+    # python -m tests.harness: seconds per 2-rank call that joins the process group and builds an optimizer, spawned
+    # ranks against the forkserver's, interleaved (the start-up cost each multi-rank test pays)
     import time
 
     contexts = {"spawn": mp.get_context("spawn"), "forkserver": _forkserver()}
