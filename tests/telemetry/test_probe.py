@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ class FakeEngine:
         self.stage = 2
         self.global_step = 0
         self.resumed_from = None
+        self.where = SimpleNamespace(last_collective=lambda: "step 3, micro-step 6, backward, all-gather of unit h.0")
 
     def num_parameters(self) -> int:
         return 110
@@ -199,6 +201,9 @@ def test_once_the_script_has_ended_samples_no_longer_say_where_the_training_thre
     probe = Probe(collector.start(), FAST, rank=0, host="h")
     try:
         assert probe._sample()["where"] is not None
+        engine = FakeEngine()
+        probe.attach_engine(engine)  # and with an engine (held weakly), its last collective's place, for stall reports
+        assert probe._sample()["where"]["collective"] == "step 3, micro-step 6, backward, all-gather of unit h.0"
         probe.script_running = False
         assert probe._sample()["where"] is None
     finally:

@@ -303,8 +303,7 @@ class Probe:
         record["cuda"] = _cuda_memory(self.device)
         record["memory"] = _engine_memory(self.engine())
         record["where"] = where(self._main_thread) if self.script_running and not final else self.raised_at
-        engine = self.engine()
-        last = engine.where.last_collective() if engine is not None and record["where"] is not None else None
+        last = _last_collective(self.engine()) if record["where"] is not None else None
         if last is not None:
             record["where"] = {**record["where"], "collective": last}
         record["dropped"] = self._dropped
@@ -430,6 +429,14 @@ def _io_bytes(process: psutil.Process) -> dict[str, int] | None:
     except (AttributeError, psutil.Error, OSError):
         return None
     return {"read_bytes": counters.read_bytes, "write_bytes": counters.write_bytes}
+
+
+def _last_collective(engine: ProbedEngine | None) -> str | None:
+    """Where the engine's latest collective was issued (the stall report names it); None without one."""
+    try:
+        return engine.where.last_collective() if engine is not None else None
+    except Exception:  # noqa: BLE001 - telemetry must never break training
+        return None
 
 
 def _finite(value: float | None) -> float | None:
