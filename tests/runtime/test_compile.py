@@ -189,7 +189,6 @@ def _compile_after_initialize(rank: int, world: int) -> str:
     from tests.runtime.reference import batch
     from zerorun import config
     from zerorun.errors import ZerorunError
-
     from zerorun.runtime import compiled
 
     model = tied_gpt(0)
