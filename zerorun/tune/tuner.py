@@ -10,7 +10,10 @@ search (`search`) has nothing left or the time is up, run the next candidate (`t
 stopping: a trial whose best step so far falls clearly short of the best trial's throughput is ended
 after `DECIDE_STEPS` measured steps, and one that cannot finish before the deadline is ended at once.
 When the search is done and time is left, close rivals of the best are run again
-(`search.next_confirmation`) and their medians decide. Failures are results, never the end of the tuning.
+(`search.next_confirmation`) and their medians decide; then the recipe and the winner run in turn
+(`noise.next_run`), and a gain over the recipe is claimed only where every interleaved pair shows it
+(`TuneResult.comparison`): inside the noise, the recipe stays (`TuneResult.chosen`). Failures are
+results, never the end of the tuning.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import psutil
 
 from zerorun import config, estimate
 from zerorun.errors import ZerorunError
-from zerorun.tune import search, space
+from zerorun.tune import noise, search, space
+from zerorun.tune.load import Load
 from zerorun.tune.measure import Status, Trial, TrialRecords
 from zerorun.tune.space import Budget, Candidate, Dimensions, Rejection
 from zerorun.tune.trial import TrialRunner, TrialSetup
@@ -36,6 +40,7 @@ DECIDE_STEPS = 2  # measured steps before a trial may be stopped for being slowe
 EARLY_STOP_MARGIN = 0.05  # ... than this much below the best: closer calls measure fully (steps vary this much)
 STALL_MIN_S = 60.0
 RESERVE_S = 5.0  # of the budget, kept for stopping the last trial and writing the results
+REPEATS = ("confirm", "recheck", "verify")  # phases that run a measured candidate again
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,28 @@ class TuneResult:
     def baseline(self) -> Trial | None:
         return next((t for t in self.trials if t.candidate == self.base), None)
 
+    @property
+    def comparison(self) -> noise.Comparison | None:
+        """The winner against the recipe in interleaved runs; None where there is no such comparison to make
+        (the winner is the recipe, or the recipe did not measure within the budget)."""
+        win, base = self.winner, self.baseline
+        if win is None or base is None or win is base or not base.ok:
+            return None
+        return noise.compare(base, win)
+
+    @property
+    def chosen(self) -> Trial | None:
+        """What the tuned recipe takes: the winner, but the recipe itself where the two were compared in
+        interleaved runs and the gain stayed inside the noise."""
+        comparison = self.comparison
+        if comparison is not None and len(comparison.ratios) >= noise.PAIRS and not comparison.supported:
+            return self.baseline
+        return self.winner
+
+    @property
+    def loads(self) -> list[Load]:
+        return [load for trial in self.trials for load in trial.loads]
+
 
 Progress = Callable[[TuneResult], None]
 
@@ -186,7 +213,7 @@ def tune(recipe_path: str | Path, options: TuneOptions, progress: Progress = lam
         while (picked := _next(session, trials)) is not None:
             candidate, phase = picked
             if not _time_for_another(result.trials, deadline, options):
-                if phase not in ("confirm", "recheck"):
+                if phase not in REPEATS:
                     session.notes.append(f"the time budget ended in the search's {phase} phase (next: "
                                          f"{candidate.label()}); raise --budget-min to measure more.")
                 break
@@ -215,18 +242,25 @@ def tune(recipe_path: str | Path, options: TuneOptions, progress: Progress = lam
 
 def _next(session: Session, trials: dict[Candidate, Trial]) -> tuple[Candidate, str] | None:
     """The best so far again when the machine may have drifted since; else the search's next
-    candidate; once it has none, a rival of the best to run again."""
+    candidate; once it has none, a rival of the best to run again; then the recipe and the best in turn."""
     picked = search.next_candidate(session.base, session.dims, trials, [r.candidate for r in session.rejected])
     if picked is not None:
         recheck = search.next_recheck(trials.values(), sum(1 + len(t.repeats) for t in trials.values()))
         return (recheck, "recheck") if recheck is not None else picked
     again = search.next_confirmation(trials.values())
-    return (again, "confirm") if again is not None else None
+    if again is not None:
+        return again, "confirm"
+    base, top = trials.get(session.base), search.best(trials.values())
+    if base is None or top is None:
+        return None
+    last = max(n for t in trials.values() for n in (t.index or 0, *t.repeats))
+    verify = noise.next_run(base, top, last)
+    return (verify, "verify") if verify is not None else None
 
 
 def _run_one(runner: TrialRunner, result: TuneResult, candidate: Candidate, phase: str, deadline: float,
              options: TuneOptions, progress: Progress) -> Trial:
-    best = result.winner if phase not in ("confirm", "recheck") else None  # a repeat is measured fully
+    best = result.winner if phase not in REPEATS else None  # a repeat is measured fully
 
     def stop(records: TrialRecords) -> tuple[Status, str] | None:
         left = deadline - RESERVE_S - time.monotonic()
