@@ -291,8 +291,9 @@ def estimate(
     layers: Annotated[int | None, typer.Option(help="Transformer layers (activations).")] = None,
     checkpointing: Annotated[bool, typer.Option("--checkpointing", help="Activation checkpointing per layer.")] = False,
     built_on: Annotated[str, typer.Option(help="Where the script builds its model before zerorun.initialize: device "
-                                               "(whole, in fp32, on the GPU), host, or meta (zerorun.sharded_init): "
-                                               "the GPU's peak at setup.")] = "device",
+                                               "(whole, in fp32, on the GPU), host, meta (zerorun.sharded_init), or "
+                                               "auto (meta at stage 3, device below): the GPU's peak at setup.")
+                        ] = "auto",
     paper: Annotated[bool, typer.Option("--paper", help="Add the ZeRO paper's model-state figure (2-byte "
                                                         "gradients) per configuration.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
