@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 from rich.console import Console
+from torch import nn
 from typer.testing import CliRunner
 
 from tests.harness import run_ranks

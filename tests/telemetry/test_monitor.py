@@ -16,7 +16,7 @@ from zerorun.launch.plan import MachineFacts, plan
 
 def make_monitor(tmp_path: Path, live: bool, **telemetry: float) -> tuple[Monitor, io.BytesIO, io.BytesIO]:
     recipe = config.from_dict({"script": "/x/train.py", "train": {"steps": 10}, "telemetry": telemetry}, "<test>")
-    recipe.name = "demo"
+    recipe.name, recipe.given["train.steps"] = "demo", "<test>"  # the user gave the total (config.known_steps)
     launch_plan = plan(recipe, [Node("localhost", (0, 1))], "demo-1", 29500, MachineFacts(2, "python"))
     out, err = io.BytesIO(), io.BytesIO()
     return Monitor(launch_plan, out, err, live=live, runs_dir=tmp_path / "runs", width=160), out, err

@@ -253,13 +253,10 @@ def report(
                                              "to runs/<name>/plots/<job id>/.")] = True,
 ) -> None:
     """Show a job's telemetry summary again, and plot it, from runs/<name>/telemetry.jsonl."""
-    from rich.console import Console
-
+    from zerorun import tables
     from zerorun.telemetry import report as telemetry_report
-    from zerorun.telemetry.console import SUMMARY_WIDTH
 
-    terminal = Console().is_terminal
-    Console(width=None if terminal else SUMMARY_WIDTH).print(telemetry_report.render(telemetry_report.load(run, job)))
+    tables.console().print(telemetry_report.render(telemetry_report.load(run, job)))
     profiles = telemetry_report.profiles(run, job)
     if profiles:
         typer.echo(profiles)
@@ -299,9 +296,7 @@ def estimate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
 ) -> None:
     """Plan memory: bytes per GPU, CPU and NVMe for every ZeRO stage and offload, and the fastest that fits."""
-    from rich.console import Console
-
-    from zerorun import config
+    from zerorun import config, tables
     from zerorun import estimate as planner
 
     loaded = config.load(recipe, check_script=False) if recipe is not None else config.Recipe(script="")
@@ -331,7 +326,8 @@ def estimate(
     if as_json:
         typer.echo(json.dumps(planner.as_json(result), indent=2))
         return
-    Console(width=200).print(planner.render(result, paper))
+    out = tables.console()
+    out.print(planner.render(result, paper, out.width))
     for line in planner.summary(result):
         typer.echo(line)
 

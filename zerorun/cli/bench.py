@@ -71,8 +71,7 @@ def bench_step(
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
 ) -> None:
     """Step time and memory of zerorun's stages against DDP, FSDP2 and DeepSpeed, in one interleaved run."""
-    from rich.console import Console
-
+    from zerorun import tables
     from zerorun.bench import step, step_profile
     from zerorun.bench.cluster import parse_shape
 
@@ -85,8 +84,9 @@ def bench_step(
                                shape[0] * shape[1] if shape else ranks, threads, rounds, warmup, steps, chosen,
                                precision, nvme_path, baseline, shape, link)
     results, links = _run_step_bench(cfg)
-    Console(width=250).print(step.render(cfg, results, links))
-    Console(width=250).print(step_profile.render(results))
+    out = tables.console()
+    out.print(step.render(cfg, results, links, out.width))
+    out.print(step_profile.render(results, out.width))
     if json_out is not None:
         json_out.write_text(json.dumps(step.as_json(cfg, results, links), indent=2))
 

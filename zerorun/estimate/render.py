@@ -8,23 +8,29 @@ from typing import Any
 from zerorun.estimate.plan import GIB, HEADROOM, Estimate
 
 BUILT = {"device": "whole on GPU", "host": "on host", "meta": "sharded"}  # the "built" column: what setup counts
+# left out first where the table is wider than the terminal (zerorun/tables.py): what decides a fit stays
+DROP = ("buffers", "ckpt snapshot/node", "activations", "NVMe/node", "paper states", "master", "moments", "grads",
+        "params")
 
 
 def _gb(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f}"
 
 
-def render(est: Estimate, paper: bool = False) -> Any:
-    """A rich Table: one row per configuration, fastest first."""
-    from rich.table import Table
+def render(est: Estimate, paper: bool = False, width: int | None = None) -> Any:
+    """One row per configuration, fastest first; fitted to `width` columns (tables.fit) where given."""
+    from rich.console import Group
+
+    from zerorun import tables
 
     c = est.cluster
     title = (f"{est.shape.params / 1e9:.3g}B params, {est.settings.precision}, {c.nodes} node(s) x "
              f"{c.gpus_per_node} GPU(s) (GiB per GPU, per node)")
-    table = Table(title=title)
+    table = tables.compact(title)
     for col in ("configuration", "params", "grads", "master", "moments", "buffers", "activations", "GPU total", "built",
                 "setup", *(["paper states"] if paper else []), "CPU/node", "ckpt snapshot/node", "NVMe/node", "fits"):
-        table.add_column(col, justify="left" if col == "configuration" else "right")
+        table.add_column(col, justify="left" if col == "configuration" else "right",
+                         overflow="fold" if col == "configuration" else "ellipsis")
     for r in est.rows:
         fits = "?" if r.fits is None else ("yes" if r.fits else "no")
         name = r.name + ("  <- recommended" if r is est.recommended else "")
@@ -34,7 +40,8 @@ def render(est: Estimate, paper: bool = False) -> Any:
                       *([_gb(r.paper_model_states)] if paper else []),
                       _gb(r.cpu_per_rank * c.gpus_per_node), _gb(r.snapshot_per_node),
                       _gb(r.nvme_per_rank * c.gpus_per_node), fits)
-    return table
+    dropped = tables.fit(table, width, DROP) if width is not None else []
+    return Group(table, *([tables.dropped_note(dropped, width)] if dropped else []))
 
 
 def summary(est: Estimate) -> list[str]:

@@ -24,7 +24,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from zerorun import config
+from zerorun import config, tables
 from zerorun.tune import load, recipe_edit
 from zerorun.tune.measure import Status, Trial
 from zerorun.tune.space import Rejection, gib
@@ -66,12 +66,28 @@ def _short(text: str, limit: int = 150) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _table(result: TuneResult) -> Table:
+    """The tables' columns in the launch summary's compact style; the long text ones wrap."""
+    table = tables.compact(_title(result))
+    for col in _columns(result):
+        table.add_column(col, justify="right" if col in ("x best",) or "/s" in col or "peak" in col else "left",
+                         overflow="fold")
+    return table
+
+
+def _fitted(table: Table, width: int | None) -> RenderableType:
+    """`table` fitted to `width` columns (tables.fit: the memory figures, then the ratio, go first)."""
+    if width is None:
+        return table
+    drop = [str(c.header) for c in table.columns if str(c.header).startswith("peak")] + ["x best"]
+    dropped = tables.fit(table, width, drop)
+    return Group(table, Text(tables.dropped_note(dropped, width))) if dropped else table
+
+
 def final_table(result: TuneResult) -> Table:
     """Every trial ranked, then the candidates ruled out before running."""
     gpu = result.budget.gpu_bytes is not None
-    table = Table(title=_title(result), title_justify="left")
-    for col in _columns(result):
-        table.add_column(col, justify="right" if col in ("x best",) or "/s" in col or "peak" in col else "left")
+    table = _table(result)
     best = result.winner
     for trial in ranked(result.trials):
         row = _row(trial, best, gpu)
@@ -98,12 +114,10 @@ def rejected_rows(rejections: list[Rejection], per_sharding: int) -> list[tuple[
     return rows
 
 
-def live_view(result: TuneResult) -> RenderableType:
-    """The trials so far (in run order) and the one running now."""
+def live_view(result: TuneResult, width: int | None = None) -> RenderableType:
+    """The trials so far (in run order) and the one running now, fitted to `width` columns where given."""
     gpu = result.budget.gpu_bytes is not None
-    table = Table(title=_title(result), title_justify="left")
-    for col in _columns(result):
-        table.add_column(col)
+    table = _table(result)
     best = result.winner
     for trial in result.trials:
         table.add_row(*_row(trial, best, gpu))
@@ -112,7 +126,7 @@ def live_view(result: TuneResult) -> RenderableType:
         row = _row(current, best, gpu)
         row[2] = f"running ({current.phase})" if current.steps == 0 else f"measuring: {current.steps} step(s)"
         table.add_row(*row, style="cyan")
-    return table
+    return _fitted(table, width)
 
 
 def _title(result: TuneResult) -> str:
@@ -294,7 +308,7 @@ def tune_with_progress(recipe: str | Path, options: TuneOptions, live: bool, err
         def refresh(result: TuneResult) -> None:
             nonlocal refreshed
             if time.monotonic() - refreshed >= LIVE_REFRESH_S or result.current is None:
-                view.update(live_view(result), refresh=True)
+                view.update(live_view(result, err.width), refresh=True)
                 refreshed = time.monotonic()
 
         return tune(recipe, options, refresh)
@@ -312,6 +326,7 @@ def trial_line(err: Console) -> Callable[[Trial], None]:
     return line
 
 
-def render_final(result: TuneResult, tuned_path: str | None) -> RenderableType:
-    return Group(final_table(result), *(Text(line) for line in summary(result, tuned_path)))
+def render_final(result: TuneResult, tuned_path: str | None, width: int | None = None) -> RenderableType:
+    """The ranked table (fitted to `width` columns where given) and the verdict with the notes."""
+    return Group(_fitted(final_table(result), width), *(Text(line) for line in summary(result, tuned_path)))
 
