@@ -172,3 +172,23 @@ def test_tensorboard_and_csv_from_the_launcher_hold_every_rank_s_loss_per_step_a
         image = imread(plots / f"{name}.png")
         assert image.shape[:2] == (650, 900), name  # 9 x 6.5 in at 100 dpi: a real picture was drawn
         assert image[..., :3].std() > 0.05, name  # not a blank page
+
+
+@pytest.mark.slow
+def test_ctrl_c_after_a_commit_counts_the_checkpoint_on_disk(launch, tmp_path):
+    """Issue 57: the Ctrl-C summary said "3 saved; step-9" with step-12 on disk and verifying. A commit was told
+    to telemetry at the training thread's next step only, and the teardown (SIGTERM) came first."""
+    ckpt = tmp_path / "ckpt"
+    job = launch(TINY, ["--step-delay", "4"], nproc_per_node=2, train={"steps": 1000}, telemetry=FAST,
+                 checkpoint={"dir": str(ckpt), "every_steps": 2}, launch={"kill_grace_s": 10.0})
+    deadline = time.monotonic() + 120
+    while not (ckpt / "step-4").is_dir():  # committed; the next step (and so the next poll) is 4 s away
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output
+        time.sleep(0.05)
+    job.send(signal.SIGINT)
+    assert job.wait() == 130, job.output
+    latest = (ckpt / "latest").read_text().strip()
+    saved = sorted(p.name for p in ckpt.glob("step-*"))
+    line = next(line for line in reversed(job.stderr) if line.startswith("zerorun: checkpoints: "))
+    assert line.startswith(f"zerorun: checkpoints: {len(saved)} saved; {latest} (async)"), (saved, line)
+    assert job.leftovers() == []

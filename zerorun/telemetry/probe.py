@@ -157,6 +157,7 @@ class Probe:
         self._backoff = 0.5
         self._side_stream: Any = None
         self._stopping = threading.Event()
+        self._wake = threading.Event()  # send now: a checkpoint record, which a teardown must not lose
         self._unsubscribe: Any = None
         self._unsubscribe_checkpoints: Any = None
         self._thread = threading.Thread(target=self._run, name="zerorun-telemetry", daemon=True)
@@ -194,8 +195,10 @@ class Probe:
             return None
 
     def _on_checkpoint(self, stats: Any) -> None:
-        """The engine's checkpoint listener: one small record per save (a few per run)."""
+        """The engine's checkpoint listener: one small record per save (a few per run), sent at once (a Ctrl-C
+        right after a commit ends the workers before the next flush)."""
         self._enqueue({"type": "checkpoint", "rank": self.rank, "t": time.time(), **dataclasses.asdict(stats)})
+        self._wake.set()
 
     def engine(self) -> ProbedEngine | None:
         """The attached engine, while it lives (the probe holds only a weak reference)."""
@@ -224,13 +227,18 @@ class Probe:
             if unsubscribe is not None:
                 unsubscribe()
         self._stopping.set()
+        self._wake.set()
         self._thread.join(timeout)
 
     # -- probe thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
         next_sample = 0.0
-        while not self._stopping.wait(min(self.interval_s, FLUSH_S)):
+        while not self._stopping.is_set():
+            self._wake.wait(min(self.interval_s, FLUSH_S))
+            self._wake.clear()
+            if self._stopping.is_set():
+                break
             try:
                 self._take_steps(wait=False)
                 if time.monotonic() >= next_sample:
