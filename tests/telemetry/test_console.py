@@ -327,3 +327,15 @@ def test_zerorun_initialize_declares_the_total_only_where_the_user_gave_train_st
     zerorun.initialize(model, config=config.loads("script: t.py\n"))
     zerorun.initialize(model, config=config.loads("script: t.py\ntrain: {steps: 60}\n"))
     assert declared == [None, 60]
+
+
+def test_the_eta_after_a_first_step_that_built_a_kernel_leaves_the_build_out():
+    """Issue 57: step 1 built the CPU Adam kernel (9 s of its time) and the ETA said 9 minutes."""
+    records = [r for r in job_records(steps=1) if r["type"] not in ("bye", "end")]
+    for r in records:
+        if r["type"] == "step":
+            r["kernel_build_s"] = 1.5  # of its 2 s
+    state = fold(records)
+    assert state.eta_s(now=103.0) == pytest.approx(9 * 0.5)
+    del records[-2]["kernel_build_s"], records[-4]["kernel_build_s"]  # without the field: 2 s a step
+    assert fold(records).eta_s(now=103.0) == pytest.approx(9 * 2.0)

@@ -134,6 +134,35 @@ def test_a_full_disk_under_runs_leaves_the_workers_exit_code_and_one_warning(lau
 
 
 @pytest.mark.slow
+def test_a_runs_disk_full_before_the_launch_keeps_the_lock_warns_once_of_its_record_and_trains(launch, tmp_path):
+    """Issue 57: the lock record's write raised OSError 28 through the launcher; the job must train as before."""
+    import subprocess
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    if not _mount_small_filesystem(runs, "64k"):
+        pytest.skip("cannot mount a size-limited file system here (needs root): tests/launch/test_ownership.py "
+                    "injects the full disk instead")
+    try:
+        try:
+            with open(runs / "filler", "wb") as filler:
+                while True:
+                    filler.write(b"\0" * 4096)
+                    filler.flush()
+        except OSError:
+            pass
+        job = launch(TINY, nproc_per_node=2, train={"steps": 6}, telemetry=FAST)
+        assert job.wait() == 0, job.output
+        stderr = "\n".join(job.stderr)
+        lock = [line for line in job.stderr if "locked for this job, but which job holds it could not" in line]
+        assert len(lock) == 1 and "No space left on device" in lock[0], job.output
+        assert "Traceback" not in stderr and "6/6 steps" in stderr
+        assert job.leftovers() == []
+    finally:
+        subprocess.run(["umount", "-l", str(runs)], capture_output=True)
+
+
+@pytest.mark.slow
 def test_tensorboard_and_csv_from_the_launcher_hold_every_rank_s_loss_per_step_and_report_plots_it(launch, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

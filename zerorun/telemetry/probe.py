@@ -145,7 +145,8 @@ class Probe:
         self.script_running = True  # False once the script has ended (`script_ended`): `where` is then None
         self.raised_at: dict[str, Any] | None = None  # or where the script's exception was raised
         self.total_steps: int | None = None  # the steps the script will run, where known (`attach_engine`)
-        self._steps: deque[tuple[Any, Any, float | None]] = deque(maxlen=STEP_QUEUE)
+        self._steps: deque[tuple[Any, Any, float | None, float]] = deque(maxlen=STEP_QUEUE)
+        self._build_seen = 0.0  # ops.build_seconds() at the last step: a step's share is its kernel build
         self._outbox: deque[bytes] = deque(maxlen=OUTBOX)
         self._dropped = 0
         self._engine: weakref.ReferenceType | None = None
@@ -183,7 +184,8 @@ class Probe:
             ready.record(torch.cuda.current_stream(loss.device))  # behind the loss, on the training stream
         if len(self._steps) == self._steps.maxlen:
             self._dropped += 1
-        self._steps.append((stats, ready, self._lr()))
+        built, self._build_seen = _build_seconds() - self._build_seen, _build_seconds()
+        self._steps.append((stats, ready, self._lr(), built))
 
     def _lr(self) -> float | None:
         """The learning rate the step just used (the first param group's): read in the step listener,
@@ -264,13 +266,14 @@ class Probe:
     def _take_steps(self, wait: bool) -> None:
         """Turn queued StepStats into records, in order; a CUDA loss not computed yet waits a round."""
         while self._steps:
-            stats, ready, lr = self._steps[0]
+            stats, ready, lr, built = self._steps[0]
             if ready is not None and not ready.query():
                 if not wait:
                     return
                 ready.synchronize()
             self._steps.popleft()
-            self._enqueue(self._step_record(stats, self._loss_value(stats.loss)) | {"lr": lr})
+            extra = {"lr": lr, **({"kernel_build_s": built} if built > 0 else {})}
+            self._enqueue(self._step_record(stats, self._loss_value(stats.loss)) | extra)
 
     def _loss_value(self, loss: Any) -> float | None:
         if loss is None:
@@ -434,6 +437,14 @@ def _io_bytes(process: psutil.Process) -> dict[str, int] | None:
     except (AttributeError, psutil.Error, OSError):
         return None
     return {"read_bytes": counters.read_bytes, "write_bytes": counters.write_bytes}
+
+
+def _build_seconds() -> float:
+    """Seconds this process has spent building zerorun's kernels (`ops.build_seconds`): the first optimizer step
+    builds the Adam kernel on a new machine, and that is set-up, not the pace of the steps to come."""
+    from zerorun import ops
+
+    return ops.build_seconds()
 
 
 def _finite(value: float | None) -> float | None:
