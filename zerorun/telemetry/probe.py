@@ -52,6 +52,7 @@ from typing import Any
 
 import psutil
 
+from zerorun import ops
 from zerorun.config import TelemetryConfig
 from zerorun.telemetry import TOKEN_ENV
 from zerorun.telemetry.flops import ModelFlops, peak_tflops
@@ -146,7 +147,7 @@ class Probe:
         self.raised_at: dict[str, Any] | None = None  # or where the script's exception was raised
         self.total_steps: int | None = None  # the steps the script will run, where known (`attach_engine`)
         self._steps: deque[tuple[Any, Any, float | None, float]] = deque(maxlen=STEP_QUEUE)
-        self._build_seen = 0.0  # ops.build_seconds() at the last step: a step's share is its kernel build
+        self._build_seen = 0.0  # ops.build_seconds() at the last step: the first builds the Adam kernel (set-up)
         self._outbox: deque[bytes] = deque(maxlen=OUTBOX)
         self._dropped = 0
         self._engine: weakref.ReferenceType | None = None
@@ -184,7 +185,7 @@ class Probe:
             ready.record(torch.cuda.current_stream(loss.device))  # behind the loss, on the training stream
         if len(self._steps) == self._steps.maxlen:
             self._dropped += 1
-        built, self._build_seen = _build_seconds() - self._build_seen, _build_seconds()
+        built, self._build_seen = ops.build_seconds() - self._build_seen, ops.build_seconds()
         self._steps.append((stats, ready, self._lr(), built))
 
     def _lr(self) -> float | None:
@@ -237,10 +238,8 @@ class Probe:
     def _run(self) -> None:
         next_sample = 0.0
         while not self._stopping.is_set():
-            self._wake.wait(min(self.interval_s, FLUSH_S))
-            self._wake.clear()
-            if self._stopping.is_set():
-                break
+            if self._wake.wait(min(self.interval_s, FLUSH_S)):
+                self._wake.clear()
             try:
                 self._take_steps(wait=False)
                 if time.monotonic() >= next_sample:
@@ -437,14 +436,6 @@ def _io_bytes(process: psutil.Process) -> dict[str, int] | None:
     except (AttributeError, psutil.Error, OSError):
         return None
     return {"read_bytes": counters.read_bytes, "write_bytes": counters.write_bytes}
-
-
-def _build_seconds() -> float:
-    """Seconds this process has spent building zerorun's kernels (`ops.build_seconds`): the first optimizer step
-    builds the Adam kernel on a new machine, and that is set-up, not the pace of the steps to come."""
-    from zerorun import ops
-
-    return ops.build_seconds()
 
 
 def _finite(value: float | None) -> float | None:

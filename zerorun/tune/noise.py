@@ -1,8 +1,8 @@
 """Whether the tuner's winner is faster than the recipe: interleaved runs, their ratio and its spread.
 
-A first baseline run taken while the machine was busy and a winner measured in a quiet minute gave
-"2.18x your recipe"; run alternately afterwards, the two were equal (issue 57). A gain is a claim
-about the candidate, not about the minute it ran in, so it is only made from runs taken side by side:
+A first baseline run taken while the machine was busy, against a winner measured in a quiet minute,
+shows a gain that runs taken alternately afterwards do not. A gain is a claim about the candidate, not
+about the minute it ran in, so it is only made from runs taken side by side:
 
     next_run(baseline, winner, last_index)   # after the search: the recipe and the winner in turn, B W B W
     compare(baseline, winner)                # Comparison(ratios=(1.02, 0.97, 1.05)): one per adjacent pair
