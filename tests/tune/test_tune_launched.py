@@ -73,7 +73,8 @@ def test_tuning_the_quick_start_writes_a_recipe_that_loads_with_what_it_measured
             holder = getattr(holder, part)
         assert getattr(holder, field) == value, name
     text = out.read_text()
-    assert all(line in text for line in QUICKSTART.read_text().splitlines() if line.startswith("#"))
+    header = [line for line in QUICKSTART.read_text().splitlines() if line.startswith("#")]
+    assert all(line in text for line in header if " stage " not in line)  # the stage is restated where it changed
     original = config.load(QUICKSTART)
     assert tuned.optimizer == original.optimizer and tuned.train.steps == original.train.steps
     changed = text.count("# tuned:")

@@ -239,6 +239,8 @@ def write_tuned(result: TuneResult, out: str | Path, nvme_path: str | None) -> P
     header = (f"# Tuned by `zerorun tune` on {time.strftime('%Y-%m-%d %H:%M')} from {source}: "
               f"{win.candidate.label()}, t{win.index:02d} {win.throughput:,.0f} {win.unit}{own}.\n"
               f"# Every trial: {result.tune_dir}/tune.json\n")
+    if win.candidate.stage != result.base.stage:
+        text = recipe_edit.restate_stage(text, result.base.stage, win.candidate.stage)
     try:
         edited = header + recipe_edit.set_keys(text, changes)
     except (ValueError, yaml.YAMLError):  # a layout the text editor does not handle: plain YAML, no comments
