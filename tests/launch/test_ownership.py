@@ -45,7 +45,7 @@ def test_a_checkpoint_dir_the_launcher_cannot_create_is_noted_not_refused(tmp_pa
         claim.release()
 
 
-def _full_tmpfs(directory: Path) -> bool:
+def full_tmpfs(directory: Path) -> bool:
     """A 64 KiB tmpfs at `directory`, filled to the last byte; False where it cannot be mounted (not root)."""
     import shutil
     import subprocess
@@ -78,7 +78,7 @@ def test_on_a_full_disk_the_lock_holds_and_its_missing_record_is_said_once(tmp_p
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
         monkeypatch.setattr(os, "pwrite", full)
-    elif not _full_tmpfs(runs):
+    elif not full_tmpfs(runs):
         pytest.skip("cannot mount a size-limited file system here (needs root): the injected writer stands in")
     try:
         lock = lock_directory(runs / "demo", "run name 'demo' (telemetry)", "job-5")

@@ -138,19 +138,13 @@ def test_a_runs_disk_full_before_the_launch_keeps_the_lock_warns_once_of_its_rec
     """Issue 57: the lock record's write raised OSError 28 through the launcher; the job must train as before."""
     import subprocess
 
+    from tests.launch.test_ownership import full_tmpfs
+
     runs = tmp_path / "runs"
-    runs.mkdir()
-    if not _mount_small_filesystem(runs, "64k"):
+    if not full_tmpfs(runs):
         pytest.skip("cannot mount a size-limited file system here (needs root): tests/launch/test_ownership.py "
                     "injects the full disk instead")
     try:
-        try:
-            with open(runs / "filler", "wb") as filler:
-                while True:
-                    filler.write(b"\0" * 4096)
-                    filler.flush()
-        except OSError:
-            pass
         job = launch(TINY, nproc_per_node=2, train={"steps": 6}, telemetry=FAST)
         assert job.wait() == 0, job.output
         stderr = "\n".join(job.stderr)

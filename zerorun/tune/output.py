@@ -165,11 +165,11 @@ def verdict(result: TuneResult) -> str:
         return f"Fastest that fits: {found}."
     if comparison.supported:
         return f"Fastest that fits: {found}, {comparison.text()} your recipe."
-    if result.chosen is base:
+    if comparison.ratios:
         return (f"No gain over your recipe beyond the noise: {found} measured {comparison.text()} your recipe; "
                 "your recipe stays as it is.")
-    return (f"Fastest that fits: {found}; not compared with your recipe in interleaved runs (the time budget "
-            "ended first; raise --budget-min), so no gain is claimed.")
+    return (f"No gain over your recipe claimed: {found} was not compared with it in interleaved runs (the time "
+            "budget ended first; raise --budget-min); your recipe stays as it is.")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -186,10 +186,11 @@ class TuneResult:
 
     @property
     def chosen(self) -> Trial | None:
-        """What the tuned recipe takes: the winner, but the recipe itself where the two were compared in
-        interleaved runs and the gain stayed inside the noise."""
+        """What the tuned recipe takes: the winner where its gain over the recipe is supported by interleaved
+        runs, or where the recipe itself did not measure within the budget; else the recipe as it is (a gain
+        inside the noise, or one that was never compared side by side, changes nothing)."""
         comparison = self.comparison
-        if comparison is not None and len(comparison.ratios) >= noise.PAIRS and not comparison.supported:
+        if comparison is not None and not comparison.supported:
             return self.baseline
         return self.winner
 
@@ -210,7 +211,7 @@ def tune(recipe_path: str | Path, options: TuneOptions, progress: Progress = lam
                         str(session.runner.setup.tune_dir), rejected=session.rejected, notes=session.notes)
     trials: dict[Candidate, Trial] = {}
     try:
-        while (picked := _next(session, trials)) is not None:
+        while (picked := _next(session, trials, _time_to_verify(result.trials, deadline))) is not None:
             candidate, phase = picked
             if not _time_for_another(result.trials, deadline, options):
                 if phase not in REPEATS:
@@ -240,9 +241,13 @@ def tune(recipe_path: str | Path, options: TuneOptions, progress: Progress = lam
     return result
 
 
-def _next(session: Session, trials: dict[Candidate, Trial]) -> tuple[Candidate, str] | None:
+def _next(session: Session, trials: dict[Candidate, Trial], verify_now: bool = False
+          ) -> tuple[Candidate, str] | None:
     """The best so far again when the machine may have drifted since; else the search's next
-    candidate; once it has none, a rival of the best to run again; then the recipe and the best in turn."""
+    candidate; once it has none, a rival of the best to run again; then the recipe and the best in turn.
+    `verify_now` (the time left is what the interleaved runs need): the recipe and the best in turn first."""
+    if verify_now and (verify := _verification(session, trials)) is not None:
+        return verify, "verify"
     picked = search.next_candidate(session.base, session.dims, trials, [r.candidate for r in session.rejected])
     if picked is not None:
         recheck = search.next_recheck(trials.values(), sum(1 + len(t.repeats) for t in trials.values()))
@@ -250,12 +255,16 @@ def _next(session: Session, trials: dict[Candidate, Trial]) -> tuple[Candidate, 
     again = search.next_confirmation(trials.values())
     if again is not None:
         return again, "confirm"
+    verify = _verification(session, trials)
+    return (verify, "verify") if verify is not None else None
+
+
+def _verification(session: Session, trials: dict[Candidate, Trial]) -> Candidate | None:
+    """The next run of the recipe and the best in turn (`noise.next_run`), or None when none is wanted."""
     base, top = trials.get(session.base), search.best(trials.values())
     if base is None or top is None:
         return None
-    last = max(n for t in trials.values() for n in (t.index or 0, *t.repeats))
-    verify = noise.next_run(base, top, last)
-    return (verify, "verify") if verify is not None else None
+    return noise.next_run(base, top, max(n for t in trials.values() for n in (t.index or 0, *t.repeats)))
 
 
 def _run_one(runner: TrialRunner, result: TuneResult, candidate: Candidate, phase: str, deadline: float,
@@ -297,6 +306,16 @@ def _stall_limit(trials: list[Trial]) -> float | None:
     if not startups:
         return None
     return max(STALL_MIN_S, 3 * max(startups), 10 * max(steps, default=0.0))
+
+
+def _time_to_verify(trials: list[Trial], deadline: float) -> bool:
+    """Whether the time left is about what the interleaved runs of the recipe and the best need (a run per
+    remaining pair member, at the trials' median length, plus one): the search then yields to them."""
+    walls = [t.wall_s / (1 + len(t.repeats)) for t in trials if t.wall_s]
+    if not walls:
+        return False
+    left = deadline - RESERVE_S - time.monotonic()
+    return left <= (2 * noise.PAIRS + 1) * statistics.median(walls)
 
 
 def _time_for_another(trials: list[Trial], deadline: float, options: TuneOptions) -> bool:
