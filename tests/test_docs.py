@@ -184,3 +184,15 @@ def test_every_gpu_figure_names_its_commit_and_says_when_the_code_it_describes_c
                          + ("the code changed since: re-measure with `zerorun bench gpu`, or say 'Stale:' and why"
                             if changed else "the code is unchanged since, so the figures are current: drop 'Stale:'"))
     assert not wrong, "docs/gpu.md:\n" + "\n".join(wrong)
+
+
+def test_the_install_page_names_what_each_extra_installs() -> None:
+    """Issue 57: docs/installing.md's test extra left out mypy and ruff, which CI installs with it."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    page = (ROOT / "docs" / "installing.md").read_text()
+    rows = dict(re.findall(r"^\| `zerorun\[([\w-]+)\]` \| ([^|]+) \|", page, re.M))
+    assert set(rows) == set(extras), f"docs/installing.md lists {sorted(rows)}, pyproject has {sorted(extras)}"
+    for name, requirements in extras.items():
+        named = {re.split(r"[<>=\[ ]", requirement)[0] for requirement in requirements}
+        assert {part.strip() for part in rows[name].split(",")} == named, f"zerorun[{name}]: {rows[name]} vs {named}"

@@ -173,3 +173,33 @@ def test_avx2_kernel_equals_torch_cpu_fused_adamw_bit_for_bit(cpu_kernel: None) 
         assert torch.equal(ours, theirs) and torch.equal(states[0], states[2]) and torch.equal(states[1], states[3])
     finally:
         ops.use_cpu_isa(-1)
+
+
+def test_a_first_build_says_so_and_its_time_is_counted_apart(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 57: the first run built the Adam kernel in silence (step 1 took 9 s, the ETA said 9 minutes)."""
+    import time
+
+    from zerorun import kernel_cache
+
+    def compile_slowly(spec: kernel_cache.KernelSpec, directory) -> object:
+        time.sleep(0.2)
+        library = directory / f"zerorun_{spec.kind}.so"
+        library.write_bytes(b"a stand-in: the build's time and words are what is tested")
+        kernel_cache._write_atomically(directory / "BUILT", library.name)
+        return library
+
+    monkeypatch.setenv("ZERORUN_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel_cache, "_compile", compile_slowly)
+    monkeypatch.setattr(ops, "_loaded", {})
+    monkeypatch.setattr(ops, "_warned", set())
+    before = ops.build_seconds()
+    ops.load_kernel("cpu_adam")
+    err = capsys.readouterr().err
+    assert "zerorun: building the CPU Adam kernel (once per machine and torch version; the other ranks of this " \
+           "node wait for it) ..." in err
+    assert "zerorun: built the CPU Adam kernel in 0.2 s" in err
+    assert ops.build_seconds() - before >= 0.2
+    assert kernel_cache.previous_build_s("cpu_adam") == 0.2  # the next build says "~0 s last time"
+    ops.load_kernel("cpu_adam")  # loaded (or refused) once per process: nothing more is built or said
+    assert capsys.readouterr().err == "" and ops.build_seconds() - before < 0.3

@@ -59,8 +59,11 @@ def initialize(model: nn.Module, optimizer: Optimizer | None = None, config: Rec
 
     chosen = config or recipe()
     lr_scheduler, source = _recipe_choices(chosen, optimizer, lr_scheduler)
-    # a zerorun script loops to the recipe's train.steps (docs/training-script.md): the progress counts to it
-    return start(Engine(model, optimizer, chosen, lr_scheduler, source), total_steps=chosen.train.steps)
+    # a zerorun script loops to the recipe's train.steps (docs/training-script.md): the progress counts to it where
+    # the user gave it; a script counting its own loop against the default would show a total it never set
+    from zerorun.config import known_steps
+
+    return start(Engine(model, optimizer, chosen, lr_scheduler, source), total_steps=known_steps(chosen))
 
 
 def start(engine: Engine, total_steps: int | None) -> Engine:

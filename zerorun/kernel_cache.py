@@ -10,11 +10,13 @@ Ranks on one node. The first rank to need a kernel takes an exclusive `flock` on
 and builds; the others block on the lock, then find the `.so` (named by `<dir>/BUILT`, written
 last) and load it. A build that fails writes its reason to `<dir>/FAILED`: for a minute, other ranks
 reuse it instead of each failing again. The kernel releases a flock when its holder dies, so a killed
-build blocks nobody.
+build blocks nobody. A build records how long it took (`<dir>/BUILD_S`): the next build of that kernel (a
+new torch, new sources) announces it with that figure (`previous_build_s`).
 """
 
 from __future__ import annotations
 
+import enum
 import fcntl
 import hashlib
 import logging
@@ -23,6 +25,7 @@ import platform
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +38,15 @@ from zerorun.toolchain import BuildError, cuda_home, cxx, first_error, preflight
 KINDS = ("cpu_adam", "fused_adam", "aio", "quantize", "quantize_cuda")
 LOCK_TIMEOUT_S = 900.0  # a CUDA build on a busy node can take minutes; a hung one should not hang a job forever
 FAILURE_REUSE_S = 60.0  # a failure this recent is another rank's of the same job: reuse it, do not rebuild
+BUILD_SECONDS = "BUILD_S"  # in a build directory: how long its build took
+
+
+class Obtained(enum.Enum):
+    """How a process came by a kernel's library."""
+
+    CACHED = "cached"  # built before: loaded at once
+    BUILT = "built"  # compiled by this process now
+    WAITED = "waited"  # another process of the node was building it: waited, then loaded
 
 
 @dataclass(frozen=True)
@@ -165,24 +177,40 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-def build_or_wait(kind: str, retry_failed: bool) -> tuple[Path, bool]:
-    """(library path, compiled by this process). One process of the node builds; the others wait and load."""
+def previous_build_s(kind: str) -> float | None:
+    """How long the latest recorded build of `kind` took on this machine (any torch, any sources), if any."""
+    records = sorted(cache_root().glob(f"*-{kind}-*/{BUILD_SECONDS}"), key=lambda p: p.stat().st_mtime)
+    for record in reversed(records):
+        try:
+            return float(record.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def build_or_wait(kind: str, retry_failed: bool, on_build: Callable[[float | None], None] = lambda before: None
+                  ) -> tuple[Path, Obtained]:
+    """(library path, how it was obtained). One process of the node builds, after calling `on_build` with how long
+    the previous build of the kernel took (None: no record); the others wait and load."""
     directory = build_dir(kind)
     library = built_library(directory)
     if library is not None:
-        return library, False
+        return library, Obtained.CACHED
     directory.mkdir(parents=True, exist_ok=True)
     with _file_lock(directory / "build.lock"):
         library = built_library(directory)
         if library is not None:
-            return library, False
+            return library, Obtained.WAITED
         failed = directory / "FAILED"
         if failed.is_file() and not retry_failed and time.time() - failed.stat().st_mtime < FAILURE_REUSE_S:
             raise BuildError(failed.read_text().strip())  # another rank of this job just failed: do not fail again
+        on_build(previous_build_s(kind))
+        started = time.monotonic()
         try:
             library = _compile(SPECS[kind], directory)
         except BuildError as exc:
             _write_atomically(failed, str(exc))
             raise
+        _write_atomically(directory / BUILD_SECONDS, f"{time.monotonic() - started:.1f}")
         failed.unlink(missing_ok=True)
-        return library, True
+        return library, Obtained.BUILT

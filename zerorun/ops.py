@@ -8,7 +8,9 @@ fallback is a Python thread pool). `quantize_blocks` / `dequantize_blocks` are t
 qwZ and qgZ (`zerorun/runtime/comm/quantize.py` calls them; its fallback is torch, with the same bits).
 
 Build and cache: `zerorun/kernel_cache.py` (one build per machine and source, shared by the ranks of a
-node through a file lock, failures reused for a minute). The CPU kernels are compiled for AVX2+FMA
+node through a file lock, failures reused for a minute). A build says so when it starts ("building the CPU
+Adam kernel (once per machine, ...)") and when it ends, and `build_seconds()` counts the time this process
+spent building or waiting for a build: the telemetry keeps it out of the step time its ETA extrapolates. The CPU kernels are compiled for AVX2+FMA
 and baseline x86-64 and pick at run time, so one cache can be shared by different machines.
 
 `ZERORUN_KERNELS=off` skips our kernels (torch's fused Adam, no warning). The checks before a build,
@@ -22,6 +24,7 @@ import ctypes
 import os
 import sys
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +36,7 @@ from zerorun.kernel_cache import (  # noqa: F401 - KernelSpec, cache_root and so
     KINDS,
     SPECS,
     KernelSpec,
+    Obtained,
     build_dir,
     build_or_wait,
     built_library,
@@ -60,6 +64,9 @@ class LoadedKernel:
 _loaded: dict[str, LoadedKernel] = {}
 _warned: set[str] = set()
 _process_lock = threading.Lock()
+_build_seconds = 0.0  # this process's time spent building kernels or waiting for a build (`build_seconds`)
+NAMES = {"cpu_adam": "CPU Adam", "fused_adam": "CUDA Adam", "aio": "NVMe I/O", "quantize": "int8 codec",
+         "quantize_cuda": "CUDA int8 codec"}
 
 
 def _disabled() -> bool:
@@ -120,6 +127,7 @@ def _open(kind: str, library: Path) -> ctypes.CDLL:
 
 def load_kernel(kind: str, retry_failed: bool = False) -> LoadedKernel:
     """This process's handle on a kernel: loaded from the cache, built now, or the reason it is not."""
+    global _build_seconds
     with _process_lock:
         state = _loaded.get(kind)
         if state is not None and (state.lib is not None or not retry_failed):
@@ -128,17 +136,44 @@ def load_kernel(kind: str, retry_failed: bool = False) -> LoadedKernel:
         if reason is not None:
             state = LoadedKernel(None, reason, unavailable=True)
         else:
+            started = time.monotonic()
             try:
-                library, _ = build_or_wait(kind, retry_failed)
+                library, obtained = build_or_wait(kind, retry_failed, lambda before: _announce(kind, before))
             except BuildError as exc:
                 state = LoadedKernel(None, str(exc))
+                _build_seconds += time.monotonic() - started
             else:
+                _built(kind, obtained, time.monotonic() - started, library)
                 try:
                     state = LoadedKernel(_open(kind, library), "")
                 except (OSError, AttributeError) as exc:  # a damaged cache entry: say how to rebuild it
                     state = LoadedKernel(None, f"cannot load {library} ({exc}); delete {library.parent} to rebuild")
         _loaded[kind] = state
         return state
+
+
+def _announce(kind: str, before: float | None) -> None:
+    """A build is starting in this process: say so, with how long the last one took here (a first build of
+    a big kernel takes long enough to look like a hang, or a step 50 times too slow)."""
+    took = f", ~{before:.0f} s last time" if before is not None else ""
+    print(f"zerorun: building the {NAMES[kind]} kernel (once per machine and torch version{took}; the other ranks "
+          "of this node wait for it) ...", file=sys.stderr, flush=True)
+
+
+def _built(kind: str, obtained: Obtained, seconds: float, library: Path) -> None:
+    """Count the time a build (or the wait for one) took, and say that a build is done."""
+    global _build_seconds
+    if obtained is Obtained.CACHED:
+        return
+    _build_seconds += seconds
+    if obtained is Obtained.BUILT:
+        print(f"zerorun: built the {NAMES[kind]} kernel in {seconds:.1f} s ({library.parent})", file=sys.stderr,
+              flush=True)
+
+
+def build_seconds() -> float:
+    """Seconds this process has spent building kernels or waiting for another process's build."""
+    return _build_seconds
 
 
 _FALLBACKS = {  # what runs instead of each kernel, for the one warning per process

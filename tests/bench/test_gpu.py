@@ -26,13 +26,19 @@ SMALL = 70_000  # the cases up to 65539 elements: a second on a CPU
 def test_without_cuda_every_step_after_the_environment_skips_and_the_exit_code_is_0(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the command runs for real there")
+    import time
+
+    started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "zerorun.cli", "bench", "gpu", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=120)
+    wall = time.monotonic() - started
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("SKIP environment: no CUDA device: torch ") and ", commit " in lines[0]
     assert [line.split(":")[0] for line in lines[1:len(gpu.STEPS)]] == [f"SKIP {s}" for s in gpu.STEPS[1:]]
     assert lines[-2].startswith("zerorun bench gpu: PASS 0, FAIL 0, SKIP 9 in ")
+    said = float(lines[-2].rsplit(" in ", 1)[1].removesuffix(" s"))  # issue 57: "in 0 s" for a 14.8 s run
+    assert 0.5 * wall <= said <= wall, (said, wall)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [s["step"] for s in report["steps"]] == list(gpu.STEPS) and report["commit"]
 

@@ -23,7 +23,7 @@ def test_baseline_ratios_are_taken_against_the_chosen_system(monkeypatch, tmp_pa
     monkeypatch.setattr(step, "run_ranks", _fake_run_ranks)
     out = tmp_path / "step.json"
     result = CliRunner().invoke(app, ["bench", "step", "--systems", "ddp,ddp-fused,zero1", "--baseline", "ddp-fused",
-                                      "--rounds", "2", "--json", str(out)])
+                                      "--rounds", "2", "--json", str(out)], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
     assert "x ddp-fused" in result.output and "x DDP" in result.output
     rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
@@ -48,7 +48,7 @@ def test_the_census_counts_each_storage_once_and_sees_gradients_autograd_made() 
 
 def test_default_baseline_is_ddp_and_adds_no_column(monkeypatch) -> None:
     monkeypatch.setattr(step, "run_ranks", _fake_run_ranks)
-    result = CliRunner().invoke(app, ["bench", "step", "--systems", "ddp,zero1", "--rounds", "1"])
+    result = CliRunner().invoke(app, ["bench", "step", "--systems", "ddp,zero1", "--rounds", "1"], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
     assert "x DDP" in result.output and "x ddp" not in result.output
 
@@ -71,7 +71,7 @@ def test_compile_adds_a_compiled_row_after_each_ddp_and_zerorun_system(monkeypat
     monkeypatch.setattr(step, "run_ranks", _fake_compiled_runs)
     out = tmp_path / "step.json"
     result = CliRunner().invoke(app, ["bench", "step", "--systems", "ddp,zero3,zero3+compile-blocks", "--compile",
-                                      "--rounds", "2", "--json", str(out)])
+                                      "--rounds", "2", "--json", str(out)], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
     rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
     assert list(rows) == ["ddp", "ddp+compile", "zero3", "zero3+compile", "zero3+compile-blocks"]

@@ -97,7 +97,8 @@ def test_auto_is_one_line_the_script_fills_them_or_zeroruns_values_named_with_th
     filled = ds_config.auto_line(t, "ds.json", filled_by_script=True)
     assert filled == ("zerorun: ds.json: \"auto\" in 2 keys (gradient_clipping, optimizer.params.lr): the script fills "
                       "them in (transformers and accelerate do, from its own arguments) when it calls "
-                      "deepspeed.initialize; zerorun trains with those values and prints them then.")
+                      "deepspeed.initialize; zerorun trains with those values and prints them then (one still \"auto\" "
+                      "there is refused).")
     alone = ds_config.auto_line(t, "ds.json", filled_by_script=False,
                                 values={"optimizer.lr": 0.001, "train.clip_grad_norm": None})
     assert alone is not None and alone.startswith("zerorun: warning: ds.json: \"auto\" in 2 keys and nothing to fill")
@@ -146,12 +147,36 @@ def test_at_initialize_zerorun_says_what_the_script_filled_in_and_warns_only_whe
                         "DeepSpeed config the script passes to deepspeed.initialize (initialize(config=...)) says "
                         "optimizer.params.weight_decay = 0.0, which wins (as in DeepSpeed): optimizer.weight_decay is 0.0.")
     assert recipe.optimizer.lr == 5e-5 and recipe.train.clip_grad_norm == 1.0
-    del given["gradient_clipping"]
-    given["gradient_clipping"] = "auto"  # a script that passes "auto" on: zerorun's value, said with it
-    still = filled.lines(given, ds_config.translate(given, 2), "cfg", launched, recipe_for(given, launched, 2, 1)[0])
-    assert any(line.startswith("zerorun: warning: cfg: still \"auto\" when the script called deepspeed.initialize")
-               and line.endswith("zerorun's values apply: gradient_clipping -> train.clip_grad_norm null.")
-               for line in still), still
+    given["gradient_clipping"] = "auto"  # a script that passes "auto" on: refused, as DeepSpeed refuses it
+    with pytest.raises(ConfigError, match=r"initialize\(config=...\): \"auto\" in 1 key\(s\) that nothing filled in"):
+        recipe_for(given, launched, 2, 1)
+
+
+def test_a_deepspeed_script_handed_the_trainers_auto_config_is_refused_naming_each_key_and_its_filler(
+        tmp_path: Path) -> None:
+    """A script calling deepspeed.initialize itself with the launched file (issue 57: 13 "auto"s trained on
+    zerorun's defaults, learning rate included, in silence). A recipe key the user gives fills its "auto"."""
+    from zerorun.compat.api import recipe_for
+
+    config_path = Path(__file__).parent / "configs" / "hf_auto_stage2.json"
+    (tmp_path / "r.yaml").write_text(f"script: t.py\ndeepspeed_config: {config_path}\nlaunch: {{deepspeed_compat: true}}\n")
+    launched = config.load(tmp_path / "r.yaml", check_script=False)
+    for source in (str(config_path), None, json.loads(config_path.read_text())):
+        with pytest.raises(ConfigError) as err:
+            recipe_for(source, launched, world_size=2)
+        message = str(err.value)
+        assert '"auto" in 13 key(s) that nothing filled in before deepspeed.initialize' in message, message
+        assert "optimizer.params.lr: the Trainer fills it from --learning_rate; give a value, or --set optimizer.lr=" \
+            in message and "\n  bf16.enabled: the Trainer fills it from --bf16;" in message
+    rest = ["train.clip_grad_norm=1.0", "optimizer.betas=[0.9,0.99]", "optimizer.eps=1e-8",
+            "optimizer.weight_decay=0.0", "scheduler.warmup_min_lr=0", "scheduler.warmup_max_lr=0.01",
+            "scheduler.warmup_num_steps=1", "scheduler.total_num_steps=8", "train.global_batch_size=4",
+            "train.micro_batch_size=2", "train.grad_accum_steps=1", "precision.dtype=fp32"]
+    with pytest.raises(ConfigError, match=r"in 1 key\(s\).*\n  optimizer.params.lr: the Trainer"):
+        recipe_for(str(config_path), config.load(tmp_path / "r.yaml", rest, check_script=False), world_size=2)
+    given = config.load(tmp_path / "r.yaml", [*rest, "optimizer.lr=0.01"], check_script=False)
+    recipe, _ = recipe_for(str(config_path), given, world_size=2)
+    assert recipe.optimizer.lr == 0.01
 
 
 def test_a_recipe_reads_a_deepspeed_config_and_its_own_keys_win(tmp_path: Path) -> None:

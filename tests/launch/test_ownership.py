@@ -43,3 +43,50 @@ def test_a_checkpoint_dir_the_launcher_cannot_create_is_noted_not_refused(tmp_pa
             claim.notes[0].endswith("not locked: another job using it would not be noticed")
     finally:
         claim.release()
+
+
+def full_tmpfs(directory: Path) -> bool:
+    """A 64 KiB tmpfs at `directory`, filled to the last byte; False where it cannot be mounted (not root)."""
+    import shutil
+    import subprocess
+
+    directory.mkdir()
+    if shutil.which("mount") is None or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                                                        str(directory)], capture_output=True).returncode != 0:
+        return False
+    try:
+        with open(directory / "filler", "wb") as filler:
+            while True:
+                filler.write(b"\0" * 4096)
+                filler.flush()
+    except OSError:
+        pass
+    return True
+
+
+@pytest.mark.parametrize("disk", ["injected", "tmpfs"])
+def test_on_a_full_disk_the_lock_holds_and_its_missing_record_is_said_once(tmp_path: Path, disk: str,
+                                                                           monkeypatch: pytest.MonkeyPatch):
+    """Issue 57: a full runs/ disk ended the launch with a raw OSError (errno 28) from writing the lock's record."""
+    import errno
+    import os
+    import subprocess
+
+    runs = tmp_path / "runs"
+    if disk == "injected":
+        def full(fd: int, data: bytes, offset: int) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "pwrite", full)
+    elif not full_tmpfs(runs):
+        pytest.skip("cannot mount a size-limited file system here (needs root): the injected writer stands in")
+    try:
+        lock = lock_directory(runs / "demo", "run name 'demo' (telemetry)", "job-5")
+        assert lock.unrecorded is not None and "No space left on device" in lock.unrecorded
+        assert "locked for this job" in lock.unrecorded
+        with pytest.raises(LaunchError, match="is in use by another job"):  # the guard holds, unnamed
+            lock_directory(runs / "demo", "run name 'demo' (telemetry)", "job-6")
+        lock.release()
+    finally:
+        if disk == "tmpfs":
+            subprocess.run(["umount", "-l", str(runs)], capture_output=True)

@@ -107,7 +107,9 @@ def test_env_carries_the_resolved_recipe_job_id_and_host():
 
 
 def test_plan_carries_steps_and_telemetry_and_with_env_adds_the_collector_address_to_every_node():
-    p = plan(recipe(train={"steps": 7}, telemetry={"stall_s": 9}), [Node("a", (0,)), Node("b", (0,))], "j", 1, MANY_CORES)
+    given = recipe(train={"steps": 7}, telemetry={"stall_s": 9})
+    given.given["train.steps"] = "/jobs/r.yaml:3"  # a total the user gave (config.known_steps)
+    p = plan(given, [Node("a", (0,)), Node("b", (0,))], "j", 1, MANY_CORES)
     assert (p.steps, p.telemetry.stall_s) == (7, 9.0)
     launched = with_env(p, {"ZERORUN_TELEMETRY": "10.0.0.1:4000"})
     assert all(n.env["ZERORUN_TELEMETRY"] == "10.0.0.1:4000" for n in launched.nodes)

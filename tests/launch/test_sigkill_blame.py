@@ -54,6 +54,10 @@ def test_a_sigkilled_rank_is_named_under_cpu_load(launch, cpu_load, target: str)
     final = next(line for line in reversed(job.stderr) if line.startswith(f"zerorun: job {job.job_id} stopped: "))
     assert "rank 1 on localhost" in final and "SIGKILL" in final, job.output
     assert "rank 0 on localhost failed" not in final, job.output
+    # issue 57: torchrun's raw teardown line and a 142-column banner were left in what the user reads
+    assert not [line for line in job.stderr if line.startswith("[localhost:torchrun] ")], job.output
+    banners = [line for line in job.stderr if line.startswith("=")]
+    assert banners and max(map(len, banners)) <= 120, job.output
     deadline = time.monotonic() + 15
     while job.leftovers() and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -70,3 +70,31 @@ def test_parse_tells_rank_lines_exit_records_and_torchrun_lines_apart():
         RankExit("a", 2, 3, None)
     assert streams.parse(b"WARNING:torch.distributed.run: something") is None
     assert streams.parse(b"\x1ezerorun-exit not json") is None
+
+
+def test_torchruns_teardown_line_starts_its_report():
+    """Issue 57: after `kill -9` of a worker, torchrun's "Sending process N closing signal SIGTERM" came before its
+    line naming the failed rank, and so was printed raw instead of going to the failure log with its report."""
+    line = (b"W1128 20:06:28.202000 13159 site-packages/torch/distributed/elastic/multiprocessing/api.py:1028] "
+            b"Sending process 13182 closing signal SIGTERM")
+    assert streams.torchrun_tearing_down(line) and streams.parse(line) is None  # torchrun's own, now held
+    assert not streams.torchrun_tearing_down(b"I1128 starting the agent")
+
+
+def test_the_failure_banner_fits_the_summarys_width():
+    """Issue 57: the banner over a culprit's output was 142 columns wide (a long cause between two 20-column rules)."""
+    import io
+
+    from zerorun import tables
+    from zerorun.launch.failure_report import FailureReport
+    from zerorun.launch.held_output import HeldOutput
+    from zerorun.launch.outcome import Output
+
+    err = io.BytesIO()
+    report = FailureReport("j", Output(io.BytesIO(), err), HeldOutput(), {}, None)
+    cause = "rank 1 on localhost failed (killed by SIGKILL; its output relay died with it, torchrun saw the exit)"
+    report._failure_block(cause, [b"[localhost:1] last words"], "last 1 lines of rank 1")
+    lines = err.getvalue().decode().splitlines()
+    assert max(map(len, lines)) <= tables.WIDTH, lines
+    assert " ".join(" ".join(lines).replace("=", " ").split()).startswith(cause), lines
+    assert set(lines[-1]) == {"="} and len(lines[-1]) == len(lines[0])

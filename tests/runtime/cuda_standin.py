@@ -17,7 +17,10 @@ What the engine sees:
   emulated backend, so the runtime takes the paths it takes on that backend.
 
 What it cannot see: speed, stream ordering (the CUDA stream sanitizer does that, on a GPU:
-`zerorun bench gpu`) and the CUDA kernels (their fallbacks run).
+`zerorun bench gpu`) and the CUDA kernels: zerorun's CUDA kernels are unavailable inside it (their fallbacks
+run), whatever build of torch is installed. With torch's CUDA build (pip's default) on a machine without a
+GPU, `is_available()` patched to True let zerorun build and launch its CUDA Adam kernel on the stand-in's host
+memory ("CUDA driver version is insufficient"): what the stand-in does must not depend on which torch it runs on.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch.cuda.nccl
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from zerorun import ops
 from zerorun.runtime.comm.wire import CARRIES, Primitive
 
 _DEVICE = [torch.device("cuda", 0)]  # this process's GPU: cuda:0 where ranks share one (gloo), cuda:<local rank> on nccl
@@ -272,6 +276,14 @@ class _Backends:
         return new_group
 
 
+def _no_cuda_kernels(real: Callable[[str], str | None]) -> Callable[[str], str | None]:
+    """`ops._unavailable_reason` for the stand-in: zerorun's CUDA kernels have no GPU to run on here."""
+
+    def reason(kind: str) -> str | None:
+        return "the CUDA stand-in has no GPU to run it (its fallback runs)" if ops.SPECS[kind].cuda else real(kind)
+    return reason
+
+
 def _init_on_gloo(real: Callable) -> Callable:
     """The real process group is gloo whatever the backend asked for (`get_backend` says the emulated one)."""
 
@@ -316,6 +328,8 @@ def pretend_cuda(backend: str = "gloo") -> Iterator[set[tuple[str, str]]]:
         (torch.cuda, "mem_get_info"): lambda device=None: (64 * 2**30, 80 * 2**30),
         (torch.cuda.nccl, "version"): lambda: (2, 21, 5),  # torch.distributed's error logging asks for it
         (dist, "get_backend"): backends.of,
+        (ops, "_unavailable_reason"): _no_cuda_kernels(ops._unavailable_reason),
+        (ops, "_loaded"): {},  # what this process loaded before (a CUDA kernel built for real, say) stays outside
         (dist, "init_process_group"): _init_on_gloo(dist.init_process_group),
         (dist, "new_group"): backends.new_group(dist.new_group),
     }

@@ -18,6 +18,7 @@ stand-in's "gloo refuses dist.isend of a cuda tensor".
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +168,32 @@ def _refusals(rank: int, world: int, backend: str) -> str:
 def test_the_standin_refuses_what_the_real_backend_refuses(backend: str, expected: str) -> None:
     for message in run_ranks(_refusals, 2, (backend,)):
         assert expected in message, message
+
+
+def _adam_on_pretended_cuda(rank: int, world: int) -> tuple[str, list[float]]:
+    from tests.runtime.cuda_standin import pretend_cuda
+    from zerorun import ops
+
+    class Launched:  # a CUDA Adam kernel that built: on torch's CUDA build, nvcc and a cached build suffice
+        def zr_cuda_adam(self, *args: object) -> int:
+            raise AssertionError("zerorun's CUDA kernel ran on the stand-in's host memory")
+
+    ops._loaded["fused_adam"] = ops.LoadedKernel(Launched(), "")  # loaded before the stand-in (or built inside it)
+    real_open, real_build = ops._open, ops.build_or_wait
+    ops._open, ops.build_or_wait = (lambda kind, path: Launched()), (lambda *args, **kwargs: (Path("x"), None))
+    try:
+        with pretend_cuda("gloo"):
+            params, grads, m, v = (torch.full((8,), value, device="cuda") for value in (1.0, 0.5, 0.0, 0.0))
+            ops.adamw_step(params, grads, m, v, step=1, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+            reason = ops.load_kernel("fused_adam").reason
+            return reason, params.cpu().tolist()
+    finally:
+        ops._open, ops.build_or_wait = real_open, real_build
+
+
+def test_the_standin_runs_the_fallbacks_of_zeroruns_cuda_kernels_whatever_torch_is_installed() -> None:
+    """Issue 57: with torch's CUDA build on a CPU machine, the stand-in's fake CUDA tensors reached zerorun's real
+    CUDA kernel ("CUDA driver version is insufficient"): only the CPU build of torch made the test pass."""
+    (reason, params), = run_ranks(_adam_on_pretended_cuda, 1)
+    assert reason == "the CUDA stand-in has no GPU to run it (its fallback runs)"
+    assert params == pytest.approx([0.9] * 8)  # Adam's first step: lr x sign(grad)

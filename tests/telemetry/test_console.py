@@ -299,9 +299,43 @@ def test_the_launcher_knows_no_total_for_a_script_that_drives_its_own_loop():
     from zerorun.launch.hostfile import Node
     from zerorun.launch.plan import MachineFacts, plan
 
-    def planned(**keys: object) -> int | None:
-        recipe = config.from_dict({"script": "/x/t.py", "train": {"steps": 100}, **keys})
+    def planned(text: str, *overrides: str) -> int | None:
+        recipe = config.loads("script: /x/t.py\n" + text, overrides=list(overrides))
         return plan(recipe, [Node("localhost", (0,))], "j", 1, MachineFacts(2, "py")).steps
 
-    assert planned() == 100  # a zerorun script loops to train.steps
-    assert planned(launch={"deepspeed_compat": True}) is None  # a DeepSpeed-API script: its engine says
+    assert planned("train: {steps: 60}\n") == 60  # a zerorun script loops to the train.steps it was given
+    assert planned("", "train.steps=80") == 80
+    assert planned("train: {steps: 60}\nlaunch: {deepspeed_compat: true}\n") is None  # a DeepSpeed-API script
+    # Issue 57: a script counting its own loop (max_iters) showed "7/100 steps ... ETA 0:00:01", 100 being the
+    # default the user never set: no total, and so no ETA.
+    assert planned("") is None
+
+
+def test_zerorun_initialize_declares_the_total_only_where_the_user_gave_train_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import zerorun
+    from zerorun import config
+    from zerorun.telemetry import probe
+
+    declared: list[int | None] = []
+    monkeypatch.setattr(probe, "attach_engine", lambda engine, total: declared.append(total))
+    import zerorun.runtime.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "Engine", lambda *args: type("E", (), {"resume": lambda self: None})())
+    monkeypatch.setattr(zerorun, "_open_profile_window", lambda engine: None)
+    model = torch.nn.Linear(2, 2)
+    zerorun.initialize(model, config=config.loads("script: t.py\n"))
+    zerorun.initialize(model, config=config.loads("script: t.py\ntrain: {steps: 60}\n"))
+    assert declared == [None, 60]
+
+
+def test_the_eta_after_a_first_step_that_built_a_kernel_leaves_the_build_out():
+    """Issue 57: step 1 built the CPU Adam kernel (9 s of its time) and the ETA said 9 minutes."""
+    records = [r for r in job_records(steps=1) if r["type"] not in ("bye", "end")]
+    for r in records:
+        if r["type"] == "step":
+            r["kernel_build_s"] = 1.5  # of its 2 s
+    state = fold(records)
+    assert state.eta_s(now=103.0) == pytest.approx(9 * 0.5)
+    del records[-2]["kernel_build_s"], records[-4]["kernel_build_s"]  # without the field: 2 s a step
+    assert fold(records).eta_s(now=103.0) == pytest.approx(9 * 2.0)

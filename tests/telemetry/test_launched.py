@@ -134,6 +134,29 @@ def test_a_full_disk_under_runs_leaves_the_workers_exit_code_and_one_warning(lau
 
 
 @pytest.mark.slow
+def test_a_runs_disk_full_before_the_launch_keeps_the_lock_warns_once_of_its_record_and_trains(launch, tmp_path):
+    """Issue 57: the lock record's write raised OSError 28 through the launcher; the job must train as before."""
+    import subprocess
+
+    from tests.launch.test_ownership import full_tmpfs
+
+    runs = tmp_path / "runs"
+    if not full_tmpfs(runs):
+        pytest.skip("cannot mount a size-limited file system here (needs root): tests/launch/test_ownership.py "
+                    "injects the full disk instead")
+    try:
+        job = launch(TINY, nproc_per_node=2, train={"steps": 6}, telemetry=FAST)
+        assert job.wait() == 0, job.output
+        stderr = "\n".join(job.stderr)
+        lock = [line for line in job.stderr if "locked for this job, but which job holds it could not" in line]
+        assert len(lock) == 1 and "No space left on device" in lock[0], job.output
+        assert "Traceback" not in stderr and "6/6 steps" in stderr
+        assert job.leftovers() == []
+    finally:
+        subprocess.run(["umount", "-l", str(runs)], capture_output=True)
+
+
+@pytest.mark.slow
 def test_tensorboard_and_csv_from_the_launcher_hold_every_rank_s_loss_per_step_and_report_plots_it(launch, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -172,3 +195,23 @@ def test_tensorboard_and_csv_from_the_launcher_hold_every_rank_s_loss_per_step_a
         image = imread(plots / f"{name}.png")
         assert image.shape[:2] == (650, 900), name  # 9 x 6.5 in at 100 dpi: a real picture was drawn
         assert image[..., :3].std() > 0.05, name  # not a blank page
+
+
+@pytest.mark.slow
+def test_ctrl_c_after_a_commit_counts_the_checkpoint_on_disk(launch, tmp_path):
+    """Issue 57: the Ctrl-C summary said "3 saved; step-9" with step-12 on disk and verifying. A commit was told
+    to telemetry at the training thread's next step only, and the teardown (SIGTERM) came first."""
+    ckpt = tmp_path / "ckpt"
+    job = launch(TINY, ["--step-delay", "4"], nproc_per_node=2, train={"steps": 1000}, telemetry=FAST,
+                 checkpoint={"dir": str(ckpt), "every_steps": 2}, launch={"kill_grace_s": 10.0})
+    deadline = time.monotonic() + 120
+    while not (ckpt / "step-4").is_dir():  # committed; the next step (and so the next poll) is 4 s away
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output
+        time.sleep(0.05)
+    job.send(signal.SIGINT)
+    assert job.wait() == 130, job.output
+    latest = (ckpt / "latest").read_text().strip()
+    saved = sorted(p.name for p in ckpt.glob("step-*"))
+    line = next(line for line in reversed(job.stderr) if line.startswith("zerorun: checkpoints: "))
+    assert line.startswith(f"zerorun: checkpoints: {len(saved)} saved; {latest} (async)"), (saved, line)
+    assert job.leftovers() == []

@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.telemetry.test_console import job_records
 from zerorun import config
 from zerorun.launch.hostfile import Node
@@ -16,7 +18,7 @@ from zerorun.launch.plan import MachineFacts, plan
 
 def make_monitor(tmp_path: Path, live: bool, **telemetry: float) -> tuple[Monitor, io.BytesIO, io.BytesIO]:
     recipe = config.from_dict({"script": "/x/train.py", "train": {"steps": 10}, "telemetry": telemetry}, "<test>")
-    recipe.name = "demo"
+    recipe.name, recipe.given["train.steps"] = "demo", "<test>"  # the user gave the total (config.known_steps)
     launch_plan = plan(recipe, [Node("localhost", (0, 1))], "demo-1", 29500, MachineFacts(2, "python"))
     out, err = io.BytesIO(), io.BytesIO()
     return Monitor(launch_plan, out, err, live=live, runs_dir=tmp_path / "runs", width=160), out, err
@@ -99,3 +101,22 @@ def test_the_stall_watch_signals_only_a_process_that_carries_the_jobs_id():
 
     unverified = RankState(0, host="localhost", pid=os.getpid(), pid_start=None)
     assert _signal_stack(unverified, "job-1") == "it never said hello"
+
+
+@pytest.mark.parametrize("matplotlib", [True, False])
+def test_the_last_line_promises_plots_only_where_matplotlib_can_draw_them(tmp_path: Path, matplotlib: bool,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """Issue 57: every launch promised "with plots", matplotlib installed or not."""
+    import sys
+
+    if not matplotlib:
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where the `report` extra is not installed
+    monitor, out, err = make_monitor(tmp_path, live=False)
+    monitor.start()
+    feed(monitor, job_records()[1:-4])
+    monitor.finish(0)
+    (last,) = [line for line in err.getvalue().decode().splitlines() if "shows this summary again" in line]
+    if matplotlib:
+        assert last.endswith("shows this summary again, with plots")
+    else:
+        assert last.endswith("shows this summary again (plots need matplotlib: pip install 'zerorun[report]')")

@@ -59,10 +59,12 @@ def test_tuning_the_quick_start_writes_a_recipe_that_loads_with_what_it_measured
     nvme = [r for r in report["rejected"] if r["candidate"]["offload_optimizer"] == "nvme"]
     assert nvme and all("--nvme-path" in r["reason"] for r in nvme)  # reported, not fatal
 
-    winner = report["winner"]
+    winner, chosen = report["winner"], report["chosen"]
     assert winner["throughput"] == max(t["throughput"] for t in measured)
+    assert chosen["index"] == (winner if report["vs_recipe"] is None or report["vs_recipe"]["supported"]
+                               else next(t for t in report["trials"] if t["phase"] == "baseline"))["index"]
     tuned = config.load(out)  # valid, and its script (moved relative to the new file) exists
-    for key, value in winner["candidate"].items():
+    for key, value in chosen["candidate"].items():
         name = {"offload_optimizer": "zero.offload_optimizer.device", "offload_param": "zero.offload_param.device",
                 "micro_batch": "train.micro_batch_size", "grad_accum": "train.grad_accum_steps",
                 "checkpointing": "train.activation_checkpointing", "bucket_mb": "zero.bucket_mb",
@@ -73,11 +75,12 @@ def test_tuning_the_quick_start_writes_a_recipe_that_loads_with_what_it_measured
             holder = getattr(holder, part)
         assert getattr(holder, field) == value, name
     text = out.read_text()
-    assert all(line in text for line in QUICKSTART.read_text().splitlines() if line.startswith("#"))
+    header = [line for line in QUICKSTART.read_text().splitlines() if line.startswith("#")]
+    assert all(line in text for line in header if " stage " not in line)  # the stage is restated where it changed
     original = config.load(QUICKSTART)
     assert tuned.optimizer == original.optimizer and tuned.train.steps == original.train.steps
     changed = text.count("# tuned:")
-    assert changed >= sum(1 for k, v in winner["candidate"].items() if report["baseline"][k] != v)
+    assert changed >= sum(1 for k, v in chosen["candidate"].items() if report["baseline"][k] != v)
     assert _running(_job_ids(Path(tmp_path, report["tune_dir"]))) == []
 
 

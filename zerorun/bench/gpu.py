@@ -92,7 +92,7 @@ class StepResult:
     seconds: float = 0.0  # its own time (launches run several at once)
 
     def line(self) -> str:
-        return f"{self.status.value} {self.step}: {self.detail} ({self.seconds:.0f} s)"
+        return f"{self.status.value} {self.step}: {self.detail} ({_seconds(self.seconds)})"
 
 
 @dataclass(frozen=True)
@@ -314,4 +314,9 @@ def write_json(results: list[StepResult], path: Path, root: Path = Path(".")) ->
 def summary(results: list[StepResult], seconds: float) -> str:
     counts = ", ".join(f"{s.value} {sum(r.status is s for r in results)}" for s in Status)
     over = f" (over the {BUDGET_S // 60:.0f}-minute budget)" if seconds > BUDGET_S else ""
-    return f"zerorun bench gpu: {counts} in {seconds:.0f} s{over}"
+    return f"zerorun bench gpu: {counts} in {_seconds(seconds)}{over}"
+
+
+def _seconds(seconds: float) -> str:
+    """`14.8 s`, `312 s`: a tenth where a whole second would round a short step to nothing."""
+    return f"{seconds:.1f} s" if seconds < 60 else f"{seconds:.0f} s"

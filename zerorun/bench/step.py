@@ -375,9 +375,16 @@ def as_json(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[A
     return {"config": asdict(cfg), "results": [asdict(r) for r in results], "links": [asdict(x) for x in links]}
 
 
-def render(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[Any] = ()) -> Any:
-    """A rich table of the results (with each link's measured throughput on an emulated cluster)."""
-    from rich.table import Table
+# left out first where the table is wider than the terminal (zerorun/tables.py): the ratios and step time stay
+DROP = ("live tensors MiB/rank (+% over states)", "model states MiB/rank", "compiled: graphs, breaks", "final loss",
+        "forward", "backward", "optimizer", "peak RSS MiB/rank")
+
+
+def render(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[Any] = (), width: int | None = None
+           ) -> Any:
+    """A rich table of the results (with each link's measured throughput on an emulated cluster), fitted to
+    `width` columns where given."""
+    from zerorun import tables
 
     m = cfg.model
     params = sum(p.numel() for p in GPT(m).parameters()) if m.d_model <= 2048 else 0
@@ -385,7 +392,7 @@ def render(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[An
     if cfg.cluster:
         measured = ", ".join(f"{x.source}->{x.destination} {x.gbit_s:.2f}" for x in links)
         where = f"{cfg.cluster[0]} nodes x {cfg.cluster[1]} ranks, link {cfg.link} (measured Gbit/s: {measured})"
-    table = Table(title=f"step time: GPT {m.layers}L d{m.d_model} h{m.heads} vocab {m.vocab} seq {m.seq_len}"
+    table = tables.compact(f"step time: GPT {m.layers}L d{m.d_model} h{m.heads} vocab {m.vocab} seq {m.seq_len}"
                         f" ({params / 1e6:.1f}M params), micro-batch {cfg.micro_batch}, {cfg.precision}, "
                         f"{where} x {cfg.threads} thread(s), {cfg.rounds} interleaved rounds")
     baseline = [f"x {cfg.baseline}"] if cfg.baseline != "ddp" else []
@@ -394,7 +401,7 @@ def render(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[An
     warm_up = ["warm-up s: round 1 / later", "compiled: graphs, breaks"] if compiled else []
     for col in ("system", "x DDP", *baseline, "step s", "forward", "backward", "optimizer", *link, *warm_up,
                 "model states MiB/rank", "live tensors MiB/rank (+% over states)", "peak RSS MiB/rank", "final loss"):
-        table.add_column(col, justify="left" if col == "system" else "right")
+        table.add_column(col, justify="left" if col == "system" else "right", overflow="fold")
     ratio = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
     for r in results:
         ratios = [ratio(r.ratio_to_ddp)] + ([ratio(r.ratio_to_baseline)] if baseline else [])
@@ -405,7 +412,7 @@ def render(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[An
                       f"{r.step_s:.3f}", f"{r.forward_s:.3f}", f"{r.backward_s:.3f}", f"{r.optimizer_s:.3f}", *sent,
                       *first,
                       f"{r.model_state_mib:.0f}", _live(r), f"{r.peak_rss_mib:.0f}", f"{r.final_loss:.4f}")
-    return table
+    return tables.fitted(table, width, DROP, "--json FILE")
 
 
 def _live(r: SystemResult) -> str:

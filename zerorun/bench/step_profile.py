@@ -57,17 +57,18 @@ def profile_of(delta: dict[str, float]) -> dict[str, float]:
     return profile
 
 
-def render(results: Sequence[Any]) -> Any:
-    """A rich table: per system, the step against its training thread's CPU, other threads' CPU and waits."""
-    from rich.table import Table
+def render(results: Sequence[Any], width: int | None = None) -> Any:
+    """A rich table: per system, the step against its training thread's CPU, other threads' CPU and waits (fitted to
+    `width` columns where given)."""
+    from zerorun import tables
 
     kinds = sorted({name for r in results for name in (r.profile or {}) if name.startswith(WAIT)})
-    table = Table(title="where a step goes on rank 0 (seconds per step, medians; waits: blocked in wait(), "
+    table = tables.compact("where a step goes on rank 0 (seconds per step, medians; waits: blocked in wait(), "
                         "per collective)")
     for col in ("system", "step s", "CPU training thread", "CPU other threads (gloo, shm)",
                 *(f"waited {k[len(WAIT):]}" for k in kinds), "rest (a peer's waits, or no core)",
                 "rank 0 MB/step within the node / across (telemetry)"):
-        table.add_column(col, justify="left" if col == "system" else "right")
+        table.add_column(col, justify="left" if col == "system" else "right", overflow="fold")
     for r in results:
         p = r.profile or {}
         if not p:
@@ -78,4 +79,4 @@ def render(results: Sequence[Any]) -> Any:
                   if any(k.startswith(LEVEL) for k in p) else "-")
         table.add_row(r.system, f"{r.step_s:.2f}", f"{p['cpu_main']:.2f}", f"{p['cpu_other']:.2f}",
                       *("-" if w is None else f"{w:.2f}" for w in waits), f"{max(idle, 0.0):.2f}", levels)
-    return table
+    return tables.fitted(table, width, ("rank 0 MB/step within the node / across (telemetry)",), "--json FILE")

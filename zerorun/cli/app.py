@@ -236,13 +236,10 @@ def report(
                                              "to runs/<name>/plots/<job id>/.")] = True,
 ) -> None:
     """Show a job's telemetry summary again, and plot it, from runs/<name>/telemetry.jsonl."""
-    from rich.console import Console
-
+    from zerorun import tables
     from zerorun.telemetry import report as telemetry_report
-    from zerorun.telemetry.console import SUMMARY_WIDTH
 
-    terminal = Console().is_terminal
-    Console(width=None if terminal else SUMMARY_WIDTH).print(telemetry_report.render(telemetry_report.load(run, job)))
+    tables.console().print(telemetry_report.render(telemetry_report.load(run, job)))
     profiles = telemetry_report.profiles(run, job)
     if profiles:
         typer.echo(profiles)
@@ -274,16 +271,15 @@ def estimate(
     layers: Annotated[int | None, typer.Option(help="Transformer layers (activations).")] = None,
     checkpointing: Annotated[bool, typer.Option("--checkpointing", help="Activation checkpointing per layer.")] = False,
     built_on: Annotated[str, typer.Option(help="Where the script builds its model before zerorun.initialize: device "
-                                               "(whole, in fp32, on the GPU), host, or meta (zerorun.sharded_init): "
-                                               "the GPU's peak at setup.")] = "device",
+                                               "(whole, in fp32, on the GPU), host, meta (zerorun.sharded_init), or "
+                                               "auto (meta at stage 3, device below): the GPU's peak at setup.")
+                        ] = "auto",
     paper: Annotated[bool, typer.Option("--paper", help="Add the ZeRO paper's model-state figure (2-byte "
                                                         "gradients) per configuration.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
 ) -> None:
     """Plan memory: bytes per GPU, CPU and NVMe for every ZeRO stage and offload, and the fastest that fits."""
-    from rich.console import Console
-
-    from zerorun import config
+    from zerorun import config, tables
     from zerorun import estimate as planner
 
     loaded = config.load(recipe, check_script=False) if recipe is not None else config.Recipe(script="")
@@ -313,7 +309,8 @@ def estimate(
     if as_json:
         typer.echo(json.dumps(planner.as_json(result), indent=2))
         return
-    Console(width=200).print(planner.render(result, paper))
+    out = tables.console()
+    out.print(planner.render(result, paper, out.width))
     for line in planner.summary(result):
         typer.echo(line)
 

@@ -64,8 +64,7 @@ def tune(
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON (no tables).")] = False,
 ) -> None:
     """Measure stage, offload, micro-batch, checkpointing and bucket size on your job; write the fastest that fits."""
-    from rich.console import Console
-
+    from zerorun import tables
     from zerorun.tune.tuner import TuneOptions
 
     if warmup < 0 or steps < 1 or budget_min <= 0 or sweep < 0:
@@ -75,7 +74,7 @@ def tune(
                           _numbers("--stages", stages, int), tuple(o.strip() for o in offloads.split(",") if o.strip()),
                           model, warmup, steps, overrides=tuple(set_ or ()),
                           launch_options={"hostfile": hostfile} if hostfile else {})
-    err = Console(stderr=True, width=200)
+    err = tables.console(stderr=True)
     result, tuned, report = _tune_and_write(recipe, options, out, as_json, err)
     interrupted = result.interrupted
     if sweep > 0 and not interrupted:
@@ -91,8 +90,7 @@ def tune(
 def _tune_and_write(recipe: Path, options: TuneOptions, out: Path | None, as_json: bool,
                     err: Console) -> tuple[TuneResult, Path | None, dict[str, Any]]:
     """Tune (progress on `err`), write the tuned recipe and tune.json; (result, tuned recipe or None, report)."""
-    from rich.console import Console
-
+    from zerorun import tables
     from zerorun.tune import output
 
     # Ctrl-C ends the tuning as it ends a launch, even where SIGINT came ignored (a shell's background
@@ -105,7 +103,8 @@ def _tune_and_write(recipe: Path, options: TuneOptions, out: Path | None, as_jso
     report = output.as_json(result, str(tuned) if tuned else None)
     Path(result.tune_dir, "tune.json").write_text(json.dumps(report, indent=2))
     if not as_json:
-        Console(width=200).print(output.render_final(result, str(tuned) if tuned else None))
+        shown = tables.console()
+        shown.print(output.render_final(result, str(tuned) if tuned else None, shown.width))
     return result, tuned, report
 
 
@@ -113,8 +112,7 @@ def _sweep(recipe: Path, options: TuneOptions, rounds: int, result: TuneResult, 
            err: Console) -> bool:
     """`tune --sweep N`: every candidate measured `rounds` times, the tuner's winner checked against the
     best; the sweep goes into `report` and sweep.json. Returns whether Ctrl-C ended it."""
-    from rich.console import Console
-
+    from zerorun import tables
     from zerorun.tune import output
     from zerorun.tune import sweep as manual
 
@@ -122,6 +120,7 @@ def _sweep(recipe: Path, options: TuneOptions, rounds: int, result: TuneResult, 
     report["sweep"] = manual.as_json(checked, result)
     Path(checked.session.runner.setup.tune_dir, "sweep.json").write_text(json.dumps(report["sweep"], indent=2))
     if not as_json:
-        Console(width=200).print(manual.table(checked, result))
+        out = tables.console()
+        out.print(manual.table(checked, result, out.width))
         typer.echo(manual.verdict(checked, result))
     return checked.interrupted

@@ -125,12 +125,16 @@ def recipe_for(source: str | Mapping[str, Any] | None, launched: Recipe | None, 
         if launched is None:
             raise ZerorunError("DeepSpeed requires --deepspeed_config (or initialize(config=...)) to specify its "
                                "configuration; under `zerorun launch` a recipe can give it instead.")
-        ds = ds_config.load_json(launched.deepspeed_config) if launched.deepspeed_config else None
+        if launched.deepspeed_config is None:
+            return launched, None
+        ds = ds_config.load_json(launched.deepspeed_config)
+        filled.refuse_unfilled(ds_config.translate(ds), launched.deepspeed_config, launched)
         return launched, ds
     if isinstance(source, (str, os.PathLike)):
         path = os.path.realpath(source)
         ds = ds_config.load_json(path)
         if launched is not None and launched.deepspeed_config and os.path.realpath(launched.deepspeed_config) == path:
+            filled.refuse_unfilled(ds_config.translate(ds), path, launched)
             return launched, ds
         label = path
     elif isinstance(source, Mapping):
@@ -139,6 +143,7 @@ def recipe_for(source: str | Mapping[str, Any] | None, launched: Recipe | None, 
         raise ZerorunError(f"a DeepSpeed config is a JSON path or a dict, got {type(source).__name__}.")
     translation = ds_config.translate(ds, world_size)
     ds_config.check(translation, label)
+    filled.refuse_unfilled(translation, label, launched)
     base = recipes.to_dict(launched) if launched is not None else {"script": sys.argv[0] or "<script>"}
     _merge_over(base, translation.data)
     lines: dict[str, int | str] = {key: f"{label}: {origin}" for key, origin in translation.origins.items()}

@@ -19,6 +19,7 @@ from zerorun.config.convert import (
     check_global_batch,
     from_dict,
     given_in,
+    known_steps,
     to_dict,
     to_json,
 )
@@ -56,6 +57,6 @@ __all__ = [
     "BACKEND_ENV", "ENV_KEY", "GIVEN_KEY", "MAX_RECIPE_BYTES", "MAX_YAML_NODES", "RECIPE_ENV", "RECIPE_FILE_ENV",
     "AioConfig", "CheckpointConfig", "ConfigError", "Dtype", "LaunchConfig", "OffloadConfig", "OffloadDevice",
     "OptimizerConfig", "PrecisionConfig", "Recipe", "SSHConfig", "SchedulerConfig", "TelemetryConfig",
-    "TrainConfig", "ZeroConfig", "check_global_batch", "from_dict", "from_env", "given_in", "load", "loads",
-    "reference_markdown", "reference_rows", "shorthand_of", "to_dict", "to_json",
+    "TrainConfig", "ZeroConfig", "check_global_batch", "from_dict", "from_env", "given_in", "known_steps", "load",
+    "loads", "reference_markdown", "reference_rows", "shorthand_of", "to_dict", "to_json",
 ]

@@ -58,6 +58,13 @@ def given_in(recipe: Recipe, section: str) -> dict[str, str]:
     return {k: where for k, where in recipe.given.items() if k == section or k.startswith(section + ".")}
 
 
+def known_steps(recipe: Recipe) -> int | None:
+    """The optimizer steps a zerorun script is known to run: `train.steps` where the user gave it (the recipe or a
+    `--set`). Its default says nothing of a script that counts its own loop (`for it in range(max_iters)`), and a
+    progress of "7/100 ... ETA" built on it reads as a job that will stop at 100: no total then."""
+    return recipe.train.steps if "train.steps" in recipe.given else None
+
+
 def check_global_batch(recipe: Recipe, world_size: int) -> None:
     """`train.global_batch_size` against the world size the job runs on: a ConfigError when they disagree."""
     train = recipe.train

@@ -154,8 +154,9 @@ def auto_line(translation: Translation, source: str, filled_by_script: bool,
 
     `filled_by_script`: the script uses the DeepSpeed API (`launch.deepspeed_compat`), so transformers or
     accelerate fill them in from its own arguments before `deepspeed.initialize`, and zerorun trains with
-    what they become (it prints them then): an information, not a warning. Otherwise nothing will fill
-    them: a warning giving zerorun's values that apply (`values`: recipe key -> value)."""
+    what they become (it prints them then, and refuses any still "auto", as DeepSpeed does): an information,
+    not a warning. Otherwise nothing will fill them: a warning giving zerorun's values that apply (`values`:
+    recipe key -> value)."""
     autos = translation.autos
     if not autos:
         return None
@@ -163,7 +164,7 @@ def auto_line(translation: Translation, source: str, filled_by_script: bool,
     if filled_by_script:
         return (f"zerorun: {source}: \"auto\" in {_count(len(autos), 'key')} ({keys}): the script fills them in "
                 "(transformers and accelerate do, from its own arguments) when it calls deepspeed.initialize; "
-                "zerorun trains with those values and prints them then.")
+                "zerorun trains with those values and prints them then (one still \"auto\" there is refused).")
     return (f"zerorun: warning: {source}: \"auto\" in {_count(len(autos), 'key')} and nothing to fill them in "
             "(transformers and accelerate fill them when the script calls deepspeed.initialize, with "
             f"launch.deepspeed_compat on): zerorun's values apply: {applied_values(autos, values)}.")

@@ -26,6 +26,8 @@ PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_K = 12  # bytes per parameter of mixed-precision Adam's state: fp32 master (4) + two moments (8)
 OFFLOADS = ("none", "cpu", "nvme")
 BUILT_ON = {  # where a script builds its model: the GPU bytes it takes before zerorun.initialize
+    "auto": "whole, in fp32, on the GPU at stages 0-2 and sharded at stage 3, as a model that needs stage 3 is built "
+            "(zerorun.sharded_init, or from_pretrained under stage 3)",
     "device": "whole, in fp32, on the GPU (recipes/train_gpt.py; `with torch.device('cuda'):`)",
     "host": "in host memory: the engine copies it to the GPU a unit at a time",
     "meta": "under zerorun.sharded_init (stage 3) or on the meta device: never whole anywhere",
@@ -68,7 +70,7 @@ class Settings:
     quantized_weights: bool = False  # zero.quantized_weights: stages 1/2 in fp32 keep their master apart
     overlap_optimizer: Any = "auto"  # zero.overlap_optimizer: a backup of the host optimizer state (optim/overlap.py)
     host_share: float = 1.0  # zero.offload_optimizer_ratio: the share of an offloaded (cpu) optimizer on the host
-    built_on: str = "device"  # where the script builds its model before zerorun.initialize (BUILT_ON)
+    built_on: str = "auto"  # where the script builds its model before zerorun.initialize (BUILT_ON)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class Footprint:
     snapshot_per_rank: int = 0  # host memory a background checkpoint keeps on a rank that holds one
     snapshot_per_node: int = 0  # ... on the node holding the most (stage 0: rank 0's alone); counted in `fits`
     gpu_setup: int = 0  # per GPU inside zerorun.initialize: the script's model beside the engine's first buffers
+    built_on: str = "device"  # how `gpu_setup` counts the script's model (BUILT_ON, never auto)
     paper_model_states: int = 0  # per GPU, the ZeRO paper's 2-byte-gradient figure (no offload)
     fits: bool | None = None
 
@@ -238,7 +241,7 @@ def setup_bytes(shape: ModelShape, n: int, stage: int, settings: Settings, offlo
     (10 bytes a parameter at stage 2, 6 at stage 3, before the engine filled its buffers a unit at a time).
     """
     psi, p = shape.params, PARAM_BYTES[settings.precision]
-    built = 4 * psi if settings.built_on == "device" else 0
+    built = 4 * psi if built_on(settings, stage) == "device" else 0
     shards = 1 if stage == 0 else n
     on_device = 1.0 if offload_optimizer == "none" else 1 - settings.host_share if offload_optimizer == "cpu" else 0.0
     home = on_device * 12 * psi / shards if stage == 3 or settings.precision != "fp32" or on_device < 1 else 0
@@ -247,6 +250,15 @@ def setup_bytes(shape: ModelShape, n: int, stage: int, settings: Settings, offlo
         return built + p * psi + home + 4 * unit
     shard = p * psi / n if offload_param == "none" else 0
     return built + home + shard + (4 + p) * (shape.largest_unit or shape.root)
+
+
+def built_on(settings: Settings, stage: int) -> str:
+    """Where the setup counts the model built: the setting, or with `auto` how a model that needs the stage is built
+    (a model needing stage 3 does not fit whole on one GPU: `zerorun.sharded_init` and a Hugging Face
+    `from_pretrained` under stage 3 build it a shard per rank; below stage 3 scripts build it whole on the GPU)."""
+    if settings.built_on != "auto":
+        return settings.built_on
+    return "meta" if stage == 3 else "device"
 
 
 def overlap_backup(state_numel: float, setting: Any, offload_optimizer: str, host: float, cluster: Cluster) -> float:
@@ -309,6 +321,7 @@ def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, o
     out.cpu_per_rank = round(host + overlap_backup(settings.host_share * psi / n, settings.overlap_optimizer,
                                                    offload_optimizer, host, cluster))
     out.gpu_setup = round(setup_bytes(shape, n, stage, settings, offload_optimizer, offload_param))
+    out.built_on = built_on(settings, stage)
     out.nvme_per_rank = round(sum(placed[Place.NVME].values()))
     if settings.async_checkpoints:
         out.snapshot_per_rank = checkpoint_snapshot(psi, n, stage, offload_optimizer)
@@ -371,7 +384,7 @@ def estimate(shape: ModelShape, cluster: Cluster, settings: Settings = Settings(
         notes.append("activations are not counted: give --micro-batch, --seq-len, --hidden and --layers.")
     if settings.built_on not in BUILT_ON:
         raise ZerorunError(f"--built-on: {settings.built_on!r}; choose from {', '.join(BUILT_ON)}.")
-    notes.append(f"setup counts the model built {BUILT_ON[settings.built_on]} (--built-on "
+    notes.append(f"setup counts the model built {BUILT_ON[settings.built_on]} (the \"built\" column; --built-on "
                  f"{'/'.join(b for b in BUILT_ON if b != settings.built_on)} otherwise).")
     rows = [place(shape, cluster, settings, *row, activations) for row in configurations()]
     return Estimate(shape, cluster, settings, activations, rows, notes)

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
+from zerorun import tables
 from zerorun.launch.held_output import HeldOutput
 from zerorun.launch.outcome import Ending, Outcome, Output
 from zerorun.launch.streams import RankExit
@@ -77,14 +79,16 @@ class FailureReport:
         return str(self.failure_log)
 
     def _failure_block(self, title: str, lines_shown: list[bytes], what: str) -> None:
-        rule = "=" * 20
-        lines = [f"{rule} {title} {rule}".encode()]
+        """The title between rules, within `tables.WIDTH` columns as the summary is (a long cause wraps)."""
+        rule = "=" * max(4, min(20, (tables.WIDTH - len(title) - 2) // 2))
+        heading = textwrap.wrap(title, tables.WIDTH - 2 * len(rule) - 2)
+        lines = [f"{rule} {part.ljust(len(heading[0]))} {rule}".encode() for part in heading]
         if lines_shown:
             lines.append(f"{what}:".encode())
             lines.extend(lines_shown)
         else:
             lines.append(f"{what.split(' of ', 1)[-1]} printed nothing.".encode())
-        lines.append(b"=" * (len(title) + 2 * len(rule) + 2))
+        lines.append(b"=" * len(lines[0]))
         for line in lines:
             self.output.write(2, line)
 

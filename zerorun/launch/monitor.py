@@ -51,6 +51,7 @@ from zerorun.launch.outcome import Output
 from zerorun.launch.plan import LaunchPlan, is_local
 from zerorun.telemetry import RUNS_DIR, console
 from zerorun.telemetry.collector import Collector
+from zerorun.telemetry.plots import available as plots_available
 from zerorun.telemetry.state import Culprit, RankState
 from zerorun.telemetry.trackers import TrackerUnavailable, open_trackers
 
@@ -153,8 +154,9 @@ class Monitor(Output):
             self._say(restart.describe())
         if ranks and self.collector.write_error is None:
             more = "".join(f", {sink.name} {sink.directory}" for sink in self.collector.sinks)
+            plots = ", with plots" if plots_available() else " (plots need matplotlib: pip install 'zerorun[report]')"
             self._say(f"telemetry: {self.path} ({self.collector.records} records){more}; "
-                      f"`zerorun report {self.path.parent}` shows this summary again, with plots")
+                      f"`zerorun report {self.path.parent}` shows this summary again{plots}")
 
     def _warn_io(self) -> None:
         """One warning per file or sink that could not be written (the job goes on, its exit code is the workers')."""

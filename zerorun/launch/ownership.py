@@ -14,7 +14,9 @@ releasing it, which is said and taken over. flock works across hosts on NFSv4 an
 file system where it does not, the lock guards this machine's jobs only.
 
 The lock file's mode is 0600; it is left in place (empty) when released: removing it would race
-with a launcher that has just opened it.
+with a launcher that has just opened it. The lock needs no bytes, only its record does: on a full disk
+the lock is still taken and guards the directory, the job is told once that its record could not be
+written (a second launcher is then refused without the holder's name), and the job runs.
 """
 
 from __future__ import annotations
@@ -64,9 +66,10 @@ class Holder:
 class DirectoryLock:
     """One directory's lock, held through an open descriptor."""
 
-    def __init__(self, directory: Path, fd: int, stale: Holder | None) -> None:
+    def __init__(self, directory: Path, fd: int, stale: Holder | None, unrecorded: str | None = None) -> None:
         self.directory = directory
         self.stale = stale  # the job that held it last and died without releasing it
+        self.unrecorded = unrecorded  # why the holder's record could not be written (a full disk), if it could not
         self._fd: int | None = fd
 
     def release(self) -> None:
@@ -103,8 +106,13 @@ def lock_directory(directory: str | os.PathLike, what: str, job_id: str) -> Dire
     stale = Holder.read(_read_all(fd))
     me = Holder(job_id, socket.gethostname(), os.getpid(), time.time())
     record = json.dumps({"job_id": me.job_id, "host": me.host, "pid": me.pid, "since": me.since}).encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, record + b"\n", 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, record + b"\n", 0)
+    except OSError as exc:  # a full disk: the flock holds all the same
+        return DirectoryLock(directory, fd, stale, f"{path}: locked for this job, but which job holds it could not "
+                                                   f"be written ({exc.strerror or exc}): a second launcher there is "
+                                                   "refused without that name")
     return DirectoryLock(directory, fd, stale)
 
 
@@ -149,6 +157,7 @@ def claim_paths(launch_plan: LaunchPlan, runs_dir: str | os.PathLike = RUNS_DIR)
         raise
     notes += [f"{lock.directory}: taking over the lock of {lock.stale.describe()}, which ended without releasing "
               "it" for lock in locks if lock.stale is not None]
+    notes += [lock.unrecorded for lock in locks if lock.unrecorded is not None]
     return Claim(locks, notes)
 
 

@@ -113,8 +113,8 @@ class LaunchPlan:
     world_size: int
     kill_grace_s: float
     nodes: tuple[NodeCommand, ...]
-    # The steps the script runs, as far as the launcher knows: the recipe's train.steps for a zerorun script,
-    # None for one that drives its own loop (launch.deepspeed_compat: the engine says once it knows).
+    # The steps the script runs, as far as the launcher knows: the train.steps the user gave for a zerorun script,
+    # None otherwise (its own loop; launch.deepspeed_compat: the engine says once it knows).
     steps: int | None = None
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     ssh: SSHConfig = field(default_factory=SSHConfig)
@@ -144,7 +144,7 @@ def plan(recipe: Recipe, nodes: Sequence[Node], job_id: str, master_port: int, f
         first_rank += node.nproc
     return LaunchPlan(job_id=job_id, name=recipe.name or "job", master_addr=master_addr, master_port=master_port,
                       world_size=first_rank, kill_grace_s=recipe.launch.kill_grace_s, nodes=tuple(commands),
-                      steps=None if recipe.launch.deepspeed_compat else recipe.train.steps,
+                      steps=None if recipe.launch.deepspeed_compat else config.known_steps(recipe),
                       telemetry=recipe.telemetry, ssh=recipe.ssh,
                       nvme_paths=nvme_paths(recipe), inputs=PlanInputs(recipe, tuple(nodes), facts, joined=joined))
 

@@ -45,6 +45,7 @@ PIPE_BUF = 4096  # writes up to this size to a pipe are atomic (POSIX guarantees
 _PREFIX = re.compile(rb"^\[([^\]\s]+):(\d+)\] ")
 # torchrun's line when it sees a worker fail (this spelling since torch 1.9): "failed (exitcode: -9) local_rank: 1 (pid: N)"
 _TORCHRUN_FAILED = re.compile(rb"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid")
+_TORCHRUN_TEARDOWN = re.compile(rb"Sending process \d+ closing signal SIG")  # a worker exited: torchrun ends the rest
 _DRAIN_S = 1.0  # after the worker ended: how long to wait for output its own children still write
 
 
@@ -238,6 +239,12 @@ class RankExit:
         if self.oom:
             return f"out of memory: killed by the kernel's OOM killer ({name})"
         return f"killed by {name}" + ("; its output relay died with it, torchrun saw the exit" if self.by_torchrun else "")
+
+
+def torchrun_tearing_down(line: bytes) -> bool:
+    """Whether torchrun's line is its teardown after a worker exited ("Sending process N closing signal SIGTERM"),
+    which it writes before the line saying which rank failed: the start of its report, held with the rest."""
+    return _TORCHRUN_TEARDOWN.search(line) is not None
 
 
 def torchrun_exit(line: bytes, host: str, first_rank: int) -> RankExit | None:

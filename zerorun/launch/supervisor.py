@@ -317,7 +317,8 @@ class Supervisor:
             self._note_torchrun_exit(node_index, line)
             line = streams.prefix(host, "torchrun") + line
             self._tails[(host, "torchrun")].append(line)
-            failing = bool(self._failures or self._torchrun_exits)  # its report then goes to the failure log
+            # its report, and the teardown narration that starts it, go to the failure log
+            failing = bool(self._failures or self._torchrun_exits) or streams.torchrun_tearing_down(line)
             if self._stopping and not failing:
                 return  # it narrates the teardown we started
             if not self._held.take((host, "torchrun"), fd, line, hold=failing):

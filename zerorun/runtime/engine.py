@@ -29,7 +29,7 @@ from torch import nn
 
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
-from zerorun.runtime import compiled, events, ranges
+from zerorun.runtime import compiled, events, ranges, script_settings
 from zerorun.runtime.accumulation import AccumulationWindow
 from zerorun.runtime.checkpoint import background as checkpoint_async
 from zerorun.runtime.checkpoint.background import Checkpointer
@@ -121,6 +121,7 @@ class Engine:
         self.clip_grad_norm = recipe.train.clip_grad_norm
         self.window = AccumulationWindow()
         self.clip_calls = clip.ScriptClipping(self.grad_accum_steps)  # the script's clip_grad_norm_/value_ calls
+        self.script_settings = script_settings.watch(recipe, self.policy.param_dtype, self.comm.rank)
         self.micro_steps = self.global_step = self.skipped_steps = 0
         self.grad_norm: float | None = None
         self._boundary: bool | None = None  # set_boundary's answer; None: every grad_accum_steps-th micro-step
@@ -151,13 +152,10 @@ class Engine:
             self.comm.broadcast(buffer, src=0).wait()
 
     # -- training loop ----------------------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module; tensor inputs move to the engine's device (as FSDP's root does), and
-        floating-point ones are cast to the compute dtype."""
+        """Run the module: tensor inputs go to the engine's device (as FSDP's root does), floats to compute dtype."""
         self.lr_schedules.engine_entered()
+        self.script_settings.forward(self.global_step, self.device)  # its autocast, its step count: the recipe's?
         self._roll_back_speculation()
         args, kwargs = place_inputs((args, kwargs), self.device, self.policy.param_dtype)
         self._window.count_inputs(args, kwargs, self.tokens_per_sample)
@@ -171,6 +169,8 @@ class Engine:
             out = self.module(*args, **kwargs)
         self.wait_published()  # a unit no module hook waited for (unused in this forward) is current from here on
         return out
+
+    __call__ = forward
 
     def wait_published(self) -> None:
         """Wait until the last step's updated parameters have reached every rank (stages 1/2 with

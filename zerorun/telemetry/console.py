@@ -23,19 +23,19 @@ from __future__ import annotations
 
 import time
 
-from rich import box
 from rich.console import Group, RenderableType
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from zerorun import tables
 from zerorun.telemetry.state import RankState, RunState
 
 _LIVE_COLUMNS = ("host", "rank", "step", "loss", "step time", "tokens/s", "TFLOP/s", "MFU", "device now / peak",
                  "CPU RSS", "disk GB/s")
 _SUMMARY_COLUMNS = ("host", "rank", "steps", "samples/s", "tokens/s", "TFLOP/s", "MFU", "peak device", "peak RSS",
                     "skipped", "comm", "I/O")
-SUMMARY_WIDTH = 120  # the summary's width where no terminal says otherwise (logs, CI, `zerorun report | less`)
+SUMMARY_WIDTH = tables.WIDTH  # the summary's width where no terminal says otherwise (logs, CI, `zerorun report | less`)
 
 
 def live_view(state: RunState, now: float | None = None) -> RenderableType:
@@ -178,7 +178,7 @@ def _columns(table: Table, names: tuple[str, ...]) -> None:
 
 def summary_table(state: RunState) -> Table:
     """The end-of-job table, one row per rank and a totals row."""
-    table = Table(header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))
+    table = tables.compact()
     _columns(table, _SUMMARY_COLUMNS)
     ranks = state.sorted_ranks()
     for r in ranks:
@@ -210,7 +210,7 @@ def offload_table(state: RunState) -> Table | None:
     if not ranks:
         return None
     used = [(key, label) for key, label in _DIRECTIONS if any(r.offload.get(key, {}).get("bytes") for r in ranks)]
-    table = Table(header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))
+    table = tables.compact()
     _columns(table, ("host", "rank", *(label for _, label in used), "waited"))
     for r in ranks:
         table.add_row(r.host, str(r.rank), *(_direction(r.offload.get(key)) for key, _ in used),

@@ -26,6 +26,16 @@ from zerorun.telemetry.series import OFFLOAD_DIRECTIONS, offload_bytes, sample_r
 MiB = 2**20
 
 
+def available() -> bool:
+    """Whether matplotlib is installed here (the `report` extra): a launch promises plots only then."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except ValueError:  # in sys.modules as None: hidden on purpose
+        return False
+
+
 def write_plots(records: list[dict[str, Any]], directory: Path) -> list[Path]:
     """Write the job's PNGs into `directory`; return their paths (none without step records)."""
     from matplotlib.figure import Figure

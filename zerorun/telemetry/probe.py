@@ -52,12 +52,13 @@ from typing import Any
 
 import psutil
 
+from zerorun import ops
 from zerorun.config import TelemetryConfig
 from zerorun.telemetry import TOKEN_ENV
 from zerorun.telemetry.flops import ModelFlops, peak_tflops
 from zerorun.telemetry.probed_engine import ProbedEngine
 from zerorun.telemetry.records import prove
-from zerorun.telemetry.whereabouts import where, where_raised
+from zerorun.telemetry.whereabouts import last_collective, where, where_raised
 
 log = logging.getLogger("zerorun")
 
@@ -145,7 +146,8 @@ class Probe:
         self.script_running = True  # False once the script has ended (`script_ended`): `where` is then None
         self.raised_at: dict[str, Any] | None = None  # or where the script's exception was raised
         self.total_steps: int | None = None  # the steps the script will run, where known (`attach_engine`)
-        self._steps: deque[tuple[Any, Any, float | None]] = deque(maxlen=STEP_QUEUE)
+        self._steps: deque[tuple[Any, Any, float | None, float]] = deque(maxlen=STEP_QUEUE)
+        self._build_seen = 0.0  # ops.build_seconds() at the last step: the first builds the Adam kernel (set-up)
         self._outbox: deque[bytes] = deque(maxlen=OUTBOX)
         self._dropped = 0
         self._engine: weakref.ReferenceType | None = None
@@ -157,6 +159,7 @@ class Probe:
         self._backoff = 0.5
         self._side_stream: Any = None
         self._stopping = threading.Event()
+        self._wake = threading.Event()  # send now: a checkpoint record, which a teardown must not lose
         self._unsubscribe: Any = None
         self._unsubscribe_checkpoints: Any = None
         self._thread = threading.Thread(target=self._run, name="zerorun-telemetry", daemon=True)
@@ -182,7 +185,8 @@ class Probe:
             ready.record(torch.cuda.current_stream(loss.device))  # behind the loss, on the training stream
         if len(self._steps) == self._steps.maxlen:
             self._dropped += 1
-        self._steps.append((stats, ready, self._lr()))
+        built, self._build_seen = ops.build_seconds() - self._build_seen, ops.build_seconds()
+        self._steps.append((stats, ready, self._lr(), built))
 
     def _lr(self) -> float | None:
         """The learning rate the step just used (the first param group's): read in the step listener,
@@ -194,8 +198,10 @@ class Probe:
             return None
 
     def _on_checkpoint(self, stats: Any) -> None:
-        """The engine's checkpoint listener: one small record per save (a few per run)."""
+        """The engine's checkpoint listener: one small record per save (a few per run), sent at once (a Ctrl-C
+        right after a commit ends the workers before the next flush)."""
         self._enqueue({"type": "checkpoint", "rank": self.rank, "t": time.time(), **dataclasses.asdict(stats)})
+        self._wake.set()
 
     def engine(self) -> ProbedEngine | None:
         """The attached engine, while it lives (the probe holds only a weak reference)."""
@@ -224,13 +230,16 @@ class Probe:
             if unsubscribe is not None:
                 unsubscribe()
         self._stopping.set()
+        self._wake.set()
         self._thread.join(timeout)
 
     # -- probe thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
         next_sample = 0.0
-        while not self._stopping.wait(min(self.interval_s, FLUSH_S)):
+        while not self._stopping.is_set():
+            if self._wake.wait(min(self.interval_s, FLUSH_S)):
+                self._wake.clear()
             try:
                 self._take_steps(wait=False)
                 if time.monotonic() >= next_sample:
@@ -256,13 +265,14 @@ class Probe:
     def _take_steps(self, wait: bool) -> None:
         """Turn queued StepStats into records, in order; a CUDA loss not computed yet waits a round."""
         while self._steps:
-            stats, ready, lr = self._steps[0]
+            stats, ready, lr, built = self._steps[0]
             if ready is not None and not ready.query():
                 if not wait:
                     return
                 ready.synchronize()
             self._steps.popleft()
-            self._enqueue(self._step_record(stats, self._loss_value(stats.loss)) | {"lr": lr})
+            extra = {"lr": lr, **({"kernel_build_s": built} if built > 0 else {})}
+            self._enqueue(self._step_record(stats, self._loss_value(stats.loss)) | extra)
 
     def _loss_value(self, loss: Any) -> float | None:
         if loss is None:
@@ -303,7 +313,7 @@ class Probe:
         record["cuda"] = _cuda_memory(self.device)
         record["memory"] = _engine_memory(self.engine())
         record["where"] = where(self._main_thread) if self.script_running and not final else self.raised_at
-        last = _last_collective(self.engine()) if record["where"] is not None else None
+        last = last_collective(self.engine()) if record["where"] is not None else None
         if last is not None:
             record["where"] = {**record["where"], "collective": last}
         record["dropped"] = self._dropped
@@ -429,14 +439,6 @@ def _io_bytes(process: psutil.Process) -> dict[str, int] | None:
     except (AttributeError, psutil.Error, OSError):
         return None
     return {"read_bytes": counters.read_bytes, "write_bytes": counters.write_bytes}
-
-
-def _last_collective(engine: ProbedEngine | None) -> str | None:
-    """Where the engine's latest collective was issued (the stall report names it); None without one."""
-    try:
-        return engine.where.last_collective() if engine is not None else None
-    except Exception:  # noqa: BLE001 - telemetry must never break training
-        return None
 
 
 def _finite(value: float | None) -> float | None:

@@ -111,7 +111,7 @@ SCHEMAS: dict[str, Mapping[str, Check]] = {
              "skipped": flag, "skipped_total": count, "step_time_s": number, "samples": optional(count),
              "tokens": optional(count), "samples_per_s": optional(number), "tokens_per_s": optional(number),
              "flops": optional(number), "tflops": optional(number), "mfu": optional(number),
-             "comm": optional(_COUNTERS), "offload": optional(_COUNTERS)},
+             "comm": optional(_COUNTERS), "offload": optional(_COUNTERS), "kernel_build_s": optional(number)},
     "sample": {"rss": optional(count), "cpu_percent": optional(number), "io": optional(mapping(count)),
                "cuda": optional(mapping(count)), "memory": optional(mapping(mapping(count))),
                "where": optional(fields({"file": text, "line": optional(count), "function": text,

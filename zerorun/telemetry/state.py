@@ -44,6 +44,7 @@ class RankState:
     grad_norm: float | None = None
     loss_scale: float | None = None
     step_time_s: float | None = None
+    kernel_build_s: float = 0.0  # of the latest step's time, building a kernel (set-up, not the steps' pace)
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
     tflops: float | None = None
@@ -116,6 +117,7 @@ class RankState:
         for key in ("loss", "grad_norm", "loss_scale", "step_time_s", "samples_per_s", "tokens_per_s", "tflops",
                     "mfu"):
             setattr(self, key, r.get(key))
+        self.kernel_build_s = float(r.get("kernel_build_s") or 0.0)
         self.skipped_total = int(r.get("skipped_total") or 0)
         self.comm = r.get("comm") or self.comm
         self.offload = r.get("offload") or self.offload
@@ -298,10 +300,11 @@ class RunState:
     def eta_s(self, now: float) -> float | None:
         """Steps left times the slowest rank's mean step time, less the time since the last step.
 
-        Step times come from the workers, so no clock is compared across machines.
+        Step times come from the workers, so no clock is compared across machines. The first step's time is
+        taken without the kernel build it may have included (the next steps build nothing).
         """
-        step_times = [r.timed_s / (r.steps_seen - 1) if r.steps_seen > 1 else r.step_time_s
-                      for r in self.ranks.values()]
+        step_times = [r.timed_s / (r.steps_seen - 1) if r.steps_seen > 1 else
+                      (r.step_time_s - r.kernel_build_s if r.step_time_s else None) for r in self.ranks.values()]
         step_times = [t for t in step_times if t]
         total = self.total_steps
         if not total or not step_times or self.last_step_at is None:

@@ -44,3 +44,12 @@ def where_raised(exc: BaseException) -> dict[str, Any] | None:
 
 def in_collective_file(filename: str) -> bool:
     return any(part in filename for part in _COLLECTIVE_FILES)
+
+
+def last_collective(engine: Any) -> str | None:
+    """Where the engine's latest collective was issued (runtime/engine_place.py; the stall report names it), or None:
+    no engine, none issued yet, or an engine that does not say."""
+    try:
+        return engine.where.last_collective() if engine is not None else None
+    except Exception:  # noqa: BLE001 - telemetry must never break training
+        return None

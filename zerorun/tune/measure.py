@@ -16,6 +16,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from zerorun.tune.load import Load
 from zerorun.tune.space import Candidate
 
 
@@ -175,6 +176,7 @@ class Trial:
     run_dir: str | None = None  # runs/<trial>: its telemetry.jsonl
     runs: list[float] = field(default_factory=list)  # with repeats: every run's throughput (the median is reported)
     repeats: list[int] = field(default_factory=list)  # the trial numbers of the repeats folded in
+    loads: list[Load] = field(default_factory=list)  # the machine's load during each run
 
     @property
     def ok(self) -> bool:
@@ -187,6 +189,7 @@ class Trial:
         self.runs = self.runs or [self.throughput or 0.0]
         self.repeats.append(repeat.index or 0)
         self.wall_s += repeat.wall_s
+        self.loads += repeat.loads
         self.peak_rss = max(self.peak_rss or 0, repeat.peak_rss or 0) or None
         self.peak_gpu = max(self.peak_gpu or 0, repeat.peak_gpu or 0) or None
         if repeat.ok and repeat.throughput:

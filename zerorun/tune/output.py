@@ -3,8 +3,10 @@
 The ranked table puts the trials that can win first (measured and within the memory budget, fastest
 first), then those measured over the budget, those stopped early, those that failed, and last the
 candidates ruled out before running (one row per sharding). `write_tuned()` writes the user's
-recipe with only the winning keys changed, each with a `# tuned:` comment giving the measured
-figure, and reads it back through `config.load` to prove it says what was measured.
+recipe with only the chosen keys changed, each with a `# tuned:` comment giving the measured
+figure, and reads it back through `config.load` to prove it says what was measured. A gain over the
+recipe is stated only as the interleaved runs' ratio with its spread (`noise.Comparison`); a winner
+whose gain stayed inside the noise leaves the recipe as it is.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from zerorun import config
-from zerorun.tune import recipe_edit
+from zerorun import config, tables
+from zerorun.tune import load, recipe_edit
 from zerorun.tune.measure import Status, Trial
 from zerorun.tune.space import Rejection, gib
 from zerorun.tune.tuner import TuneOptions, TuneResult, tune
@@ -64,12 +66,28 @@ def _short(text: str, limit: int = 150) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _table(result: TuneResult) -> Table:
+    """The tables' columns in the launch summary's compact style; the long text ones wrap."""
+    table = tables.compact(_title(result))
+    for col in _columns(result):
+        table.add_column(col, justify="right" if col in ("x best",) or "/s" in col or "peak" in col else "left",
+                         overflow="fold")
+    return table
+
+
+def _fitted(table: Table, width: int | None) -> RenderableType:
+    """`table` fitted to `width` columns (tables.fit: the memory figures, then the ratio, go first)."""
+    if width is None:
+        return table
+    drop = [str(c.header) for c in table.columns if str(c.header).startswith("peak")] + ["x best"]
+    dropped = tables.fit(table, width, drop)
+    return Group(table, Text(tables.dropped_note(dropped, width))) if dropped else table
+
+
 def final_table(result: TuneResult) -> Table:
     """Every trial ranked, then the candidates ruled out before running."""
     gpu = result.budget.gpu_bytes is not None
-    table = Table(title=_title(result), title_justify="left")
-    for col in _columns(result):
-        table.add_column(col, justify="right" if col in ("x best",) or "/s" in col or "peak" in col else "left")
+    table = _table(result)
     best = result.winner
     for trial in ranked(result.trials):
         row = _row(trial, best, gpu)
@@ -96,12 +114,10 @@ def rejected_rows(rejections: list[Rejection], per_sharding: int) -> list[tuple[
     return rows
 
 
-def live_view(result: TuneResult) -> RenderableType:
-    """The trials so far (in run order) and the one running now."""
+def live_view(result: TuneResult, width: int | None = None) -> RenderableType:
+    """The trials so far (in run order) and the one running now, fitted to `width` columns where given."""
     gpu = result.budget.gpu_bytes is not None
-    table = Table(title=_title(result), title_justify="left")
-    for col in _columns(result):
-        table.add_column(col)
+    table = _table(result)
     best = result.winner
     for trial in result.trials:
         table.add_row(*_row(trial, best, gpu))
@@ -110,7 +126,7 @@ def live_view(result: TuneResult) -> RenderableType:
         row = _row(current, best, gpu)
         row[2] = f"running ({current.phase})" if current.steps == 0 else f"measuring: {current.steps} step(s)"
         table.add_row(*row, style="cyan")
-    return table
+    return _fitted(table, width)
 
 
 def _title(result: TuneResult) -> str:
@@ -122,18 +138,10 @@ def _title(result: TuneResult) -> str:
 
 def summary(result: TuneResult, tuned_path: str | None) -> list[str]:
     """The verdict and the notes, one line each."""
-    win, base = result.winner, result.baseline
-    lines = []
-    if win is None:
-        lines.append("No candidate was measured within the memory budget: see the table's last column.")
-    elif win is base:
-        lines.append(f"Fastest that fits: your recipe as it is, t{win.index:02d} {win.candidate.label()}: "
-                     f"{win.throughput:,.0f} {win.unit}.")
-    else:
-        vs = (f", {win.throughput / base.throughput:.2f}x your recipe ({base.throughput:,.0f})"
-              if base and base.ok and base.throughput else "")
-        lines.append(f"Fastest that fits: t{win.index:02d} {win.candidate.label()}: "
-                     f"{win.throughput:,.0f} {win.unit}{vs}.")
+    lines = [verdict(result)]
+    loaded = load.summary(result.loads)
+    if loaded:
+        lines.append(f"Load: {loaded}")
     if tuned_path:
         lines.append(f"Wrote {tuned_path}: `zerorun launch {tuned_path}` trains with it.")
     untried = result.dims.size - len(result.trials) - len(result.rejected)
@@ -142,6 +150,26 @@ def summary(result: TuneResult, tuned_path: str | None) -> list[str]:
                      "(or the budget ended first; see the notes).")
     lines.append(f"Trials: {result.tune_dir}/ (telemetry and output of each; tune.json)")
     return lines + [f"Note: {n}" for n in result.notes]
+
+
+def verdict(result: TuneResult) -> str:
+    """What the tuning found, claiming a gain over the recipe only from interleaved runs that show it."""
+    win, base, comparison = result.winner, result.baseline, result.comparison
+    if win is None:
+        return "No candidate was measured within the memory budget: see the table's last column."
+    if win is base:
+        return (f"Fastest that fits: your recipe as it is, t{win.index:02d} {win.candidate.label()}: "
+                f"{win.throughput:,.0f} {win.unit}.")
+    found = f"t{win.index:02d} {win.candidate.label()}: {win.throughput:,.0f} {win.unit}"
+    if comparison is None:  # the recipe did not measure within the budget
+        return f"Fastest that fits: {found}."
+    if comparison.supported:
+        return f"Fastest that fits: {found}, {comparison.text()} your recipe."
+    if comparison.ratios:
+        return (f"No gain over your recipe beyond the noise: {found} measured {comparison.text()} your recipe; "
+                "your recipe stays as it is.")
+    return (f"No gain over your recipe claimed: {found} was not compared with it in interleaved runs (the time "
+            "budget ended first; raise --budget-min); your recipe stays as it is.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,10 +184,13 @@ def trial_json(t: Trial) -> dict[str, Any]:
 
 def as_json(result: TuneResult, tuned_path: str | None = None) -> dict[str, Any]:
     trial = trial_json
-    win = result.winner
+    win, comparison = result.winner, result.comparison
     return {"recipe": result.recipe, "tuned": tuned_path, "budget_s": result.budget_s, "elapsed_s": result.elapsed_s,
             "budget": dataclasses.asdict(result.budget), "baseline": dataclasses.asdict(result.base),
-            "winner": trial(win) if win else None, "trials": [trial(t) for t in ranked(result.trials)],
+            "winner": trial(win) if win else None,
+            "chosen": trial(result.chosen) if result.chosen else None,
+            "vs_recipe": {"ratios": list(comparison.ratios), "supported": comparison.supported}
+            if comparison else None, "trials": [trial(t) for t in ranked(result.trials)],
             "rejected": [{"candidate": dataclasses.asdict(r.candidate), "label": r.candidate.label(),
                           "reason": r.reason, "need_bytes": r.need} for r in result.rejected],
             "notes": result.notes, "interrupted": result.interrupted,
@@ -174,13 +205,14 @@ def as_json(result: TuneResult, tuned_path: str | None = None) -> dict[str, Any]
 
 
 def tuned_changes(result: TuneResult, nvme_path: str | None) -> dict[str, tuple[Any, str]]:
-    """The keys the winner changes in the recipe, each with the comment that says what it measured."""
-    win, base = result.winner, result.baseline
+    """The keys the chosen trial changes in the recipe, each with the comment that says what it measured (a
+    gain over the recipe only as the interleaved runs supported it)."""
+    win, comparison = result.chosen, result.comparison
     if win is None:
         return {}
     figure = f"t{win.index:02d} measured {win.throughput:,.0f} {win.unit}"
-    if base is not None and base.ok and base.throughput:
-        figure += f" = {win.throughput / base.throughput:.2f}x the recipe's {base.throughput:,.0f}"
+    if comparison is not None and comparison.supported:
+        figure += f" = {comparison.text()} the recipe"
     if win.peak_rss:
         figure += f", peak RSS {gib(win.peak_rss)}/rank"
     if win.peak_gpu:
@@ -195,8 +227,8 @@ def tuned_changes(result: TuneResult, nvme_path: str | None) -> dict[str, tuple[
 
 
 def write_tuned(result: TuneResult, out: str | Path, nvme_path: str | None) -> Path | None:
-    """Write the recipe with the winner's keys to `out`; None (nothing written) without a winner."""
-    win = result.winner
+    """Write the recipe with the chosen trial's keys to `out`; None (nothing written) without one."""
+    win = result.chosen
     if win is None:
         return None
     out = Path(out)
@@ -207,6 +239,8 @@ def write_tuned(result: TuneResult, out: str | Path, nvme_path: str | None) -> P
     header = (f"# Tuned by `zerorun tune` on {time.strftime('%Y-%m-%d %H:%M')} from {source}: "
               f"{win.candidate.label()}, t{win.index:02d} {win.throughput:,.0f} {win.unit}{own}.\n"
               f"# Every trial: {result.tune_dir}/tune.json\n")
+    if win.candidate.stage != result.base.stage:
+        text = recipe_edit.restate_stage(text, result.base.stage, win.candidate.stage)
     try:
         edited = header + recipe_edit.set_keys(text, changes)
     except (ValueError, yaml.YAMLError):  # a layout the text editor does not handle: plain YAML, no comments
@@ -276,7 +310,7 @@ def tune_with_progress(recipe: str | Path, options: TuneOptions, live: bool, err
         def refresh(result: TuneResult) -> None:
             nonlocal refreshed
             if time.monotonic() - refreshed >= LIVE_REFRESH_S or result.current is None:
-                view.update(live_view(result), refresh=True)
+                view.update(live_view(result, err.width), refresh=True)
                 refreshed = time.monotonic()
 
         return tune(recipe, options, refresh)
@@ -294,6 +328,7 @@ def trial_line(err: Console) -> Callable[[Trial], None]:
     return line
 
 
-def render_final(result: TuneResult, tuned_path: str | None) -> RenderableType:
-    return Group(final_table(result), *(Text(line) for line in summary(result, tuned_path)))
+def render_final(result: TuneResult, tuned_path: str | None, width: int | None = None) -> RenderableType:
+    """The ranked table (fitted to `width` columns where given) and the verdict with the notes."""
+    return Group(_fitted(final_table(result), width), *(Text(line) for line in summary(result, tuned_path)))
 

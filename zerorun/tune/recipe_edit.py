@@ -32,6 +32,20 @@ def set_keys(text: str, changes: dict[str, tuple[Any, str]]) -> str:
     return text
 
 
+def restate_stage(text: str, old: int, new: int) -> str:
+    """The recipe's leading comment lines with `stage <old>` said as `stage <new> (tuned; was <old>)`: a header
+    that describes the recipe ("ZeRO stage 2") would otherwise contradict the tuned `stage:` below it. Only the
+    stage: how a header words the other keys cannot be known, and they are rarely in its prose."""
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if not line.lstrip().startswith("#"):
+            if line.strip():
+                break  # the header ends at the first key
+            continue
+        lines[i] = re.sub(rf"\bstage {old}\b", f"stage {new} (tuned; was {old})", line)
+    return "".join(lines)
+
+
 def scalar(value: Any) -> str:
     """A value as YAML writes it on one line (strings quoted only when they must be)."""
     if isinstance(value, bool):

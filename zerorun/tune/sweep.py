@@ -27,8 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
+from rich.console import Group, RenderableType
+from rich.text import Text
 
+from zerorun import tables
 from zerorun.tune.measure import Status, Trial
 from zerorun.tune.output import ranked, trial_json
 from zerorun.tune.space import Candidate, gib
@@ -169,19 +171,20 @@ def verdict(sweep: Sweep, tuned: TuneResult) -> str:
             f"{'within' if ratio >= 0.95 else 'NOT within'} 5%.")
 
 
-def table(sweep: Sweep, tuned: TuneResult | None = None) -> Table:
-    """The sweep's candidates, fastest first (median over the rounds)."""
+def table(sweep: Sweep, tuned: TuneResult | None = None, width: int | None = None) -> RenderableType:
+    """The sweep's candidates, fastest first (median over the rounds), fitted to `width` columns where given."""
     best = sweep.best
     unit = next((t.unit for r in sweep.rows for t in r.trials), "tokens/s")
     budget = sweep.session.budget
     title = (f"manual sweep: {len(sweep.rows)} candidates x {sweep.rounds} round(s), every one measured fully "
              "(no search, no early stopping)" + (f"; reference: {sweep.reference.label()}, run every "
                                                  f"{REFERENCE_EVERY} candidates" if sweep.reference else ""))
-    out = Table(title=title, title_justify="left")
+    out = tables.compact(title)
     corrected = "drift-corrected median" if sweep.reference is not None else "median, not drift-corrected"
     for col in ("#", "configuration", "status", f"{unit} ({corrected})", "raw median", "x best", "runs",
                 f"peak RSS/rank (budget {gib(budget.cpu_bytes_per_rank)})", "tuner", "why"):
-        out.add_column(col, justify="right" if col in ("#", "x best", "rounds") or "/" in col else "left")
+        out.add_column(col, justify="right" if col in ("#", "x best", "rounds") or "/" in col else "left",
+                       overflow="fold")
     winner = tuned.winner.candidate if tuned and tuned.winner else None
     rows = sorted(sweep.rows, key=lambda r: (r.throughput is None, -(r.throughput or 0.0)))
     for rank, row in enumerate(rows, 1):
@@ -192,7 +195,11 @@ def table(sweep: Sweep, tuned: TuneResult | None = None) -> Table:
                     f"{len(measured)}/{len(row.trials)}", gib(row.peak_rss) if row.peak_rss else "-",
                     "winner" if row.candidate == winner else "", row.cause[:100],
                     style="bold" if row.candidate == winner else None)
-    return out
+    if width is None:
+        return out
+    dropped = tables.fit(out, width, ["raw median", "runs", f"peak RSS/rank (budget {gib(budget.cpu_bytes_per_rank)})",
+                                      "x best"])
+    return Group(out, Text(tables.dropped_note(dropped, width))) if dropped else out
 
 
 def as_json(sweep: Sweep, tuned: TuneResult | None = None) -> dict[str, Any]:

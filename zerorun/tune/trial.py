@@ -33,6 +33,7 @@ import psutil
 import zerorun
 from zerorun.launch.plan import is_local
 from zerorun.telemetry import RUNS_DIR
+from zerorun.tune.load import LoadMeter
 from zerorun.tune.measure import Status, Trial, TrialRecords, failure_cause
 from zerorun.tune.space import Candidate
 
@@ -98,7 +99,7 @@ class TrialRunner:
                       run_dir=str(s.tune_dir / f"t{index:02d}"))
         telemetry = Path(trial.run_dir) / "telemetry.jsonl"
         records, tail = TrialRecords(), _Tail(telemetry)
-        started = time.monotonic()
+        started, meter = time.monotonic(), LoadMeter.start()
         proc = self._start(candidate, index, trial.log)
         try:
             ended = self._watch(proc, trial, records, tail, stop, progress, stall_s or s.stall_s)
@@ -106,6 +107,7 @@ class TrialRunner:
             self._stop(proc)
             raise
         code = proc.wait()
+        trial.loads = [meter.stop()]
         for record in tail.read():
             records.feed(record)
         self._fill(trial, records)

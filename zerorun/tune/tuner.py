@@ -10,7 +10,10 @@ search (`search`) has nothing left or the time is up, run the next candidate (`t
 stopping: a trial whose best step so far falls clearly short of the best trial's throughput is ended
 after `DECIDE_STEPS` measured steps, and one that cannot finish before the deadline is ended at once.
 When the search is done and time is left, close rivals of the best are run again
-(`search.next_confirmation`) and their medians decide. Failures are results, never the end of the tuning.
+(`search.next_confirmation`) and their medians decide; then the recipe and the winner run in turn
+(`noise.next_run`), and a gain over the recipe is claimed only where every interleaved pair shows it
+(`TuneResult.comparison`): inside the noise, the recipe stays (`TuneResult.chosen`). Failures are
+results, never the end of the tuning.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import psutil
 
 from zerorun import config, estimate
 from zerorun.errors import ZerorunError
-from zerorun.tune import search, space
+from zerorun.tune import noise, search, space
+from zerorun.tune.load import Load
 from zerorun.tune.measure import Status, Trial, TrialRecords
 from zerorun.tune.space import Budget, Candidate, Dimensions, Rejection
 from zerorun.tune.trial import TrialRunner, TrialSetup
@@ -36,6 +40,7 @@ DECIDE_STEPS = 2  # measured steps before a trial may be stopped for being slowe
 EARLY_STOP_MARGIN = 0.05  # ... than this much below the best: closer calls measure fully (steps vary this much)
 STALL_MIN_S = 60.0
 RESERVE_S = 5.0  # of the budget, kept for stopping the last trial and writing the results
+REPEATS = ("confirm", "recheck", "verify")  # phases that run a measured candidate again
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,29 @@ class TuneResult:
     def baseline(self) -> Trial | None:
         return next((t for t in self.trials if t.candidate == self.base), None)
 
+    @property
+    def comparison(self) -> noise.Comparison | None:
+        """The winner against the recipe in interleaved runs; None where there is no such comparison to make
+        (the winner is the recipe, or the recipe did not measure within the budget)."""
+        win, base = self.winner, self.baseline
+        if win is None or base is None or win is base or not base.ok:
+            return None
+        return noise.compare(base, win)
+
+    @property
+    def chosen(self) -> Trial | None:
+        """What the tuned recipe takes: the winner where its gain over the recipe is supported by interleaved
+        runs, or where the recipe itself did not measure within the budget; else the recipe as it is (a gain
+        inside the noise, or one that was never compared side by side, changes nothing)."""
+        comparison = self.comparison
+        if comparison is not None and not comparison.supported:
+            return self.baseline
+        return self.winner
+
+    @property
+    def loads(self) -> list[Load]:
+        return [load for trial in self.trials for load in trial.loads]
+
 
 Progress = Callable[[TuneResult], None]
 
@@ -183,10 +211,10 @@ def tune(recipe_path: str | Path, options: TuneOptions, progress: Progress = lam
                         str(session.runner.setup.tune_dir), rejected=session.rejected, notes=session.notes)
     trials: dict[Candidate, Trial] = {}
     try:
-        while (picked := _next(session, trials)) is not None:
+        while (picked := _next(session, trials, _time_to_verify(result.trials, deadline))) is not None:
             candidate, phase = picked
             if not _time_for_another(result.trials, deadline, options):
-                if phase not in ("confirm", "recheck"):
+                if phase not in REPEATS:
                     session.notes.append(f"the time budget ended in the search's {phase} phase (next: "
                                          f"{candidate.label()}); raise --budget-min to measure more.")
                 break
@@ -213,20 +241,35 @@ def tune(recipe_path: str | Path, options: TuneOptions, progress: Progress = lam
     return result
 
 
-def _next(session: Session, trials: dict[Candidate, Trial]) -> tuple[Candidate, str] | None:
+def _next(session: Session, trials: dict[Candidate, Trial], verify_now: bool = False
+          ) -> tuple[Candidate, str] | None:
     """The best so far again when the machine may have drifted since; else the search's next
-    candidate; once it has none, a rival of the best to run again."""
+    candidate; once it has none, a rival of the best to run again; then the recipe and the best in turn.
+    `verify_now` (the time left is what the interleaved runs need): the recipe and the best in turn first."""
+    if verify_now and (verify := _verification(session, trials)) is not None:
+        return verify, "verify"
     picked = search.next_candidate(session.base, session.dims, trials, [r.candidate for r in session.rejected])
     if picked is not None:
         recheck = search.next_recheck(trials.values(), sum(1 + len(t.repeats) for t in trials.values()))
         return (recheck, "recheck") if recheck is not None else picked
     again = search.next_confirmation(trials.values())
-    return (again, "confirm") if again is not None else None
+    if again is not None:
+        return again, "confirm"
+    verify = _verification(session, trials)
+    return (verify, "verify") if verify is not None else None
+
+
+def _verification(session: Session, trials: dict[Candidate, Trial]) -> Candidate | None:
+    """The next run of the recipe and the best in turn (`noise.next_run`), or None when none is wanted."""
+    base, top = trials.get(session.base), search.best(trials.values())
+    if base is None or top is None:
+        return None
+    return noise.next_run(base, top, max(n for t in trials.values() for n in (t.index or 0, *t.repeats)))
 
 
 def _run_one(runner: TrialRunner, result: TuneResult, candidate: Candidate, phase: str, deadline: float,
              options: TuneOptions, progress: Progress) -> Trial:
-    best = result.winner if phase not in ("confirm", "recheck") else None  # a repeat is measured fully
+    best = result.winner if phase not in REPEATS else None  # a repeat is measured fully
 
     def stop(records: TrialRecords) -> tuple[Status, str] | None:
         left = deadline - RESERVE_S - time.monotonic()
@@ -263,6 +306,16 @@ def _stall_limit(trials: list[Trial]) -> float | None:
     if not startups:
         return None
     return max(STALL_MIN_S, 3 * max(startups), 10 * max(steps, default=0.0))
+
+
+def _time_to_verify(trials: list[Trial], deadline: float) -> bool:
+    """Whether the time left is about what the interleaved runs of the recipe and the best need (a run per
+    remaining pair member, at the trials' median length, plus one): the search then yields to them."""
+    walls = [t.wall_s / (1 + len(t.repeats)) for t in trials if t.wall_s]
+    if not walls:
+        return False
+    left = deadline - RESERVE_S - time.monotonic()
+    return left <= (2 * noise.PAIRS + 1) * statistics.median(walls)
 
 
 def _time_for_another(trials: list[Trial], deadline: float, options: TuneOptions) -> bool:

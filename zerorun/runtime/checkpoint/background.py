@@ -101,6 +101,7 @@ class Checkpointer:
         self.current: Save | None = None
         self.last_save = time.monotonic()
         self._reported = True
+        self._report_lock = threading.Lock()  # the writer thread and the training thread may both report
 
     # -- cadence ------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -185,14 +186,23 @@ class Checkpointer:
         return waited
 
     def _finish(self, save: Save) -> None:
-        if not self._reported:
-            self._reported = True
-            if save.error is None:
-                self._emit(events.CheckpointStats(save.tag, save.step, "async", save.stall_s, save.waited_s,
-                                                  save.write_s, save.bytes, self.snapshot_bytes()))
+        self.report(save)
         if save.error is not None:
             error, save.error = save.error, None
             raise ZerorunError(error)
+
+    def report(self, save: Save) -> None:
+        """Tell the listeners (telemetry) of a save that committed, once: from the writer thread the moment it
+        is done, or from the training thread if that sees it first. Not at the next step's `poll()` only: a
+        Ctrl-C in the step after a commit (SIGTERM to the workers) lost the record, and the job's summary said
+        "1 saved; step-3" with step-6 on disk."""
+        with self._report_lock:
+            if self._reported:
+                return
+            self._reported = True
+        if save.error is None:
+            self._emit(events.CheckpointStats(save.tag, save.step, "async", save.stall_s, save.waited_s,
+                                              save.write_s, save.bytes, self.snapshot_bytes()))
 
     def _emit(self, stats: events.CheckpointStats) -> None:
         events.emit_checkpoint(stats)
@@ -281,6 +291,7 @@ class _Job:
             save.write_s = time.perf_counter() - started
             save.captured.set()
             save.finished.set()
+        self.owner.report(save)
 
     def _write_shard(self) -> None:
         save, state = self.save, self.state
