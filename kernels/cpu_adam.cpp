@@ -9,9 +9,10 @@
 //
 // Vectorisation: the loop is plain scalar code the compiler vectorises (`omp simd`), compiled three times
 // on x86-64 (AVX-512, AVX2+FMA, baseline SSE2) and picked at run time, so one build in a cache shared
-// across machines is correct and fast everywhere. With an FMA, the division by sqrt(1 - beta2^step) is an
-// exact multiply-and-correct (adam.h): one sqrt and one division per element were the loop's cost when
-// two cores share the memory's bandwidth. Which width runs by default is in preferred_isa().
+// across machines is correct and fast everywhere (preferred_isa() says which runs by default). GCC makes
+// 512-bit loops of the fp32 variants and keeps 256-bit ones where 16-bit values are read or written. With an
+// FMA, the division by sqrt(1 - beta2^step) is an exact multiply-and-correct (adam.h): a sqrt and two
+// divisions per element kept the divider busy for most of the time the memory needs when two cores share it.
 //
 // Threads: each thread of the OpenMP team owns one contiguous range, as torch's parallel_for cuts (so
 // pages stay near the core that first touched them), and works through it grain by grain; a thread that
@@ -96,8 +97,16 @@ int supported_isa() {
   return kGeneric;
 }
 
-// The variant that runs by default: AVX2 even where AVX-512 exists (PREFERRED_ISA_POLICY).
-int preferred_isa() { return std::min<int>(supported_isa(), kAvx2); }
+// The variant that runs by default. AVX-512 only where measured to help (`zerorun bench adam`'s "zerorun avx2"
+// and "zerorun avx512" rows): on AMD's cores (Zen 4 measured: less time per element in cache, as fast or faster
+// from memory). Intel's were not measured (and some lower their clock for 512-bit arithmetic): AVX2 there.
+int preferred_isa() {
+  const int supported = supported_isa();
+#ifdef ZR_X86_DISPATCH
+  if (supported == kAvx512 && __builtin_cpu_is("amd")) return kAvx512;
+#endif
+  return std::min<int>(supported, kAvx2);
+}
 
 std::atomic<int> g_isa{-1};  // chosen on first use; zr_cpu_adam_use_isa may change it (tests, benchmarks)
 

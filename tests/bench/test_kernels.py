@@ -64,3 +64,20 @@ def test_bench_quantize_times_each_operation_of_both_implementations() -> None:
     assert "roofline" in result.output and "dequantize+add" in result.output
     result = CliRunner().invoke(app, ["bench", "quantize", "--sizes", "-3M"])
     assert result.exit_code == 2 and "zerorun: error:" in result.output, result.output
+
+
+def test_bench_rows_force_a_kernel_variant_and_leave_the_default_behind() -> None:
+    """'zerorun avx2' and 'zerorun avx512' run that variant of the kernel (AVX-512 only where measured to help
+    runs by default), or say why not; the default variant is back afterwards."""
+    from zerorun import ops
+
+    default = ops.use_cpu_isa(-1)
+    bench = adam.run([5000], threads=1, repeats=2, implementations=("zerorun", "zerorun avx2", "zerorun avx512"),
+                     budget_s=5.0, bandwidth_numel=10**5)
+    rows = {r.implementation: r for r in bench.results}
+    assert bench.isa == default == ops.use_cpu_isa(-1)
+    for name, level in adam.ISA_ROWS.items():
+        has = ops.use_cpu_isa(level) == name.removeprefix("zerorun ")
+        ops.use_cpu_isa(-1)
+        assert (rows[name].median_s is not None) if has else rows[name].note == f"this CPU has no {name[8:]}"
+

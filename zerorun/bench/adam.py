@@ -25,9 +25,10 @@ from typing import Any, Callable
 
 import torch
 
-IMPLEMENTATIONS = ("zerorun", "zerorun+bf16", "zerorun bf16 grads", "torch fused", "torch fused+bf16",
-                   "torch foreach", "torch for-loop",
+IMPLEMENTATIONS = ("zerorun", "zerorun+bf16", "zerorun bf16 grads", "zerorun avx2", "zerorun avx512", "torch fused",
+                   "torch fused+bf16", "torch foreach", "torch for-loop",
                    "deepspeed")  # DeepSpeedCPUAdam, where deepspeed imports (its op builds at first use)
+ISA_ROWS = {"zerorun avx2": 1, "zerorun avx512": 2}  # the kernel's variant forced (ops.use_cpu_isa), else the default
 BANDWIDTH = "memory (torch add_)"  # the roofline's row, timed in the same rounds
 HYPER: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 GRAD_DIVISOR = 8.0  # "zerorun bf16 grads" unscales its gradients in the pass, as the engine does
@@ -59,6 +60,7 @@ class AdamBench:
     bandwidth_numel: int
     results: list[AdamResult]
     reference: str = "torch fused"
+    isa: str = ""  # the variant the "zerorun" rows run (this CPU's default)
 
 
 def _time(fn: Callable[[], Any], repeats: int, budget_s: float) -> list[float]:
@@ -121,7 +123,7 @@ def _ours(name: str, shard: _Shard) -> Callable[[], None]:
     from zerorun import ops
 
     numel = shard.params.numel()
-    copy = torch.empty(numel, dtype=torch.bfloat16) if name != "zerorun" else None
+    copy = torch.empty(numel, dtype=torch.bfloat16) if name in ("zerorun+bf16", "zerorun bf16 grads") else None
     bf16_grads = name == "zerorun bf16 grads"
     grads = shard.grads.bfloat16() if bf16_grads else shard.grads
     state = {"step": 0}
@@ -129,9 +131,11 @@ def _ours(name: str, shard: _Shard) -> Callable[[], None]:
 
     def step() -> None:
         state["step"] += 1
+        ops.use_cpu_isa(ISA_ROWS.get(name, -1))
         ops.adamw_step(shard.params, grads, shard.exp_avg, shard.exp_avg_sq, step=state["step"], lr=HYPER["lr"],
                        beta1=beta1, beta2=beta2, eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
                        grad_divisor=GRAD_DIVISOR if bf16_grads else 1.0, lowp_out=copy)
+        ops.use_cpu_isa(-1)
     return step
 
 
@@ -152,6 +156,13 @@ def _missing(name: str, ours: Any) -> str | None:
 
     if name.startswith("zerorun") and ours.lib is None:
         return str(ours.reason)
+    if name in ISA_ROWS:
+        from zerorun import ops
+
+        used = ops.use_cpu_isa(ISA_ROWS[name])
+        ops.use_cpu_isa(-1)
+        if f"zerorun {used}" != name:
+            return f"this CPU has no {name.removeprefix('zerorun ')}"
     if name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         return "deepspeed does not import here"
     return None
@@ -226,7 +237,8 @@ def run(sizes: list[int], threads: int = 1, repeats: int = 10, implementations: 
         ran = {r.implementation for r in results if r.median_s is not None}
         reference = "deepspeed" if "deepspeed" in ran else "torch fused"
         bandwidth = 3 * 4 * bandwidth_numel / statistics.median(add_times) / 1e9
-        return AdamBench(threads, bandwidth, bandwidth_numel, results, reference)
+        isa = ops.use_cpu_isa(-1) if ours.lib is not None else ""
+        return AdamBench(threads, bandwidth, bandwidth_numel, results, reference, isa)
     finally:
         torch.set_num_threads(previous)
 
@@ -234,10 +246,11 @@ def run(sizes: list[int], threads: int = 1, repeats: int = 10, implementations: 
 def render(bench: AdamBench) -> Any:
     from rich.table import Table
 
+    isa = f"; zerorun runs {bench.isa} here" if bench.isa else ""
     table = Table(title=f"Adam(W) step over one flat fp32 shard, {bench.threads} thread(s), median of interleaved "
                         f"rounds; roofline: torch add_ over {bench.bandwidth_numel:,} fp32 in the same rounds "
-                        f"{bench.bandwidth_gb_s:.1f} GB/s; GB/s counts 28 B/param (30 with a bf16 copy of fp32 "
-                        f"grads' update); x {bench.reference}: median of the per-round ratios")
+                        f"{bench.bandwidth_gb_s:.1f} GB/s; GB/s counts 28 B/param (30 for +bf16: fp32 grads and a "
+                        f"bf16 copy); x {bench.reference}: median of the per-round ratios{isa}")
     for column in ("params", "implementation", "ms", "G params/s", "GB/s", "% of roofline",
                    f"x {bench.reference}", "runs"):
         table.add_column(column, justify="left" if column == "implementation" else "right")
