@@ -9,15 +9,16 @@ core's bandwidth grows with the number of streams it keeps in flight (Adam has s
 A row's GB/s counts the bytes the update must move, not what an implementation happens to move (the
 for-loop's temporaries are its cost).
 
-Every implementation steps the same tensors, in turn: one round runs each once, the add included, and
-the rounds repeat. A machine's bandwidth moves between levels from one second to the next (two cores
-of a VM, neighbours' jobs), so timing each implementation in its own stretch would compare moments, not
-implementations. Each row's ratio is the median over rounds of its time over the reference's time in
+Every implementation steps the same tensors, in turn: one round runs each once, the add included, in a
+shuffled order, and the rounds repeat. A machine's bandwidth moves between levels from one second to the
+next (two cores of a VM, neighbours' jobs), so timing each implementation in its own stretch would compare
+moments, not implementations. Each row's ratio is the median over rounds of its time over the reference's time in
 the same round: DeepSpeedCPUAdam where deepspeed imports, else torch's fused AdamW.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -131,12 +132,17 @@ def _ours(name: str, shard: _Shard) -> Callable[[], None]:
 
     def step() -> None:
         state["step"] += 1
-        ops.use_cpu_isa(ISA_ROWS.get(name, -1))
         ops.adamw_step(shard.params, grads, shard.exp_avg, shard.exp_avg_sq, step=state["step"], lr=HYPER["lr"],
                        beta1=beta1, beta2=beta2, eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
                        grad_divisor=GRAD_DIVISOR if bf16_grads else 1.0, lowp_out=copy)
-        ops.use_cpu_isa(-1)
-    return step
+
+    def step_variant() -> None:
+        ops.use_cpu_isa(ISA_ROWS[name])
+        try:
+            step()
+        finally:
+            ops.use_cpu_isa(-1)
+    return step_variant if name in ISA_ROWS else step
 
 
 def _deepspeed(shard: _Shard) -> Callable[[], None]:
@@ -181,17 +187,20 @@ def _bytes_per_param(name: str) -> int:
 
 
 def _rounds(steps: dict[str, Callable[[], Any]], repeats: int, budget_s: float) -> dict[str, list[float]]:
-    """Each step timed once per round, in turn (the first of each round rotating), after one warm-up each:
-    `repeats` rounds, fewer once they take more than `budget_s` per step (at least one)."""
+    """Each step timed once per round, after one warm-up each: `repeats` rounds, fewer once they take more than
+    `budget_s` per step (at least one). Each round's order is shuffled (the same shuffles every run): in a fixed
+    cycle one implementation would always follow the add, which empties the caches, and another always follow
+    an implementation that has just brought the shard into them."""
     for step in steps.values():
         step()
     names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
     spent = 0.0
+    shuffles = random.Random(0)
     for k in range(repeats):
         if k and spent > budget_s * len(names):
             break
-        for name in names[k % len(names):] + names[:k % len(names)]:
+        for name in shuffles.sample(names, len(names)):
             start = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - start)
