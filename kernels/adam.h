@@ -28,11 +28,13 @@ struct AdamConfig {
   float decay_factor;          // AdamW: p *= 1 - lr * weight_decay
   float l2;                    // Adam: g += weight_decay * p
   float lerp_weight;           // exp_avg.lerp_(g, 1 - beta1), in torch's two-sided form
-  bool lerp_from_grad;         //   (weight >= 0.5 interpolates from g's side for accuracy)
+  uint32_t lerp_from_grad;     //   (weight >= 0.5 interpolates from g's side for accuracy; not a bool: GCC
+                               //   vectorises a select on a 32-bit value, not on a bool, in the CPU loop)
   float beta2;
   float one_minus_beta2;
   float step_size;             // lr / (1 - beta1^step)
   float bias_correction2_sqrt; // sqrt(1 - beta2^step)
+  float bias_correction2_rsqrt; //   its correctly rounded reciprocal (for the CPU's exact quotient)
   float eps;
 };
 
@@ -47,44 +49,19 @@ inline AdamConfig make_adam_config(int64_t step, double lr, double beta1, double
   c.decay_factor = decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
   c.l2 = decoupled ? 0.0f : static_cast<float>(weight_decay);
   c.lerp_weight = from_grad ? static_cast<float>(weight) - 1.0f : static_cast<float>(weight);
-  c.lerp_from_grad = from_grad;
+  c.lerp_from_grad = from_grad ? 1u : 0u;
   c.beta2 = static_cast<float>(beta2);
   c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   c.step_size = static_cast<float>(lr / bias_correction1);
   c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  // 1 / x in double, then rounded to float, is the correctly rounded float reciprocal (a double holds more
+  // than 2 x 24 + 2 bits, so the double rounding is innocuous)
+  c.bias_correction2_rsqrt = static_cast<float>(1.0 / static_cast<double>(c.bias_correction2_sqrt));
   c.eps = static_cast<float>(eps);
   return c;
 }
 
-// One element: p (fp32 master), m, v updated in place from the raw gradient g. kUnscale=false skips
-// the division when the divisor is 1 (exact either way; a division per element costs when the shard
-// is in cache). kFma=false is for CPUs without FMA (baseline x86-64), where fmaf is a library call.
-template <bool kDecoupled, bool kUnscale = true, bool kFma = true>
-ZR_HOST_DEVICE void adam_update(float& p, float g, float& m, float& v, const AdamConfig& c) {
-  // The fmas sit where torch's compiled fused kernel has them, so results match it bit for bit.
-  if (kUnscale) g = g / c.grad_divisor;
-  if (kDecoupled) {
-    p = p * c.decay_factor;
-  } else {
-    g = kFma ? fmaf(p, c.l2, g) : g + p * c.l2;
-  }
-  const float base = c.lerp_from_grad ? g : m;
-  m = kFma ? fmaf(c.lerp_weight, g - m, base) : base + c.lerp_weight * (g - m);
-  v = kFma ? fmaf(c.one_minus_beta2 * g, g, v * c.beta2) : v * c.beta2 + c.one_minus_beta2 * g * g;
-  const float denom = sqrtf(v) / c.bias_correction2_sqrt + c.eps;
-  p = p - c.step_size * m / denom;
-}
-
-// One flat shard's tensors, as both kernels receive them (lowp_out may be null).
-struct Shard {
-  float* params;
-  const void* grads;
-  float* exp_avg;
-  float* exp_avg_sq;
-  void* lowp_out;
-};
-
-// ---- fp32 <-> bf16/fp16 as bit patterns, round-to-nearest-even, branch-free so loops vectorise ----
+// ---- fp32 as bits (the exact quotient below and the bf16/fp16 conversions) ----
 
 ZR_HOST_DEVICE uint32_t float_to_bits(float f) {
 #if defined(__CUDA_ARCH__)
@@ -105,6 +82,54 @@ ZR_HOST_DEVICE float bits_to_float(uint32_t u) {
   return f;
 #endif
 }
+
+// sqrt(v) / sqrt(1 - beta2^step), correctly rounded like torch's division. kReciprocal (needs an FMA) frees the
+// divider, the CPU loop's bottleneck once the memory keeps up (one sqrt and two divisions per element): it
+// multiplies by the correctly rounded reciprocal and corrects the quotient by its exact remainder, which
+// gives the correctly rounded quotient (Markstein's theorem, given no underflow: sqrt(v) is 0 or >= 2^-75 and
+// the divisor >= 2^-27 for any beta2 < 1, so the remainder is exact even as a subnormal, which torch keeps by
+// default). Only an infinite sqrt(v) has no finite remainder: it passes through, as the division's inf.
+template <bool kReciprocal>
+ZR_HOST_DEVICE float bias_corrected_sqrt(float v, const AdamConfig& c) {
+  const float root = sqrtf(v);
+  if (!kReciprocal) return root / c.bias_correction2_sqrt;
+  const float quotient = root * c.bias_correction2_rsqrt;
+  const float remainder = fmaf(-quotient, c.bias_correction2_sqrt, root);
+  const uint32_t finite = float_to_bits(root) < 0x7F800000u ? 0xFFFFFFFFu : 0u;  // root >= 0, +inf or NaN
+  return fmaf(bits_to_float(float_to_bits(remainder) & finite), c.bias_correction2_rsqrt, quotient);
+}
+
+// One element: p (fp32 master), m, v updated in place from the raw gradient g. kUnscale=false skips
+// the division when the divisor is 1 (exact either way; a division per element costs when the shard
+// is in cache). kFma=false is for CPUs without FMA (baseline x86-64), where fmaf is a library call.
+// kReciprocal: see bias_corrected_sqrt (the CPU kernel takes it wherever it has an FMA; the CUDA kernel divides).
+template <bool kDecoupled, bool kUnscale = true, bool kFma = true, bool kReciprocal = false>
+ZR_HOST_DEVICE void adam_update(float& p, float g, float& m, float& v, const AdamConfig& c) {
+  static_assert(kFma || !kReciprocal, "the exact quotient needs a fused multiply-add");
+  // The fmas sit where torch's compiled fused kernel has them, so results match it bit for bit.
+  if (kUnscale) g = g / c.grad_divisor;
+  if (kDecoupled) {
+    p = p * c.decay_factor;
+  } else {
+    g = kFma ? fmaf(p, c.l2, g) : g + p * c.l2;
+  }
+  const float base = c.lerp_from_grad ? g : m;
+  m = kFma ? fmaf(c.lerp_weight, g - m, base) : base + c.lerp_weight * (g - m);
+  v = kFma ? fmaf(c.one_minus_beta2 * g, g, v * c.beta2) : v * c.beta2 + c.one_minus_beta2 * g * g;
+  const float denom = bias_corrected_sqrt<kReciprocal>(v, c) + c.eps;
+  p = p - c.step_size * m / denom;
+}
+
+// One flat shard's tensors, as both kernels receive them (lowp_out may be null).
+struct Shard {
+  float* params;
+  const void* grads;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* lowp_out;
+};
+
+// ---- fp32 <-> bf16/fp16 as bit patterns, round-to-nearest-even, branch-free so loops vectorise ----
 
 ZR_HOST_DEVICE uint16_t float_to_bf16(float f) {
   const uint32_t u = float_to_bits(f);

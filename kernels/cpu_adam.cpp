@@ -7,15 +7,24 @@
 // writing the gradient back), bf16/fp16 gradients, and the low-precision copy-out that would
 // otherwise be a second pass.
 //
-// Vectorisation: the loop is plain scalar code the compiler vectorises (`omp simd`), compiled twice on
-// x86-64 (AVX2+FMA, and baseline SSE2) and picked at run time, so one build in a cache shared across
-// machines is correct and fast everywhere. (An AVX-512 variant measured no faster: the update is
-// memory-bound.) Threads: an OpenMP team splits the shard into contiguous, cache-line-aligned ranges.
+// Vectorisation: the loop is plain scalar code the compiler vectorises (`omp simd`), compiled three times
+// on x86-64 (AVX-512, AVX2+FMA, baseline SSE2) and picked at run time, so one build in a cache shared
+// across machines is correct and fast everywhere (preferred_isa() says which runs by default). GCC makes
+// 512-bit loops of the fp32 variants and keeps 256-bit ones where 16-bit values are read or written. With an
+// FMA, the division by sqrt(1 - beta2^step) is an exact multiply-and-correct (adam.h): a sqrt and two
+// divisions per element kept the divider busy for most of the time the memory needs when two cores share it.
+//
+// Threads: each thread of the OpenMP team owns one contiguous range, as torch's parallel_for cuts (so
+// pages stay near the core that first touched them), and works through it grain by grain; a thread that
+// is done takes grains from the others' ranges, so a thread the OS preempts (a shared host, the backward
+// running beside an overlapped step) no longer holds the whole step back. Grains are multiples of 64
+// bytes of every output, so no two threads write one cache line.
 #include <omp.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 
 #include "adam.h"
 
@@ -36,7 +45,7 @@ inline __attribute__((always_inline)) void adam_range(const Shard& s, const Adam
 #pragma omp simd
   for (int64_t i = begin; i < end; ++i) {
     float pi = p[i], mi = m[i], vi = v[i];
-    adam_update<kDecoupled, kUnscale, kFma>(pi, load_as_float<kGrad>(g, i), mi, vi, c);
+    adam_update<kDecoupled, kUnscale, kFma, kFma>(pi, load_as_float<kGrad>(g, i), mi, vi, c);
     p[i] = pi;
     m[i] = mi;
     v[i] = vi;
@@ -46,8 +55,8 @@ inline __attribute__((always_inline)) void adam_range(const Shard& s, const Adam
 
 using RangeFn = void (*)(const Shard&, const AdamConfig&, int64_t, int64_t);
 
-enum Isa : int { kGeneric = 0, kAvx2 = 1 };
-const char* const kIsaNames[] = {"generic", "avx2"};
+enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* const kIsaNames[] = {"generic", "avx2", "avx512"};
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ZR_X86_DISPATCH 1
@@ -66,21 +75,45 @@ template <bool D, bool U, int G, int L>
 __attribute__((target("avx2,fma,f16c"))) void range_avx2(const Shard& s, const AdamConfig& c, int64_t b, int64_t e) {
   adam_range<D, U, G, L, true>(s, c, b, e);
 }
+
+template <bool D, bool U, int G, int L>
+__attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"))) void range_avx512(const Shard& s,
+                                                                                     const AdamConfig& c, int64_t b,
+                                                                                     int64_t e) {
+  adam_range<D, U, G, L, true>(s, c, b, e);
+}
 #endif
 
-int best_isa() {
+// The widest variant this CPU can run.
+int supported_isa() {
 #ifdef ZR_X86_DISPATCH
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw"))
+    return kAvx512;
+  if (avx2) return kAvx2;
 #endif
   return kGeneric;
 }
 
-std::atomic<int> g_isa{-1};  // chosen on first use; zr_cpu_adam_use_isa may lower it (tests, benchmarks)
+// The variant that runs by default. AVX-512 only where measured to help (`zerorun bench adam`'s "zerorun avx2"
+// and "zerorun avx512" rows): on AMD's cores (Zen 4 measured: less time per element in cache, as fast or faster
+// from memory). Intel's were not measured (and some lower their clock for 512-bit arithmetic): AVX2 there.
+int preferred_isa() {
+  const int supported = supported_isa();
+#ifdef ZR_X86_DISPATCH
+  if (supported == kAvx512 && __builtin_cpu_is("amd")) return kAvx512;
+#endif
+  return std::min<int>(supported, kAvx2);
+}
+
+std::atomic<int> g_isa{-1};  // chosen on first use; zr_cpu_adam_use_isa may change it (tests, benchmarks)
 
 template <bool D, bool U, int G, int L>
 RangeFn for_isa() {
 #ifdef ZR_X86_DISPATCH
+  if (g_isa == kAvx512) return &range_avx512<D, U, G, L>;
   if (g_isa == kAvx2) return &range_avx2<D, U, G, L>;
 #endif
   return &range_generic<D, U, G, L>;
@@ -111,15 +144,48 @@ RangeFn pick(bool decoupled, bool unscale, int grad, int lowp) {
   return unscale ? for_grad<false, true>(grad, lowp) : for_grad<false, false>(grad, lowp);
 }
 
+constexpr int64_t kMinPerThread = 1 << 15;  // below this a thread costs more than it saves
+constexpr int64_t kAlign = 32;              // 64 bytes of a 2-byte output: no two threads write one cache line
+constexpr int64_t kMaxGrain = 1 << 17;      // ~0.1 ms of one core: what a preempted thread can hold back
+
+// A thread's contiguous range, consumed grain by grain from the front by its owner and by helpers.
+struct alignas(64) Range {
+  std::atomic<int64_t> next{0};
+  int64_t end = 0;
+};
+
+// [begin, end) of the next grain of `range`, or begin >= end when it is used up.
+inline int64_t claim(Range& range, int64_t grain) { return range.next.fetch_add(grain, std::memory_order_relaxed); }
+
+void run_team(RangeFn range, const Shard& shard, const AdamConfig& config, int64_t n, int threads) {
+  const int64_t chunk = ((n + threads - 1) / threads + kAlign - 1) / kAlign * kAlign;
+  const int64_t grain = std::min(kMaxGrain, std::max(kAlign, chunk / 8 / kAlign * kAlign));
+  std::unique_ptr<Range[]> ranges(new Range[threads]);
+  for (int t = 0; t < threads; ++t) {
+    ranges[t].next.store(std::min(n, t * chunk), std::memory_order_relaxed);
+    ranges[t].end = std::min(n, (t + 1) * chunk);
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    // its own range first, then the others' in turn (so a smaller team than asked for still covers them all)
+    const int self = omp_get_thread_num();
+    for (int k = 0; k < threads; ++k) {
+      const int victim = (self + k) % threads;
+      Range& r = ranges[victim];
+      for (int64_t begin = claim(r, grain); begin < r.end; begin = claim(r, grain))
+        range(shard, config, begin, std::min(r.end, begin + grain));
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-// Selects the instruction set: -1 = the best this CPU has, else at most `level` (0 generic, 1 avx2).
-// Returns the level in use.
+// Selects the instruction set: -1 = the default for this CPU, else at most `level` (0 generic, 1 avx2,
+// 2 avx512) of what it supports. Returns the level in use.
 int zr_cpu_adam_use_isa(int level) {
-  const int best = best_isa();
-  const int chosen = (level < 0 || level > best) ? best : level;
+  const int chosen = level < 0 ? preferred_isa() : std::min(level, supported_isa());
   g_isa = chosen;
   return chosen;
 }
@@ -129,7 +195,9 @@ int zr_cpu_adam_isa() {
   return g_isa;
 }
 
-const char* zr_cpu_adam_isa_name(int level) { return (level == kGeneric || level == kAvx2) ? kIsaNames[level] : "?"; }
+const char* zr_cpu_adam_isa_name(int level) {
+  return (level >= kGeneric && level <= kAvx512) ? kIsaNames[level] : "?";
+}
 
 // One Adam(W) step over n elements. grad_dtype / lowp_dtype are zerorun::DType codes (lowp -1: none).
 // Returns 0, or 1 for an unsupported dtype code.
@@ -142,21 +210,12 @@ int zr_cpu_adam(float* params, const void* grads, int grad_dtype, float* exp_avg
   if (range == nullptr) return 1;
   const AdamConfig config = make_adam_config(step, lr, beta1, beta2, eps, weight_decay, decoupled != 0, grad_divisor);
   const Shard shard{params, grads, exp_avg, exp_avg_sq, lowp_out};
-
-  constexpr int64_t kMinPerThread = 1 << 15;  // below this a thread costs more than it saves
-  constexpr int64_t kAlign = 16;              // 64-byte ranges: no two threads write one cache line
   const int64_t useful = std::max<int64_t>(1, n / kMinPerThread);
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, useful)));
   if (threads == 1) {
     range(shard, config, 0, n);
-    return 0;
-  }
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t chunk = ((n + team - 1) / team + kAlign - 1) / kAlign * kAlign;
-    const int64_t begin = std::min(n, t * chunk), end = std::min(n, begin + chunk);
-    if (begin < end) range(shard, config, begin, end);
+  } else {
+    run_team(range, shard, config, n, threads);
   }
   return 0;
 }

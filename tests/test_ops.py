@@ -24,10 +24,22 @@ def cpu_kernel() -> None:
     assert line.startswith("loaded"), line
 
 
-@pytest.fixture(params=["best", "generic"])
+ISA_LEVELS = {"generic": 0, "avx2": 1, "avx512": 2}
+
+
+def _use_isa(name: str) -> str:
+    """Run the CPU kernel's `name` variant from now on (the caller restores the default), or skip."""
+    used = ops.use_cpu_isa(ISA_LEVELS[name])
+    if used != name:
+        ops.use_cpu_isa(-1)
+        pytest.skip(f"this CPU has no {name} (the kernel would run {used})")
+    return used
+
+
+@pytest.fixture(params=["generic", "avx2", "avx512"])
 def isa(request: pytest.FixtureRequest, cpu_kernel: None) -> str:
-    """Each compiled variant of the CPU kernel (AVX2+FMA and baseline on x86-64)."""
-    used = ops.use_cpu_isa(-1 if request.param == "best" else 0)
+    """Each compiled variant of the CPU kernel this CPU can run (on x86-64: baseline, AVX2+FMA, AVX-512)."""
+    used = _use_isa(request.param)
     yield used
     ops.use_cpu_isa(-1)
 
@@ -102,18 +114,22 @@ def test_low_precision_copy_rounds_special_values_like_torch(isa: str, lowp: tor
     assert torch.equal(copy.nan_to_num().view(torch.int16), expected.nan_to_num().view(torch.int16))
 
 
-def test_kernel_matches_torch_fused_with_many_threads(cpu_kernel: None) -> None:
-    """Threads split the shard; each element's arithmetic is the same, so results equal one thread's."""
-    numel = 300_001
+@pytest.mark.parametrize("numel", [300_001, 2 * 32768 + 5])
+def test_kernel_gives_one_threads_bits_with_many_threads(cpu_kernel: None, numel: int) -> None:
+    """Threads split the shard and take grains from each other's ranges; every element is updated exactly once
+    (twice or never would change its bits), and by the same arithmetic, so results equal one thread's."""
     results = []
-    for threads in (1, 2):
+    for threads in (1, 2, 3, 5):
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            results.append(_reference_run(numel, True, steps=2, grad_divisor=4.0, grad_dtype=torch.float32)[0])
+            ours, _, copy = _reference_run(numel, True, steps=2, grad_divisor=4.0, grad_dtype=torch.bfloat16,
+                                           lowp=torch.bfloat16)
+            results.append((ours, copy))
         finally:
             torch.set_num_threads(previous)
-    assert torch.equal(results[0], results[1])
+    for ours, copy in results[1:]:
+        assert torch.equal(ours, results[0][0]) and torch.equal(copy, results[0][1])
 
 
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
@@ -155,11 +171,17 @@ def test_misuse_is_a_value_error_naming_the_tensor(bad: str) -> None:
         ops.adamw_step(*tensors.values(), step=1, lowp_out=lowp_out, **HYPER)
 
 
-def test_avx2_kernel_equals_torch_cpu_fused_adamw_bit_for_bit(cpu_kernel: None) -> None:
+def _torch_has_vector_adam() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@pytest.mark.parametrize("variant", ["avx2", "avx512"])
+def test_fma_kernels_equal_torch_cpu_fused_adamw_bit_for_bit(cpu_kernel: None, variant: str) -> None:
     """What docs/kernels.md claims: adam.h follows torch's CPU fused AdamW operation for operation. A length
     of whole vectors (torch's scalar tail, which rounds differently, never runs), 10 steps, in place."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or ops.use_cpu_isa(1) != "avx2":
-        pytest.skip("needs AVX2+FMA for both torch's kernel and ours")
+    if not _torch_has_vector_adam():
+        pytest.skip("needs torch's AVX2/AVX-512 fused Adam")
+    _use_isa(variant)
     try:
         numel = 1 << 16
         ours = torch.randn(numel)
@@ -203,3 +225,42 @@ def test_a_first_build_says_so_and_its_time_is_counted_apart(tmp_path, monkeypat
     assert kernel_cache.previous_build_s("cpu_adam") == 0.2  # the next build says "~0 s last time"
     ops.load_kernel("cpu_adam")  # loaded (or refused) once per process: nothing more is built or said
     assert capsys.readouterr().err == "" and ops.build_seconds() - before < 0.3
+
+
+def _second_moments(numel: int) -> torch.Tensor:
+    """exp_avg_sq over every magnitude a float holds (subnormals to 2^127), with 0, inf and NaN among them."""
+    torch.manual_seed(0)
+    values = torch.exp2(torch.empty(numel, dtype=torch.float64).uniform_(-149, 127.9)).float()
+    values[:5] = torch.tensor([0.0, 1e-45, 3.0e38, float("inf"), float("nan")])
+    return values
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    both_nan = a.isnan() & b.isnan()
+    return bool(torch.equal(both_nan, a.isnan() | b.isnan()) and
+                torch.equal(a.masked_fill(both_nan, 0).view(torch.int32), b.masked_fill(both_nan, 0).view(torch.int32)))
+
+
+@pytest.mark.parametrize("variant", ["avx2", "avx512"])
+def test_exact_quotient_by_the_bias_correction_equals_torchs_division(cpu_kernel: None, variant: str) -> None:
+    """With an FMA the kernel multiplies sqrt(v) by 1 / sqrt(1 - beta2^step) and corrects the quotient by its
+    remainder instead of dividing (adam.h). The update's result shows every bit of that quotient when the
+    params start at 0 and the gradient is 0, so compare with torch's division over second moments of every
+    magnitude, and over bias corrections of many steps and beta2s (an inf second moment must give torch's 0)."""
+    if not _torch_has_vector_adam():
+        pytest.skip("needs torch's AVX2/AVX-512 fused Adam")
+    _use_isa(variant)
+    numel = 1 << 15
+    exp_avg_sq = _second_moments(numel)
+    exp_avg = torch.randn(numel)
+    try:
+        for beta2 in (0.95, 0.999, 0.99999):
+            for step in (1, 2, 3, 10, 77, 1000, 30000):
+                hyper = {"lr": 1.0, "beta1": 0.9, "beta2": beta2, "eps": 1e-8, "weight_decay": 0.0}
+                ours = [torch.zeros(numel), torch.zeros(numel), exp_avg.clone(), exp_avg_sq.clone()]
+                theirs = [t.clone() for t in ours]
+                ops.adamw_step(*ours, step=step, **hyper)
+                ops._torch_adamw_step(*theirs, step, *hyper.values(), 1, 1.0, None)
+                assert all(_same_bits(a, b) for a, b in zip(ours, theirs)), (beta2, step)
+    finally:
+        ops.use_cpu_isa(-1)

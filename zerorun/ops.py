@@ -392,7 +392,8 @@ def aio_library() -> ctypes.CDLL | None:
 
 
 def use_cpu_isa(level: int) -> str:
-    """Restrict cpu_adam to an instruction set (-1 best, 0 generic, 1 avx2); the name of the one in use."""
+    """Run cpu_adam's variant `level` (-1 this CPU's default, 0 generic, 1 avx2, 2 avx512), or the widest this CPU
+    has below it; the name of the one in use."""
     lib = load_kernel("cpu_adam").lib
     if lib is None:
         raise BuildError(_loaded["cpu_adam"].reason)
