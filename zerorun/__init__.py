@@ -45,12 +45,14 @@ def sharded_init() -> Any:
     return _sharded_init()
 
 
-def initialize(model: nn.Module, optimizer: Optimizer | None = None, config: Recipe | None = None,
+def initialize(model: nn.Module, optimizer: Optimizer | list[Optimizer] | None = None, config: Recipe | None = None,
                lr_scheduler: SchedulerArg = None) -> Engine:
     """Wrap `model` in a ZeRO engine.
 
-    `optimizer`: a torch Adam/AdamW whose param groups are taken over (None: the recipe's `optimizer`
-    section). `lr_scheduler`: a torch LR scheduler on that optimizer (or a function of the engine's
+    `optimizer`: any torch optimizer, or a list of them over disjoint parameters (Muon for the matrices and
+    AdamW for the rest), whose param groups, hyper-parameters and state are taken over and which performs the
+    update over what each rank owns (docs/optimizers.md: how each kind runs); None: the recipe's `optimizer`
+    section. `lr_scheduler`: a torch LR scheduler on that optimizer (or a function of the engine's
     optimizer that builds one) that the engine steps after every applied update, as DeepSpeed's does;
     without it the recipe's `scheduler` section, if any, is built and stepped the same way. Schedulers
     the script builds and steps itself are found, saved with every checkpoint and restored on resume.
@@ -61,6 +63,20 @@ def initialize(model: nn.Module, optimizer: Optimizer | None = None, config: Rec
     lr_scheduler, source = _recipe_choices(chosen, optimizer, lr_scheduler)
     # a zerorun script loops to the recipe's train.steps (docs/training-script.md): the progress counts to it
     return start(Engine(model, optimizer, chosen, lr_scheduler, source), total_steps=chosen.train.steps)
+
+
+# names imported on first use (they need torch): zerorun.Elementwise declares an optimizer class elementwise
+# (runtime/optim/ways.py); zerorun.Lion and zerorun.Lamb are the optimizers torch lacks (runtime/optim/classes.py)
+_LAZY = {"Elementwise": "zerorun.runtime.optim.ways", "Lion": "zerorun.runtime.optim.classes",
+         "Lamb": "zerorun.runtime.optim.classes"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'zerorun' has no attribute {name!r}")
 
 
 def start(engine: Engine, total_steps: int | None) -> Engine:

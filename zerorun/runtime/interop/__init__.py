@@ -84,9 +84,9 @@ class Interop:
         """`root.parameters()`/`named_parameters()` wait for the deferred publish (publish_guard.py)."""
         self._undo.append(guard_parameter_reads(root, wait_all))
 
-    def refuse_direct_use(self, optimizer: torch.optim.Optimizer) -> None:
-        """The handed-over optimizer refuses to step or save (optimizer_guard.py)."""
-        self._undo.append(refuse_direct_use(optimizer))
+    def refuse_direct_use(self, optimizer: torch.optim.Optimizer, engine_steps: Callable[[], bool]) -> None:
+        """The handed-over optimizer refuses to step or save, but for the engine's own steps (optimizer_guard.py)."""
+        self._undo.append(refuse_direct_use(optimizer, engine_steps))
 
     def remove(self) -> None:
         """Undo every interception of this engine (idempotent)."""

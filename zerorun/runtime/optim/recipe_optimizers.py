@@ -1,0 +1,55 @@
+"""The optimizers a recipe's `optimizer` section names, built as torch optimizers over the model.
+
+`zerorun.initialize(model)` without an optimizer trains with these; they are handed over like a
+script's own (take_over.py), so the recipe's optimizer and a script's run the same way. `muon` is
+two optimizers, as torch's documentation recommends and DeepSpeed's `Muon` type builds: torch's
+Muon for the hidden matrices (2-D parameters whose names contain neither `embed` nor `lm_head`),
+AdamW for the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerorun.config import OptimizerConfig
+from zerorun.runtime.optim.classes import Lamb, Lion
+
+
+def muon_takes(name: str, param: nn.Parameter) -> bool:
+    """Whether the recipe's (and DeepSpeed's) `muon` gives a parameter to Muon rather than to its AdamW."""
+    return param.ndim == 2 and "embed" not in name and "lm_head" not in name
+
+
+def from_recipe(cfg: OptimizerConfig, model: nn.Module) -> list[torch.optim.Optimizer]:
+    """The recipe's optimizer(s) over every trainable parameter of `model`."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    adam: dict[str, Any] = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.type == "muon":
+        matrices = [p for n, p in named if muon_takes(n, p)]
+        rest = [p for n, p in named if not muon_takes(n, p)]
+        muon = torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay, **_given(
+            momentum=cfg.momentum, nesterov=cfg.nesterov)) if matrices else None
+        adamw = torch.optim.AdamW(rest, **{**adam, "lr": cfg.adam_lr or cfg.lr}) if rest else None
+        return [opt for opt in (muon, adamw) if opt is not None]
+    build = {
+        "adamw": lambda: torch.optim.AdamW(params, **adam),
+        "adam": lambda: torch.optim.Adam(params, **adam),
+        "sgd": lambda: torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **_given(
+            momentum=cfg.momentum, nesterov=cfg.nesterov)),
+        "lion": lambda: Lion(params, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), weight_decay=cfg.weight_decay),
+        "adagrad": lambda: torch.optim.Adagrad(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay),
+        "rmsprop": lambda: torch.optim.RMSprop(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                               **_given(momentum=cfg.momentum)),
+        "adafactor": lambda: torch.optim.Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay),
+        "lamb": lambda: Lamb(params, **adam),
+    }
+    return [build[cfg.type]()]
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    """The keyword arguments the recipe set (null: the optimizer's own default)."""
+    return {k: v for k, v in values.items() if v is not None}
