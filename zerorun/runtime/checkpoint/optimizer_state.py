@@ -49,7 +49,9 @@ class SavedOptimizerState(contextlib.ExitStack):
         if first is None:
             return None
         entries = self.owned[first]["state"]
-        return {key: scalar_from_json(entry) for key, entry in entries.items() if not is_tensor_entry(entry)} or None
+        if not entries:  # it had not stepped
+            return None
+        return {key: scalar_from_json(entry) for key, entry in entries.items() if not is_tensor_entry(entry)}
 
     def read(self, name: str, kind: str, lo: int, hi: int) -> torch.Tensor | None:
         owned = self.owned.get(name)
