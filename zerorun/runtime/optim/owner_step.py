@@ -103,7 +103,8 @@ class OwnerStep:
                 self.piece_of[k] = pieces[unit.group][seen[unit.group]]
                 seen[unit.group] += 1
                 members += [(k, unit, i) for i in range(len(unit.params))]
-        self.plan: OwnershipPlan = plan_ownership([unit.params[i].numel() for _, unit, i in members],
+        # by the layout's sizes: a stage 3 parameter is an empty tensor between its gathers
+        self.plan: OwnershipPlan = plan_ownership([unit.layout.spans[i].numel for _, unit, i in members],
                                                   store.shard_world)
         self.params = [OwnerParam(names[unit.params[i]], unit.group, k, unit.layout.spans[i], unit.shapes[i], owner,
                                   nn.Parameter(torch.empty(0, device=place)))
