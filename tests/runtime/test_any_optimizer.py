@@ -180,3 +180,37 @@ def test_an_optimizer_declared_elementwise_whose_state_is_not_is_refused_naming_
     message = run_ranks(_declared_wrongly, 1)[0]
     assert "param group 0 of the Wrong: its state 'norm' is torch.float32 (1,) for a parameter (2,): not " \
            "elementwise" in message and "Remove the zerorun.Elementwise declaration" in message, message
+
+
+# -- the recipe's optimizer section -------------------------------------------------------------------------------
+def _recipe_types(rank: int, world: int) -> dict[str, list[str]]:
+    import zerorun
+    from tests.runtime.reference import batch, make_model
+    from zerorun import config
+
+    out = {}
+    for kind in ("adamw", "adam", "sgd", "lion", "adagrad", "rmsprop", "adafactor", "lamb", "muon"):
+        recipe = config.loads("script: t.py\n", "t.yaml", ["zero.stage=2", f"optimizer.type={kind}"])
+        engine = zerorun.initialize(make_model(0), None, recipe)
+        for micro in range(2):
+            engine.backward(engine(batch(0, rank, micro)))
+            engine.step()
+        out[kind] = [f"{type(g.optimizer).__name__}:{g.way.value}" for g in engine.update.groups]
+        engine.destroy()
+    return out
+
+
+def test_the_recipes_optimizer_types_build_the_optimizers_they_name_and_train() -> None:
+    ways = run_ranks(_recipe_types, 2)[0]
+    assert ways == {"adamw": ["AdamW:fused-adam"], "adam": ["Adam:fused-adam"], "sgd": ["SGD:elementwise"],
+                    "lion": ["Lion:elementwise"], "adagrad": ["Adagrad:elementwise"], "rmsprop": ["RMSprop:elementwise"],
+                    "adafactor": ["Adafactor:owner"], "lamb": ["Lamb:owner"],
+                    "muon": ["Muon:owner", "AdamW:fused-adam"]}  # Muon: up and down; AdamW: the rest
+
+
+def test_a_key_the_recipes_optimizer_type_does_not_read_is_refused_naming_it() -> None:
+    from zerorun import config
+
+    with pytest.raises(config.ConfigError, match=r"optimizer.betas: optimizer.type sgd does not use it \(it reads lr, "
+                                                 r"weight_decay, momentum, nesterov\)"):
+        config.loads("script: t.py\n", "t.yaml", ["optimizer.type=sgd", "optimizer.betas=[0.9, 0.95]"])

@@ -23,17 +23,22 @@ def muon_takes(name: str, param: nn.Parameter) -> bool:
     return param.ndim == 2 and "embed" not in name and "lm_head" not in name
 
 
-def from_recipe(cfg: OptimizerConfig, model: nn.Module) -> list[torch.optim.Optimizer]:
-    """The recipe's optimizer(s) over every trainable parameter of `model`."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
+def from_recipe(cfg: OptimizerConfig, model: nn.Module, groups: Any = None) -> list[torch.optim.Optimizer]:
+    """The recipe's optimizer(s) over `groups` (param groups or parameters, as torch optimizers take them: a
+    DeepSpeed script's `model_parameters`), or over every trainable parameter of `model`."""
+    params = groups if groups is not None else [p for p in model.parameters() if p.requires_grad]
     adam: dict[str, Any] = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.type == "muon":
-        matrices = [p for n, p in named if muon_takes(n, p)]
-        rest = [p for n, p in named if not muon_takes(n, p)]
-        muon = torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay, **_given(
-            momentum=cfg.momentum, nesterov=cfg.nesterov)) if matrices else None
-        adamw = torch.optim.AdamW(rest, **{**adam, "lr": cfg.adam_lr or cfg.lr}) if rest else None
+        names = {p: n for n, p in model.named_parameters()}
+        given = list(params)
+        listed: list[dict[str, Any]] = given if given and isinstance(given[0], dict) else [{"params": given}]
+        matrices = [{**g, "params": [p for p in g["params"] if muon_takes(names[p], p)]} for g in listed]
+        rest = [{**g, "params": [p for p in g["params"] if not muon_takes(names[p], p)]} for g in listed]
+        muon = torch.optim.Muon([g for g in matrices if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                **_given(momentum=cfg.momentum, nesterov=cfg.nesterov)) \
+            if any(g["params"] for g in matrices) else None
+        adamw = torch.optim.AdamW([g for g in rest if g["params"]], **{**adam, "lr": cfg.adam_lr or cfg.lr}) \
+            if any(g["params"] for g in rest) else None
         return [opt for opt in (muon, adamw) if opt is not None]
     build = {
         "adamw": lambda: torch.optim.AdamW(params, **adam),
