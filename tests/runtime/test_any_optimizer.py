@@ -214,3 +214,41 @@ def test_a_key_the_recipes_optimizer_type_does_not_read_is_refused_naming_it() -
     with pytest.raises(config.ConfigError, match=r"optimizer.betas: optimizer.type sgd does not use it \(it reads lr, "
                                                  r"weight_decay, momentum, nesterov\)"):
         config.loads("script: t.py\n", "t.yaml", ["optimizer.type=sgd", "optimizer.betas=[0.9, 0.95]"])
+
+
+# -- the state an optimizer holds when it is handed over ------------------------------------------------------------
+def _prestepped(factory):
+    """`factory`'s optimizers after one step of their own on a fixed gradient (as after a script's load_state_dict):
+    the engine must continue from that state, not start fresh."""
+    def build(model):
+        opts = factory(model)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.full_like(p, 0.01)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        return opts
+    return build
+
+
+def _carried(rank: int, world: int, names: list[str]) -> list[str]:
+    from zerorun.runtime.comm.dist import init_distributed
+
+    init_distributed()
+    problems = []
+    for name in names:
+        factory = _prestepped(OPTIMIZERS[name])
+        ref = ddp_run(rank, factory, 3, ACCUM, hook=sum_then_divide)
+        run = engine_run(rank, factory, 3, ACCUM, ["zero.stage=2"])
+        loss_gap, param_gap = gaps(run, ref)
+        if loss_gap > tolerance(name)[0] or param_gap > tolerance(name)[1]:
+            problems.append(f"{name}: {loss_gap:.2e} / {param_gap:.2e}")
+    return problems
+
+
+def test_the_state_an_optimizer_holds_when_handed_over_is_where_the_engine_starts() -> None:
+    """Adam's moments and step (fused), SGD's momentum (elementwise), Muon's momentum (owner), Adagrad's sum."""
+    problems = [p for rank in run_ranks(_carried, 2, (["adamw", "sgd-nesterov", "muon+adamw", "adagrad"],))
+                for p in rank]
+    assert not problems, problems

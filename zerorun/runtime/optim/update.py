@@ -266,10 +266,10 @@ class Update:
                 continue
             if group.way is Way.OWNER:
                 assert self.owner is not None
+                by_name = {self.names[p]: p for p in group.params}
                 for param in self.owner.owned:
                     if param.group == g:
-                        owned = next(p for p in group.params if self.names[p] == param.name)
-                        self.owner.set_state(param, group.carried[owned])
+                        self.owner.set_state(param, group.carried[by_name[param.name]])
             else:
                 self._place_flat(g, group, comm)
                 if g in self.fused:

@@ -52,21 +52,21 @@ TORCH_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch
                      torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
                      torch.optim.Rprop)
 # third-party classes proven elementwise by tests/runtime/test_any_optimizer.py: (module, class name)
-KNOWN_ELEMENTWISE = {("lion_pytorch.lion_pytorch", "Lion")}
+KNOWN_ELEMENTWISE = frozenset({("lion_pytorch.lion_pytorch", "Lion")})
 
-REFUSED = {
-    torch.optim.LBFGS: "LBFGS steps with a closure that re-runs the forward and backward several times per step and "
-                       "searches along one direction over the whole model: it cannot run on a sharded model; use "
-                       "another optimizer, or train it with plain DDP",
-    torch.optim.SparseAdam: "SparseAdam updates sparse gradients (nn.Embedding(sparse=True)), and zerorun reduces "
-                            "dense gradients: use Adam or AdamW, with a dense embedding",
-}
+REFUSED = (  # (class, why)
+    (torch.optim.LBFGS, "LBFGS steps with a closure that re-runs the forward and backward several times per step and "
+                        "searches along one direction over the whole model: it cannot run on a sharded model; use "
+                        "another optimizer, or train it with plain DDP"),
+    (torch.optim.SparseAdam, "SparseAdam updates sparse gradients (nn.Embedding(sparse=True)), and zerorun reduces "
+                             "dense gradients: use Adam or AdamW, with a dense embedding"),
+)
 FUSED_BLOCKERS = ("amsgrad", "maximize", "differentiable", "capturable")  # Adam(W) options the fused kernel lacks
 
 
 def refuse_unrunnable(optimizer: torch.optim.Optimizer) -> None:
     """Raise a ZerorunError naming why when no way can run `optimizer`'s class."""
-    for cls, reason in REFUSED.items():
+    for cls, reason in REFUSED:
         if isinstance(optimizer, cls):
             raise ZerorunError(f"zerorun.initialize got a {type(optimizer).__name__}: {reason}.")
 
