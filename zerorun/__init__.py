@@ -117,7 +117,7 @@ def _recipe_choices(recipe: Recipe, optimizer: Any, lr_scheduler: Any) -> tuple[
         keys = ", ".join(f"{k} ({where})" for k, where in given.items() if k != "optimizer") or f"optimizer " \
                                                                                              f"({given['optimizer']})"
         raise ZerorunError(
-            f"the recipe sets {keys}, but the script passes its own {type(optimizer).__name__} to "
+            f"the recipe sets {keys}, but the script passes its own {_names(optimizer)} to "
             f"zerorun.initialize, whose param groups and hyper-parameters the engine takes over: the recipe's "
             f"values would be ignored. Remove them from the recipe, or call zerorun.initialize(model) without an "
             f"optimizer to train with the recipe's.")
@@ -130,3 +130,9 @@ def _recipe_choices(recipe: Recipe, optimizer: Any, lr_scheduler: Any) -> tuple[
     from zerorun.runtime.optim import schedules
 
     return (lambda opt: schedules.build(recipe.scheduler, opt, recipe.train.steps)), f"scheduler.type at {where}"
+
+
+def _names(optimizer: Any) -> str:
+    """`AdamW`, or `Muon + AdamW` for a list."""
+    return " + ".join(type(o).__name__ for o in optimizer) if isinstance(optimizer, (list, tuple)) else \
+        type(optimizer).__name__

@@ -96,6 +96,8 @@ class Engine:
         self.update = Update(groups, self.optimizer, self.store, grads, self.placement, self.comm,
                              first_names(self.model))  # every group's update and state
         self._overlap_optimizer(groups)
+        if self.comm.rank == 0 and self.update.ways() is not None:
+            print(self.update.ways(), flush=True)
         self._loop_state(recipe)
         self.checkpoints = Checkpointer(self)  # saves: in the background, at most one in flight
         self.checkpoints.clean_start()

@@ -34,25 +34,39 @@ def from_recipe(cfg: OptimizerConfig, model: nn.Module, groups: Any = None) -> l
         listed: list[dict[str, Any]] = given if given and isinstance(given[0], dict) else [{"params": given}]
         matrices = [{**g, "params": [p for p in g["params"] if muon_takes(names[p], p)]} for g in listed]
         rest = [{**g, "params": [p for p in g["params"] if not muon_takes(names[p], p)]} for g in listed]
-        muon = torch.optim.Muon([g for g in matrices if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                **_given(momentum=cfg.momentum, nesterov=cfg.nesterov)) \
+        muon = built(torch.optim.Muon, [g for g in matrices if g["params"]], lr=cfg.lr,
+                     weight_decay=cfg.weight_decay, **_given(momentum=cfg.momentum, nesterov=cfg.nesterov)) \
             if any(g["params"] for g in matrices) else None
-        adamw = torch.optim.AdamW([g for g in rest if g["params"]], **{**adam, "lr": cfg.adam_lr or cfg.lr}) \
+        adamw = built(torch.optim.AdamW, [g for g in rest if g["params"]], **{**adam, "lr": cfg.adam_lr or cfg.lr}) \
             if any(g["params"] for g in rest) else None
         return [opt for opt in (muon, adamw) if opt is not None]
+    decay = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
     build = {
-        "adamw": lambda: torch.optim.AdamW(params, **adam),
-        "adam": lambda: torch.optim.Adam(params, **adam),
-        "sgd": lambda: torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **_given(
-            momentum=cfg.momentum, nesterov=cfg.nesterov)),
-        "lion": lambda: Lion(params, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), weight_decay=cfg.weight_decay),
-        "adagrad": lambda: torch.optim.Adagrad(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay),
-        "rmsprop": lambda: torch.optim.RMSprop(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                               **_given(momentum=cfg.momentum)),
-        "adafactor": lambda: torch.optim.Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay),
-        "lamb": lambda: Lamb(params, **adam),
+        "adamw": lambda: built(torch.optim.AdamW, params, **adam),
+        "adam": lambda: built(torch.optim.Adam, params, **adam),
+        "sgd": lambda: built(torch.optim.SGD, params, **decay, **_given(momentum=cfg.momentum, nesterov=cfg.nesterov)),
+        "lion": lambda: built(Lion, params, **decay, betas=(cfg.betas[0], cfg.betas[1])),
+        "adagrad": lambda: built(torch.optim.Adagrad, params, **decay, eps=cfg.eps),
+        "rmsprop": lambda: built(torch.optim.RMSprop, params, **decay, eps=cfg.eps, **_given(momentum=cfg.momentum)),
+        "adafactor": lambda: built(torch.optim.Adafactor, params, **decay),
+        "lamb": lambda: built(Lamb, params, **adam),
     }
     return [build[cfg.type]()]
+
+
+def built(cls: type[torch.optim.Optimizer], params: Any, **options: Any) -> torch.optim.Optimizer:
+    """`cls(params, **options)` without the compiler stack: torch's `Optimizer.add_param_group`, which its constructor
+    calls, is wrapped in `torch._disable_dynamo`, whose first call imports torch._dynamo, inductor and sympy (tens of
+    MiB of RSS per rank, tests/runtime/test_sharded_init.py). The unwrapped function stands in, on this new object
+    only, while it is built; a script's own optimizer is built by the script, as it chose."""
+    optimizer = cls.__new__(cls)
+    add = torch.optim.Optimizer.add_param_group
+    vars(optimizer)["add_param_group"] = lambda group: getattr(add, "__wrapped__", add)(optimizer, group)
+    try:
+        cls.__init__(optimizer, params, **options)
+    finally:
+        del vars(optimizer)["add_param_group"]
+    return optimizer
 
 
 def _given(**values: Any) -> dict[str, Any]:

@@ -181,6 +181,17 @@ class Update:
         """Whether the engine is stepping a script's optimizer right now (optimizer_guard.py asks)."""
         return self._stepping
 
+    def ways(self) -> str | None:
+        """One line saying how each optimizer runs (None when every group is zerorun's fused Adam: nothing new)."""
+        if all(group.way is Way.FUSED_ADAM for group in self.groups):
+            return None
+        said = {Way.FUSED_ADAM: "zerorun's fused Adam over each rank's flat shard",
+                Way.ELEMENTWISE: "over each rank's flat shard (elementwise)",
+                Way.OWNER: "on whole parameters, each updated by the rank that owns it"}
+        parts = dict.fromkeys(f"{type(g.optimizer).__name__} {said[g.way]}" for g in self.groups)
+        balance = f" (the busiest rank owns {self.owner.plan.imbalance:.2f}x the mean)" if self.owner else ""
+        return "zerorun: optimizer: " + "; ".join(parts) + balance + " (docs/optimizers.md)"
+
     # -- memory and telemetry --------------------------------------------------------------------
     def account(self, report: MemoryReport) -> None:
         self.flat.account(report)
