@@ -97,8 +97,8 @@ def test_muon_and_adamw_saved_on_3_ranks_at_stage_2_resume_on_2_ranks_at_stage_3
 
 def test_muon_and_adamw_saved_at_stage_2_resume_at_stage_3(tmp_path) -> None:
     """The development tier's case: the owned state (async save) and the fused one, into another layout."""
-    saved = run_ranks(_save_half, 2, ("muon+adamw", ["zero.stage=2"], str(tmp_path), 4))
-    resumed = run_ranks(_resume, 2, ("muon+adamw", ["zero.stage=3"], str(tmp_path), 4))
+    saved = run_ranks(_save_half, 2, ("muon+adamw", ["zero.stage=2"], str(tmp_path), 2))
+    resumed = run_ranks(_resume, 2, ("muon+adamw", ["zero.stage=3"], str(tmp_path), 2))
     loss_gap, param_gap = _gaps(saved, resumed)
     assert loss_gap <= 1e-5 and param_gap <= 3e-4, (loss_gap, param_gap)
 
