@@ -15,9 +15,9 @@ import torch
 from tests.harness import run_ranks
 from tests.runtime.optimizers import OPTIMIZERS, PlainSubclass, tolerance
 from tests.runtime.reference import engine_master_params, make_model
-from tests.runtime.test_checkpoint import global_batch
+from tests.runtime.test_checkpoint import ACCUM, _train
 
-STEPS, ACCUM = 12, 2
+STEPS = 12  # optimizer steps, of ACCUM micro-steps (test_checkpoint.py's data and loop)
 
 
 def _engine(name: str, overrides: list[str]):
@@ -29,16 +29,6 @@ def _engine(name: str, overrides: list[str]):
     model = make_model(0)
     opts = OPTIMIZERS[name](model)
     return zerorun.initialize(model, opts if len(opts) > 1 else opts[0], recipe)
-
-
-def _train(engine, rank: int, world: int, first: int, last: int) -> list[float]:
-    losses = []
-    for micro in range(first * ACCUM, last * ACCUM):
-        loss = engine(global_batch(micro, rank, world))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _save_half(rank: int, world: int, name: str, overrides: list[str], directory: str, steps: int = STEPS) -> dict:
