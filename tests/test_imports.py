@@ -144,7 +144,7 @@ def test_the_cycle_finder_finds_module_and_package_cycles() -> None:
 RUNTIME_LAYERS = {
     "comm": set(),
     "offload": {"memory", "partition"},
-    "optim": {"offload", "core"},
+    "optim": {"comm", "offload", "core"},
     "stage3": {"comm", "offload", "core"},
     "checkpoint": {"comm", "offload", "optim", "core"},
     "interop": {"optim"},

@@ -45,12 +45,14 @@ def sharded_init() -> Any:
     return _sharded_init()
 
 
-def initialize(model: nn.Module, optimizer: Optimizer | None = None, config: Recipe | None = None,
+def initialize(model: nn.Module, optimizer: Optimizer | list[Optimizer] | None = None, config: Recipe | None = None,
                lr_scheduler: SchedulerArg = None) -> Engine:
     """Wrap `model` in a ZeRO engine.
 
-    `optimizer`: a torch Adam/AdamW whose param groups are taken over (None: the recipe's `optimizer`
-    section). `lr_scheduler`: a torch LR scheduler on that optimizer (or a function of the engine's
+    `optimizer`: any torch optimizer, or a list of them over disjoint parameters (Muon for the matrices and
+    AdamW for the rest), whose param groups, hyper-parameters and state are taken over and which performs the
+    update over what each rank owns (docs/optimizers.md: how each kind runs); None: the recipe's `optimizer`
+    section. `lr_scheduler`: a torch LR scheduler on that optimizer (or a function of the engine's
     optimizer that builds one) that the engine steps after every applied update, as DeepSpeed's does;
     without it the recipe's `scheduler` section, if any, is built and stepped the same way. Schedulers
     the script builds and steps itself are found, saved with every checkpoint and restored on resume.
@@ -64,6 +66,20 @@ def initialize(model: nn.Module, optimizer: Optimizer | None = None, config: Rec
     from zerorun.config import known_steps
 
     return start(Engine(model, optimizer, chosen, lr_scheduler, source), total_steps=known_steps(chosen))
+
+
+# names imported on first use (they need torch): zerorun.Elementwise declares an optimizer class elementwise
+# (runtime/optim/ways.py); zerorun.Lion and zerorun.Lamb are the optimizers torch lacks (runtime/optim/classes.py)
+_LAZY = {"Elementwise": "zerorun.runtime.optim.ways", "Lion": "zerorun.runtime.optim.classes",
+         "Lamb": "zerorun.runtime.optim.classes"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'zerorun' has no attribute {name!r}")
 
 
 def start(engine: Engine, total_steps: int | None) -> Engine:
@@ -104,7 +120,7 @@ def _recipe_choices(recipe: Recipe, optimizer: Any, lr_scheduler: Any) -> tuple[
         keys = ", ".join(f"{k} ({where})" for k, where in given.items() if k != "optimizer") or f"optimizer " \
                                                                                              f"({given['optimizer']})"
         raise ZerorunError(
-            f"the recipe sets {keys}, but the script passes its own {type(optimizer).__name__} to "
+            f"the recipe sets {keys}, but the script passes its own {_names(optimizer)} to "
             f"zerorun.initialize, whose param groups and hyper-parameters the engine takes over: the recipe's "
             f"values would be ignored. Remove them from the recipe, or call zerorun.initialize(model) without an "
             f"optimizer to train with the recipe's.")
@@ -117,3 +133,9 @@ def _recipe_choices(recipe: Recipe, optimizer: Any, lr_scheduler: Any) -> tuple[
     from zerorun.runtime.optim import schedules
 
     return (lambda opt: schedules.build(recipe.scheduler, opt, recipe.train.steps)), f"scheduler.type at {where}"
+
+
+def _names(optimizer: Any) -> str:
+    """`AdamW`, or `Muon + AdamW` for a list."""
+    return " + ".join(type(o).__name__ for o in optimizer) if isinstance(optimizer, (list, tuple)) else \
+        type(optimizer).__name__

@@ -54,7 +54,7 @@ def test_a_batch_that_does_not_split_is_refused_naming_the_rule() -> None:
 
 
 def test_unsupported_keys_are_refused_or_warned_by_name() -> None:
-    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
+    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}},
           "zero_optimization": {"stage": 3, "sub_group_size": 1e9, "stage3_max_live_parameters": 1e9,
                                 "zero_hpz_partition_size": 2},
           "pipeline": {"stages": 2}, "tensorboard": {"enabled": True, "output_path": "tb"},
@@ -230,3 +230,24 @@ def test_grad_accum_dtype_is_the_reduce_dtype_and_fp16_is_refused_by_name() -> N
     assert "expected fp32 or bf16, got 'fp16'" in refused["data_types.grad_accum_dtype"]
     warned = _notes(ds_config.translate({**base, "communication_data_type": "bf16"}), Level.WARNING)
     assert "zero.reduce_dtype" in warned["communication_data_type"]
+
+
+def test_deepspeeds_optimizer_types_become_the_recipes_with_their_parameters() -> None:
+    """Lion, Adagrad, LAMB and Muon as DeepSpeed names them (any case), their params mapped; 1-bit optimizers and
+    names no config builds are refused saying what to do; zero_allow_untested_optimizer has nothing to allow."""
+    def optimizer(ds_optimizer: dict) -> tuple[dict, dict[str, str]]:
+        t = ds_config.translate({"train_micro_batch_size_per_gpu": 2, "optimizer": ds_optimizer,
+                                 "zero_allow_untested_optimizer": True})
+        return t.data.get("optimizer", {}), {n.key: n.message for n in t.notes if n.level is Level.ERROR}
+    lion, errors = optimizer({"type": "Lion", "params": {"lr": 1e-4, "betas": [0.9, 0.99], "weight_decay": 0.1}})
+    assert lion == {"type": "lion", "lr": 1e-4, "betas": [0.9, 0.99], "weight_decay": 0.1} and not errors
+    adagrad, _ = optimizer({"type": "Adagrad", "params": {"lr": 1e-2}})
+    assert adagrad == {"type": "adagrad", "lr": 1e-2, "weight_decay": 0.0}  # DeepSpeed's default decay: none
+    lamb, errors = optimizer({"type": "LAMB", "params": {"lr": 1e-3, "max_coeff": 0.3}})
+    assert lamb["type"] == "lamb" and "zerorun.Lamb(params, max_coeff=...)" in errors["optimizer.params.max_coeff"]
+    muon, _ = optimizer({"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 2e-2, "momentum": 0.9}})
+    assert (muon["type"], muon["lr"], muon["adam_lr"], muon["momentum"]) == ("muon", 2e-2, 1e-3, 0.9)
+    _, errors = optimizer({"type": "OneBitAdam", "params": {"lr": 1e-3}})
+    assert "zero.quantized_gradients" in errors["optimizer.type"]
+    _, errors = optimizer({"type": "Novograd", "params": {"lr": 1e-3}})
+    assert "deepspeed.initialize(optimizer=...)" in errors["optimizer.type"]

@@ -81,8 +81,15 @@ def test_the_submodules_transformers_and_accelerate_import_are_zeroruns(installe
     assert type(adam) is torch.optim.Adam and adam.defaults["weight_decay"] == 0.01
     with pytest.raises(ZerorunError, match="set_z3_leaf_modules .*zero.wrap"):
         set_z3_leaf_modules(torch.nn.Linear(1, 1), [torch.nn.Linear])
-    with pytest.raises(ZerorunError, match="amsgrad"):
-        DeepSpeedCPUAdam(params, amsgrad=True)
+    assert DeepSpeedCPUAdam(params, amsgrad=True).defaults["amsgrad"]  # torch's AMSGrad, which zerorun runs exactly
+    with pytest.raises(ZerorunError, match="bias_correction=False"):
+        DeepSpeedCPUAdam(params, bias_correction=False)
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from deepspeed.ops.lion import DeepSpeedCPULion
+
+    import zerorun  # accelerate's offload mapping of an Adagrad and a Lion
+    assert type(DeepSpeedCPUAdagrad(params, lr=0.1)) is torch.optim.Adagrad
+    assert type(DeepSpeedCPULion(params, lr=1e-4, weight_decay=0.1)) is zerorun.Lion
 
 
 def _gathered_before_initialize(rank: int, world: int) -> dict:

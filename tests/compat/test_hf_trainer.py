@@ -128,3 +128,15 @@ def test_the_launcher_says_what_the_trainer_filled_in_and_counts_its_own_steps(h
     assert 'hf_auto_stage2.json: "auto" in 13 keys (' in auto  # one line at launch
     filled = next(line for line in auto.splitlines() if 'the script filled in the "auto" keys of' in line)
     assert "optimizer.params.lr 0.001" in filled and "scheduler.params.total_num_steps 4" in filled, filled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", ["adafactor", "sgd"])
+def test_trainer_with_optim_adafactor_or_sgd_under_deepspeed_trains_as_ddp(hf_workdir: Path, optim: str) -> None:
+    """`--optim adafactor` (transformers' Adafactor: zerorun does not know the class, so it runs on whole parameters,
+    one owner each) and `--optim sgd` (torch's SGD: elementwise, over the flat shard), handed to DeepSpeed as the
+    client optimizer: the same losses as DDP with the same --optim."""
+    args = [*HF_OPTIMIZER, "--optim", optim]
+    reference = hf_runs.ddp(hf_workdir, f"ddp_{optim}", *args)
+    ours = hf_runs.zerorun(hf_workdir, f"stage2_{optim}", hf_runs.stage_config(hf_workdir, 2), *args)
+    assert_close(ours, reference, f"--optim {optim} stage 2")

@@ -166,6 +166,46 @@ def test_estimate_matches_engine_model_states_within_5_percent(world: int) -> No
                     f"engine {nbytes} B, estimate {expected[where]:.0f} B")
 
 
+OPTIMIZER_CASES = [("sgd", 2, "none"), ("lion", 3, "none"), ("adafactor", 2, "none"), ("muon", 3, "none"),
+                   ("muon", 2, "cpu"), ("adagrad", 1, "none")]
+
+
+def _measure_optimizers(rank: int, world: int) -> dict:
+    import zerorun
+    from zerorun import config
+
+    out = {}
+    for optimizer, stage, offload in OPTIMIZER_CASES:
+        extra = ["optimizer.momentum=0.9"] if optimizer == "sgd" else []
+        recipe = config.loads("script: t.py", "t.yaml", [f"zero.stage={stage}", "precision.dtype=bf16",
+                                                          f"optimizer.type={optimizer}", *extra, "zero.bucket_mb=0.25",
+                                                          f"zero.offload_optimizer.device={offload}"])
+        engine = zerorun.initialize(_model(), None, recipe)
+        for _ in range(2):  # the state exists after the first step
+            engine.backward(engine(torch.randn(4, 301)).float().pow(2).mean())
+            engine.step()
+        report = engine.memory()
+        out[(optimizer, stage, offload)] = (report.total("optimizer"), report.optimizer_imbalance)
+        engine.destroy()
+    return out
+
+
+def test_estimate_counts_each_optimizers_state_as_the_engine_holds_it() -> None:
+    """SGD's momentum, Lion's and Adagrad's 4 bytes, Adafactor's factored moments, Muon's momentum beside AdamW's
+    moments: the planner's figure per rank against the engine's report, summed over the ranks (the owner way's
+    state is whole parameters per rank, so only the sum is 1/N of it exactly; each rank is within the imbalance)."""
+    shape = planner.shape_of(_model(), [], 100_000, 0.25)
+    ranks = run_ranks(_measure_optimizers, 2)
+    for case in OPTIMIZER_CASES:
+        optimizer, stage, _ = case
+        expected = planner.optimizer_state(shape, optimizer)
+        measured = sum(rank[case][0] for rank in ranks)
+        assert abs(measured - expected) <= 0.05 * expected, (case, measured, expected)
+        for rank in ranks if optimizer != "adafactor" else []:  # its state is not proportional to the sizes balanced
+            assert rank[case][0] <= expected / 2 * rank[case][1] * 1.05, (case, rank[case])
+    assert planner.optimizer_state(shape, "adafactor") < 0.01 * planner.optimizer_state(shape, "adamw")
+
+
 def test_cli_prints_a_table_and_a_recommendation() -> None:
     result = CliRunner().invoke(app, ["estimate", "--params", "7e9", "--nodes", "8", "--gpus-per-node", "8",
                                       "--gpu-mem", "80"])

@@ -141,7 +141,7 @@ RESEALED = {  # consistent checksum, impossible content
     "piece-dropped": (_drop_piece, True, "pieces covering all"),
     "negative-lr": (_set("optimizer/param_groups/0/lr", -3e-3), True, "optimizer.param_groups[0].lr is -0.003"),
     "beta-one": (_set("optimizer/param_groups/1/betas/0", 1.0), True, "betas[0] is 1.0"),
-    "steps-ahead": (_set("optimizer/steps/0", 99), True, "optimizer.steps[0] is 99"),
+    "steps-ahead": (_set("optimizer/groups/0/scalars/step/value", 99), True, "optimizer.groups[0].scalars.step is 99"),
     "stage-9": (_set("stage", 9), True, "stage is 9"),
     "file-outside": (lambda m: m["files"].update({"../escape.safetensors": {"bytes": 0, "crc32": 0}}), True,
                      "../escape.safetensors"),
@@ -288,7 +288,7 @@ def test_a_format_1_checkpoint_is_upgraded_after_its_files_are_checked_and_then_
     consolidated, expected = checkpoint_tools.consolidate(v1), checkpoint_tools.consolidate(saved)
     assert all(torch.equal(consolidated[k], expected[k]) for k in expected)
     again = CliRunner().invoke(app, ["checkpoint", "upgrade", str(v1)])
-    assert again.exit_code == 2 and "already format 2" in again.output, again.output
+    assert again.exit_code == 2 and "already format 3" in again.output, again.output
 
 
 def test_a_format_1_checkpoint_with_a_damaged_file_is_not_upgraded(damaged, tmp_path):

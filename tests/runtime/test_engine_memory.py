@@ -82,7 +82,7 @@ def _working_buffers(rank: int, world: int, collectives: str) -> dict:
         largest_piece = max(u.shard_numel for u in engine.store.units) * 4
         assert engine.reducer.pool.allocated_bytes == 0, name  # staging is held during a backward only
         out[name] = (engine.reducer.pool.peak_bytes, (MAX_INFLIGHT + 1) * largest_unit,
-                     engine.update.transfers.held_bytes(), largest_piece, len(engine.store.units))
+                     engine.update.flat.transfers.held_bytes(), largest_piece, len(engine.store.units))
         engine.destroy()
     return out
 

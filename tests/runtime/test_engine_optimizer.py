@@ -182,15 +182,6 @@ def test_the_handed_over_optimizer_refuses_to_step_or_save_and_says_what_to_call
         assert "engine.save_checkpoint(dir)" in message and "engine.load_checkpoint(dir)" in message
 
 
-def _stepped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """An optimizer that holds Adam state, as after a step() or a load_state_dict() of a plain run."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = torch.ones_like(p)
-    optimizer.step()
-    return optimizer
-
-
 def _errors(rank: int, world: int) -> list[str]:
     import zerorun
     from zerorun import config
@@ -198,10 +189,12 @@ def _errors(rank: int, world: int) -> list[str]:
     recipe = config.loads("script: t.py", "t.yaml")
     messages = []
     attempts = [
-        lambda m: zerorun.initialize(m, torch.optim.SGD(m.parameters(), lr=1), recipe),
-        lambda m: zerorun.initialize(m, torch.optim.AdamW(m.parameters(), amsgrad=True), recipe),
+        lambda m: zerorun.initialize(m, torch.optim.LBFGS(m.parameters()), recipe),
+        lambda m: zerorun.initialize(m, torch.optim.SparseAdam(m.parameters()), recipe),
         lambda m: zerorun.initialize(m, torch.optim.AdamW([m.up.weight]), recipe),
-        lambda m: zerorun.initialize(m, _stepped(torch.optim.AdamW(m.parameters())), recipe),
+        lambda m: zerorun.initialize(m, [torch.optim.SGD(m.parameters(), lr=1), torch.optim.AdamW([m.up.weight])],
+                                     recipe),
+        lambda m: zerorun.initialize(m, [torch.optim.SGD(m.parameters(), lr=1), "adamw"], recipe),
     ]
     for attempt in attempts:
         messages.append(_message(lambda: attempt(make_model(0))))
@@ -212,10 +205,11 @@ def _errors(rank: int, world: int) -> list[str]:
 
 
 def test_unsupported_optimizers_and_misuse_give_clear_errors() -> None:
-    sgd, amsgrad, stray, stateful, outside, direct = run_ranks(_errors, 1)[0]
-    assert "takes over torch.optim.Adam or AdamW, got SGD" in sgd
-    assert "amsgrad=True is not supported" in amsgrad
+    lbfgs, sparse, stray, twice, not_one, outside, direct = run_ranks(_errors, 1)[0]
+    assert "LBFGS steps with a closure" in lbfgs and "plain DDP" in lbfgs
+    assert "SparseAdam updates sparse gradients" in sparse
     assert "trainable parameters missing from the optimizer's param groups: embed.weight" in stray
-    assert "already holds state" in stateful and "would drop it" in stateful
+    assert "is in param group 0 of the SGD (optimizer 0) and in param group 0 of the AdamW (optimizer 1)" in twice
+    assert "optimizer[1]=...): expected a torch.optim.Optimizer (or a list of them), got str" in not_one
     assert "call engine.backward(loss), not loss.backward()" in outside
     assert "call engine.step()" in direct

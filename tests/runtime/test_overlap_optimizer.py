@@ -40,7 +40,7 @@ def _both(rank: int, world: int, cases: dict[str, list[str]]) -> dict[str, tuple
                                                           f"zero.overlap_optimizer={mode}"],
                                      clip=CLIP, inject_inf_at=INF_AT)
             engine.store.settle()
-            runs[mode] = run, engine.overlap
+            runs[mode] = run, engine.update.overlap
         (off, none), (on, overlap) = runs["false"], runs["true"]
         assert none is None and overlap is not None
         same_params = all(torch.equal(off.params[n], on.params[n]) for n in off.params)
@@ -74,7 +74,7 @@ def _reads_between_backward_and_step(rank: int, world: int) -> dict[str, bool]:
     engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), **OPT), recipe)
     before = {n: v.clone() for n, v in engine.state_dict().items()}
     engine.backward(engine(batch(0, rank, 0)))
-    speculation = engine.overlap.settle()
+    speculation = engine.update.overlap.settle()
     updated_meanwhile = speculation is not None and bool(speculation.groups_updated)
     after = engine.state_dict()  # rolls the speculation back first
     unchanged = all(torch.equal(before[n], after[n]) for n in before)
@@ -82,7 +82,7 @@ def _reads_between_backward_and_step(rank: int, world: int) -> dict[str, bool]:
     engine.optimizer.param_groups[0]["lr"] *= 0.5  # changed between the backward and the step
     engine.step()  # the speculation used the old lr: rolled back, and the step runs with the new one
     return {"updated under the backward": updated_meanwhile, "state dict unchanged": unchanged,
-            "rolled back": engine.overlap.rollbacks == 2 and engine.overlap.applied == 0}
+            "rolled back": engine.update.overlap.rollbacks == 2 and engine.update.overlap.applied == 0}
 
 
 def test_reads_between_backward_and_step_see_the_state_before_it() -> None:

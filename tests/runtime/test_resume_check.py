@@ -67,9 +67,9 @@ def test_resume_states_overridden_values_and_refuses_another_precision_unless_al
     assert seen[2].startswith("the recipe sets optimizer.type (--set optimizer.type=adam), but the script passes its "
                               "own AdamW to zerorun.initialize")
     assert seen[3] == "allowed"
-    assert seen[4].endswith("cannot resume: the checkpoint's optimizer is adamw (decoupled weight decay), this run's is "
-                            "adam (L2 weight decay). Resume with the checkpoint's settings, or set "
-                            "checkpoint.allow_changes: true to carry the saved state over anyway.")
+    assert seen[4].endswith("cannot resume: the checkpoint's optimizer is AdamW, this run's is Adam. Resume with the "
+                            "checkpoint's settings, or set checkpoint.allow_changes: true to carry the saved state over "
+                            "anyway.")
     out = capfd.readouterr().out
     assert out.count("zerorun: resuming from step-1: the checkpoint's values replace this run's: lr 0.001 (this "
                      "run: 0.0005); weight_decay 0.01 (this run: 0.1)") == 1, out

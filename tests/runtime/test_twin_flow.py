@@ -33,8 +33,8 @@ def _split(rank: int, world: int) -> dict[str, tuple[bool, bool, float]]:
                                                   f"zero.offload_optimizer_ratio={ratio}"], clip=3.6,
                                      inject_inf_at=(5,))
             engine.store.settle()
-            pieces = [p for group in engine._pieces for p in group]
-            on_device = sum(p.numel for p in pieces if engine.update.on_device(p)) / sum(p.numel for p in pieces)
+            pieces = [p for group in engine.update.pieces for p in group]
+            on_device = sum(p.numel for p in pieces if engine.update.flat.on_device(p)) / sum(p.numel for p in pieces)
             runs[ratio] = run, on_device
         (whole, none), (split, share) = runs["1.0"], runs["0.5"]
         assert none == 0.0

@@ -99,6 +99,7 @@ class StepBenchConfig:
     baseline: str = "ddp"  # a second ratio column against this system (one of `systems`)
     cluster: tuple[int, int] | None = None  # (nodes, ranks per node) on an emulated cluster; None: local ranks
     link: str = "1gbit"  # the emulated cluster's link rate
+    optimizer: str = "adamw"  # every system's optimizer, as the recipe's optimizer.type names it (sgd: momentum 0.9)
 
 
 @dataclass
@@ -119,14 +120,33 @@ class Sample:
     dynamo: str | None = None  # a compiled system's graphs, breaks and frames left eager (compiling.py)
 
 
-def describe(system: str) -> str:
-    """The table's name of a system, compiled ones included (`zero2+compile`)."""
+def describe(system: str, optimizer: str = "adamw") -> str:
+    """The table's name of a system, compiled ones included (`zero2+compile`), with another `optimizer` than AdamW
+    named in place of it."""
     base, mode = compiling.split_system(system)
-    return DESCRIPTIONS[base] + (f", {compiling.describe_mode(mode)}" if mode else "")
+    text = DESCRIPTIONS[base] if optimizer == "adamw" else \
+        DESCRIPTIONS[base].replace("torch AdamW(fused=True)", optimizer).replace("torch AdamW", optimizer)
+    return text + (f", {compiling.describe_mode(mode)}" if mode else "")
+
+
+def optimizer_keys(cfg: StepBenchConfig) -> list[str]:
+    """The recipe keys of the benchmark's optimizer (lr 1e-4; SGD with momentum, as it is trained)."""
+    return [f"optimizer.type={cfg.optimizer}", "optimizer.lr=1e-4",
+            *(["optimizer.momentum=0.9"] if cfg.optimizer == "sgd" else [])]
+
+
+def _optimizers(model: torch.nn.Module, cfg: StepBenchConfig, fused: bool) -> list[torch.optim.Optimizer]:
+    """The peers' optimizers: the ones the recipe's keys build for zerorun (`fused`: AdamW(fused=True))."""
+    from zerorun import config
+    from zerorun.runtime.optim.recipe_optimizers import from_recipe
+
+    if fused and cfg.optimizer == "adamw":
+        return [torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)]
+    return from_recipe(config.loads("script: bench", "<bench>", optimizer_keys(cfg)).optimizer, model)
 
 
 def _peers(system: str, model: torch.nn.Module, cfg: StepBenchConfig,
-           compile: str | None = None) -> tuple[Any, torch.optim.Optimizer]:
+           compile: str | None = None) -> tuple[Any, list[torch.optim.Optimizer]]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if system.startswith("deepspeed"):
@@ -134,21 +154,21 @@ def _peers(system: str, model: torch.nn.Module, cfg: StepBenchConfig,
 
         ds_config = {"train_micro_batch_size_per_gpu": cfg.micro_batch, "gradient_accumulation_steps": 1,
                      "zero_optimization": {"stage": int(system[-1])}, "zero_allow_untested_optimizer": True}
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
-        return engine, opt
+        opts = _optimizers(model, cfg, fused=True)
+        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opts[0], config=ds_config)
+        return engine, [opt]
     if system.startswith("ddp"):
         if compile == "block":
             compiling.compile_blocks(model)
         wrapped = DDP(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=system == "ddp-fused")
-        return (torch.compile(wrapped) if compile == "whole" else wrapped), optimizer
+        optimizers = _optimizers(model, cfg, fused=system == "ddp-fused")
+        return (torch.compile(wrapped) if compile == "whole" else wrapped), optimizers
     from torch.distributed.fsdp import fully_shard
 
     for block in cast(torch.nn.ModuleList, model.blocks):
         fully_shard(block)
     fully_shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, _optimizers(model, cfg, fused=False)
 
 
 def _local_bytes(t: torch.Tensor | None) -> int:
@@ -158,9 +178,10 @@ def _local_bytes(t: torch.Tensor | None) -> int:
     return t.numel() * t.element_size()
 
 
-def _peer_state_mib(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+def _peer_state_mib(model: torch.nn.Module, opts: list[torch.optim.Optimizer]) -> float:
     params = sum(_local_bytes(p) + _local_bytes(p.grad) for p in model.parameters())
-    states = sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    states = sum(_local_bytes(v) for opt in opts for s in opt.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor))
     return (params + states) / 2**20
 
 
@@ -188,22 +209,23 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
             model = cast(GPT, torch.compile(model))
         nvme = [f"zero.offload_optimizer.nvme_path={cfg.nvme_path}"] if system.endswith("nvme") else []
         recipe = config.loads("script: bench", "<bench>", [*ZERO_SYSTEMS[system], *nvme, "zero.wrap=[Block]",
-                                                         f"precision.dtype={cfg.precision}", "optimizer.lr=1e-4",
+                                                         f"precision.dtype={cfg.precision}", *optimizer_keys(cfg),
                                                          "name=bench-step"])
         engine = zerorun.initialize(model, None, recipe)
         forward, backward, step, settle = engine, engine.backward, engine.step, engine.wait_published
         state_mib = lambda: engine.memory().model_states() / 2**20  # noqa: E731
         snapshot = step_profile.counters(engine.comm.stats)
     else:
-        wrapped, opt = _peers(system, model, cfg, compile)
+        wrapped, opts = _peers(system, model, cfg, compile)
         forward, backward, settle = wrapped, lambda loss: loss.backward(), lambda: None
 
         def step() -> None:
-            opt.step()
-            opt.zero_grad(set_to_none=False)  # keep gradients allocated, as steady-state training does
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=False)  # keep gradients allocated, as steady-state training does
         if system.startswith("deepspeed"):
             backward, step = wrapped.backward, wrapped.step
-        state_mib = lambda: _peer_state_mib(model, opt)  # noqa: E731
+        state_mib = lambda: _peer_state_mib(model, opts)  # noqa: E731
         snapshot = step_profile.counters(None)
     times, final_loss, delta, first_s = _timed(batches, cfg.warmup, forward, backward, step, settle, snapshot)
     steps = [sum(parts) for parts in zip(*times.values())]
@@ -393,8 +415,8 @@ def render(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[An
         measured = ", ".join(f"{x.source}->{x.destination} {x.gbit_s:.2f}" for x in links)
         where = f"{cfg.cluster[0]} nodes x {cfg.cluster[1]} ranks, link {cfg.link} (measured Gbit/s: {measured})"
     table = tables.compact(f"step time: GPT {m.layers}L d{m.d_model} h{m.heads} vocab {m.vocab} seq {m.seq_len}"
-                        f" ({params / 1e6:.1f}M params), micro-batch {cfg.micro_batch}, {cfg.precision}, "
-                        f"{where} x {cfg.threads} thread(s), {cfg.rounds} interleaved rounds")
+                           f" ({params / 1e6:.1f}M params), micro-batch {cfg.micro_batch}, {cfg.precision}, "
+                           f"{cfg.optimizer}, {where} x {cfg.threads} thread(s), {cfg.rounds} interleaved rounds")
     baseline = [f"x {cfg.baseline}"] if cfg.baseline != "ddp" else []
     link = ["node 0 sent MB/step (ideal)"] if cfg.cluster else []
     compiled = any(r.dynamo is not None for r in results)
@@ -408,7 +430,7 @@ def render(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[An
         sent = [f"{r.link_mb:.0f} ({ideal_link_mb(r.system, params, cfg.cluster[0]):.0f})"] if cfg.cluster else []
         later = f"{r.later_first_step_s:.1f}" if r.later_first_step_s is not None else "-"
         first = [f"{r.first_step_s or 0:.1f} / {later}", r.dynamo or "-"] if compiled else []
-        table.add_row(describe(r.system), *ratios,
+        table.add_row(describe(r.system, cfg.optimizer), *ratios,
                       f"{r.step_s:.3f}", f"{r.forward_s:.3f}", f"{r.backward_s:.3f}", f"{r.optimizer_s:.3f}", *sent,
                       *first,
                       f"{r.model_state_mib:.0f}", _live(r), f"{r.peak_rss_mib:.0f}", f"{r.final_loss:.4f}")

@@ -276,6 +276,9 @@ def estimate(
                         ] = "auto",
     paper: Annotated[bool, typer.Option("--paper", help="Add the ZeRO paper's model-state figure (2-byte "
                                                         "gradients) per configuration.")] = False,
+    optimizer: Annotated[str | None, typer.Option(help="The optimizer whose state to count: adamw, adam, sgd, lion, "
+                                                       "adagrad, rmsprop, adafactor, lamb, muon (default: the "
+                                                       "recipe's optimizer.type, else adamw).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
 ) -> None:
     """Plan memory: bytes per GPU, CPU and NVMe for every ZeRO stage and offload, and the fastest that fits."""
@@ -297,7 +300,7 @@ def estimate(
                                 async_checkpoints=loaded.checkpoint.async_save,
                                 hpz_partition_size=zero.hpz_partition_size, quantized_weights=zero.quantized_weights is not False,
                                 overlap_optimizer=zero.overlap_optimizer, built_on=built_on,
-                                host_share=zero.offload_optimizer_ratio)
+                                host_share=zero.offload_optimizer_ratio, optimizer=optimizer or loaded.optimizer.type)
     per_node = gpus_per_node or loaded.nproc_per_node or 8
     origin = "--gpus-per-node" if gpus_per_node else "the recipe's nproc_per_node" if loaded.nproc_per_node else \
         "the default; set --gpus-per-node"

@@ -69,6 +69,8 @@ def bench_step(
                                                           "named so in --systems, or as SYSTEM+compile-blocks "
                                                           "(each block replaced by torch.compile(block)).")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
+    optimizer: Annotated[str, typer.Option(help="Every system's optimizer, as a recipe's optimizer.type names it "
+                                                "(adamw, sgd, lion, muon, ...; sgd with momentum 0.9).")] = "adamw",
 ) -> None:
     """Step time and memory of zerorun's stages against DDP, FSDP2 and DeepSpeed, in one interleaved run."""
     from zerorun import tables
@@ -82,7 +84,7 @@ def bench_step(
     warmup = 2 if any("+" in s for s in chosen) else 1
     cfg = step.StepBenchConfig(GPTConfig(layers, d_model, heads, vocab, seq_len), micro_batch,
                                shape[0] * shape[1] if shape else ranks, threads, rounds, warmup, steps, chosen,
-                               precision, nvme_path, baseline, shape, link)
+                               precision, nvme_path, baseline, shape, link, optimizer)
     results, links = _run_step_bench(cfg)
     out = tables.console()
     out.print(step.render(cfg, results, links, out.width))

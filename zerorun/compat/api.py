@@ -166,8 +166,8 @@ def _merge_over(base: dict[str, Any], top: Mapping[str, Any]) -> None:
 
 
 def _client_optimizer(optimizer: Any, model_parameters: Any, model: torch.nn.Module, recipe: Recipe,
-                      ds: Mapping[str, Any] | None) -> torch.optim.Optimizer | None:
-    """The torch optimizer to hand to zerorun.initialize (None: the recipe's, over every parameter)."""
+                      ds: Mapping[str, Any] | None) -> Any:
+    """The torch optimizer(s) to hand to zerorun.initialize (None: the recipe's, over every parameter)."""
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         if not callable(optimizer):
             raise ZerorunError(f"initialize(optimizer=...): expected a torch optimizer or a callable that makes one, "
@@ -181,9 +181,9 @@ def _client_optimizer(optimizer: Any, model_parameters: Any, model: torch.nn.Mod
     if model_parameters is None:
         return None
     # The config's optimizer over the script's param groups (e.g. no weight decay for biases).
-    opt = recipe.optimizer
-    cls = torch.optim.AdamW if opt.type == "adamw" else torch.optim.Adam
-    return cls(model_parameters, lr=opt.lr, betas=(opt.betas[0], opt.betas[1]), eps=opt.eps, weight_decay=opt.weight_decay)
+    from zerorun.runtime.optim.recipe_optimizers import from_recipe
+
+    return from_recipe(recipe.optimizer, model, list(model_parameters))
 
 
 def _lr_scheduler(client: Any, optimizer: torch.optim.Optimizer, recipe: Recipe) -> Any:

@@ -28,7 +28,7 @@ from zerorun.compat import hf_cpu
 from zerorun.config import Recipe
 
 PACKAGE = "zerorun.compat.deepspeed"
-PROVIDED = ("accelerator", "comm", "zero", "utils", "ops", "ops.adam", "runtime", "runtime.lr_schedules",
+PROVIDED = ("accelerator", "comm", "zero", "utils", "ops", "ops.adam", "ops.adagrad", "ops.lion", "runtime", "runtime.lr_schedules",
             "runtime.engine", "runtime.zero", "runtime.zero.partition_parameters", "checkpoint", "checkpoint.utils")
 
 

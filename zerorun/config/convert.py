@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 from zerorun.config.counts import parse_count
-from zerorun.config.schema import OffloadConfig, Recipe, literal_text, range_text
+from zerorun.config.schema import OPTIMIZER_KEYS, OffloadConfig, Recipe, literal_text, range_text
 from zerorun.errors import ConfigError
 
 GIVEN_KEY = "_given"  # in `to_json`: the keys the user set (`Recipe.given`), so a worker can name them
@@ -230,6 +230,12 @@ def _check_cross_fields(recipe: Recipe, ctx: _Ctx) -> None:
     betas = recipe.optimizer.betas
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         _fail(ctx, "optimizer.betas", f"expected two numbers in [0, 1), got {betas!r}.")
+    chosen = recipe.optimizer.type
+    for key in ctx.lines:
+        if key.startswith("optimizer.") and key != "optimizer.type" and \
+                key.removeprefix("optimizer.") not in OPTIMIZER_KEYS[chosen]:
+            _fail(ctx, key, f"optimizer.type {chosen} does not use it (it reads {', '.join(OPTIMIZER_KEYS[chosen])}); "
+                            "remove it, or choose a type that does (docs/optimizers.md).")
     for kind in ("offload_optimizer", "offload_param"):
         off: OffloadConfig = getattr(recipe.zero, kind)
         if off.device == "nvme" and not off.nvme_path:

@@ -29,10 +29,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerorun.config.ds_keys import RULES, Level, Rule, rule_for
+from zerorun.config.ds_keys import COMPRESSED_OPTIMIZERS, DS_OPTIMIZERS, RULES, Level, Rule, rule_for
 from zerorun.errors import ConfigError
 
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+DS_NAMES = ("Adam", "AdamW", "Lamb", "Lion", "Adagrad", "Muon", "SGD", "RMSprop", "Adafactor")
 AUTO = "auto"
 
 
@@ -360,18 +361,31 @@ def _optimizer(t: Translation, ds: Mapping[str, Any]) -> None:
     if kind is None:
         return
     name = str(kind).lower()
-    if name not in ("adam", "adamw"):
-        t.note("optimizer.type", Level.ERROR, f"{kind}: zerorun's engine runs Adam and AdamW only (its fused, "
-                                              "sharded kernel); pick one, or train this optimizer elsewhere.")
+    if name in COMPRESSED_OPTIMIZERS:
+        t.note("optimizer.type", Level.ERROR, f"{kind}: a 1-bit optimizer compresses its own communication; zerorun "
+                                              "compresses gradients with zero.quantized_gradients (qgZ): use Adam or "
+                                              "Lamb with it.")
         return
-    # DeepSpeed: type Adam means AdamW (decoupled decay) unless adam_w_mode is false
-    decoupled = name == "adamw" or _get(ds, "optimizer.params.adam_w_mode", True) is not False
-    t.set("optimizer.type", "adamw" if decoupled else "adam", "optimizer.type")
+    if name not in DS_OPTIMIZERS:
+        t.note("optimizer.type", Level.ERROR, f"{kind}: a config builds {', '.join(sorted(DS_NAMES))}; pass any other "
+                                              "torch optimizer to deepspeed.initialize(optimizer=...) instead "
+                                              "(docs/optimizers.md).")
+        return
+    recipe_type = DS_OPTIMIZERS[name]
+    if name == "adam" and _get(ds, "optimizer.params.adam_w_mode", True) is False:
+        recipe_type = "adam"  # DeepSpeed: type Adam means AdamW (decoupled decay) unless adam_w_mode is false
+    t.set("optimizer.type", recipe_type, "optimizer.type")
     if _get(ds, "optimizer.params.weight_decay") is None:
-        t.set("optimizer.weight_decay", 0.0, "optimizer.params.weight_decay")  # FusedAdam's default
+        t.set("optimizer.weight_decay", 0.0, "optimizer.params.weight_decay")  # DeepSpeed's optimizers' default
     for key, default in (("lr", 1e-3), ("betas", [0.9, 0.999]), ("eps", 1e-8)):
-        if _get(ds, f"optimizer.params.{key}") is None:
+        if recipe_type in ("adam", "adamw", "lamb") and _get(ds, f"optimizer.params.{key}") is None:
             t.set(f"optimizer.{key}", default, f"optimizer.params.{key}")
+    if recipe_type == "muon":  # muon_lr is Muon's lr, adam_lr its AdamW's; lr both where they are not given
+        lr = _get(ds, "optimizer.params.lr")
+        if _get(ds, "optimizer.params.muon_lr") is not None:
+            t.set("optimizer.lr", float(_get(ds, "optimizer.params.muon_lr")), "optimizer.params.muon_lr")
+            if lr is not None and _get(ds, "optimizer.params.adam_lr") is None:
+                t.set("optimizer.adam_lr", float(lr), "optimizer.params.lr")
 
 
 def _scheduler(t: Translation, ds: Mapping[str, Any]) -> None:

@@ -29,6 +29,13 @@ class Level(enum.Enum):
     ERROR = "error"
 
 
+# DeepSpeed's optimizer types (lower-cased, as DeepSpeed compares them) -> the recipe's optimizer.type; the
+# 1-bit ones compress their own communication, which zerorun does with zero.quantized_gradients instead
+DS_OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "lamb": "lamb", "fusedlamb": "lamb", "lion": "lion",
+                 "adagrad": "adagrad", "muon": "muon", "sgd": "sgd", "rmsprop": "rmsprop", "adafactor": "adafactor"}
+COMPRESSED_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
+
+
 @dataclass(frozen=True)
 class Rule:
     """What one DeepSpeed key becomes."""
@@ -108,8 +115,10 @@ RULES: dict[str, Rule] = {
     "sparse_gradients": Rule("zerorun reduces dense gradients only", harmless=(False,), level=Level.ERROR),
     "disable_allgather": Rule("zerorun publishes updated shards with its own all-gather", harmless=(False,),
                               level=Level.WARNING),
-    "zero_allow_untested_optimizer": Rule("zerorun's engine runs Adam and AdamW only; other optimizers are refused"),
-    "zero_force_ds_cpu_optimizer": Rule("optimizer offload always steps zerorun's CPU Adam kernel"),
+    "zero_allow_untested_optimizer": Rule("zerorun runs any torch optimizer, the way its update needs "
+                                          "(docs/optimizers.md): there is nothing to allow"),
+    "zero_force_ds_cpu_optimizer": Rule("optimizer offload steps zerorun's CPU Adam kernel for Adam, the script's "
+                                        "optimizer on the host for any other"),
     "dataloader_drop_last": Rule("the DataLoader deepspeed.initialize builds from training_data drops the last "
                                  "partial batch when true", handled=True),
     "seed": Rule("zerorun seeds nothing itself: the script's torch.manual_seed decides", level=Level.WARNING),
@@ -134,13 +143,27 @@ RULES: dict[str, Rule] = {
                                      harmless=(True,), level=Level.WARNING),
     "bf16.bf16_master_weights_and_grads": Rule("zerorun's master weights and gradients are always fp32",
                                                harmless=(False,), level=Level.ERROR),
-    "bf16.bf16_optimizer_states": Rule("zerorun's Adam moments are always fp32", harmless=(False,),
-                                       level=Level.ERROR),
+    "bf16.bf16_optimizer_states": Rule("zerorun keeps an optimizer's state as it makes it from fp32 masters",
+                                       harmless=(False,), level=Level.ERROR),
     "torch_autocast": Rule("zerorun casts parameters to the compute dtype instead of autocasting; use bf16.enabled",
                            section=True, level=Level.ERROR),
     "amp": Rule("apex AMP is not supported; use fp16.enabled or bf16.enabled", section=True, level=Level.ERROR),
     # --- optimizer
-    "optimizer.type": Rule("Adam (AdamW unless adam_w_mode is false), AdamW -> optimizer.type", handled=True),
+    "optimizer.type": Rule("Adam (AdamW unless adam_w_mode is false), AdamW, Lamb, Lion, Adagrad, Muon, SGD, RMSprop, "
+                           "Adafactor -> optimizer.type", handled=True),
+    "optimizer.params.momentum": Rule("optimizer.momentum (SGD, RMSprop, Muon)", target="optimizer.momentum",
+                                      convert=float),
+    "optimizer.params.nesterov": Rule("optimizer.nesterov (SGD, Muon)", target="optimizer.nesterov", convert=bool),
+    "optimizer.params.muon_lr": Rule("Muon's lr -> optimizer.lr", handled=True),
+    "optimizer.params.adam_lr": Rule("the lr of Muon's AdamW -> optimizer.adam_lr", target="optimizer.adam_lr",
+                                     convert=float),
+    "optimizer.params.max_coeff": Rule("zerorun's Lamb clamps its trust ratio to at most 10, DeepSpeed's default; "
+                                       "pass zerorun.Lamb(params, max_coeff=...) to deepspeed.initialize(optimizer=) "
+                                       "for another", harmless=(10, 10.0), level=Level.ERROR),
+    "optimizer.params.min_coeff": Rule("zerorun's Lamb clamps its trust ratio to at least 0.01, DeepSpeed's "
+                                       "default; pass zerorun.Lamb(params, min_coeff=...) to "
+                                       "deepspeed.initialize(optimizer=) for another", harmless=(0.01,),
+                                       level=Level.ERROR),
     "optimizer.params.lr": Rule("optimizer.lr", target="optimizer.lr", convert=float),
     "optimizer.params.betas": Rule("optimizer.betas", target="optimizer.betas", convert=lambda v: [float(b) for b in v]),
     "optimizer.params.eps": Rule("optimizer.eps", target="optimizer.eps", convert=float),
@@ -148,9 +171,12 @@ RULES: dict[str, Rule] = {
                                           target="optimizer.weight_decay", convert=float),
     "optimizer.params.adam_w_mode": Rule("false: optimizer.type adam (L2 added to the gradient)", handled=True),
     "optimizer.params.torch_adam": Rule("zerorun's own Adam kernel matches torch's Adam(W) either way"),
-    "optimizer.params.bias_correction": Rule("zerorun's Adam always corrects the bias", harmless=(True,),
-                                             level=Level.ERROR),
-    "optimizer.params.amsgrad": Rule("zerorun's Adam has no AMSGrad", harmless=(False,), level=Level.ERROR),
+    "optimizer.params.bias_correction": Rule("a config's Adam and Lamb correct the bias; pass torch's or "
+                                             "zerorun.Lamb(bias_correction=False) to deepspeed.initialize(optimizer=) "
+                                             "for another", harmless=(True,), level=Level.ERROR),
+    "optimizer.params.amsgrad": Rule("the recipe has no amsgrad: pass torch.optim.AdamW(params, amsgrad=True) to "
+                                     "deepspeed.initialize(optimizer=...), which zerorun runs exactly",
+                                     harmless=(False,), level=Level.ERROR),
     "optimizer.params.fused": Rule("zerorun picks its fused kernel itself"),
     "optimizer.params.foreach": Rule("zerorun picks its fused kernel itself"),
     # --- scheduler: DeepSpeed's formulas in zerorun.runtime.optim.schedules
@@ -247,8 +273,8 @@ RULES: dict[str, Rule] = {
     "zero_optimization.override_module_apply": Rule("zerorun.sharded_init() records module init instead"),
     "zero_optimization.pipeline_loading_checkpoint": Rule("zerorun loads checkpoints shard by shard anyway"),
     "zero_optimization.compute_grad_norm": Rule("zerorun always computes the global gradient norm"),
-    "zero_optimization.save_muon_momentum_buffer_in_memory": Rule("zerorun has no Muon optimizer",
-                                                                  harmless=(False,)),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": Rule("zerorun keeps Muon's momentum with the rank "
+                                                                  "that owns its matrix (the owner way)"),
     # --- NVMe I/O
     "aio.block_size": Rule("zero.aio.block_size", target="zero.aio.block_size", convert=int),
     "aio.queue_depth": Rule("zero.aio.queue_depth", target="zero.aio.queue_depth", convert=int),

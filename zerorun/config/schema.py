@@ -149,13 +149,36 @@ class PrecisionConfig:
 
 @dataclass
 class OptimizerConfig:
-    """The optimizer built when the script passes none to `zerorun.initialize`."""
+    """The optimizer built when the script passes none to `zerorun.initialize` (docs/optimizers.md: how each runs)."""
 
-    type: Literal["adamw", "adam"] = _f("adamw", "adamw: decoupled weight decay; adam: L2 added to the gradient.")
-    lr: float = _f(1e-3, "Learning rate.", gt=0)
-    betas: list[float] = _f(doc="Adam's (beta1, beta2), each in [0, 1).", factory=lambda: [0.9, 0.999])
-    eps: float = _f(1e-8, "Added to the denominator.", gt=0)
+    type: Literal["adamw", "adam", "sgd", "lion", "adagrad", "rmsprop", "adafactor", "lamb", "muon"] = _f(
+        "adamw", "adamw: decoupled weight decay; adam: L2 added to the gradient; sgd, adagrad, rmsprop, adafactor: "
+                 "torch's; lion, lamb: zerorun's (DeepSpeed's formulas); muon: torch's Muon for the hidden matrices "
+                 "(2-D, names without `embed` or `lm_head`, as DeepSpeed chooses) and AdamW for the rest.")
+    lr: float = _f(1e-3, "Learning rate (muon: Muon's; see adam_lr).", gt=0)
+    betas: list[float] = _f(doc="(beta1, beta2), each in [0, 1): Adam's, AdamW's, LAMB's, Lion's and muon's AdamW's.",
+                            factory=lambda: [0.9, 0.999])
+    eps: float = _f(1e-8, "Added to the denominator (adam, adamw, adagrad, rmsprop, lamb; muon's AdamW).", gt=0)
     weight_decay: float = _f(0.01, "Weight decay.", ge=0)
+    momentum: float | None = _f(None, "sgd, rmsprop: momentum (null: 0); muon: Muon's momentum (null: 0.95).",
+                                ge=0, lt=1)
+    nesterov: bool | None = _f(None, "sgd: Nesterov momentum (null: false); muon: Nesterov in Muon (null: true).")
+    adam_lr: float | None = _f(None, "muon: the lr of the AdamW for the parameters Muon does not take (null: lr).",
+                               gt=0)
+
+
+# which keys of the optimizer section each type reads; setting another is refused (config/convert.py)
+OPTIMIZER_KEYS = {
+    "adamw": ("lr", "betas", "eps", "weight_decay"),
+    "adam": ("lr", "betas", "eps", "weight_decay"),
+    "sgd": ("lr", "weight_decay", "momentum", "nesterov"),
+    "lion": ("lr", "betas", "weight_decay"),
+    "adagrad": ("lr", "eps", "weight_decay"),
+    "rmsprop": ("lr", "eps", "weight_decay", "momentum"),
+    "adafactor": ("lr", "weight_decay"),
+    "lamb": ("lr", "betas", "eps", "weight_decay"),
+    "muon": ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov", "adam_lr"),
+}
 
 
 @dataclass

@@ -25,6 +25,7 @@ from zerorun.estimate.plan import (
                                    model_states,
                                    network_copies,
                                    offload_buffers,
+                                   optimizer_state,
                                    overlap_backup,
                                    paper_model_states,
                                    place,
@@ -38,5 +39,5 @@ from zerorun.estimate.render import as_json, render, summary
 __all__ = ["ADAM_K", "BUILT_ON", "GIB", "HEADROOM", "MIB", "OFFLOADS", "PARAM_BYTES", "Activations", "Cluster",
            "Estimate", "Footprint", "ModelShape", "Settings", "activation_bytes", "as_json", "build_on_meta",
            "checkpoint_snapshot", "configurations", "estimate", "load_factory", "model_states", "network_copies",
-           "offload_buffers", "overlap_backup", "paper_model_states", "place", "placed_states", "render",
+           "offload_buffers", "optimizer_state", "overlap_backup", "paper_model_states", "place", "placed_states", "render",
            "setup_bytes", "shape_from_size", "shape_of", "snapshot_holders_per_node", "summary", "working_buffers"]

@@ -63,8 +63,10 @@ def shape_of(model: nn.Module, wrap: list[str], persistence_threshold: int, buck
     in_one = [{p for p in unit if owners[p] == 1} for unit in units]
     root = sharded - {p for unit in in_one for p in unit}
     count = lambda params: sum(p.numel() for p in params)  # noqa: E731
+    matrices = [p for p in trainable if p.ndim >= 2]
     return ModelShape(params=count(trainable), largest_unit=max((count(u) for u in in_one), default=0),
-                      root=count(root), persistent=count(persistent))
+                      root=count(root), persistent=count(persistent), matrices=count(matrices),
+                      matrix_edges=sum(p.numel() // p.shape[-1] + p.numel() // p.shape[-2] for p in matrices))
 
 
 def shape_from_size(params: float, largest_layer: int | None, hidden: int | None) -> ModelShape:

@@ -6,7 +6,10 @@ bytes of optimizer state per parameter (K = 12 for mixed-precision Adam: fp32 ma
 variance), stage 0 holds (2 + 2 + K) Psi, stage 1 4 Psi + K Psi/N, stage 2 2 Psi + (2 + K) Psi/N,
 stage 3 (4 + K) Psi/N. The paper's gradients are 2 bytes; ours are accumulated in fp32 (see
 `runtime/precision.py`), so `model_states()` below is what `Engine.memory()` measures and
-`paper_model_states()` is the paper's figure, kept for comparison.
+`paper_model_states()` is the paper's figure, kept for comparison. K depends on the optimizer
+(`optimizer_state()`: SGD's momentum 4 bytes a parameter, Adafactor's factored moments next to nothing
+for a matrix, Muon's momentum 4 for its matrices beside AdamW's 8 for the rest); "moments" below is
+that state, whatever the optimizer keeps.
 
 Everything here is pure arithmetic on integers; `shape_of()` is the one place that looks at a
 module (built on the meta device, so no memory is touched).
@@ -24,6 +27,11 @@ GIB = 2**30
 MIB = 2**20
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_K = 12  # bytes per parameter of mixed-precision Adam's state: fp32 master (4) + two moments (8)
+# fp32 bytes of optimizer state per parameter, beside the master (the recipe's optimizer.type names): per parameter
+# of any shape, and (where it differs) per parameter of a matrix (2-D or more); Adafactor also keeps 4 bytes per
+# row and per column of each matrix (`ModelShape.matrix_edges`)
+STATE_BYTES = {"adamw": (8, 8), "adam": (8, 8), "lamb": (8, 8), "sgd": (4, 4), "lion": (4, 4), "adagrad": (4, 4),
+               "rmsprop": (4, 4), "adafactor": (4, 0), "muon": (8, 4)}
 OFFLOADS = ("none", "cpu", "nvme")
 BUILT_ON = {  # where a script builds its model: the GPU bytes it takes before zerorun.initialize
     "auto": "whole, in fp32, on the GPU at stages 0-2 and sharded at stage 3, as a model that needs stage 3 is built "
@@ -43,6 +51,8 @@ class ModelShape:
     largest_unit: int = 0  # stage 3: the largest module unit gathered at once (a transformer block)
     root: int = 0  # stage 3: parameters outside every unit (shared ones, small modules), gathered for the whole pass
     persistent: int = 0  # stage 3: parameters under zero.param_persistence_threshold, kept whole
+    matrices: int | None = None  # elements of 2-D (or more) parameters (None: all of them, as in a transformer)
+    matrix_edges: int = 0  # rows plus columns over those matrices (Adafactor's factored moments)
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,7 @@ class Settings:
     overlap_optimizer: Any = "auto"  # zero.overlap_optimizer: a backup of the host optimizer state (optim/overlap.py)
     host_share: float = 1.0  # zero.offload_optimizer_ratio: the share of an offloaded (cpu) optimizer on the host
     built_on: str = "auto"  # where the script builds its model before zerorun.initialize (BUILT_ON)
+    optimizer: str = "adamw"  # optimizer.type: what its state costs (STATE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -136,7 +147,25 @@ def paper_model_states(psi: float, n: int, stage: int, k: int = ADAM_K) -> float
     return (4 + k - sharded) * psi + sharded * psi / n
 
 
-def model_states(shape: ModelShape, n: int, stage: int, precision: str) -> dict[str, float]:
+def optimizer_state(shape: ModelShape, optimizer: str) -> float:
+    """Bytes of the optimizer's own state for the whole model (the master aside), as the engine keeps it: Adam 8 a
+    parameter, SGD with momentum, Lion, Adagrad and RMSprop 4, Adafactor 4 for vectors and (rows + columns) x 4 for
+    each matrix, Muon 4 for its matrices and its AdamW's 8 for the rest. The owner way (Muon, Adafactor, LAMB)
+    keeps it per whole parameter: each rank's share is 1/N within the ownership plan's imbalance."""
+    if optimizer not in STATE_BYTES:
+        raise ZerorunError(f"--optimizer {optimizer!r}: choose from {', '.join(STATE_BYTES)}.")
+    anything, matrix = STATE_BYTES[optimizer]
+    matrices = shape.params if shape.matrices is None else shape.matrices
+    edges = 4 * shape.matrix_edges if optimizer == "adafactor" else 0
+    return anything * (shape.params - matrices) + matrix * matrices + edges
+
+
+def state_per_param(shape: ModelShape, optimizer: str) -> float:
+    """`optimizer_state` per parameter: K - 4 (K = 12 for Adam)."""
+    return optimizer_state(shape, optimizer) / shape.params
+
+
+def model_states(shape: ModelShape, n: int, stage: int, precision: str, optimizer: str = "adamw") -> dict[str, float]:
     """Bytes per rank of params, grads, master and moments, as `Engine.memory()` accounts them.
 
     Our policy differs from the paper in one place: gradients are accumulated and reduced in fp32
@@ -148,15 +177,16 @@ def model_states(shape: ModelShape, n: int, stage: int, precision: str) -> dict[
     Stage 3 holds only shards at rest: fp32 master 4/N, fp32 gradient shard 4/N and moments 8/N
     (the 2-byte shard is cast from the master when gathered), i.e. (4 + K) Psi/N as in the paper,
     plus the persistent parameters (under `param_persistence_threshold`) kept whole in p bytes.
+    Adam's 8 bytes of moments are another optimizer's `optimizer_state` (SGD: 4).
     """
     psi, p, mixed = shape.params, PARAM_BYTES[precision], precision != "fp32"
+    state = optimizer_state(shape, optimizer)
     if stage == 3:
-        return {"params": p * shape.persistent, "grads": 4 * psi / n, "master": 4 * psi / n,
-                "moments": 8 * psi / n}
+        return {"params": p * shape.persistent, "grads": 4 * psi / n, "master": 4 * psi / n, "moments": state / n}
     return {"params": p * psi,
             "grads": 4 * psi / n if stage == 2 else 4 * psi,
             "master": (4 * psi / n if stage >= 1 else 4 * psi) if mixed else 0,
-            "moments": 8 * psi / n if stage >= 1 else 8 * psi}
+            "moments": state / n if stage >= 1 else state}
 
 
 def working_buffers(shape: ModelShape, stage: int, settings: Settings) -> float:
@@ -190,7 +220,8 @@ def activation_bytes(act: Activations, precision: str, checkpointing: bool) -> f
 
 
 def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload_optimizer: str = "none",
-                  offload_param: str = "none", host_share: float = 1.0) -> dict[Place, dict[str, float]]:
+                  offload_param: str = "none", host_share: float = 1.0,
+                  optimizer: str = "adamw") -> dict[Place, dict[str, float]]:
     """Model-state bytes per rank by `Place` and kind, as `Engine.memory()` holds them.
 
     Optimizer offload (`runtime/offload/placement.py`, `runtime/offload/homes.py`) moves the fp32 master and the
@@ -203,7 +234,7 @@ def placed_states(shape: ModelShape, n: int, stage: int, precision: str, offload
     stays on the GPU.
     """
     p, psi = PARAM_BYTES[precision], shape.params
-    states = model_states(shape, n, stage, precision)
+    states = model_states(shape, n, stage, precision, optimizer)
     out: dict[Place, dict[str, float]] = {Place.DEVICE: dict(states), Place.HOST: {}, Place.NVME: {}}
     if offload_optimizer != "none":
         home = out[Place.of_setting(offload_optimizer)]
@@ -244,7 +275,8 @@ def setup_bytes(shape: ModelShape, n: int, stage: int, settings: Settings, offlo
     built = 4 * psi if built_on(settings, stage) == "device" else 0
     shards = 1 if stage == 0 else n
     on_device = 1.0 if offload_optimizer == "none" else 1 - settings.host_share if offload_optimizer == "cpu" else 0.0
-    home = on_device * 12 * psi / shards if stage == 3 or settings.precision != "fp32" or on_device < 1 else 0
+    k = 4 + state_per_param(shape, settings.optimizer)  # the home: master and the optimizer's flat state
+    home = on_device * k * psi / shards if stage == 3 or settings.precision != "fp32" or on_device < 1 else 0
     if stage < 3:
         unit = min(psi, settings.bucket_mb * MIB / 4)
         return built + p * psi + home + 4 * unit
@@ -289,13 +321,14 @@ def offload_buffers(settings: Settings, offload_optimizer: str, gpu: bool = True
     return staging + (RING_SLOTS * 3 * tile if offload_optimizer == "nvme" else 0)
 
 
-def checkpoint_snapshot(psi: float, n: int, stage: int, offload_optimizer: str) -> int:
+def checkpoint_snapshot(psi: float, n: int, stage: int, offload_optimizer: str, k: float = ADAM_K) -> int:
     """Host bytes of a background checkpoint's snapshot on the rank holding the most state: the fp32
-    master and moments of its shard (stage 0: all of them, on rank 0), or one chunk when they stream from NVMe."""
+    master and optimizer state of its shard (`k` bytes a parameter; stage 0: all of them, on rank 0), or one chunk
+    when they stream from NVMe."""
     from zerorun.runtime.checkpoint.snapshot import snapshot_bytes
 
     numel = int(psi) if stage == 0 else -(-int(psi) // n)
-    return snapshot_bytes([numel], streamed=offload_optimizer == "nvme")
+    return snapshot_bytes([numel], streamed=True) if offload_optimizer == "nvme" else round(k * numel)
 
 
 def snapshot_holders_per_node(stage: int, gpus_per_node: int) -> int:
@@ -309,7 +342,8 @@ def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, o
     """One configuration's bytes: model states split between GPU, CPU and NVMe (per rank), plus the
     GPU's working buffers and activations and the host's offload staging."""
     n, psi = cluster.world, shape.params
-    placed = placed_states(shape, n, stage, settings.precision, offload_optimizer, offload_param, settings.host_share)
+    placed = placed_states(shape, n, stage, settings.precision, offload_optimizer, offload_param, settings.host_share,
+                           settings.optimizer)
     out = Footprint(stage, offload_optimizer, offload_param,
                     paper_model_states=round(paper_model_states(psi, n, stage)))
     gpu = dict(placed[Place.DEVICE])
@@ -318,13 +352,15 @@ def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, o
     gpu["activations"] = activation_bytes(activations, settings.precision, settings.checkpointing) if activations else 0
     out.gpu = {k: round(v) for k, v in gpu.items()}
     host = sum(placed[Place.HOST].values()) + offload_buffers(settings, offload_optimizer)
-    out.cpu_per_rank = round(host + overlap_backup(settings.host_share * psi / n, settings.overlap_optimizer,
-                                                   offload_optimizer, host, cluster))
+    fused = STATE_BYTES[settings.optimizer] == STATE_BYTES["adamw"]  # the host update under the backward is Adam's
+    out.cpu_per_rank = round(host + overlap_backup(settings.host_share * psi / n if fused else 0.0,
+                                                   settings.overlap_optimizer, offload_optimizer, host, cluster))
     out.gpu_setup = round(setup_bytes(shape, n, stage, settings, offload_optimizer, offload_param))
     out.built_on = built_on(settings, stage)
     out.nvme_per_rank = round(sum(placed[Place.NVME].values()))
     if settings.async_checkpoints:
-        out.snapshot_per_rank = checkpoint_snapshot(psi, n, stage, offload_optimizer)
+        out.snapshot_per_rank = checkpoint_snapshot(psi, n, stage, offload_optimizer,
+                                                    4 + state_per_param(shape, settings.optimizer))
         out.snapshot_per_node = out.snapshot_per_rank * snapshot_holders_per_node(stage, cluster.gpus_per_node)
     per_node = out.cpu_per_rank * cluster.gpus_per_node + out.snapshot_per_node
     if cluster.gpu_mem_gib is not None:

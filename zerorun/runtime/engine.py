@@ -1,17 +1,21 @@
 """The engine: the user's face of the ZeRO runtime.
 
-    engine = zerorun.initialize(model, optimizer)     # or optimizer=None for the recipe's
+    engine = zerorun.initialize(model, optimizer)     # or optimizer=None for the recipe's; or a list of them
     for batch in data:
         loss = engine(batch)                           # forward
         engine.backward(loss)                          # scales by 1/grad_accum_steps (and the fp16 loss scale)
         engine.step()                                  # steps at accumulation boundaries only
 
-It composes, each built once from the recipe: a `Placement` (placement.py: where the optimizer state and stage 3's
-parameter shard live); a `ParamStore` (store.py: `FlatParams` for stages 0-2, `ScheduledParams` for stage 3, also
-the engine's `UnitPasses`); the `TrainingPhase` it owns (phase.py) and the `EnginePlace` every collective's tag
-reports (engine_place.py). An optimizer step, in order: the reducer has left this rank's summed gradient pieces;
-their global L2 norm is one all-reduce of a scalar (inf/nan on any rank skips the step everywhere); `AdamStep`
-divides by world size x loss scale / clip coefficient in its kernel pass; the store publishes the update.
+A thin facade over collaborators, each built once from the recipe: a `Placement` (placement.py: where the optimizer
+state and stage 3's shard live); a `ParamStore` (store.py: `FlatParams` at stages 0-2, `ScheduledParams` at stage 3,
+also the engine's `UnitPasses`); the `GradReducer` (grad_reducer.py: this rank's summed gradient pieces); the
+`Update` (optim/update.py: every param group's optimizer and its state, run the way each needs); `InFlight`
+(in_flight.py: what an update leaves running, settled in one place, `@settles`); the `TrainingPhase` (phase.py) the
+reducer and the scheduler read; the `EnginePlace` (engine_place.py) every collective's tag reports.
+
+An optimizer step: the global L2 norm of the gradient pieces (one all-reduce of a scalar, which also
+tells every rank whether any rank saw an inf/nan: then the step is skipped everywhere); the update,
+dividing the gradients by world size x loss scale / clip coefficient as it runs; the store's publish.
 """
 
 from __future__ import annotations
@@ -39,32 +43,75 @@ from zerorun.runtime.devices import place_inputs, to_device
 from zerorun.runtime.engine_place import Activity, EnginePlace
 from zerorun.runtime.events import StepWindow
 from zerorun.runtime.grad_reducer import GradReducer
+from zerorun.runtime.in_flight import InFlight, Need, settles
 from zerorun.runtime.interop import Interop, schedulers_of
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
 from zerorun.runtime.offload.placement import Placement
-from zerorun.runtime.offload.transfers import Direct
 from zerorun.runtime.optim import clip
-from zerorun.runtime.optim.adam_step import AdamStep, Piece
 from zerorun.runtime.optim.lr_schedules import LrSchedules
-from zerorun.runtime.optim.optimizer import ShardedAdamW, param_groups_from
-from zerorun.runtime.optim.overlap import OverlappedUpdate, overlaps
+from zerorun.runtime.optim.optimizer import ShardedOptimizer
+from zerorun.runtime.optim.overlap import overlaps
+from zerorun.runtime.optim.recipe_optimizers import from_recipe
+from zerorun.runtime.optim.take_over import EngineGroup, given_optimizers, take_over
+from zerorun.runtime.optim.update import Update
+from zerorun.runtime.optim.ways import Way
 from zerorun.runtime.phase import Phase, TrainingPhase
 from zerorun.runtime.precision import LossScaler, PrecisionPolicy
 from zerorun.runtime.stage3 import sharded_init
-from zerorun.runtime.stage_setup import build_stage, cast_frozen
-from zerorun.runtime.store import ParamStore, UnitPasses, units_of
+from zerorun.runtime.stage_setup import Stage, build_stage, cast_frozen
+from zerorun.runtime.store import ParamStore, UnitPasses, first_names
 
 log = logging.getLogger("zerorun")
 
 
 class Engine:
-    """Wraps a model and its optimizer in ZeRO stage 0, 1, 2 or 3."""
+    """Wraps a model and its optimizers in ZeRO stage 0, 1, 2 or 3."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, recipe: Recipe,
-                 lr_scheduler: Any = None, scheduler_source: str | None = None) -> None:
-        """`lr_scheduler`: stepped by the engine after every applied update (a scheduler, or a function of
-        the engine's optimizer that makes one); `scheduler_source` names where the recipe set it."""
+    def __init__(self, model: nn.Module, optimizer: Any, recipe: Recipe, lr_scheduler: Any = None,
+                 scheduler_source: str | None = None) -> None:
+        """`optimizer`: a torch optimizer, a list of them over disjoint parameters, or None (the recipe's).
+        `lr_scheduler`: stepped by the engine after every applied update (a scheduler, or a function of the
+        engine's optimizer that makes one); `scheduler_source` names where the recipe set it."""
         self.recipe = recipe
+        self._build_runtime(recipe)
+        setup = partial(events.EngineSetup, host_memory=recipe.zero.host_memory, stage=self.stage,
+                        device_type=self.device.type)
+        events.emit_setup(setup(done=False))  # process-wide tuning (the worker's host_allocator) follows
+        init_log = self._take_model(model)
+        handed_over = given_optimizers(optimizer)
+        groups = take_over(handed_over or from_recipe(recipe.optimizer, model), model, self.device)
+        self._sync_buffers()
+        # the torch Optimizer face: every handed-over param group; it and the schedulers are refused (if they are)
+        # before any hook is on the model
+        self.optimizer = ShardedOptimizer([g.hyper for g in groups], list(dict.fromkeys(g.optimizer for g in groups)))
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            lr_scheduler = lr_scheduler(self.optimizer)
+        self.lr_schedules = LrSchedules(self.optimizer, handed_over, schedulers_of, lr_scheduler, scheduler_source)
+        stage = build_stage(recipe, model, [g.params for g in groups], init_log, self.comm, self.placement,
+                            self.policy, self.phase, self.device, self.compiled, [g.kinds for g in groups])
+        self.store: ParamStore = stage.store
+        self.passes: UnitPasses | None = stage.passes  # stage 3's gather and release around every pass
+        self.reducer: GradReducer = stage.reducer
+        cast_frozen(self.module, self.policy.param_dtype)
+        grads = [self.reducer.grad_pieces(g) for g in range(len(groups))]
+        self.update = Update(groups, self.optimizer, self.store, grads, self.placement, self.comm,
+                             first_names(self.model))  # every group's update and state
+        self._overlap_optimizer(groups)
+        if self.comm.rank == 0 and self.update.ways() is not None:
+            print(self.update.ways(), flush=True)
+        self._loop_state(recipe)
+        self.checkpoints = Checkpointer(self)  # saves: in the background, at most one in flight
+        self.checkpoints.clean_start()
+        self.deferred = stage.deferred  # stages 1/2 with zero.overlap_publish: the publish the next forward waits for
+        self.in_flight = InFlight(self.update, self.deferred)
+        # last, so that an engine that failed to build changed nothing outside zerorun (runtime/interop/)
+        self.interop = Interop(self)
+        self._install_interop(model, stage, handed_over)
+        events.emit_setup(setup(done=True))
+
+    # -- setup helpers ----------------------------------------------------------------------
+    def _build_runtime(self, recipe: Recipe) -> None:
+        """The process group, device, precision policy, collectives, phase and placement."""
         self.info = init_distributed(recipe.launch.timeout_s)
         self.device = self.info.device
         self.stage = recipe.zero.stage
@@ -75,10 +122,11 @@ class Engine:
                                 quantized_weights=recipe.zero.quantized_weights, device=self.device)
         self.phase = TrainingPhase()
         self.where = EnginePlace(self.phase, self, self.comm)  # every collective's tag says where its caller stands
+        self.script_settings = script_settings.watch(recipe, self.policy.param_dtype, self.comm.rank)
         self.placement = Placement.from_recipe(recipe, self.device, self.info.rank)
-        setup = partial(events.EngineSetup, host_memory=recipe.zero.host_memory, stage=self.stage,
-                        device_type=self.device.type)
-        events.emit_setup(setup(done=False))  # process-wide tuning (the worker's host_allocator) follows
+
+    def _take_model(self, model: nn.Module) -> sharded_init.InitLog | None:
+        """The model on the engine's device; the `sharded_init` log stage 3 replays (None: nothing to replay)."""
         self.compiled = compiled.inspect(model)  # what the script compiled with torch.compile, if anything
         self._dynamo_seen = compiled.dynamo_loaded()  # else the first forward after dynamo loads checks for a compile
         init_log = sharded_init.log_for(model)
@@ -89,74 +137,56 @@ class Engine:
         # whose names checkpoints and state dicts use: the model's own, compiled or not (torch.compile(model) would
         # add `_orig_mod.`), so a checkpoint resumes whether the script compiles or not
         self.model = compiled.unwrapped(self.module)
-        groups, decoupled = param_groups_from(optimizer, model, recipe.optimizer)
-        self._sync_buffers()  # then the optimizer and schedulers, refused before any hook is on the model
-        self.optimizer = ShardedAdamW(groups, decoupled, handed_over=optimizer)
-        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-            lr_scheduler = lr_scheduler(self.optimizer)
-        self.lr_schedules = LrSchedules(self.optimizer, optimizer, schedulers_of, lr_scheduler, scheduler_source)
-        stage = build_stage(recipe, model, [g["params"] for g in groups], init_log, self.comm, self.placement,
-                            self.policy, self.phase, self.device, self.compiled)
-        self.store: ParamStore = stage.store
-        self.passes: UnitPasses | None = stage.passes  # stage 3's gather and release around every pass
-        self.reducer: GradReducer = stage.reducer
-        cast_frozen(self.module, self.policy.param_dtype)
-        largest_piece = max((u.shard_numel for u in self.store.units), default=1)
-        self.update = AdamStep(self.optimizer, self.store.home,
-                               ranges.offload_copies(self.placement.transfers(largest_piece)),
-                               self.placement.step_tile_numel, Direct(self.device), self.device)
-        self._pieces = [[Piece(g, u.state_offset, u.shard_numel, grad, target)
-                         for u, grad, target in zip(units_of(self.store.units, g), self.reducer.grad_pieces(g),
-                                                    self.store.update_targets(g), strict=True)]
-                        for g in range(len(groups))]
-        self.overlap: OverlappedUpdate | None = None  # the host optimizer under the backward (optim/overlap.py)
+        return init_log
+
+    def _overlap_optimizer(self, groups: list[EngineGroup]) -> None:
+        """`zero.overlap_optimizer`: the fused groups' host update under the backward (optim/overlap.py)."""
         say = (lambda text: log.warning("%s", text)) if self.comm.rank == 0 else None
-        if overlaps(recipe.zero.overlap_optimizer, recipe.zero.offload_optimizer.device, sum(self.store.group_numels),
-                    self.device, say):
-            in_order = [iter(group) for group in self._pieces]
-            self.overlap = OverlappedUpdate(self.update, self.optimizer, self._pieces,
-                                            [next(in_order[u.group]) for u in self.store.units], self.store.group_numels)
-            self.reducer.on_reduced = self.overlap.unit_reduced
+        fused = [g for g, group in enumerate(groups) if group.way is Way.FUSED_ADAM]
+        if fused and overlaps(self.recipe.zero.overlap_optimizer, self.recipe.zero.offload_optimizer.device,
+                              sum(self.store.group_numels[g] for g in fused), self.device, say):
+            self.reducer.on_reduced = self.update.overlap_with_backward(say).unit_reduced
+
+    def _loop_state(self, recipe: Recipe) -> None:
+        """The training loop's counters, accumulation window and the script's clip calls."""
         self.grad_accum_steps = recipe.train.grad_accum_steps
         self.clip_grad_norm = recipe.train.clip_grad_norm
         self.window = AccumulationWindow()
         self.clip_calls = clip.ScriptClipping(self.grad_accum_steps)  # the script's clip_grad_norm_/value_ calls
-        self.script_settings = script_settings.watch(recipe, self.policy.param_dtype, self.comm.rank)
         self.micro_steps = self.global_step = self.skipped_steps = 0
         self.grad_norm: float | None = None
         self._boundary: bool | None = None  # set_boundary's answer; None: every grad_accum_steps-th micro-step
         self.tokens_per_sample: int | None = None  # set it when inputs are not (batch, seq) token ids
         self._window = StepWindow()
-        self.checkpoints = Checkpointer(self)  # saves: in the background, at most one in flight
-        self.checkpoints.clean_start()
-        # last, so that an engine that failed to build changed nothing outside zerorun (runtime/interop/)
-        self.interop = Interop(self)
+        # the script's own state (data position, ...): saved with every checkpoint, the recipe's `every_steps` saves
+        # included, and set from the checkpoint on resume
+        self.client_state: dict = {}
+
+    def _install_interop(self, model: nn.Module, stage: Stage, handed_over: list[torch.optim.Optimizer]) -> None:
+        """What the engine changes outside zerorun: hooks, guards, the clip functions (runtime/interop/)."""
         self.interop.take_over(self, model)
-        self.deferred = stage.deferred  # stages 1/2 with zero.overlap_publish: the publish the next forward waits for
         for hooks in (self.reducer, self.passes, self.deferred):
             if hooks is not None:
                 self.interop.remove_with_engine(hooks.remove_hooks)
         if self.deferred is not None:
             self.interop.guard_parameter_reads(model, self.deferred.wait_all)
-        if optimizer is not None:
-            self.interop.refuse_direct_use(optimizer)
+        for optimizer in handed_over:
+            self.interop.refuse_direct_use(optimizer, self.update.is_stepping)
         if self.stage == 3:  # the model's own state_dict() gathers (never a closure over the engine: the hook lives on)
             self.interop.gather_state_dicts(self.model, partial(self.where.gathered_state, self.store, self.comm))
         self.interop.route_clip_calls(self)
         self.where.built(self.model, [u.params for u in self.store.units])
-        events.emit_setup(setup(done=True))
 
-    # -- setup helpers ----------------------------------------------------------------------
     def _sync_buffers(self) -> None:  # every rank starts from rank 0's buffers (the store syncs parameters)
         for buffer in self.module.buffers():
             self.comm.broadcast(buffer, src=0).wait()
 
     # -- training loop ----------------------------------------------------------------------
+    @settles(Need.STATE)  # the parameters may still be landing: each module's hook waits for its own
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module: tensor inputs go to the engine's device (as FSDP's root does), floats to compute dtype."""
         self.lr_schedules.engine_entered()
         self.script_settings.forward(self.global_step, self.device)  # its autocast, its step count: the recipe's?
-        self._roll_back_speculation()
         args, kwargs = place_inputs((args, kwargs), self.device, self.policy.param_dtype)
         self._window.count_inputs(args, kwargs, self.tokens_per_sample)
         if not self._dynamo_seen and compiled.dynamo_loaded():
@@ -176,14 +206,7 @@ class Engine:
         """Wait until the last step's updated parameters have reached every rank (stages 1/2 with
         `overlap_publish` publish them under the next forward). The engine's own methods, forwards and
         `state_dict()` calls do this themselves; call it before reading `p.data` right after `step()`."""
-        if self.deferred is not None:
-            self.deferred.wait_all()
-
-    def _roll_back_speculation(self) -> None:
-        """Undo an update the host made under the backward for a step() that has not come (optim/overlap.py):
-        what follows reads or changes the parameters or their state, and must see them as they are."""
-        if self.overlap is not None and self.overlap.current is not None:
-            self.overlap.rollback()
+        self.in_flight.wait_published()
 
     @property
     def is_boundary(self) -> bool:
@@ -198,6 +221,7 @@ class Engine:
         None returns to every `grad_accum_steps`-th micro-step. The loss is still divided by grad_accum_steps."""
         self._boundary = boundary
 
+    @settles(Need.PARAMETERS)  # the forward may have run on the module itself, outside the engine
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss / grad_accum_steps` (times the loss scale) and reduce gradients."""
         self.lr_schedules.engine_entered()
@@ -206,17 +230,15 @@ class Engine:
         accum = self.grad_accum_steps if self._boundary is None else 1
         self.window.check_backward(accum, self.stage, self.recipe.given.get("train.grad_accum_steps"))
         self._window.add_loss(loss)
-        self._roll_back_speculation()
-        self.wait_published()  # the forward may have run on the module itself, outside the engine
         self.window.backward_started(reduce or self.stage >= 2)
         self.clip_calls.gradients_changed()
         with self.phase.running(Phase.BACKWARD):
             self.reducer.begin_backward(reduce=reduce)
             if self.passes is not None:
                 self.passes.begin_backward()
-            if self.overlap is not None and reduce:  # the window's last backward: its units' updates can start
+            if reduce and self.update.speculates:  # the window's last backward: its units' updates can start
                 self.checkpoints.before_update()  # a background save must have captured the state first
-                self.overlap.begin(self.comm.world_size * self.scaler.scale)
+                self.update.speculate(self.comm.world_size * self.scaler.scale)
             try:
                 (loss * (self.scaler.scale / self.grad_accum_steps)).backward()
             finally:
@@ -270,21 +292,21 @@ class Engine:
         clamped to [-clip_value, clip_value] before the update (and before its norm)."""
         self.clip_calls.value(self, parameters, clip_value)
 
+    @settles(Need.STATE)
     def zero_grad(self) -> None:
         """Drop accumulated gradients (steps already do this; for loops that skip a step)."""
-        self._roll_back_speculation()
         self.reducer.zero()
         self.window.reset()
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Update from the reduced gradients unless any rank overflowed; (skipped, global norm)."""
-        self.wait_published()  # the update writes into the pieces the last publish sends
+        self.in_flight.wait_published()  # the update writes into the pieces the last publish sends
         self.checkpoints.before_update()  # a background save must have captured the state it changes
-        speculated = self.overlap is not None and self.overlap.settle() is not None  # updated under the backward
+        self.update.wait_speculation()  # the host's updates under the backward read the gradients until here
         sum_divisor = self.comm.world_size * self.scaler.scale  # reduced gradients are sums of scaled grads
         call = self.clip_calls.take()
         if call.value is not None:
-            for piece in (p.grad for group in self._pieces for p in group):
+            for piece in self.update.grads():
                 piece.clamp_(-call.value * sum_divisor, call.value * sum_divisor)
         norm = call.norm if call.norm is not None and call.value is None else self._global_norm() / sum_divisor
         self.grad_norm = norm
@@ -295,16 +317,10 @@ class Engine:
         else:
             max_norm = call.max_norm if call.max_norm is not None else self.clip_grad_norm
             coef = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
-            with ranges.named("optimizer"):
-                if speculated and self.overlap is not None and self.overlap.matches(sum_divisor / coef,
-                                                                                    call.value is not None):
-                    self.overlap.commit()  # the update made under the backward is this step's
-                else:
-                    self._roll_back_speculation()
-                    self.update.run(self._pieces, sum_divisor / coef)
+            self.update.apply(sum_divisor / coef, clamped=call.value is not None)
             with ranges.named("publish"):
                 self.store.publish_after_step()
-        self._roll_back_speculation()  # a skipped step: the speculation is undone
+        self.in_flight.settle(Need.STATE)  # a skipped step: the speculation is undone
         self.scaler.update(found_inf)
         self.optimizer.count_step()  # skipped or not, scheduler.step() after engine.step() is the right order
         self.reducer.zero()
@@ -313,7 +329,7 @@ class Engine:
 
     def _global_norm(self) -> float:
         """L2 norm of the summed gradients across all shards (inf/nan if any rank has one)."""
-        pieces = [piece.grad for group in self._pieces for piece in group]
+        pieces = self.update.grads()
         local = torch.zeros((), dtype=torch.float32, device=self.device)
         if pieces:
             # in fp32 whatever the reduce dtype: a bf16 norm is off by up to 2^-8, and clipping with it too
@@ -330,6 +346,7 @@ class Engine:
         self.store.settle()
         self.interop.remove()
 
+    # -- introspection ----------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
@@ -349,8 +366,6 @@ class Engine:
         report.add("buffers", place, tensor_bytes(list(self.module.buffers())))
         self.reducer.account(report)
         self.update.account(report)
-        if self.overlap is not None:
-            self.overlap.account(report)
         self.checkpoints.account(report)
         return report
 
@@ -359,9 +374,8 @@ class Engine:
         sizes needs no values, and the telemetry thread calls this while a publish may be in flight."""
         return [p for _, p in nn.Module.named_parameters(self.module) if not p.requires_grad]
 
+    @settles(Need.PARAMETERS)
     def parameters(self) -> Any:
-        self._roll_back_speculation()
-        self.wait_published()
         return self.module.parameters()
 
     def train(self, mode: bool = True) -> Engine:
@@ -371,38 +385,26 @@ class Engine:
     def eval(self) -> Engine:
         return self.train(False)
 
+    @settles(Need.PARAMETERS)
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full state dict, trainable parameters in fp32 (the master weights) at every stage and
         precision: on every rank at stages 0-2; stage 3 consolidates on rank 0 ({} elsewhere), one unit at a
         time. Buffers and frozen parameters are as the module holds them."""
-        self._roll_back_speculation()
-        self.wait_published()
         with self.where.doing(Activity.STATE_DICT):
             return self.store.full_state_dict(self.model)
 
+    @settles(Need.PARAMETERS)
     def gathered(self, params: Any = None, modify: bool = False, src: int = 0) -> Any:
         """Context manager: full parameters inside (stage 3; stages 0-2 always hold them). With `modify=True`, rank
         `src`'s values are written back to every rank's shard on exit."""
-        self._roll_back_speculation()
-        self.wait_published()
         if modify:
             self.checkpoints.before_update()
         return self.where.around(Activity.GATHERED, self.store.gathered(params, modify, src))
 
-    # -- checkpoints (runtime/checkpoint/sharded.py) -----------------------------------------------------
+    # -- checkpoints (runtime/checkpoint/sharded.py) -------------------------------------------------
     resumed_from: str | None = None  # the tag `resume()` or `load_checkpoint()` restored
 
-    @property
-    def client_state(self) -> dict:
-        """The script's own state (data position, scheduler, ...): saved with every checkpoint, the
-        recipe's `every_steps` saves included, and set from the checkpoint on resume."""
-        state: dict = self.__dict__.setdefault("_client_state", {})
-        return state
-
-    @client_state.setter
-    def client_state(self, value: dict) -> None:
-        self._client_state = value
-
+    @settles(Need.PARAMETERS)
     def save_checkpoint(self, dir: str | None = None, tag: str | None = None, client_state: dict | None = None,
                         block: bool = False) -> Path:
         """Save the whole training state, sharded (every rank calls it); `tag` defaults to `step-<global_step>`.
@@ -410,8 +412,6 @@ class Engine:
         With `checkpoint.async_save` (the default) it returns once the state is snapshotted and the files
         are written in the background; `latest` moves when every rank's files are durable. `block=True`
         (or `wait_checkpoint()`) waits for that."""
-        self._roll_back_speculation()
-        self.wait_published()
         state = self.client_state if client_state is None else client_state
         with ranges.named("checkpoint snapshot"), self.where.doing(Activity.CHECKPOINT):
             return self.checkpoints.save(self._checkpoint_dir(dir), tag or f"step-{self.global_step}", state, block)
@@ -421,12 +421,11 @@ class Engine:
         with self.where.doing(Activity.CHECKPOINT):  # a collective: every rank calls it
             self.checkpoints.wait()
 
+    @settles(Need.PARAMETERS)  # loading writes the pieces an unfinished publish may still be sending
     def load_checkpoint(self, dir: str | None = None, tag: str | None = None) -> dict | None:
         """Restore from `tag` (default: the latest); returns its client_state, or None when there is no checkpoint."""
         from zerorun.runtime.checkpoint import sharded as checkpoint
 
-        self._roll_back_speculation()
-        self.wait_published()  # loading writes the pieces an unfinished publish may still be sending
         checkpoint_async.wait_all()  # and the state a save in flight reads; `latest` is final once it commits
         with self.where.doing(Activity.CHECKPOINT):
             loaded = checkpoint.load(self, self._checkpoint_dir(dir), tag)
@@ -448,3 +447,4 @@ class Engine:
         if dir is None:
             raise ZerorunError("no checkpoint directory: pass dir=... or set checkpoint.dir in the recipe.")
         return dir
+

@@ -38,6 +38,7 @@ from torch import nn
 from zerorun.runtime.comm.collectives import Collectives, Pending
 from zerorun.runtime.deferred_publish import DeferredPublish
 from zerorun.runtime.memory import MemoryReport
+from zerorun.runtime.offload.homes import MASTER
 from zerorun.runtime.offload.placement import Place, Placement
 from zerorun.runtime.precision import PrecisionPolicy
 from zerorun.runtime.store import (
@@ -45,7 +46,7 @@ from zerorun.runtime.store import (
     ParamTensor,
     UpdateTarget,
     master_state_dict,
-    saved_home_state,
+    saved_masters,
     units_of,
 )
 from zerorun.runtime.units import Unit, cut_units, group_numels
@@ -55,9 +56,11 @@ class FlatParams:
     """The stages 0-2 `ParamStore`: the flat parameter buffer; the master in the placement's home."""
 
     def __init__(self, groups: list[list[nn.Parameter]], placement: Placement, policy: PrecisionPolicy,
-                 comm: Collectives, shard_world: int, bucket_numel: int, defer_to: nn.Module | None = None) -> None:
+                 comm: Collectives, shard_world: int, bucket_numel: int, defer_to: nn.Module | None = None,
+                 state_kinds: list[tuple[str, ...]] | None = None) -> None:
         """`defer_to`: with `zero.overlap_publish`, the model whose next forward waits for the post-step
-        all-gather (deferred_publish.py); None publishes within `step()`."""
+        all-gather (deferred_publish.py); None publishes within `step()`. `state_kinds`: per group, what its
+        optimizer keeps per element beside the master (the home's kinds)."""
         self.comm, self.device = comm, placement.device
         self.shard_world = shard_world  # 1 for stage 0: no sharding
         self.shard_rank = comm.rank if shard_world > 1 else 0
@@ -73,18 +76,19 @@ class FlatParams:
         self.buffer = torch.empty(sum(u.padded_numel for u in self.units), dtype=policy.param_dtype,
                                   device=self.device)
         starts = [[u.state_offset for u in units_of(self.units, g)] for g in range(len(groups))]
-        home = None if self.params_are_master else placement.optimizer_home(self.group_numels, unit_starts=starts)
+        home = None if self.params_are_master else placement.optimizer_home(self.group_numels, unit_starts=starts,
+                                                                             state_kinds=state_kinds)
         for unit in self.units:  # one unit at a time: the script's parameters go as their unit is filled
             values = self._rank0_values(unit)
             self.unit_full(unit).copy_(values)
             if home is not None:
-                home.write(unit.group, "master", unit.piece(values, self.shard_rank), start=unit.state_offset)
+                home.write(unit.group, MASTER, unit.piece(values, self.shard_rank), start=unit.state_offset)
             for span, param in zip(unit.layout.spans, unit.params):
                 start = unit.flat_offset + span.offset
                 param.data = self.buffer[start:start + span.numel].view(param.shape)
         if home is None:
             own = [[(u.state_offset, self.own_piece(u)) for u in units_of(self.units, g)] for g in range(len(groups))]
-            home = placement.optimizer_home(self.group_numels, master=own)
+            home = placement.optimizer_home(self.group_numels, master=own, state_kinds=state_kinds)
         self.home = home
         # stages 1/2 with overlap_publish: the post-step all-gather lands under the next forward
         self.deferred = DeferredPublish(defer_to, self.units) if defer_to is not None and shard_world > 1 else None
@@ -136,12 +140,12 @@ class FlatParams:
         if self.deferred is not None:  # the deferred publish is the only collective left between steps
             self.deferred.wait_all()
 
-    def saved_state(self) -> dict[str, torch.Tensor]:
-        return saved_home_state(self.home, self.group_numels)
+    def saved_master(self) -> dict[str, torch.Tensor]:
+        return saved_masters(self.home, len(self.group_numels))
 
-    def restore_state(self, group: int, kind: str, values: torch.Tensor) -> None:
-        self.home.write(group, kind, values)
-        if kind != "master" or self.params_are_master:
+    def restore_master(self, group: int, values: torch.Tensor) -> None:
+        self.home.write(group, MASTER, values)
+        if self.params_are_master:
             return  # the home wrote them
         for unit in units_of(self.units, group):
             self.own_piece(unit).copy_(unit.state_slice(values))

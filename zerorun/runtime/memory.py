@@ -108,6 +108,9 @@ class MemoryReport:
 
     entries: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     units: int = 0  # stage 3: module units gathered and released around their use (0 in stages 0-2)
+    # the owner way (optim/ownership.py): the busiest rank's share of the whole parameters over the mean (1.0: even,
+    # or no optimizer runs on whole parameters); its state on this rank is within this factor of 1/N
+    optimizer_imbalance: float = 1.0
 
     def add(self, kind: str, place: str, nbytes: int) -> None:
         assert kind in KINDS, f"unknown memory kind {kind}"

@@ -43,13 +43,14 @@ class Stage:
 
 def build_stage(recipe: Recipe, model: nn.Module, groups: list[list[nn.Parameter]], init_log: InitLog | None,
                 comm: Collectives, placement: Placement, policy: PrecisionPolicy, phase: TrainingPhase,
-                device: torch.device, seen: compiled.CompiledModel) -> Stage:
-    """The stage's parameter store (at stage 3 with its scheduler) and the gradient reducer around it."""
+                device: torch.device, seen: compiled.CompiledModel, state_kinds: list[tuple[str, ...]]) -> Stage:
+    """The stage's parameter store (at stage 3 with its scheduler) and the gradient reducer around it; `state_kinds`:
+    per param group, what its optimizer keeps per element of the flat shard beside the master."""
     zero, stage = recipe.zero, recipe.zero.stage
     if stage < 3:
         shard_world = 1 if stage == 0 else comm.world_size
         defer_to = model if publish_overlaps(zero.overlap_publish, comm.world_size) else None
-        store = FlatParams(groups, placement, policy, comm, shard_world, numel(zero.bucket_mb), defer_to)
+        store = FlatParams(groups, placement, policy, comm, shard_world, numel(zero.bucket_mb), defer_to, state_kinds)
         reducer = GradReducer(store, comm, policy.reduce_dtype, device, Reduction.for_stage(stage),
                               LaunchOrder.LAYOUT, zero.overlap_comm, phase)
         return Stage(store, None, reducer, store.deferred)
@@ -67,7 +68,7 @@ def build_stage(recipe: Recipe, model: nn.Module, groups: list[list[nn.Parameter
                               recipe.launch.timeout_s) if zero.hpz_partition_size > 1 else None)
     say = (lambda text: print(text, flush=True)) if comm.rank == 0 else None
     sharded = ScheduledParams(model, plan, placement, policy, comm, init_log, hpz, prefetch=zero.prefetch_units,
-                              phase=phase, prefetch_after_step=zero.overlap_comm, say=say)
+                              phase=phase, prefetch_after_step=zero.overlap_comm, say=say, state_kinds=state_kinds)
     # each unit's group reduce-scatters its gradients as soon as backward completes them, then releases itself
     reducer = GradReducer(sharded, comm, policy.reduce_dtype, device, Reduction.SCATTER_SHARD, LaunchOrder.READY,
                           zero.overlap_comm, phase)

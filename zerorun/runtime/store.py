@@ -10,8 +10,10 @@ Two stores implement `ParamStore`:
 Both lay parameters out in `Unit`s (units.py) and keep this rank's optimizer state in a `Home`
 (homes.py) that the placement chose. An optimizer step reads the reduced gradients from the
 reducer, updates the home's state tile by tile, and writes each unit's updated compute-dtype
-values to its `UpdateTarget`; `publish` then makes every rank's parameters current. A checkpoint
-saves what `saved_state` yields and hands it back through `restore_state`; it never reaches past them.
+values to its `UpdateTarget`; `publish` then makes every rank's parameters current. The store owns
+the master weights (the fp32 truth of the parameters): a checkpoint saves what `saved_master` yields and
+hands it back through `restore_master`, and never reaches past them; the optimizer's own state is the
+optimizer's (optim/update.py).
 Stage 3 alone also acts around every pass (gather, prefetch, release): that is `UnitPasses`, a second
 Protocol, so neither store carries methods that do nothing.
 """
@@ -27,7 +29,7 @@ from torch import nn
 
 from zerorun.runtime.comm.collectives import Collectives, Pending
 from zerorun.runtime.memory import MemoryReport
-from zerorun.runtime.offload.homes import KINDS, Home
+from zerorun.runtime.offload.homes import MASTER, Home
 from zerorun.runtime.offload.transfers import Transfers
 from zerorun.runtime.units import Unit
 
@@ -101,7 +103,7 @@ class ParamStore(Protocol):
     group_numels: list[int]  # elements of this rank's state per param group
     shard_world: int  # ranks the state is sharded over (1 at stage 0)
     shard_rank: int
-    home: Home  # this rank's master weights and moments: what the step updates and a background save captures
+    home: Home  # this rank's master weights and flat optimizer state: what the step updates and a save captures
     device: torch.device
 
     def update_targets(self, group: int) -> list[UpdateTarget]:
@@ -129,13 +131,12 @@ class ParamStore(Protocol):
         """Add the bytes of parameters (and their own buffers) this store holds to `report`."""
 
     # -- what a checkpoint saves and restores -----------------------------------------------------------
-    def saved_state(self) -> dict[str, torch.Tensor]:
-        """This rank's flat fp32 state, `<kind>.<group>` -> a CPU tensor of `group_numels[group]` elements, in
-        the rank file's order (`state_names`)."""
+    def saved_master(self) -> dict[str, torch.Tensor]:
+        """This rank's flat fp32 master, `master.<group>` -> a CPU tensor of `group_numels[group]` elements."""
 
-    def restore_state(self, group: int, kind: str, values: torch.Tensor) -> None:
-        """Overwrite this rank's flat `kind` state of `group` with `values` (a checkpoint load); parameters
-        follow the master at the next `publish`."""
+    def restore_master(self, group: int, values: torch.Tensor) -> None:
+        """Overwrite this rank's flat master of `group` with `values` (a checkpoint load); parameters follow it at
+        the next `publish`."""
 
 
 @runtime_checkable
@@ -159,14 +160,28 @@ class UnitPasses(Protocol):
         """Take the module hooks off the model (the engine is destroyed)."""
 
 
-def state_names(group_numels: list[int]) -> list[tuple[str, int, str]]:
-    """(tensor name, group, kind) of a rank's flat state, in the rank file's order."""
-    return [(f"{kind}.{g}", g, kind) for g in range(len(group_numels)) for kind in KINDS]
+def flat_name(kind: str, group: int) -> str:
+    """A flat state tensor's name in a rank file: `<kind>.<group>` (`master.0`, `exp_avg.1`)."""
+    return f"{kind}.{group}"
 
 
-def saved_home_state(home: Home, group_numels: list[int]) -> dict[str, torch.Tensor]:
-    """`ParamStore.saved_state` of a store whose state is `home`."""
-    return {name: home.state(g, kind) for name, g, kind in state_names(group_numels)}
+def flat_names(kinds: list[tuple[str, ...]]) -> list[tuple[str, int, str]]:
+    """(tensor name, group, kind) of a rank file's flat state, in the file's order; `kinds`: per group, the home's
+    (the master first)."""
+    return [(flat_name(kind, g), g, kind) for g, group in enumerate(kinds) for kind in group]
+
+
+def saved_masters(home: Home, groups: int) -> dict[str, torch.Tensor]:
+    """`ParamStore.saved_master` of a store whose master is in `home`."""
+    return {flat_name(MASTER, g): home.state(g, MASTER) for g in range(groups)}
+
+
+def first_names(module: nn.Module) -> dict[nn.Parameter, str]:
+    """Each parameter's first name in `module` (a tied one has several): what checkpoints and messages call it."""
+    names: dict[nn.Parameter, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(param, name)
+    return names
 
 
 def units_of(units: list[Unit], group: int) -> list[Unit]:
@@ -184,7 +199,7 @@ def master_state_dict(module: nn.Module, store: ParamStore, comm: Collectives,
     values: dict[str, torch.Tensor] = {}
     for unit in store.units:
         full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=store.device)
-        store.home.read(unit.group, "master", unit.piece(full, store.shard_rank), start=unit.state_offset)
+        store.home.read(unit.group, MASTER, unit.piece(full, store.shard_rank), start=unit.state_offset)
         if store.shard_world > 1:
             comm.all_gather(full).wait()
         if every_rank or store.shard_rank == 0:

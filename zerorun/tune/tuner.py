@@ -135,7 +135,8 @@ def prepare(recipe_path: str | Path, options: TuneOptions, kind: str = "tune") -
     honours = space.script_honours(recipe.script)
     dims = _dimensions(recipe, options, honours)
     settings = estimate.Settings(recipe.precision.dtype, recipe.zero.bucket_mb, recipe.zero.allgather_bucket_mb,
-                                 recipe.zero.prefetch_units, False, recipe.zero.offload_optimizer.buffer_mb)
+                                 recipe.zero.prefetch_units, False, recipe.zero.offload_optimizer.buffer_mb,
+                                 optimizer=recipe.optimizer.type)
     shape = _shape(recipe, options.model)
     nvme = options.nvme_path or recipe.zero.offload_optimizer.nvme_path or recipe.zero.offload_param.nvme_path
     candidates = space.space(dims)

@@ -7,8 +7,8 @@ An asynchronous save (`checkpoint.async_save`, the default), on every rank:
    snapshots never pile up); rank 0 prepares the temporary directory (`checkpoint.begin`); the
    ranks gather their RNG states; the manifest's description, the buffers and the client state are
    copied as they are now. Then training continues.
-2. Capture, on the writer thread: this rank's master weights and Adam moments are copied from
-   their home into a `HostSnapshot` kept between saves (pinned, copied on a side stream, on CUDA).
+2. Capture, on the writer thread: this rank's master weights and optimizer state are copied from
+   their home (and the owner way's state, from its owner) into a `HostSnapshot` kept between saves (pinned, copied on a side stream, on CUDA).
    An NVMe home is not copied to the host: its files are streamed into the rank file through one
    bounded buffer (`StreamedState`). The next thing that changes that state (the optimizer step, a
    load, `gathered(modify=True)`) first waits for the capture (`before_update`); forward and
@@ -133,8 +133,9 @@ class Checkpointer:
         root, tmp = checkpoint.begin(self.engine, directory, tag)
         rng = checkpoint.gather_rng(self.engine)
         save = Save(tag, self.engine.global_step, root, tmp, started, waited_s=waited)
-        job = _Job(self, save, checkpoint.describe(self.engine, tag, rng), checkpoint.extras_of(self.engine.model,
-                   copy=True), checkpoint.client_payload(client_state), self.state.ready_event())
+        manifest = checkpoint.describe(self.engine, tag, rng, checkpoint.describe_optimizer(self.engine))
+        job = _Job(self, save, manifest, checkpoint.extras_of(self.engine.model, copy=True),
+                   checkpoint.client_payload(client_state), self.state.ready_event())
         self.current, self._reported = save, False
         if self not in _pending:
             _pending.append(self)
@@ -217,7 +218,7 @@ class Checkpointer:
         writes = self.rank < self.shards
         resident = home.resident  # where the state sits in memory; None: in files, streamed at each save
         snapshot = HostSnapshot if resident is not None else StreamedState
-        need = snapshot.bytes_for(numels) if writes else 0
+        need = snapshot.bytes_for(numels, [home.kinds(g) for g in range(len(numels))]) if writes else 0
         available = psutil.virtual_memory().available
         flag = torch.tensor([float(need > HOST_HEADROOM * available)], device=self.engine.device)
         self.engine.comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=False).wait()
@@ -231,9 +232,9 @@ class Checkpointer:
         if not writes:
             self.state = RankState()
         elif resident is not None:
-            self.state = HostSnapshot(home, numels, resident)
+            self.state = HostSnapshot(home, numels, resident, self.engine.update.owned_tensors)
         else:
-            self.state = StreamedState(home, numels)
+            self.state = StreamedState(home, numels, self.engine.update.owned_tensors)
         return False
 
     def snapshot_bytes(self) -> int:

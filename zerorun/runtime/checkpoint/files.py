@@ -6,8 +6,10 @@
         manifest.json             step, world size, stage, precision, hyper-parameters, loss scaler,
                                   per-rank RNG states, client_state, and per parameter: shape, dtype,
                                   param group and, for each saved rank, where its pieces lie
-        rank-00000.safetensors    rank 0's flat fp32 state per param group g:
-        rank-00001.safetensors        master.<g>, exp_avg.<g>, exp_avg_sq.<g>   (stage 0: rank 0 only)
+        rank-00000.safetensors    rank 0's flat fp32 state per param group g: master.<g> and its
+        rank-00001.safetensors        optimizer's kinds (Adam: exp_avg.<g>, exp_avg_sq.<g>), and the
+                                      whole state of the parameters it owns (owned.<name>.<key>;
+                                      optim/owner_step.py)                       (stage 0: rank 0 only)
         model-extras.safetensors  buffers and frozen parameters, whole (written by rank 0)
         client_state.pt           only when client_state is not JSON (else it is in the manifest)
 
@@ -40,10 +42,10 @@ from zerorun.runtime.checkpoint.manifest import (
     FORMAT,
     LATEST,
     MANIFEST,
-    STATE_KINDS,
+    SEALED_VERSIONS,
     UNSEALED_VERSION,
-    VERSION,
     check_integrity,
+    rank_file_tensors,
     sealed,
     shard_file,
     validate,
@@ -99,10 +101,10 @@ class Checkpoint:
                 "checksum, so an edited or damaged value in it (step, learning rate, file offsets) cannot be told "
                 f"from a saved one. If you trust this checkpoint, `zerorun checkpoint upgrade {root} --tag {tag}` "
                 "checks its structure and every file's CRC32, then adds the checksum.")
-        if version not in (VERSION, UNSEALED_VERSION):
-            raise ZerorunError(f"{file}: format version {version}; this zerorun reads {VERSION} "
-                               f"(and upgrades {UNSEALED_VERSION}).")
-        if version == VERSION:
+        if version not in (*SEALED_VERSIONS, UNSEALED_VERSION):
+            raise ZerorunError(f"{file}: format version {version}; this zerorun reads "
+                               f"{' and '.join(map(str, SEALED_VERSIONS))} (and upgrades {UNSEALED_VERSION}).")
+        if version in SEALED_VERSIONS:
             check_integrity(file, manifest)
         validate(file, manifest)
         return cls(path, manifest)
@@ -146,7 +148,9 @@ class Checkpoint:
         if name == EXTRAS:
             expected = {n: (_SAFETENSORS_DTYPES.get(e["dtype"]), e["shape"]) for n, e in m["extras"].items()}
         else:
-            expected = {f"{kind}.{g}": ("F32", [n]) for kind in STATE_KINDS for g, n in enumerate(m["group_numels"])}
+            rank = int(name.removeprefix("rank-").removesuffix(".safetensors"))
+            expected = {key: (_SAFETENSORS_DTYPES.get(dtype), shape)
+                        for key, (dtype, shape) in rank_file_tensors(m, rank).items()}
         try:
             with self.reading(name) as f:
                 found = {key: (f.get_slice(key).get_dtype(), f.get_slice(key).get_shape()) for key in f.keys()}

@@ -29,12 +29,13 @@ import torch
 
 from zerorun.errors import ZerorunError
 
-FORMAT, VERSION, UNSEALED_VERSION = "zerorun-checkpoint", 2, 1
+FORMAT, VERSION, UNSEALED_VERSION = "zerorun-checkpoint", 3, 1
+SEALED_VERSIONS = (2, 3)  # 3: any optimizer's state (`optimizer.groups`, `optimizer.owned`); 2: Adam(W)'s only
 MANIFEST, LATEST, EXTRAS, CLIENT_STATE = "manifest.json", "latest", "model-extras.safetensors", "client_state.pt"
 CHECKSUM = "sha256"
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")  # the flat fp32 tensors of a rank file, per param group
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")  # version 2's flat fp32 tensors of a rank file, per param group
 PRECISIONS = ("fp32", "bf16", "fp16")
-HYPER_PARAMETERS = ("lr", "betas", "eps", "weight_decay")
+WAYS = ("fused-adam", "elementwise", "owner")  # optim/ways.py's `Way` values
 REQUIRED = ("global_step", "skipped_steps", "world_size", "stage", "precision", "shards", "group_numels",
             "optimizer", "loss_scaler", "params", "extras", "keys", "aliases", "rng", "files")
 
@@ -92,27 +93,76 @@ def validate(file: Path, m: dict[str, Any]) -> None:
         _validate_rng(file, f"rng[{r}]", state)
 
 
+def optimizer_groups(m: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per param group: its optimizer's class, way, flat kinds and scalars, from either version's manifest."""
+    opt = m["optimizer"]
+    if "groups" in opt:
+        groups: list[dict[str, Any]] = opt["groups"]
+        return groups
+    cls = "AdamW" if opt["decoupled"] else "Adam"  # version 2: zerorun's fused Adam(W) only
+    return [{"class": cls, "way": "fused-adam", "kinds": list(STATE_KINDS[1:]),
+             "scalars": {"step": {"tensor": "float32", "value": float(n)}} if n else None} for n in opt["steps"]]
+
+
+def rank_file_tensors(m: dict[str, Any], rank: int) -> dict[str, tuple[str, list[int]]]:
+    """The tensors saved rank `rank`'s file holds: name -> (torch dtype name, shape)."""
+    out = {f"{kind}.{g}": ("float32", [numel]) for g, (group, numel) in enumerate(zip(optimizer_groups(m),
+           m["group_numels"])) for kind in (STATE_KINDS[0], *group["kinds"])}
+    for name, entry in m["optimizer"].get("owned", {}).items():
+        if entry["rank"] == rank:
+            out.update({f"owned.{name}.{key}": (e["tensor"], e["shape"]) for key, e in entry["state"].items()
+                        if "shape" in e})
+    return out
+
+
 def _validate_optimizer(file: Path, value: Any, groups: int, step: int) -> None:
     opt = _dict(file, "optimizer", value)
-    if not isinstance(opt.get("decoupled"), bool):
-        _fail(file, "optimizer.decoupled", opt.get("decoupled"), "true or false")
-    steps = _list(file, "optimizer.steps", opt.get("steps"), length=groups)
-    for g, n in enumerate(steps):
-        _int(file, f"optimizer.steps[{g}]", n, hi=step)
+    if "groups" in opt:
+        _validate_groups(file, opt, groups, step)
+    else:  # version 2
+        if not isinstance(opt.get("decoupled"), bool):
+            _fail(file, "optimizer.decoupled", opt.get("decoupled"), "true or false")
+        for g, n in enumerate(_list(file, "optimizer.steps", opt.get("steps"), length=groups)):
+            _int(file, f"optimizer.steps[{g}]", n, hi=step)
     for g, group in enumerate(_list(file, "optimizer.param_groups", opt.get("param_groups"), length=groups)):
         key = f"optimizer.param_groups[{g}]"
         group = _dict(file, key, group)
         if "params" in group:
             _fail(file, f"{key}.params", group["params"], "no parameter list (params say where they are)")
-        for name in HYPER_PARAMETERS:
-            if name not in group:
-                raise ZerorunError(f"{file}: {key} has no {name}, so a resume could not restore it (zerorun saves "
-                                   "hyper-parameters that are JSON numbers; one held as a tensor is not saved).")
+        if "lr" not in group:
+            raise ZerorunError(f"{file}: {key} has no lr, so a resume could not restore it (zerorun saves "
+                               "hyper-parameters that are JSON numbers; one held as a tensor is not saved).")
         _number(file, f"{key}.lr", group.get("lr"), lo=0.0)
-        _number(file, f"{key}.eps", group.get("eps"), lo=0.0)
-        _number(file, f"{key}.weight_decay", group.get("weight_decay"), lo=0.0)
-        for i, beta in enumerate(_list(file, f"{key}.betas", group.get("betas"), length=2)):
-            _number(file, f"{key}.betas[{i}]", beta, lo=0.0, hi=1.0, hi_open=True)
+        for name in ("eps", "weight_decay"):
+            if isinstance(group.get(name), (int, float)):
+                _number(file, f"{key}.{name}", group.get(name), lo=0.0)
+        if "betas" in group:
+            for i, beta in enumerate(_list(file, f"{key}.betas", group.get("betas"), length=2)):
+                _number(file, f"{key}.betas[{i}]", beta, lo=0.0, hi=1.0, hi_open=True)
+
+
+def _validate_groups(file: Path, opt: dict[str, Any], groups: int, step: int) -> None:
+    for g, group in enumerate(_list(file, "optimizer.groups", opt.get("groups"), length=groups)):
+        key = f"optimizer.groups[{g}]"
+        group = _dict(file, key, group)
+        if not isinstance(group.get("class"), str):
+            _fail(file, f"{key}.class", group.get("class"), "the optimizer's class name")
+        _choice(file, f"{key}.way", group.get("way"), WAYS)
+        kinds = _list(file, f"{key}.kinds", group.get("kinds"))
+        if not all(isinstance(k, str) and k and "." not in k for k in kinds) or STATE_KINDS[0] in kinds:
+            _fail(file, f"{key}.kinds", kinds, "names of state kinds (not master)")
+        if group.get("scalars") is not None:
+            steps = _dict(file, f"{key}.scalars", group["scalars"]).get("step")
+            if steps is not None:  # a group cannot have stepped more often than the engine
+                _number(file, f"{key}.scalars.step", _dict(file, f"{key}.scalars.step", steps).get("value"), lo=0.0,
+                        hi=float(step))
+    for name, entry in _dict(file, "optimizer.owned", opt.get("owned", {})).items():
+        entry = _dict(file, f"optimizer.owned[{name!r}]", entry)
+        _int(file, f"optimizer.owned[{name!r}].rank", entry.get("rank"))
+        for k, e in _dict(file, f"optimizer.owned[{name!r}].state", entry.get("state")).items():
+            if "shape" in _dict(file, f"optimizer.owned[{name!r}].state[{k!r}]", e):
+                _dtype(file, f"optimizer.owned[{name!r}].state[{k!r}].tensor", e.get("tensor"))
+                _shape_numel(file, f"optimizer.owned[{name!r}].state[{k!r}].shape", e["shape"])
 
 
 def _validate_params(file: Path, params: dict[str, Any], numels: list[int], shards: int) -> None:

@@ -6,9 +6,10 @@ the recipe and resumed got the checkpoint's, without a word. Now:
 - **stated** (rank 0 prints one line): every lr, weight_decay, betas and eps the checkpoint
   overrides, per param group (a torch scheduler's base `initial_lr` is compared where there is one,
   so a warm-up in progress is not reported as a change);
-- **refused**: what cannot be right: another optimizer type (Adam's moments under AdamW's decoupled
-  decay, or the reverse) or another precision, unless the recipe says `checkpoint.allow_changes:
-  true` (then stated too).
+- **refused**: what cannot be right: another optimizer class for a param group (Adam's moments under
+  AdamW's decoupled decay, SGD's momentum under Lion) or another precision, unless the recipe says
+  `checkpoint.allow_changes: true` (then stated too; the state each kind of optimizer keeps under the
+  same name, such as `exp_avg`, is carried over, the rest starts fresh).
 `checkpoint.load` calls `check` before anything is restored.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from zerorun.errors import ZerorunError
+from zerorun.runtime.checkpoint.manifest import optimizer_groups
 
 COMPARED = ("lr", "weight_decay", "betas", "eps")
 ALLOW_KEY = "checkpoint.allow_changes"
@@ -42,9 +44,12 @@ def _refusable(engine: Any, manifest: dict[str, Any]) -> list[str]:
     saved, here = manifest["precision"], engine.recipe.precision.dtype
     if saved != here:
         out.append(f"the checkpoint was saved in precision {saved}, this run trains in {here}")
-    saved_type, here_type = _type(manifest["optimizer"]["decoupled"]), _type(engine.optimizer.decoupled)
-    if saved_type != here_type:
-        out.append(f"the checkpoint's optimizer is {saved_type}, this run's is {here_type}")
+    saved = [g["class"] for g in optimizer_groups(manifest)]
+    here = engine.update.classes()
+    for g, (there, ours) in enumerate(zip(saved, here)):
+        if there != ours:
+            where = f" (param group {g})" if len(here) > 1 else ""
+            out.append(f"the checkpoint's optimizer is {there}, this run's is {ours}{where}")
     return out
 
 
@@ -77,6 +82,3 @@ def _text(value: Any) -> str:
         return "(" + ", ".join(_text(v) for v in value) + ")"
     return f"{value:g}" if isinstance(value, float) else str(value)
 
-
-def _type(decoupled: bool) -> str:
-    return "adamw (decoupled weight decay)" if decoupled else "adam (L2 weight decay)"

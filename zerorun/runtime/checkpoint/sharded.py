@@ -14,9 +14,12 @@ Before anything is read, every file's size and CRC32 are checked (each CRC by on
 verdict agreed by all) and the manifest is matched against the model, so damage is an error naming
 the file, never a wrong load.
 
-All reads and writes of this rank's master weights and Adam moments go through the store's
-`saved_state` and `restore_state` (store.py) only: where the state lives (device, host, NVMe) is the
-store's business, not a question this module asks.
+A checkpoint composes the state of the parts that own it: the master weights through the store's
+`saved_master`/`restore_master` (store.py), the optimizer's state through the update's
+`saved_tensors`/`describe`/`load` (optim/update.py): flat kinds laid out like the master
+(`<kind>.<group>`), each owned parameter's state whole (`owned.<name>.<key>`), read back at any
+world size, stage or way (optimizer_state.py). Where the state lives (device, host, NVMe) is theirs
+to know, not a question this module asks.
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ from zerorun.runtime.checkpoint.files import (
     FORMAT,
     LATEST,
     MANIFEST,
-    VERSION,
     Checkpoint,
     as_entry,
     check_tag,
@@ -60,13 +62,16 @@ from zerorun.runtime.checkpoint.files import (
     write_manifest,
     write_tensors,
 )
+from zerorun.runtime.checkpoint.manifest import VERSION
+from zerorun.runtime.checkpoint.optimizer_state import SavedOptimizerState
 from zerorun.runtime.comm.collectives import Collectives
-from zerorun.runtime.offload.homes import KINDS
+from zerorun.runtime.offload.homes import MASTER
 from zerorun.runtime.optim.lr_schedules import LrSchedules
-from zerorun.runtime.optim.optimizer import ShardedAdamW
+from zerorun.runtime.optim.optimizer import ShardedOptimizer
+from zerorun.runtime.optim.update import Update
 from zerorun.runtime.partition import range_copies
 from zerorun.runtime.precision import LossScaler
-from zerorun.runtime.store import ParamStore
+from zerorun.runtime.store import ParamStore, first_names, flat_names
 from zerorun.version import __version__
 
 log = logging.getLogger("zerorun")
@@ -80,7 +85,8 @@ class Engine(Protocol):
     recipe: Recipe
     model: nn.Module  # the model as the script built it, under any torch.compile wrapper: its names are saved
     store: ParamStore
-    optimizer: ShardedAdamW
+    optimizer: ShardedOptimizer
+    update: Update
     scaler: LossScaler
     comm: Collectives
     device: torch.device
@@ -98,15 +104,16 @@ def save(engine: Engine, directory: str | os.PathLike, tag: str, client_state: d
     root, tmp = begin(engine, directory, tag)
     rank, world, shards = engine.comm.rank, engine.comm.world_size, engine.store.shard_world
     sealed = torch.zeros(world, 2, dtype=torch.int64, device=engine.device)
+    optimizer = describe_optimizer(engine)  # a collective: before any rank may skip ahead
     if rank < shards:  # stage 0: one copy of the state, rank 0's
-        sealed[rank] = torch.tensor(write_tensors(tmp / shard_file(rank), engine.store.saved_state()))
+        sealed[rank] = torch.tensor(write_tensors(tmp / shard_file(rank), rank_tensors(engine)))
     crash_point("shard", rank, tag)
     engine.comm.all_reduce(sealed, async_op=False).wait()  # every shard is on disk: rank 0 may commit
     rng = gather_rng(engine)
     if rank == 0:
         files = {shard_file(r): {"bytes": int(n), "crc32": int(c)} for r, (n, c) in enumerate(sealed[:shards].tolist())}
-        commit(root, tmp, describe(engine, tag, rng), files, extras_of(engine.model), client_payload(client_state),
-               engine.recipe.checkpoint.keep_last)
+        commit(root, tmp, describe(engine, tag, rng, optimizer), files, extras_of(engine.model),
+               client_payload(client_state), engine.recipe.checkpoint.keep_last)
     _barrier(engine)
     return root / tag
 
@@ -174,9 +181,23 @@ def extras_of(module: nn.Module, copy: bool = False) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu", copy=copy).contiguous() for name, t in _extras(module).items()}
 
 
-def describe(engine: Engine, tag: str, rng: list[dict]) -> dict[str, Any]:
+def rank_tensors(engine: Engine) -> dict[str, torch.Tensor]:
+    """What this rank's file holds: its master pieces and its share of the optimizer's state, flat tensors in
+    `flat_names` order, then the owned parameters' (the order a background save writes too: snapshot.py)."""
+    flat = {**engine.store.saved_master(), **engine.update.flat_tensors()}
+    kinds = [engine.store.home.kinds(g) for g in range(len(engine.store.group_numels))]
+    return {**{name: flat[name] for name, _, _ in flat_names(kinds)}, **engine.update.owned_tensors()}
+
+
+def describe_optimizer(engine: Engine) -> dict[str, Any]:
+    """The manifest's optimizer section: hyper-parameters and the account of its state (a collective)."""
+    groups = [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in engine.optimizer.param_groups]
+    return {"param_groups": groups, **engine.update.describe(lambda value: _gather_json(engine, value))}
+
+
+def describe(engine: Engine, tag: str, rng: list[dict], optimizer: dict[str, Any]) -> dict[str, Any]:
     """The manifest, less its files: what the state is and where each parameter's pieces lie."""
-    store, names = engine.store, _first_names(engine.model)
+    store, names = engine.store, first_names(engine.model)
     params = {}
     for unit in store.units:
         for index, (param, shape) in enumerate(zip(unit.params, unit.shapes)):
@@ -188,14 +209,12 @@ def describe(engine: Engine, tag: str, rng: list[dict]) -> dict[str, Any]:
             params[names[param]] = {"shape": list(shape), "dtype": _dtype_name(param.dtype), "group": unit.group,
                                     "pieces": pieces}
     extras = _extras(engine.model)
-    opt = engine.optimizer
-    groups = [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in opt.param_groups]
     return {
         "format": FORMAT, "version": VERSION, "zerorun": __version__, "saved_at": time.time(),
         "tag": tag, "global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
         "world_size": engine.comm.world_size, "stage": engine.stage, "precision": engine.recipe.precision.dtype,
         "shards": store.shard_world, "group_numels": list(store.group_numels),
-        "optimizer": {"decoupled": opt.decoupled, "steps": list(opt.steps), "param_groups": groups},
+        "optimizer": optimizer,
         "loss_scaler": engine.scaler.state_dict(),
         "lr_schedulers": engine.lr_schedules.checkpoint_entries(engine.global_step),
         "params": params,
@@ -223,15 +242,16 @@ def load(engine: Engine, directory: str | os.PathLike, tag: str | None = None) -
     _verify_files(engine, ckpt)
     reads = _plan_reads(engine, ckpt)  # raises before anything is touched when the model differs
     resume_check.check(engine, ckpt.manifest, ckpt.path)  # ... or its optimizer type or precision
-    for kind in KINDS:
-        for g, numel in enumerate(engine.store.group_numels):
-            values = torch.zeros(numel, dtype=torch.float32)  # padding stays zero, as after initialisation
-            for r in sorted(reads[g]):
-                with ckpt.reading(shard_file(r)) as f:
-                    source = ckpt.slice_of(f, r, f"{kind}.{g}")
-                    for copy in reads[g][r]:
-                        values[copy.dst:copy.dst + copy.numel] = source[copy.src:copy.src + copy.numel]
-            engine.store.restore_state(g, kind, values)
+    for g, numel in enumerate(engine.store.group_numels):
+        values = torch.zeros(numel, dtype=torch.float32)  # padding stays zero, as after initialisation
+        for r in sorted(reads[g]):
+            with ckpt.reading(shard_file(r)) as f:
+                source = ckpt.slice_of(f, r, f"{MASTER}.{g}")
+                for copy in reads[g][r]:
+                    values[copy.dst:copy.dst + copy.numel] = source[copy.src:copy.src + copy.numel]
+        engine.store.restore_master(g, values)
+    with SavedOptimizerState(ckpt) as saved:
+        engine.update.load(saved)
     _restore_extras(engine, ckpt)
     _restore_counters(engine, ckpt.manifest)
     engine.store.publish().wait()
@@ -240,7 +260,7 @@ def load(engine: Engine, directory: str | os.PathLike, tag: str | None = None) -
 
 def _plan_reads(engine: Engine, ckpt: Checkpoint) -> list[dict[int, list]]:
     """Per group, per saved rank: the `Copy`s (partition.py) that fill this rank's state."""
-    store, names, saved = engine.store, _first_names(engine.model), ckpt.manifest["params"]
+    store, names, saved = engine.store, first_names(engine.model), ckpt.manifest["params"]
     _match_model(engine, ckpt)
     reads: list[dict[int, list]] = [defaultdict(list) for _ in store.group_numels]
     for unit in store.units:
@@ -259,7 +279,7 @@ def _plan_reads(engine: Engine, ckpt: Checkpoint) -> list[dict[int, list]]:
 
 def _match_model(engine: Engine, ckpt: Checkpoint) -> None:
     """The checkpoint must describe this model: same parameter names, shapes and param groups."""
-    names, m = _first_names(engine.model), ckpt.manifest
+    names, m = first_names(engine.model), ckpt.manifest
     here = {names[p]: {"shape": list(shape), "group": u.group} for u in engine.store.units
             for p, shape in zip(u.params, u.shapes)}
     there = {n: {"shape": e["shape"], "group": e["group"]} for n, e in m["params"].items()}
@@ -308,10 +328,8 @@ def _restore_counters(engine: Engine, m: dict[str, Any]) -> None:
     """Step counts, hyper-parameters, loss scale, RNG states."""
     engine.global_step, engine.skipped_steps = m["global_step"], m["skipped_steps"]
     engine.micro_steps = engine.global_step * engine.grad_accum_steps  # saves happen at boundaries
-    opt = engine.optimizer
-    for group, saved in zip(opt.param_groups, m["optimizer"]["param_groups"]):
+    for group, saved in zip(engine.optimizer.param_groups, m["optimizer"]["param_groups"]):
         group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
-    opt.steps[:] = m["optimizer"]["steps"]
     engine.lr_schedules.restore(m.get("lr_schedulers", []))  # (a checkpoint of an older zerorun has none)
     if engine.scaler.dynamic and m["precision"] == "fp16":
         engine.scaler.load_state_dict(m["loss_scaler"])
@@ -323,13 +341,6 @@ def _restore_counters(engine: Engine, m: dict[str, Any]) -> None:
 
 
 # -- helpers -------------------------------------------------------------------------------------------
-def _first_names(module: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
-    names: dict[torch.nn.Parameter, str] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(param, name)
-    return names
-
-
 def _extras(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Buffers and frozen parameters of the state dict, once per tensor (they are whole on every rank)."""
     out, seen = {}, set()
@@ -343,7 +354,7 @@ def _extras(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _aliases(module: torch.nn.Module) -> dict[str, str]:
     """State dict keys naming a tensor that is saved under another name (tied weights) -> that name."""
-    names = _first_names(module)
+    names = first_names(module)
     canonical: dict[int, str] = {}
     out = {}
     for key, tensor in module.state_dict(keep_vars=True).items():

@@ -1,4 +1,4 @@
-"""What a background checkpoint writes for this rank: its flat state, captured off the training path.
+"""What a background checkpoint writes for this rank: its state, captured off the training path.
 
 Two ways to capture, chosen by where the state lives (`Home.resident`; `background.py` picks):
 
@@ -15,37 +15,41 @@ waits for it); on the CPU the same code copies with memcpy. The buffers are allo
 reused by every save: at most one save is in flight, so one snapshot is enough.
 
 The tensors come out in the order and under the names of the synchronous save
-(`ParamStore.saved_state`), so both write the same bytes.
+(`sharded.rank_tensors`: the flat state in `flat_names` order, then the owned parameters' state, which
+is small beside it and is copied as it is at the capture), so both write the same bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from zerorun.runtime.checkpoint.safetensors_writer import Source
-from zerorun.runtime.offload.homes import KINDS, Home
+from zerorun.runtime.offload.homes import ADAM_KINDS, MASTER, Home
 from zerorun.runtime.offload.nvme import aligned_empty
-from zerorun.runtime.store import state_names
+from zerorun.runtime.store import flat_names
+
+Owned = Callable[[], dict[str, torch.Tensor]]  # the owned parameters' state tensors, by name (optim/update.py)
 
 STREAM_CHUNK = 1 << 24  # fp32 elements per NVMe read (64 MiB), a multiple of the 4096-byte O_DIRECT block
 
 
-def snapshot_bytes(numels: list[int], streamed: bool) -> int:
-    """Host bytes a background save keeps for a rank whose flat state has `numels` elements per group:
-    the whole state (3 fp32 tensors per group), or one streaming chunk when it is `streamed` from NVMe
-    (`zerorun estimate` counts the same)."""
+def snapshot_bytes(numels: list[int], streamed: bool, kinds: list[tuple[str, ...]] | None = None) -> int:
+    """Host bytes a background save keeps for a rank whose flat state has `numels` elements per group, of `kinds`
+    per group (default: Adam's master and two moments): the whole flat state, or one streaming chunk when it is
+    `streamed` from NVMe (`zerorun estimate` counts the same)."""
     if streamed:
         return 4 * max(1, min(STREAM_CHUNK, max(numels, default=1)))
-    return len(KINDS) * 4 * sum(numels)
+    kinds = kinds if kinds is not None else [(MASTER, *ADAM_KINDS)] * len(numels)
+    return sum(4 * n * len(k) for n, k in zip(numels, kinds))
 
 
-def _names(numels: list[int]) -> list[tuple[str, int, str, int]]:
-    """(tensor name, group, kind, numel) in the rank file's order (the store's `state_names`)."""
-    return [(name, g, kind, numels[g]) for name, g, kind in state_names(numels)]
+def _names(numels: list[int], kinds: list[tuple[str, ...]]) -> list[tuple[str, int, str, int]]:
+    """(tensor name, group, kind, numel) in the rank file's order (`flat_names`)."""
+    return [(name, g, kind, numels[g]) for name, g, kind in flat_names(kinds)]
 
 
 class RankState:
@@ -66,22 +70,24 @@ class RankState:
 
 
 class HostSnapshot(RankState):
-    """A host copy of this rank's master weights and moments, per group and kind."""
+    """A host copy of this rank's flat state per group and kind, and of its owned parameters' state."""
 
-    def __init__(self, home: Home, numels: list[int], device: torch.device) -> None:
-        self.home = home
+    def __init__(self, home: Home, numels: list[int], device: torch.device, owned: Owned) -> None:
+        self.home, self.owned = home, owned
         pin = device.type == "cuda" and torch.cuda.is_available()
+        names = _names(numels, [home.kinds(g) for g in range(len(numels))])
         # one aligned buffer, the tensors back to back as in the rank file (whose data starts aligned):
         # every tensor's address and file offset agree modulo the O_DIRECT block, so it is written in place
-        whole = aligned_empty(sum(n for *_, n in _names(numels)), torch.float32, pin=pin)
-        self.buffers = dict(zip([name for name, *_ in _names(numels)], whole.split([n for *_, n in _names(numels)])))
-        self._where = {name: (g, kind) for name, g, kind, _ in _names(numels)}
+        whole = aligned_empty(sum(n for *_, n in names), torch.float32, pin=pin)
+        self.buffers = dict(zip([name for name, *_ in names], whole.split([n for *_, n in names])))
+        self._where = {name: (g, kind) for name, g, kind, _ in names}
+        self._owned: dict[str, torch.Tensor] = {}
         self.side = torch.cuda.Stream(device) if pin else None
-        self.nbytes = self.bytes_for(numels)
+        self.nbytes = 4 * whole.numel()
 
     @staticmethod
-    def bytes_for(numels: list[int]) -> int:
-        return snapshot_bytes(numels, streamed=False)
+    def bytes_for(numels: list[int], kinds: list[tuple[str, ...]]) -> int:
+        return snapshot_bytes(numels, streamed=False, kinds=kinds)
 
     def ready_event(self) -> Any:
         if self.side is None:
@@ -97,11 +103,12 @@ class HostSnapshot(RankState):
             for name, buffer in self.buffers.items():
                 group, kind = self._where[name]
                 self.home.read(group, kind, buffer)
+            self._owned = {name: t.to("cpu", copy=True) for name, t in self.owned().items()}
             if self.side is not None:
                 self.side.synchronize()
 
     def sources(self) -> list[Source]:
-        return [Source.of(name, buffer) for name, buffer in self.buffers.items()]
+        return [Source.of(name, t) for name, t in (*self.buffers.items(), *self._owned.items())]
 
 
 class StreamedState(RankState):
@@ -109,18 +116,20 @@ class StreamedState(RankState):
 
     streams = True
 
-    def __init__(self, home: Home, numels: list[int]) -> None:
-        self.home, self.numels = home, numels
-        self.nbytes = self.bytes_for(numels)
+    def __init__(self, home: Home, numels: list[int], owned: Owned) -> None:
+        self.home, self.numels, self.owned = home, numels, owned
+        self.nbytes = self.bytes_for(numels, [])
         self.buffer = aligned_empty(self.nbytes // 4, torch.float32)
 
     @staticmethod
-    def bytes_for(numels: list[int]) -> int:
+    def bytes_for(numels: list[int], kinds: list[tuple[str, ...]]) -> int:
         return snapshot_bytes(numels, streamed=True)
 
     def sources(self) -> list[Source]:
-        return [Source(name, torch.float32, [n], functools.partial(self._chunks, g, kind, n))
-                for name, g, kind, n in _names(self.numels)]
+        kinds = [self.home.kinds(g) for g in range(len(self.numels))]
+        flat = [Source(name, torch.float32, [n], functools.partial(self._chunks, g, kind, n))
+                for name, g, kind, n in _names(self.numels, kinds)]
+        return flat + [Source.of(name, t.to("cpu")) for name, t in self.owned().items()]
 
     def _chunks(self, group: int, kind: str, numel: int) -> Iterator[torch.Tensor]:
         step = self.buffer.numel()

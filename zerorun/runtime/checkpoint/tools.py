@@ -21,7 +21,7 @@ from zerorun.runtime.checkpoint.files import (
     tags,
     write_manifest,
 )
-from zerorun.runtime.checkpoint.manifest import UNSEALED_VERSION, VERSION
+from zerorun.runtime.checkpoint.manifest import SEALED_VERSIONS, UNSEALED_VERSION, VERSION
 
 
 def consolidate(directory: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:
@@ -94,8 +94,8 @@ def upgrade(directory: str | os.PathLike, tag: str | None = None) -> dict[str, A
     root = Path(directory)
     ckpt = Checkpoint.open(root, tag, unsealed=True)
     file = ckpt.path / MANIFEST
-    if ckpt.manifest["version"] == VERSION:
-        raise ZerorunError(f"{file}: already format {VERSION}, with a checksum; nothing to upgrade.")
+    if ckpt.manifest["version"] in SEALED_VERSIONS:
+        raise ZerorunError(f"{file}: already format {ckpt.manifest['version']}, with a checksum; nothing to upgrade.")
     ckpt.verify()
     write_manifest(file, {**ckpt.manifest, "version": VERSION, "upgraded_from": UNSEALED_VERSION})
     return _summary(root, Checkpoint.open(root, tag), f"upgraded from format {UNSEALED_VERSION}: structure, sizes, "

@@ -91,9 +91,9 @@ class Interop:
         """Stage 3: `root.state_dict()` holds whole parameters, gathered on every rank (state_dict_gather.py)."""
         self._undo.append(gather_state_dicts(root, full_values))
 
-    def refuse_direct_use(self, optimizer: torch.optim.Optimizer) -> None:
-        """The handed-over optimizer refuses to step or save (optimizer_guard.py)."""
-        self._undo.append(refuse_direct_use(optimizer))
+    def refuse_direct_use(self, optimizer: torch.optim.Optimizer, engine_steps: Callable[[], bool]) -> None:
+        """The handed-over optimizer refuses to step or save, but for the engine's own steps (optimizer_guard.py)."""
+        self._undo.append(refuse_direct_use(optimizer, engine_steps))
 
     def remove(self) -> None:
         """Undo every interception of this engine (idempotent)."""

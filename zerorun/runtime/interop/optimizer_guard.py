@@ -1,9 +1,11 @@
 """The optimizer the script handed to `zerorun.initialize` refuses what would do nothing or the wrong thing.
 
-The engine's `ShardedAdamW` shares the handed-over optimizer's `param_groups` (a scheduler on either
-drives the update) but holds the state: the script's `optimizer.step()`, `zero_grad()`, `state_dict()`
-and `load_state_dict()` would step nothing, clear nothing, or save an empty state. They refuse, with
-a message that says what to call instead, until the engine is destroyed.
+The engine steps the handed-over optimizer itself (optim/update.py), over what this rank owns, and
+shares its `param_groups` (a scheduler on it drives the update); its state is sharded across ranks.
+The script's own `optimizer.step()`, `zero_grad()`, `state_dict()` and `load_state_dict()` would step
+parameters whose gradients the engine took, clear nothing, or save one rank's share as if it were the
+whole. They refuse, with a message that says what to call instead, until the engine is destroyed;
+the engine's own steps pass (`engine_steps`).
 
 `step` refuses through a step pre-hook, which runs inside torch's own `step` wrapper: a scheduler
 built on the optimizer before or after this keeps its wrapper (replacing `step` would make it warn
@@ -20,15 +22,17 @@ from zerorun.errors import ZerorunError
 from zerorun.runtime.optim.optimizer import REFUSALS
 
 
-def refuse_direct_use(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-    """Make `optimizer` refuse direct use; returns the undo."""
+def refuse_direct_use(optimizer: torch.optim.Optimizer, engine_steps: Callable[[], bool]) -> Callable[[], None]:
+    """Make `optimizer` refuse direct use, but for the steps the engine makes (`engine_steps()` true); returns the
+    undo."""
     def refuse(message: str) -> Any:
         def method(*args: Any, **kwargs: Any) -> Any:
             raise ZerorunError(message)
         return method
 
     def refuse_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        raise ZerorunError(REFUSALS["step"])
+        if not engine_steps():
+            raise ZerorunError(REFUSALS["step"])
 
     hook = optimizer.register_step_pre_hook(refuse_step)
     shadowed = {name: refuse(REFUSALS[name]) for name in ("zero_grad", "state_dict", "load_state_dict")

@@ -1,8 +1,11 @@
-"""Homes: where this rank's optimizer state (fp32 master weights, Adam moments) lives.
+"""Homes: where this rank's flat optimizer state (fp32 master weights, the optimizer's own state) lives.
 
 Every piece of state is addressed the same way whatever its home: per param group, an element
-range of this rank's flat state (the units' pieces back to back, `units.py`). The placement
-(`placement.py`) builds one home from the recipe, once:
+range of this rank's flat state (the units' pieces back to back, `units.py`), per *kind*: `master`,
+then the kinds the group's optimizer keeps per element (Adam: `exp_avg`, `exp_avg_sq`; SGD with
+momentum: `momentum_buffer`; none for a group whose optimizer runs on whole parameters, whose state
+lives with their owner: optim/owner_step.py). The placement (`placement.py`) builds one home from the
+recipe, once:
 
 | home         | master + moments                                   | built for                              |
 |--------------|----------------------------------------------------|----------------------------------------|
@@ -26,19 +29,30 @@ import torch
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.partition import intersect
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
-Visit = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # fn(k, master, exp_avg, exp_avg_sq)
+MASTER = "master"
+ADAM_KINDS = ("exp_avg", "exp_avg_sq")  # Adam's state kinds, named as torch's Adam names them
+Visit = Callable[[int, dict[str, torch.Tensor]], None]  # fn(k, {kind: the k-th span's state of that kind})
+
+
+def group_kinds(state_kinds: Sequence[Sequence[str]] | None, groups: int) -> list[tuple[str, ...]]:
+    """Per group, every kind a home holds: the master first, then the optimizer's (Adam's when not given)."""
+    given = state_kinds if state_kinds is not None else [ADAM_KINDS] * groups
+    assert len(given) == groups, "one list of state kinds per param group"
+    return [(MASTER, *kinds) for kinds in given]
 
 
 @runtime_checkable
 class Home(Protocol):
-    """This rank's master weights and moments, per param group, wherever they live."""
+    """This rank's master weights and flat optimizer state, per param group and kind, wherever they live."""
+
+    def kinds(self, group: int) -> tuple[str, ...]:
+        """The kinds `group` holds: `master`, then its optimizer's."""
 
     def visit(self, group: int, spans: Sequence[tuple[int, int]], fn: Visit) -> None:
-        """Call `fn(k, master, exp_avg, exp_avg_sq)` with the k-th span's state, in order; changes persist."""
+        """Call `fn(k, views)` with the k-th span's state of every kind, in order; changes persist."""
 
     def read(self, group: int, kind: str, out: torch.Tensor, start: int = 0) -> None:
-        """Copy `kind` (master, exp_avg or exp_avg_sq) of `group` from element `start` into `out`."""
+        """Copy `kind` of `group` from element `start` into `out`."""
 
     def write(self, group: int, kind: str, values: torch.Tensor, start: int = 0) -> None:
         """Overwrite `kind` of `group` from element `start` with `values`."""
@@ -64,43 +78,48 @@ class Home(Protocol):
 
 
 class MemoryHome:
-    """Master and moments as fp32 tensors at `place` (the device, or the host for `offload_optimizer: cpu`), or split
+    """Master and state as fp32 tensors at `place` (the device, or the host for `offload_optimizer: cpu`), or split
     between the host and the device (`offload_optimizer_ratio` < 1: `MemoryHome.split`)."""
 
     def __init__(self, group_numels: Sequence[int], place: torch.device,
                  master: list[list[tuple[int, torch.Tensor]]] | None = None, role: str = "device",
-                 segments: list[list[tuple[int, int, torch.device, str]]] | None = None) -> None:
+                 segments: list[list[tuple[int, int, torch.device, str]]] | None = None,
+                 state_kinds: Sequence[Sequence[str]] | None = None) -> None:
         """`master`: per group, (state offset, tensor) segments that already hold the master (the fp32
         parameters' own pieces); by default a zeroed tensor per group, filled by the store's `write`. `role`:
         "device" or "host" (`place_of`; on a CPU-only machine both are the CPU). `segments`: per group, (start, end,
-        torch device, role) ranges of the state (default: all of it at `place`, in `role`)."""
+        torch device, role) ranges of the state (default: all of it at `place`, in `role`). `state_kinds`: per group,
+        the optimizer's kinds (default: Adam's), zeroed."""
         self.place = place
         self.master_is_params = master is not None
         ranges = segments or [[(0, n, place, role)] for n in group_numels]
         self._roles = [[(lo, where_role) for lo, _, _, where_role in group] for group in ranges]
+        self._kinds = group_kinds(state_kinds, len(ranges))
 
-        def zeros() -> list[list[tuple[int, torch.Tensor]]]:
-            return [[(lo, torch.zeros(hi - lo, dtype=torch.float32, device=where)) for lo, hi, where, _ in group]
-                    for group in ranges]
-        self._state = {"master": master or zeros(), "exp_avg": zeros(), "exp_avg_sq": zeros()}
-        self._starts = {kind: [[offset for offset, _ in segments] for segments in groups]
-                        for kind, groups in self._state.items()}
+        def zeros(group: list[tuple[int, int, torch.device, str]]) -> list[tuple[int, torch.Tensor]]:
+            return [(lo, torch.zeros(hi - lo, dtype=torch.float32, device=where)) for lo, hi, where, _ in group]
+        # per group, per kind: (state offset, tensor) segments
+        self._state = [{kind: master[g] if master is not None and kind == MASTER else zeros(group) for kind in kinds}
+                       for g, (group, kinds) in enumerate(zip(ranges, self._kinds))]
+
+    def kinds(self, group: int) -> tuple[str, ...]:
+        return self._kinds[group]
 
     def _view(self, group: int, kind: str, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of `kind`, which must lie inside one segment (the step's tiles do)."""
-        i = bisect.bisect_right(self._starts[kind][group], lo) - 1
-        offset, tensor = self._state[kind][group][i]
+        segments = self._state[group][kind]
+        offset, tensor = segments[bisect.bisect_right([start for start, _ in segments], lo) - 1]
         assert hi - offset <= tensor.numel(), f"{kind} span {lo}..{hi} crosses a segment boundary"
         return tensor[lo - offset:hi - offset]
 
     @classmethod
     def split(cls, group_numels: Sequence[int], host_numels: Sequence[int], host: torch.device,
-              device: torch.device) -> MemoryHome:
+              device: torch.device, state_kinds: Sequence[Sequence[str]] | None = None) -> MemoryHome:
         """Each group's first `host_numels` elements of state on the host, the rest on the device (DeepSpeed's
         Twin-Flow: the device updates its share with its own kernel while the host updates the rest)."""
         ranges = [[r for r in ((0, h, host, "host"), (h, n, device, "device")) if r[1] > r[0]] or [(0, 0, host, "host")]
                   for n, h in zip(group_numels, host_numels)]
-        return cls(group_numels, host, segments=ranges)
+        return cls(group_numels, host, segments=ranges, state_kinds=state_kinds)
 
     @property
     def resident(self) -> torch.device:
@@ -112,11 +131,11 @@ class MemoryHome:
 
     def visit(self, group: int, spans: Sequence[tuple[int, int]], fn: Visit) -> None:
         for k, (lo, hi) in enumerate(spans):
-            fn(k, *(self._view(group, kind, lo, hi) for kind in KINDS))
+            fn(k, {kind: self._view(group, kind, lo, hi) for kind in self._kinds[group]})
 
     def _copies(self, group: int, kind: str, start: int, numel: int) -> Iterator[tuple[torch.Tensor, int]]:
         """(segment view, offset inside the caller's tensor) for each segment overlapping [start, start+numel)."""
-        for offset, tensor in self._state[kind][group]:
+        for offset, tensor in self._state[group][kind]:
             both = intersect((offset, offset + tensor.numel()), (start, start + numel))
             if both is not None:
                 yield tensor[both[0] - offset:both[1] - offset], both[0] - start
@@ -132,7 +151,7 @@ class MemoryHome:
             view.copy_(flat[at:at + view.numel()])
 
     def state(self, group: int, kind: str) -> torch.Tensor:
-        segments = self._state[kind][group]
+        segments = self._state[group][kind]
         if len(segments) == 1 and segments[0][1].device.type == "cpu":
             return segments[0][1].detach()
         out = torch.empty(sum(t.numel() for _, t in segments), dtype=torch.float32)
@@ -140,11 +159,12 @@ class MemoryHome:
         return out
 
     def account(self, report: MemoryReport) -> None:
-        kinds = KINDS if not self.master_is_params else KINDS[1:]  # else the store counts them as parameters
-        for kind in kinds:
-            for segments in self._state[kind]:
+        for group in self._state:
+            for kind, segments in group.items():
+                if kind == MASTER and self.master_is_params:
+                    continue  # the store counts them as parameters
                 for _, t in segments:
-                    report.add("master" if kind == "master" else "optimizer", t.device.type, t.numel() * t.element_size())
+                    report.add("master" if kind == MASTER else "optimizer", t.device.type, t.numel() * t.element_size())
 
     def io_stats(self) -> dict[str, dict[str, float]]:
         return {}
@@ -154,20 +174,25 @@ class MemoryHome:
 
 
 class NvmeHome:
-    """Master and moments in files, streamed through the NVMe store's ring of aligned buffers."""
+    """Master and state in files, streamed through the NVMe store's ring of aligned buffers."""
 
-    def __init__(self, root: Path, group_numels: Sequence[int], tile_numel: int, aio: Any, pin: bool) -> None:
+    def __init__(self, root: Path, group_numels: Sequence[int], tile_numel: int, aio: Any, pin: bool,
+                 state_kinds: Sequence[Sequence[str]] | None = None) -> None:
         from zerorun.runtime.offload.nvme import NvmeFiles  # the aio kernel builds on first use only
 
         self.group_numels = list(group_numels)
-        self.stores = [NvmeFiles(root / f"group-{g}", {name: n for name in KINDS}, tile_numel=tile_numel,
-                                 aio=aio, pin=pin) for g, n in enumerate(self.group_numels)]
+        self._kinds = group_kinds(state_kinds, len(self.group_numels))
+        self.stores = [NvmeFiles(root / f"group-{g}", {name: n for name in kinds}, tile_numel=tile_numel,
+                                 aio=aio, pin=pin) for g, (n, kinds) in enumerate(zip(self.group_numels, self._kinds))]
         zeros = torch.zeros(min(max(self.group_numels, default=0), 2**22), dtype=torch.float32)
-        for g, numel in enumerate(self.group_numels):  # moments start at zero; the store writes the master
+        for g, numel in enumerate(self.group_numels):  # the state starts at zero; the store writes the master
             for lo in range(0, numel, max(1, zeros.numel())):
                 hi = min(numel, lo + zeros.numel())
-                for name in ("exp_avg", "exp_avg_sq"):
+                for name in self._kinds[g][1:]:
                     self.stores[g].write(name, zeros[:hi - lo], start=lo)
+
+    def kinds(self, group: int) -> tuple[str, ...]:
+        return self._kinds[group]
 
     def read(self, group: int, kind: str, out: torch.Tensor, start: int = 0) -> None:
         self.stores[group].read(kind, out, start=start)
@@ -191,9 +216,10 @@ class NvmeHome:
         index = {lo: k for k, (lo, _) in enumerate(spans)}
 
         def update(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
-            fn(index[lo], views["master"], views["exp_avg"], views["exp_avg_sq"])
+            fn(index[lo], views)
 
-        self.stores[group].for_each_tile(list(KINDS), list(spans), update, write_back=list(KINDS))
+        kinds = list(self._kinds[group])
+        self.stores[group].for_each_tile(kinds, list(spans), update, write_back=kinds)
 
     def io_stats(self) -> dict[str, dict[str, float]]:
         """Bytes and seconds of NVMe reads and writes, and the seconds the step waited on them."""
@@ -209,9 +235,8 @@ class NvmeHome:
         return total
 
     def account(self, report: MemoryReport) -> None:
-        nbytes = sum(n * 4 for n in self.group_numels)
-        report.add("master", "nvme", nbytes)
-        report.add("optimizer", "nvme", 2 * nbytes)
+        report.add("master", "nvme", sum(n * 4 for n in self.group_numels))
+        report.add("optimizer", "nvme", sum(n * 4 * (len(kinds) - 1) for n, kinds in zip(self.group_numels, self._kinds)))
         report.add("comm", "cpu", sum(store.held_bytes() for store in self.stores))
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """Placement: where each kind of model state lives, decided once from the recipe and passed in.
 
     placement = Placement.from_recipe(recipe, device, rank)
-    home = placement.optimizer_home(group_numels)      # master + moments: device, host or NVMe
+    home = placement.optimizer_home(group_numels)      # master + optimizer state: device, host or NVMe
     transfers = placement.transfers(largest_piece)      # how gradients and updates reach that home
 
 | `zero.offload_optimizer` | optimizer state (`Home`)             | the step's transfers | stage 3 gathers read  |
@@ -27,7 +27,7 @@ import torch
 from zerorun.config import AioConfig, OffloadConfig, Recipe
 from zerorun.offload_files import owner as offload_owner
 from zerorun.offload_files import rank_dir
-from zerorun.runtime.offload.homes import Home, MemoryHome, NvmeHome
+from zerorun.runtime.offload.homes import Home, MemoryHome, NvmeHome, group_kinds
 from zerorun.runtime.offload.transfers import Direct, StagingRing, Transfers
 
 HOST = torch.device("cpu")
@@ -81,24 +81,28 @@ class Placement:
 
     def optimizer_home(self, group_numels: Sequence[int],
                        master: list[list[tuple[int, torch.Tensor]]] | None = None,
-                       unit_starts: Sequence[Sequence[int]] = ()) -> Home:
-        """The home of this rank's master and moments; `master`: segments that already hold the master
+                       unit_starts: Sequence[Sequence[int]] = (),
+                       state_kinds: Sequence[Sequence[str]] | None = None) -> Home:
+        """The home of this rank's master and flat optimizer state; `master`: segments that already hold the master
         (fp32 parameters' own pieces, device memory only); `unit_starts`: per group, the state offsets where its
-        units begin (a split between host and device falls between units, so no tile crosses it)."""
+        units begin (a split between host and device falls between units, so no tile crosses it); `state_kinds`:
+        per group, the kinds its optimizer keeps per element (default: Adam's two moments)."""
         assert master is None or self.optimizer is Place.DEVICE, "only device memory can alias the parameters"
         if self.optimizer is Place.DEVICE:
-            return MemoryHome(group_numels, self.device, master)
+            return MemoryHome(group_numels, self.device, master, state_kinds=state_kinds)
         if self.optimizer is Place.HOST and self.host_share < 1.0:
             host = [host_numel(n, starts, self.host_share) for n, starts in zip(group_numels, unit_starts)]
-            return MemoryHome.split(group_numels, host, HOST, self.device)
+            return MemoryHome.split(group_numels, host, HOST, self.device, state_kinds)
         if self.optimizer is Place.HOST:
-            return MemoryHome(group_numels, HOST, role="host")
+            return MemoryHome(group_numels, HOST, role="host", state_kinds=state_kinds)
         from zerorun.runtime.offload.nvme import check_nvme_path  # builds the aio kernel: only when used
 
         assert self.optimizer_nvme is not None, "an optimizer on NVMe has a zero.offload_optimizer.nvme_path"
         root = rank_dir(self.optimizer_nvme, self.run, self.rank)
-        check_nvme_path(self.optimizer_nvme, "zero.offload_optimizer.nvme_path", 12 * sum(group_numels), root)
-        return NvmeHome(root, group_numels, self.tile_numel, self.aio, self.pin)
+        kinds = group_kinds(state_kinds, len(group_numels))
+        check_nvme_path(self.optimizer_nvme, "zero.offload_optimizer.nvme_path",
+                        sum(4 * n * len(k) for n, k in zip(group_numels, kinds)), root)
+        return NvmeHome(root, group_numels, self.tile_numel, self.aio, self.pin, state_kinds)
 
     def transfers(self, largest_piece: int) -> Transfers:
         """How gradients and updates of state away from the device move; staging slots hold a tile, never more

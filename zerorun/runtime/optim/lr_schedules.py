@@ -60,13 +60,13 @@ class _Tracked:
 class LrSchedules:
     """The schedulers that drive `optimizer` (the engine's) and `handed_over` (the script's, if any)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, handed_over: torch.optim.Optimizer | None,
+    def __init__(self, optimizer: torch.optim.Optimizer, handed_over: list[torch.optim.Optimizer],
                  find: Callable[[list[torch.optim.Optimizer]], list[Any]], owned: Any = None,
                  recipe_says: str | None = None) -> None:
-        """`find`: the schedulers built on some of the optimizers; `owned`: a scheduler the engine steps;
-        `recipe_says`: where the recipe set it (for messages)."""
+        """`handed_over`: the script's optimizers (none for the recipe's); `find`: the schedulers built on some of the
+        optimizers; `owned`: a scheduler the engine steps; `recipe_says`: where the recipe set it (for messages)."""
         self._find = find
-        self._optimizers = [opt for opt in (optimizer, handed_over) if opt is not None]
+        self._optimizers = [optimizer, *handed_over]
         self._recipe_says = recipe_says
         self._tracked: list[_Tracked] = []
         if owned is not None:

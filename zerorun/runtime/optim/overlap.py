@@ -33,13 +33,12 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
 from zerorun.runtime.memory import MemoryReport
-from zerorun.runtime.optim.adam_step import AdamStep, Piece, Tile
-from zerorun.runtime.optim.optimizer import ShardedAdamW
+from zerorun.runtime.optim.flat_step import FlatStep, FusedAdam, Piece, Tile
 
 OverlapSetting = Any  # Literal["auto", True, False], as the recipe spells it
 
@@ -73,28 +72,39 @@ def overlaps(setting: OverlapSetting, offload: str, state_numel: int, device: to
     return False
 
 
+class FusedArguments(Protocol):
+    """A fused Adam group's kernel arguments (update.py's `FusedGroup`)."""
+
+    def arguments(self, grad_divisor: float) -> dict[str, Any]:
+        """The next update's arguments as they stand now, not counted."""
+
+    def kernel(self, grad_divisor: float) -> FusedAdam:
+        """The next update's kernel, counted."""
+
+
 @dataclass
 class Speculation:
     """One window's speculative update: what it assumed, and which tiles it changed."""
 
     divisor: float  # world size x loss scale: the step applied unclipped
-    hypers: list[dict[str, Any]]  # per group, the kernel's arguments it used (`ShardedAdamW.preview`)
-    touched: list[list[Tile]] = field(default_factory=list)  # per group, the tiles updated
+    hypers: dict[int, dict[str, Any]]  # per fused group, the kernel's arguments it used (`FusedGroup.arguments`)
+    touched: dict[int, list[Tile]] = field(default_factory=dict)  # per group, the tiles updated
     pending: list[Future] = field(default_factory=list)
     groups_updated: set[int] = field(default_factory=set)
 
 
 class OverlappedUpdate:
-    """Runs `AdamStep`'s update per unit on a worker thread while the backward goes on (module docstring)."""
+    """Runs the fused groups' update per unit on a worker thread while the backward goes on (module docstring)."""
 
-    def __init__(self, update: AdamStep, optimizer: ShardedAdamW, pieces: list[list[Piece]],
-                 piece_of_unit: list[Piece], group_numels: list[int]) -> None:
-        """`pieces`: per group, every piece of the step; `piece_of_unit`: the piece of each of the store's units, by
-        unit index. Pieces whose state is on the device (`offload_optimizer_ratio` < 1) are updated at `commit`."""
-        self.update, self.optimizer = update, optimizer
+    def __init__(self, update: FlatStep, fused: Mapping[int, FusedArguments], pieces: dict[int, list[Piece]],
+                 piece_of_unit: list[Piece | None], group_numels: list[int]) -> None:
+        """`fused`: the fused Adam groups; `pieces`: per fused group, every piece of the step; `piece_of_unit`: the
+        piece of each of the store's units, by unit index (None: not a fused group's). Pieces whose state is on the
+        device (`offload_optimizer_ratio` < 1) are updated at `commit`; other ways' groups, after it."""
+        self.update, self.fused = update, fused
         self.pieces, self.piece_of_unit = pieces, piece_of_unit
         self.group_numels = group_numels
-        self._backup: list[dict[str, torch.Tensor]] | None = None  # per group, per kind: allocated at first use
+        self._backup: dict[int, dict[str, torch.Tensor]] | None = None  # per group, per kind: allocated at first use
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerorun-overlap")
         self.current: Speculation | None = None
         self.rollbacks = 0  # speculations that step() did not apply as they were (telemetry, tests)
@@ -104,8 +114,8 @@ class OverlappedUpdate:
     def begin(self, divisor: float) -> None:
         """The window's last backward starts: units reduced from now on are updated at once."""
         assert self.current is None, "a speculation is pending: step() or a rollback ends it first"
-        hypers = [self.optimizer.preview(g, divisor) for g in range(len(self.optimizer.param_groups))]
-        self.current = Speculation(divisor, hypers, [[] for _ in self.group_numels])
+        hypers = {g: group.arguments(divisor) for g, group in self.fused.items()}
+        self.current = Speculation(divisor, hypers, {g: [] for g in self.fused})
 
     def unit_reduced(self, k: int) -> None:
         """Unit k's gradient piece is final (its reduction has been waited for, on the training thread)."""
@@ -113,7 +123,7 @@ class OverlappedUpdate:
         if spec is None:
             return
         piece = self.piece_of_unit[k]
-        if piece.numel == 0 or self.update.on_device(piece):
+        if piece is None or piece.numel == 0 or self.update.on_device(piece):
             return
         ready = _device_event(piece.grad)
         spec.pending.append(self._worker.submit(self._update_piece, spec, piece, ready))
@@ -121,20 +131,20 @@ class OverlappedUpdate:
     def _update_piece(self, spec: Speculation, piece: Piece, ready: Any) -> None:
         backup = self._backups()[piece.group]
 
-        def save(k: int, span: tuple[int, int], master: torch.Tensor, exp_avg: torch.Tensor,
-                 exp_avg_sq: torch.Tensor) -> None:
+        def save(k: int, span: tuple[int, int], views: dict[str, torch.Tensor]) -> None:
             lo, hi = span
-            for name, tensor in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            for name, tensor in views.items():
                 backup[name][lo:hi].copy_(tensor)
 
-        tiles = self.update.run_pieces(piece.group, [piece], spec.hypers[piece.group], after=ready, before=save)
+        tiles = self.update.run_pieces(piece.group, [piece], FusedAdam(spec.hypers[piece.group]), after=ready,
+                                       before=save)
         spec.touched[piece.group].extend(tiles)
         spec.groups_updated.add(piece.group)
 
-    def _backups(self) -> list[dict[str, torch.Tensor]]:
+    def _backups(self) -> dict[int, dict[str, torch.Tensor]]:
         if self._backup is None:
-            self._backup = [{name: torch.empty(n, dtype=torch.float32) for name in ("master", "exp_avg", "exp_avg_sq")}
-                            for n in self.group_numels]
+            self._backup = {g: {name: torch.empty(self.group_numels[g], dtype=torch.float32)
+                                for name in self.update.home.kinds(g)} for g in self.fused}
         return self._backup
 
     # -- at step() ------------------------------------------------------------------------------
@@ -153,20 +163,20 @@ class OverlappedUpdate:
         """Whether the step `step()` is about to run is the one speculated."""
         spec = self.current
         assert spec is not None and not spec.pending, "settle() first"
-        same_hyper = all(spec.hypers[g] == self.optimizer.preview(g, divisor) for g in spec.groups_updated)
+        same_hyper = all(spec.hypers[g] == self.fused[g].arguments(divisor) for g in spec.groups_updated)
         return not clamped and divisor == spec.divisor and same_hyper
 
     def commit(self) -> None:
-        """The speculation is the step: count it for every group, as `AdamStep.run` does, and update the pieces it
-        did not (those whose state is on the device) with the same arguments."""
+        """The speculation is the step: count it for every fused group, as a step does, and update the pieces it did
+        not (those whose state is on the device) with the same arguments."""
         spec = self.current
         assert spec is not None and not spec.pending, "settle() first"
-        for g, pieces in enumerate(self.pieces):
+        for g, pieces in self.pieces.items():
             if any(piece.numel for piece in pieces):
-                hyper = self.optimizer.group_step(g, spec.divisor)
+                kernel = self.fused[g].kernel(spec.divisor)
                 rest = [piece for piece in pieces if not any(piece is done for done, _, _ in spec.touched[g])]
                 if rest:
-                    self.update.run_pieces(g, rest, hyper)
+                    self.update.run_pieces(g, rest, kernel)
         self.update.finish()
         self.current = None
         self.applied += 1
@@ -176,7 +186,7 @@ class OverlappedUpdate:
         spec = self.settle()
         if spec is None:
             return
-        for g, tiles in enumerate(spec.touched):
+        for g, tiles in spec.touched.items():
             if tiles:
                 saved = self._backups()[g]
 
@@ -189,7 +199,7 @@ class OverlappedUpdate:
 
     def account(self, report: MemoryReport) -> None:
         if self._backup is not None:
-            report.add("backup", "cpu", sum(t.numel() * 4 for group in self._backup for t in group.values()))
+            report.add("backup", "cpu", sum(t.numel() * 4 for group in self._backup.values() for t in group.values()))
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

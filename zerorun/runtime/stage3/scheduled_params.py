@@ -30,10 +30,10 @@ class ScheduledParams(ShardedParams):
     def __init__(self, model: nn.Module, plan: Stage3Plan, placement: Placement, policy: PrecisionPolicy,
                  comm: Collectives, init_log: InitLog | None, hpz: SecondaryPartition | None, *,
                  prefetch: int, phase: TrainingPhase, prefetch_after_step: bool,
-                 say: Callable[[str], None] | None = None) -> None:
+                 say: Callable[[str], None] | None = None, state_kinds: list[tuple[str, ...]] | None = None) -> None:
         """`prefetch_after_step` (`zero.overlap_comm`): a step's publish starts gathering the next forward's
         first `prefetch` units; `say` tells the user (rank 0) what the first pass keeps whole."""
-        super().__init__(model, plan, placement, policy, comm, init_log, hpz)
+        super().__init__(model, plan, placement, policy, comm, init_log, hpz, state_kinds)
         self.scheduler = ParamScheduler(plan, self.buffers, prefetch, phase, say)
         self.prefetch_after_step = prefetch_after_step
 

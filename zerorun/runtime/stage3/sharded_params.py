@@ -18,6 +18,7 @@ from torch import nn
 
 from zerorun.runtime.comm.collectives import Collectives, Pending
 from zerorun.runtime.memory import MemoryReport
+from zerorun.runtime.offload.homes import MASTER
 from zerorun.runtime.offload.placement import Placement
 from zerorun.runtime.precision import PrecisionPolicy
 from zerorun.runtime.stage3.hpz import SecondaryPartition
@@ -26,7 +27,7 @@ from zerorun.runtime.stage3.param_shards import build_param_shard
 from zerorun.runtime.stage3.sharded_init import InitLog, materialize
 from zerorun.runtime.stage3.unit_buffers import UnitBuffers
 from zerorun.runtime.stage3.unit_group import AROUND_USE, UnitState
-from zerorun.runtime.store import ParamIO, UpdateTarget, master_state_dict, saved_home_state, units_of
+from zerorun.runtime.store import ParamIO, UpdateTarget, master_state_dict, saved_masters, units_of
 from zerorun.runtime.units import Unit
 
 
@@ -35,14 +36,14 @@ class ShardedParams:
 
     def __init__(self, model: nn.Module, plan: Stage3Plan, placement: Placement, policy: PrecisionPolicy,
                  comm: Collectives, init_log: InitLog | None = None,
-                 hpz: SecondaryPartition | None = None) -> None:
+                 hpz: SecondaryPartition | None = None, state_kinds: list[tuple[str, ...]] | None = None) -> None:
         self.policy, self.comm, self.device = policy, comm, placement.device
         self.hpz = hpz  # the secondary copy within the node; None: every gather is from every rank
         self.shard_world, self.shard_rank = comm.world_size, comm.rank
         self.plan, self.units, self.group_numels = plan, plan.units, plan.group_numels
         self.groups, self.persistent = plan.groups, plan.persistent
         starts = [[u.state_offset for u in units_of(self.units, g)] for g in range(len(self.group_numels))]
-        self.home = placement.optimizer_home(self.group_numels, unit_starts=starts)
+        self.home = placement.optimizer_home(self.group_numels, unit_starts=starts, state_kinds=state_kinds)
         self.shard = build_param_shard(placement, self.home, self.units, self.group_numels, policy.param_dtype)
         self.buffers = UnitBuffers(self.units, self.shard, comm, hpz, policy.param_dtype, self.device)
         if init_log is not None:
@@ -58,7 +59,7 @@ class ShardedParams:
     # -- the first values -------------------------------------------------------------------------
     def _set_piece(self, group: int, start: int, values: torch.Tensor) -> None:
         """Elements from `start` of this rank's fp32 master (and of the shard gathers read) for `group`."""
-        self.home.write(group, "master", values, start=start)
+        self.home.write(group, MASTER, values, start=start)
         self.shard.write(group, start, values)
         self._parameters_changed()
 
@@ -117,14 +118,13 @@ class ShardedParams:
             if group.state is UnitState.GATHERING:
                 group.finish_gather()
 
-    def saved_state(self) -> dict[str, torch.Tensor]:
-        return saved_home_state(self.home, self.group_numels)
+    def saved_master(self) -> dict[str, torch.Tensor]:
+        return saved_masters(self.home, len(self.group_numels))
 
-    def restore_state(self, group: int, kind: str, values: torch.Tensor) -> None:
-        self.home.write(group, kind, values)
-        if kind == "master":
-            self.shard.write(group, 0, values)
-            self._parameters_changed()
+    def restore_master(self, group: int, values: torch.Tensor) -> None:
+        self.home.write(group, MASTER, values)
+        self.shard.write(group, 0, values)
+        self._parameters_changed()
 
     def _parameters_changed(self) -> None:
         if self.hpz is not None:

@@ -1,1 +1,2 @@
-"""`deepspeed.ops`: only `deepspeed.ops.adam` (accelerate asks for it when the optimizer is offloaded)."""
+"""`deepspeed.ops`: the optimizer classes accelerate asks for when the optimizer is offloaded (`adam`, `adagrad`,
+`lion`), as torch optimizers zerorun's engine runs like any other."""

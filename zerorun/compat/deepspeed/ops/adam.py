@@ -19,11 +19,11 @@ from zerorun.errors import ZerorunError
 
 def _adam(params: Iterable[Any], lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
           adamw_mode: bool, amsgrad: bool, bias_correction: bool) -> torch.optim.Optimizer:
-    if amsgrad or not bias_correction:
-        raise ZerorunError("deepspeed.ops.adam with amsgrad=True or bias_correction=False is not provided "
-                                  "by zerorun: its Adam kernel always corrects the bias and has no AMSGrad.")
+    if not bias_correction:
+        raise ZerorunError("deepspeed.ops.adam with bias_correction=False is not provided by zerorun: torch's Adam, "
+                           "which it stands for, always corrects the bias.")
     cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
-    return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
 
 
 class DeepSpeedCPUAdam(torch.optim.AdamW):

@@ -1,0 +1,218 @@
+"""The owner way: the script's optimizer on whole parameters, each updated by the one rank that owns it.
+
+Muon orthogonalizes a whole matrix, Adafactor factors its second moment into row and column sums,
+LAMB scales a parameter's step by its norm: none of them can run over a flat piece that holds part of
+a matrix (ways.py). Each such parameter is owned by one rank (`ownership.py`: whole parameters,
+balanced by size), which keeps its optimizer state and updates it on its real shape. A step, unit by
+unit of the owner-run groups (units.py; every unit holds whole parameters):
+
+    this rank's reduced gradient piece --all-gather--> the unit's full gradient  -> owners take theirs
+    this rank's master piece            --all-gather--> the unit's full master    -> owners take theirs
+    each optimizer steps the parameters this rank owns (its object, its param groups, on real shapes)
+    owners' new values, zeros elsewhere --reduce-scatter--> every rank's master piece (each value comes
+                                                            from its one owner: the sum is exact)
+    the master piece --> the stage's parameters (the same targets the flat way writes: flat_step.py)
+
+The stage then publishes the parameters as for any update. The two all-gathers and the reduce-scatter
+are this way's price beside the flat way: a stage partition that follows the owners (each whole
+gradient reduce-scattered to its owner) removes them. The state lives where the placement says: on
+the device, on the host (the owned tensors are copied there to step), or on NVMe (`OwnedFiles`: a
+file per owned parameter, read before the step and written after).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerorun.runtime.comm.collectives import Collectives
+from zerorun.runtime.memory import MemoryReport, tensor_bytes
+from zerorun.runtime.offload.homes import MASTER
+from zerorun.runtime.offload.transfers import Direct
+from zerorun.runtime.optim.elementwise import stepping
+from zerorun.runtime.optim.flat_step import Piece
+from zerorun.runtime.optim.ownership import OwnershipPlan, plan_ownership
+from zerorun.runtime.partition import ParamSpan
+from zerorun.runtime.store import ParamStore
+
+
+@dataclass(eq=False)
+class OwnerParam:
+    """A parameter of an owner-run group: where it lies in the flat layout, and who owns it."""
+
+    name: str
+    group: int  # the engine's param group
+    unit: int  # index in the store's units
+    span: ParamSpan  # its place in the unit
+    shape: torch.Size
+    owner: int
+    key: nn.Parameter  # on its owner: the tensor its optimizer steps (its state is keyed by it); empty between steps
+
+
+class OwnedFiles:
+    """The owned parameters' optimizer state on NVMe: one file each, read before a step and written after it. The
+    directory is this engine's own, made under `root` when it starts and removed when it is collected (an engine
+    built after it at the same path has another)."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = Path(tempfile.mkdtemp(prefix="owned-", dir=root))
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.root, True)
+
+    def _file(self, param: OwnerParam) -> Path:
+        return self.root / f"{param.name}.pt"
+
+    def read(self, param: OwnerParam) -> dict[str, Any]:
+        """The parameter's state ({} before its first step)."""
+        file = self._file(param)
+        return torch.load(file, weights_only=True) if file.is_file() else {}
+
+    def write(self, param: OwnerParam, state: dict[str, Any]) -> None:
+        if state:
+            torch.save(state, self._file(param))
+        else:
+            self._file(param).unlink(missing_ok=True)
+
+    def nbytes(self) -> int:
+        return sum(f.stat().st_size for f in self.root.glob("*.pt"))
+
+
+class OwnerStep:
+    """Gathers, steps and scatters back the owner-run groups (see the module docstring)."""
+
+    def __init__(self, groups: dict[int, tuple[torch.optim.Optimizer, int]], store: ParamStore,
+                 pieces: list[list[Piece]], comm: Collectives, place: torch.device, tile_numel: int,
+                 names: dict[nn.Parameter, str], files: OwnedFiles | None = None) -> None:
+        """`groups`: engine group -> (its optimizer, the group's index there); `pieces`: per engine group, its
+        units' gradients and targets in state order; `place`: where the owned parameters step and their state
+        lives (the device, or the host); `files`: the state's files on NVMe (None: in memory)."""
+        self.groups, self.store, self.comm, self.place = groups, store, comm, place
+        self.tile_numel, self.files = tile_numel, files
+        self.piece_of: dict[int, Piece] = {}  # per unit index: its gradient piece and target
+        members = []
+        seen = {g: 0 for g in groups}  # each group's units so far: its pieces are in the same (state) order
+        for k, unit in enumerate(store.units):
+            if unit.group in groups:
+                self.piece_of[k] = pieces[unit.group][seen[unit.group]]
+                seen[unit.group] += 1
+                members += [(k, unit, i) for i in range(len(unit.params))]
+        # by the layout's sizes: a stage 3 parameter is an empty tensor between its gathers
+        self.plan: OwnershipPlan = plan_ownership([unit.layout.spans[i].numel for _, unit, i in members],
+                                                  store.shard_world)
+        self.params = [OwnerParam(names[unit.params[i]], unit.group, k, unit.layout.spans[i], unit.shapes[i], owner,
+                                  nn.Parameter(torch.empty(0, device=place)))
+                       for (k, unit, i), owner in zip(members, self.plan.owner)]
+        self.owned = [p for p in self.params if p.owner == store.shard_rank]
+        self.direct = Direct(store.device)  # the targets are reached from device memory, as the flat way's are
+
+    @property
+    def units(self) -> list[int]:
+        """The store's units that hold owner-run parameters, in order."""
+        return sorted(self.piece_of)
+
+    def optimizers(self) -> dict[torch.optim.Optimizer, dict[int, list[OwnerParam]]]:
+        """Per optimizer object, per param group index there, the parameters this rank owns."""
+        out: dict[torch.optim.Optimizer, dict[int, list[OwnerParam]]] = {}
+        for param in self.owned:
+            optimizer, index = self.groups[param.group]
+            out.setdefault(optimizer, {}).setdefault(index, []).append(param)
+        return out
+
+    @torch.no_grad()
+    def run(self, divisor: float) -> None:
+        """One step of every owner-run group; gradients are divided by `divisor` (world x loss scale / clip)."""
+        for k in self.units:
+            self._take_whole(k, divisor)
+        for optimizer, by_index in self.optimizers().items():
+            owned = [p for params in by_index.values() for p in params]
+            if self.files is not None:  # the state comes in from its files for the step, and goes back
+                for param in owned:
+                    self._put(optimizer, param, self.files.read(param))
+            with stepping(optimizer, {i: [p.key for p in params] for i, params in by_index.items()}):
+                optimizer.step()
+            if self.files is not None:
+                for param in owned:
+                    self.files.write(param, optimizer.state.pop(param.key, {}))
+        for k in self.units:
+            self._send_back(k)
+        for param in self.owned:
+            param.key.data, param.key.grad = torch.empty(0, device=self.place), None
+
+    def _full(self, k: int, piece: torch.Tensor) -> torch.Tensor:
+        """Unit k's full tensor from every rank's `piece` (an all-gather; the piece itself when unsharded)."""
+        unit = self.store.units[k]
+        if self.store.shard_world == 1:
+            return piece
+        full = torch.empty(unit.padded_numel, dtype=piece.dtype, device=self.store.device)
+        unit.piece(full, self.store.shard_rank).copy_(piece)
+        self.comm.all_gather(full).wait()
+        return full
+
+    def _take_whole(self, k: int, divisor: float) -> None:
+        """Gather unit k's gradient and master; this rank's owned parameters in it take theirs, whole."""
+        unit = self.store.units[k]
+        master = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.store.device)
+        self.store.home.read(unit.group, MASTER, master, start=unit.state_offset)
+        grads, masters = self._full(k, self.piece_of[k].grad), self._full(k, master)
+        for param in (p for p in self.owned if p.unit == k):
+            span = slice(param.span.offset, param.span.end)
+            param.key.data = masters[span].view(param.shape).to(self.place, copy=True)
+            param.key.grad = grads[span].view(param.shape).to(self.place, torch.float32, copy=True).div_(divisor)
+
+    def _send_back(self, k: int) -> None:
+        """Every rank's master piece of unit k from the owners' new values, then the stage's parameters from it."""
+        unit = self.store.units[k]
+        full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.store.device)
+        for param in (p for p in self.owned if p.unit == k):
+            full[param.span.offset:param.span.end].copy_(param.key.detach().view(-1))
+        piece = unit.piece(full, self.store.shard_rank)
+        if self.store.shard_world > 1:
+            piece = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.store.device)
+            self.comm.reduce_scatter(full, piece).wait()
+        self.store.home.write(unit.group, MASTER, piece, start=unit.state_offset)
+        target = self.piece_of[k].target
+        for lo in range(0, unit.shard_numel, self.tile_numel):
+            hi = min(unit.shard_numel, lo + self.tile_numel)
+            out = target.staging(self.direct, lo, hi)
+            if out is not None:
+                out.copy_(piece[lo:hi])
+                target.deliver(self.direct, lo, hi, out)
+        self.direct.finish()
+
+    # -- state: memory, checkpoints ------------------------------------------------------------------
+    def state_of(self, param: OwnerParam) -> dict[str, Any]:
+        """The optimizer state this rank keeps for an owned parameter ({} before its first step)."""
+        if self.files is not None:
+            return self.files.read(param)
+        optimizer, _ = self.groups[param.group]
+        return dict(optimizer.state.get(param.key, {}))
+
+    def set_state(self, param: OwnerParam, state: dict[str, Any]) -> None:
+        """Replace an owned parameter's optimizer state (a checkpoint load, or the state handed over with it)."""
+        # 0-d tensors (a `step`) stay where they are: torch's optimizers keep them on the host unless capturable
+        state = {k: v.to(self.place) if isinstance(v, torch.Tensor) and v.dim() else v for k, v in state.items()}
+        if self.files is not None:
+            self.files.write(param, state)
+        else:
+            self._put(self.groups[param.group][0], param, state)
+
+    @staticmethod
+    def _put(optimizer: torch.optim.Optimizer, param: OwnerParam, state: dict[str, Any]) -> None:
+        optimizer.state.pop(param.key, None)
+        if state:
+            optimizer.state[param.key] = state
+
+    def account(self, report: MemoryReport) -> None:
+        if self.files is not None:
+            report.add("optimizer", "nvme", self.files.nbytes())
+            return
+        tensors = [v for param in self.owned for v in self.state_of(param).values() if isinstance(v, torch.Tensor)]
+        report.add("optimizer", self.place.type, tensor_bytes(tensors))
+        report.add("comm", self.store.device.type, self.direct.held_bytes())

@@ -1,0 +1,314 @@
+"""This rank's optimizer: every param group's update and state, in the one object an engine steps.
+
+    update = Update(groups, store, grad_pieces, placement, comm, names)   # at zerorun.initialize
+    update.apply(divisor, clamped)      # engine.step() at a boundary: every group's update
+    update.saved_tensors() / update.describe(...) / update.load(saved)      # checkpoints compose these
+
+Each of the engine's param groups (take_over.py) runs one way (ways.py):
+
+| way           | runner                                  | its state                                      |
+|---------------|-----------------------------------------|------------------------------------------------|
+| `FUSED_ADAM`  | `FlatStep` + `FusedAdam` (flat_step.py)  | `exp_avg`, `exp_avg_sq` in the home; `FusedGroup`'s step count |
+| `ELEMENTWISE` | `FlatStep` + `TorchTiles` (elementwise.py) | its kinds in the home; `ElementwiseGroup`'s scalars |
+| `OWNER`       | `OwnerStep` (owner_step.py)              | the script's optimizer's, per owned parameter   |
+
+The flat ways share one pass per group over the home's tiles (device, host or NVMe); the owner way
+runs after them. With the optimizer on the host and `zero.overlap_optimizer`, the fused groups are
+updated under the backward (`OverlappedUpdate`, overlap.py) and `apply` commits or rolls that back;
+`settle()` rolls back a speculation that no step has claimed, before anything reads the state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+from torch import nn
+
+from zerorun.runtime import ranges
+from zerorun.runtime.comm.collectives import Collectives
+from zerorun.runtime.memory import MemoryReport
+from zerorun.runtime.offload.homes import MASTER
+from zerorun.runtime.offload.placement import Place, Placement
+from zerorun.runtime.offload.transfers import Direct
+from zerorun.runtime.optim.elementwise import ElementwiseGroup, State, TorchTiles
+from zerorun.runtime.optim.flat_step import FlatStep, FusedAdam, Piece
+from zerorun.runtime.optim.optimizer import ShardedOptimizer
+from zerorun.runtime.optim.overlap import OverlappedUpdate
+from zerorun.runtime.optim.owner_step import OwnedFiles, OwnerStep
+from zerorun.runtime.optim.state_json import owned_to_json, scalars_to_json
+from zerorun.runtime.optim.take_over import EngineGroup
+from zerorun.runtime.optim.ways import Way, decoupled
+from zerorun.runtime.store import ParamStore, flat_name, units_of
+
+
+class FusedGroup:
+    """A param group of zerorun's fused Adam(W) kernel: its step count and the kernel's arguments."""
+
+    def __init__(self, group: EngineGroup, steps: int = 0) -> None:
+        self.hyper = group.hyper  # the script's group dict: a scheduler's lr is read at every step
+        self.decoupled = decoupled(group.optimizer, group.hyper)
+        self.steps = steps  # a Python int: no device sync to read it
+
+    def arguments(self, grad_divisor: float) -> dict[str, Any]:
+        """The kernel's arguments for the group's next update, as they stand now (`ops.adamw_step`)."""
+        hyper = self.hyper
+        beta1, beta2 = hyper["betas"]
+        return dict(step=self.steps + 1, lr=float(hyper["lr"]), beta1=float(beta1), beta2=float(beta2),
+                    eps=float(hyper["eps"]), weight_decay=float(hyper["weight_decay"]),
+                    decoupled=self.decoupled, grad_divisor=grad_divisor)
+
+    def kernel(self, grad_divisor: float) -> FusedAdam:
+        """The kernel of the group's next update, counted."""
+        kernel = FusedAdam(self.arguments(grad_divisor))
+        self.steps += 1
+        return kernel
+
+    @property
+    def scalars(self) -> State | None:
+        return {"step": torch.tensor(float(self.steps))} if self.steps else None
+
+
+class SavedState(Protocol):
+    """A checkpoint's optimizer state, as the update reads it back (checkpoint/optimizer_state.py implements it)."""
+
+    def scalars(self, group: int) -> State | None:
+        """The group's saved scalars (None: it had not stepped)."""
+
+    def read(self, name: str, kind: str, lo: int, hi: int) -> torch.Tensor | None:
+        """Elements [lo, hi) of parameter `name`'s state `kind`, flat, wherever they were saved (None: not saved)."""
+
+    def whole(self, name: str, shape: torch.Size) -> State:
+        """Parameter `name`'s whole state, as its owner keeps it ({} when none was saved)."""
+
+
+class Update:
+    """Every param group's update and state on this rank (see the module docstring)."""
+
+    def __init__(self, groups: list[EngineGroup], face: ShardedOptimizer, store: ParamStore,
+                 grad_pieces: list[list[torch.Tensor]], placement: Placement, comm: Collectives,
+                 names: dict[nn.Parameter, str]) -> None:
+        """`face`: the torch Optimizer the script sees (its param groups are the groups'); `grad_pieces`: per group, the
+        reducer's gradient piece of each unit in state order; `names`: each parameter's (checkpoints, messages)."""
+        self.groups, self.face, self.store, self.names = groups, face, store, names
+        self.pieces = [[Piece(g, u.state_offset, u.shard_numel, grad, target)
+                        for u, grad, target in zip(units_of(store.units, g), grad_pieces[g], store.update_targets(g),
+                                                   strict=True)] for g in range(len(groups))]
+        largest_piece = max((u.shard_numel for u in store.units), default=1)
+        self.flat = FlatStep(store.home, ranges.offload_copies(placement.transfers(largest_piece)),
+                             placement.step_tile_numel, Direct(store.device), store.device)
+        self.fused = {g: FusedGroup(group) for g, group in enumerate(groups) if group.way is Way.FUSED_ADAM}
+        self.elementwise = {g: ElementwiseGroup(group.optimizer, group.index, group.kinds, group.scalars, group.where)
+                            for g, group in enumerate(groups) if group.way is Way.ELEMENTWISE}
+        owned = {g: (group.optimizer, group.index) for g, group in enumerate(groups) if group.way is Way.OWNER}
+        self.owner = OwnerStep(owned, store, self.pieces, comm, _owner_place(placement, store.device),
+                               placement.tile_numel, names, _owned_files(placement)) if owned else None
+        self.overlap: OverlappedUpdate | None = None  # the host's fused groups under the backward (overlap.py)
+        self._stepping = False  # True while the engine calls a script's optimizer (its guard lets it through)
+        self._place_carried(comm)
+
+    # -- the step -------------------------------------------------------------------------------
+    def grads(self) -> list[torch.Tensor]:
+        """Every group's reduced gradient pieces on this rank (their norm, their clamp)."""
+        return [piece.grad for group in self.pieces for piece in group]
+
+    def overlap_with_backward(self, say: Callable[[str], None] | None) -> OverlappedUpdate:
+        """Update the fused groups on the host under the backward, from now on (overlap.py)."""
+        fused = {g: self.pieces[g] for g in self.fused}
+        in_order = {g: iter(pieces) for g, pieces in fused.items()}
+        self.overlap = OverlappedUpdate(self.flat, self.fused, fused,
+                                        [next(in_order[u.group]) if u.group in fused else None for u in self.store.units],
+                                        self.store.group_numels)
+        return self.overlap
+
+    @property
+    def speculates(self) -> bool:
+        """Whether the host updates the fused groups under the window's last backward (`speculate`)."""
+        return self.overlap is not None
+
+    def speculate(self, divisor: float) -> None:
+        """The window's last backward starts: each fused unit is updated as its gradient is reduced, assuming the step
+        divides by `divisor` (world x loss scale: no clipping); `apply` keeps it or rolls it back."""
+        assert self.overlap is not None, "speculate only where the update overlaps the backward"
+        self.overlap.begin(divisor)
+
+    def wait_speculation(self) -> bool:
+        """Wait for the host's updates made under the backward (their gradients are then free to change); whether
+        there is a speculation to commit or roll back."""
+        return self.overlap is not None and self.overlap.settle() is not None
+
+    def apply(self, divisor: float, clamped: bool) -> None:
+        """This window's update, gradients divided by `divisor` (world x loss scale / clip coefficient): the one made
+        under the backward when it is this step (`clamped`: `clip_grad_value_` changed the gradients since)."""
+        with ranges.named("optimizer"):
+            if self.wait_speculation() and self.overlap is not None and self.overlap.matches(divisor, clamped):
+                self.overlap.commit()  # the fused groups' update made under the backward is this step's
+                self._run(divisor, [g for g in range(len(self.groups)) if g not in self.fused])
+            else:
+                self.settle()
+                self._run(divisor, list(range(len(self.groups))))
+
+    def settle(self) -> None:
+        """Roll back an update made under the backward that no step has claimed (its state as it was before)."""
+        if self.overlap is not None and self.overlap.current is not None:
+            self.overlap.rollback()
+
+    @torch.no_grad()
+    def _run(self, divisor: float, groups: list[int]) -> None:
+        with self.stepping():
+            for g in groups:
+                if self.groups[g].way is Way.OWNER or not any(piece.numel for piece in self.pieces[g]):
+                    continue
+                kernel = self.fused[g].kernel(divisor) if g in self.fused else self.elementwise[g].kernel(divisor)
+                self.flat.run_pieces(g, self.pieces[g], kernel)
+                if isinstance(kernel, TorchTiles):
+                    self.elementwise[g].finished(kernel)
+            self.flat.finish()
+            if self.owner is not None and any(self.groups[g].way is Way.OWNER for g in groups):
+                self.owner.run(divisor)
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """The engine calls the script's optimizers inside (their guard lets these calls through)."""
+        self._stepping = True
+        try:
+            yield
+        finally:
+            self._stepping = False
+
+    def is_stepping(self) -> bool:
+        """Whether the engine is stepping a script's optimizer right now (optimizer_guard.py asks)."""
+        return self._stepping
+
+    def ways(self) -> str | None:
+        """One line saying how each optimizer runs (None when every group is zerorun's fused Adam: nothing new)."""
+        if all(group.way is Way.FUSED_ADAM for group in self.groups):
+            return None
+        said = {Way.FUSED_ADAM: "zerorun's fused Adam over each rank's flat shard",
+                Way.ELEMENTWISE: "over each rank's flat shard (elementwise)",
+                Way.OWNER: "on whole parameters, each updated by the rank that owns it"}
+        parts = dict.fromkeys(f"{type(g.optimizer).__name__} {said[g.way]}" for g in self.groups)
+        balance = f" (the busiest rank owns {self.owner.plan.imbalance:.2f}x the mean)" if self.owner else ""
+        return "zerorun: optimizer: " + "; ".join(parts) + balance + " (docs/optimizers.md)"
+
+    # -- memory and telemetry --------------------------------------------------------------------
+    def account(self, report: MemoryReport) -> None:
+        self.flat.account(report)
+        if self.owner is not None:
+            self.owner.account(report)
+            report.optimizer_imbalance = self.owner.plan.imbalance
+        if self.overlap is not None:
+            self.overlap.account(report)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Cumulative offload traffic of the flat ways (`FlatStep.stats`)."""
+        return self.flat.stats()
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def classes(self) -> list[str]:
+        """Each param group's optimizer class name (a resume compares them)."""
+        return [type(group.optimizer).__name__ for group in self.groups]
+
+    def group_scalars(self, g: int) -> State | None:
+        if g in self.fused:
+            return self.fused[g].scalars
+        if g in self.elementwise:
+            return self.elementwise[g].scalars
+        return None
+
+    def flat_tensors(self) -> dict[str, torch.Tensor]:
+        """Each flat group's state kinds to save (`<kind>.<group>`, laid out as the master; the master is the store's)."""
+        return {flat_name(kind, g): self.store.home.state(g, kind)
+                for g in range(len(self.groups)) for kind in self.store.home.kinds(g) if kind != MASTER}
+
+    def owned_tensors(self) -> dict[str, torch.Tensor]:
+        """Each owned parameter's state tensors to save (`owned.<name>.<key>`, whole, on the host)."""
+        out: dict[str, torch.Tensor] = {}
+        if self.owner is None:
+            return out
+        for param in self.owner.owned:
+            for key, value in self.owner.state_of(param).items():
+                if isinstance(value, torch.Tensor):
+                    out[f"owned.{param.name}.{key}"] = value.detach().to("cpu").contiguous()
+        return out
+
+    def describe(self, gather: Callable[[Any], list[Any]]) -> dict[str, Any]:
+        """The manifest's account of the optimizer state (JSON); `gather` collects a value from every rank (a
+        collective: every rank calls this)."""
+        mine = {} if self.owner is None else {p.name: owned_to_json(self.owner.state_of(p)) for p in self.owner.owned}
+        shards = gather(mine)[:self.store.shard_world]  # stage 0: every rank owns everything; rank 0's file is saved
+        owned = {name: {"rank": rank, "state": state} for rank, states in enumerate(shards) for name, state in states.items()}
+        groups = [{"class": type(g.optimizer).__name__, "way": g.way.value, "kinds": list(g.kinds),
+                   "scalars": scalars_to_json(self.group_scalars(i))} for i, g in enumerate(self.groups)]
+        return {"groups": groups, "owned": owned}
+
+    def load(self, saved: SavedState) -> None:
+        """Restore every group's state from a checkpoint (any world size, stage or way it was saved at)."""
+        for g, group in enumerate(self.groups):
+            if group.way is not Way.OWNER:
+                self._load_flat(g, saved)
+        if self.owner is not None:
+            for param in self.owner.owned:
+                self.owner.set_state(param, saved.whole(param.name, param.shape))
+
+    def _load_flat(self, g: int, saved: SavedState) -> None:
+        scalars = saved.scalars(g)
+        if g in self.fused:
+            self.fused[g].steps = int(float(scalars["step"])) if scalars else 0
+        else:
+            self.elementwise[g].scalars = scalars
+        for kind in self.store.home.kinds(g)[1:]:
+            values = torch.zeros(self.store.group_numels[g], dtype=torch.float32)  # padding stays zero
+            for unit in units_of(self.store.units, g):
+                for piece in unit.layout.shard_pieces(self.store.shard_rank):
+                    name = self.names[unit.params[piece.index]]
+                    got = saved.read(name, kind, piece.param_start, piece.param_start + piece.numel)
+                    if got is not None:
+                        at = unit.state_offset + piece.shard_start
+                        values[at:at + piece.numel] = got
+            self.store.home.write(g, kind, values)
+
+    def _place_carried(self, comm: Collectives) -> None:
+        """The state the script's optimizers held when handed over (take_over.py): flat kinds laid out like the
+        master (rank 0's values, as for the parameters), owned parameters' state kept by their owner."""
+        for g, group in enumerate(self.groups):
+            if not group.carried:
+                continue
+            if group.way is Way.OWNER:
+                assert self.owner is not None
+                by_name = {self.names[p]: p for p in group.params}
+                for param in self.owner.owned:
+                    if param.group == g:
+                        self.owner.set_state(param, group.carried[by_name[param.name]])
+            else:
+                self._place_flat(g, group, comm)
+                if g in self.fused:
+                    self.fused[g].steps = int(float((group.scalars or {}).get("step", 0)))
+            group.carried = {}
+
+    def _place_flat(self, g: int, group: EngineGroup, comm: Collectives) -> None:
+        for unit in units_of(self.store.units, g):
+            for kind in group.kinds:
+                full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.store.device)
+                for span, param in zip(unit.layout.spans, unit.params):
+                    full[span.offset:span.end].copy_(group.carried[param][kind].reshape(-1))
+                if comm.world_size > 1:
+                    comm.broadcast(full, src=0).wait()
+                self.store.home.write(g, kind, unit.piece(full, self.store.shard_rank), start=unit.state_offset)
+
+
+def _owner_place(placement: Placement, device: torch.device) -> torch.device:
+    """Where the owner way's parameters step and their state lives: the device, or the host when offloaded."""
+    return device if placement.optimizer is Place.DEVICE else torch.device("cpu")
+
+
+def _owned_files(placement: Placement) -> OwnedFiles | None:
+    """The owner way's state files when the optimizer lives on NVMe."""
+    if placement.optimizer is not Place.NVME:
+        return None
+    from zerorun.offload_files import rank_dir
+
+    assert placement.optimizer_nvme is not None, "an optimizer on NVMe has a zero.offload_optimizer.nvme_path"
+    return OwnedFiles(rank_dir(placement.optimizer_nvme, placement.run, placement.rank))
+
