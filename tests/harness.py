@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import pytest
 
+from tests.rank_threads import run_threads as _run_threads
+from tests.rank_threads import seeded  # noqa: F401 - the rank functions' seed, for either harness
 from zerorun.bench.spawn import RankFailure
 from zerorun.bench.spawn import run_ranks as _run_ranks
 
@@ -38,8 +40,18 @@ def _forkserver() -> Any:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 240.0) -> list[Any]:
+    """`fn` on `world_size` rank processes: where a process is what is tested, or what the ranks share
+    (tests/rank_threads.py says what threads share)."""
     try:
         return _run_ranks(fn, world_size, args, timeout, context=_forkserver())
+    except RankFailure as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+def run_threads(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 240.0) -> list[Any]:
+    """`fn` on `world_size` rank threads of this process, each a gloo rank of its own (tests/rank_threads.py)."""
+    try:
+        return _run_threads(fn, world_size, args, timeout)
     except RankFailure as exc:
         pytest.fail(str(exc), pytrace=False)
 
@@ -72,7 +84,8 @@ def _join(rank: int, world: int) -> int:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # a rank thread's group exists already
+        dist.init_process_group("gloo")
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # what every engine does: torch imports dynamo here
     dist.barrier()
     return rank
@@ -80,16 +93,20 @@ def _join(rank: int, world: int) -> int:
 
 if __name__ == "__main__":
     # python -m tests.harness: seconds per 2-rank call that joins the process group and builds an optimizer, spawned
-    # ranks against the forkserver's, interleaved (the start-up cost each multi-rank test pays)
+    # ranks, the forkserver's and rank threads, interleaved (the start-up cost each multi-rank test pays)
+    import functools
     import time
 
     contexts = {"spawn": mp.get_context("spawn"), "forkserver": _forkserver()}
-    _run_ranks(_join, 2, context=contexts["forkserver"])  # starts the server, once per session
-    seconds: dict[str, list[float]] = {name: [] for name in contexts}
+    calls: dict[str, Callable[[], object]] = {name: functools.partial(_run_ranks, _join, 2, context=context)
+                                              for name, context in contexts.items()}
+    calls["threads"] = functools.partial(_run_threads, _join, 2)
+    calls["forkserver"]()  # starts the server, once per session
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(4):
-        for name, context in contexts.items():
+        for name, call in calls.items():
             started = time.perf_counter()
-            _run_ranks(_join, 2, context=context)
+            call()
             seconds[name].append(time.perf_counter() - started)
     for name, values in seconds.items():
         print(f"{name}: median {sorted(values)[len(values) // 2]:.2f} s ({', '.join(f'{v:.2f}' for v in values)})")
