@@ -10,8 +10,9 @@ the others' over loopback TCP, as processes join), so a rank thread takes the ve
 wire.py's gloo routes, the pairwise point-to-point collectives, the hierarchy's subgroups (`dist.new_group`) and
 the shared-memory segment (a /dev/shm file each rank maps; its meeting is a futex, which a thread waits on as a
 process does). torch keeps the default process group and its group registry per process; for thread ranks torch's
-own tests (`MultiThreadedTestCase`) make both per thread: `ThreadLocalWorld` and c10d's thread isolation mode,
-taken here as they are.
+own tests (`MultiThreadedTestCase`) make both per thread (`ThreadLocalWorld`, c10d's thread isolation mode). Here
+they are per rank (`RankWorlds`): the threads a rank starts are in its world, as a process's threads are in the
+process's (the shared-memory, hierarchy and codec workers issue collectives on the rank's groups).
 
 What the threads share, so a test that depends on it stays a process test (`run_ranks`):
 - torch's global random generator. `torch.manual_seed` in a rank thread raises unless inside `seeded(seed)`, which
@@ -60,25 +61,68 @@ def _guarded_seed(seed: int) -> Any:
     return _seed(seed)
 
 
+class RankWorlds:
+    """c10d's world (its default group and group registry) per rank, as torch's `ThreadLocalWorld` keeps it per
+    thread, with one difference: a thread a rank starts (its shared-memory, hierarchy and codec workers, which issue
+    collectives for it) is in that rank's world, as a process's threads are in the process's. `start_thread`
+    stands in for `threading.Thread.start` while rank threads run, to note who started each thread."""
+
+    def __init__(self) -> None:
+        from torch.testing._internal.distributed.multi_threaded_pg import WorldData
+
+        self._local = threading.local()
+        self._new = lambda: WorldData(None, {}, {}, {}, {}, 0, {}, {}, {}, [])
+
+    def enter_rank(self) -> None:
+        self._local.world = self._new()
+
+    def mine(self) -> Any:
+        """This thread's rank's world: its own, or its starter's."""
+        world = getattr(self._local, "world", None)
+        if world is None:
+            world = getattr(threading.current_thread(), "_rank_world", None)
+        if world is None:
+            world = self._local.world = self._new()  # a thread of no rank: a world with no group, as c10d's at start
+        return world
+
+    def start_thread(self, start: Callable[[threading.Thread], None]) -> Callable[[threading.Thread], None]:
+        def started_by_a_rank(thread: threading.Thread) -> None:
+            thread._rank_world = self.mine()  # type: ignore[attr-defined]
+            start(thread)
+        return started_by_a_rank
+
+    def __getattr__(self, name: str) -> Any:  # the attributes c10d reads of its `_world`
+        return getattr(self.mine(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.mine(), name, value)
+
+
 @contextlib.contextmanager
-def _thread_world(world_size: int) -> Iterator[None]:
-    """While rank threads run: c10d's world and group registry per thread, one intra-op thread (as each rank
+def _thread_world(world_size: int) -> Iterator[RankWorlds]:
+    """While rank threads run: c10d's world and group registry per rank thread, one intra-op thread (as each rank
     process has), the global generator guarded, and the environment every rank shares."""
     import torch.distributed.distributed_c10d as c10d
-    from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
 
     saved_world, saved_threads = c10d._world, torch.get_num_threads()
     saved_env = {key: os.environ.get(key) for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    c10d._world = ThreadLocalWorld()
+    worlds = RankWorlds()
+    c10d._world = worlds
+    start = threading.Thread.start
+    threading.Thread.start = worlds.start_thread(start)  # type: ignore[method-assign]
     torch.set_num_threads(1)
     torch.manual_seed = torch.random.manual_seed = _guarded_seed  # type: ignore[assignment]
     try:
-        yield
+        yield worlds
     finally:
         torch.manual_seed = torch.random.manual_seed = _seed  # type: ignore[assignment]
+        threading.Thread.start = start  # type: ignore[method-assign]
         torch.set_num_threads(saved_threads)
         c10d._world = saved_world
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
@@ -87,6 +131,20 @@ def _thread_world(world_size: int) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _segments_released() -> Iterator[None]:
+    """The shared-memory segments the run's groups made are let go after it: the runtime keeps one per process
+    group for the life of the process (comm/shm_collectives.py), and a rank thread's groups end with the call."""
+    from zerorun.runtime.comm import shm_collectives
+
+    before = set(shm_collectives._SHM)
+    try:
+        yield
+    finally:
+        for group in set(shm_collectives._SHM) - before:
+            del shm_collectives._SHM[group]
 
 
 def _settle_mine(rank: int) -> None:
@@ -99,8 +157,9 @@ def _settle_mine(rank: int) -> None:
             engine.store.settle()
 
 
-def _rank(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, store: dist.Store, timeout: float,
-          outcomes: dict[int, tuple[bool, Any, float]]) -> None:
+def _rank(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, worlds: RankWorlds, store: dist.Store,
+          timeout: float, outcomes: dict[int, tuple[bool, Any, float]]) -> None:
+    worlds.enter_rank()
     try:
         with torch.autograd.set_multithreading_enabled(False):  # backward runs its hooks on this rank's thread
             dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store,
@@ -122,9 +181,9 @@ def run_threads(fn: Callable[..., Any], world_size: int, args: tuple = (), timeo
     The first failure raises `RankFailure` with that rank's traceback; a hang raises after `timeout` with where each
     unfinished rank stands."""
     outcomes: dict[int, tuple[bool, Any, float]] = {}
-    with _thread_world(world_size):
+    with _thread_world(world_size) as worlds, _segments_released():
         store = dist.HashStore()
-        threads = [threading.Thread(target=_rank, args=(fn, r, world_size, args, store, timeout, outcomes),
+        threads = [threading.Thread(target=_rank, args=(fn, r, world_size, args, worlds, store, timeout, outcomes),
                                     name=f"rank-{r}", daemon=True) for r in range(world_size)]
         for thread in threads:
             thread.start()

@@ -66,6 +66,23 @@ def test_rank_threads_are_gloo_ranks_of_their_own_with_point_to_point_and_subgro
     assert seen == [("gloo", 0, [2.0, 2.0], [3.0]), ("gloo", 1, [0.0, 0.0], [3.0]), ("gloo", 2, [1.0, 1.0], [3.0])]
 
 
+def _from_a_thread_of_the_rank(rank: int, world: int) -> float:
+    """A worker thread the rank starts (as the codec's) issues a collective on the rank's default group."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(rank + 1)])
+    with ThreadPoolExecutor(1) as worker:
+        worker.submit(dist.all_reduce, total).result()
+    return float(total)
+
+
+def test_a_thread_a_rank_thread_starts_is_in_that_ranks_world() -> None:
+    assert run_threads(_from_a_thread_of_the_rank, 3) == [6.0, 6.0, 6.0]
+
+
 def _rank_one_fails(rank: int, world: int) -> None:
     import torch
     import torch.distributed as dist

@@ -102,7 +102,8 @@ MUTATIONS = [
         "zerorun/runtime/interop/engines.py",
         "    engines[-1].comm.end_of_script()\n    return True",
         "    return True",
-        ("tests/launch/test_torchrun_scripts.py::test_a_data_loader_that_runs_out_on_one_rank_stops_the_job_naming_it",)),
+        ("tests/launch/test_torchrun_scripts.py"
+         "::test_a_data_loader_that_runs_out_on_one_rank_stops_the_job_naming_it",)),
     Mutation(
         "hf-gather-over-nccl", "33aed2d",
         "GatheredParameters before deepspeed.initialize handed host tensors to NCCL's all-gather: two GPUs failed in "
