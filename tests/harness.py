@@ -1,8 +1,24 @@
-"""Multi-process tests: run a function on N gloo ranks (see `zerorun.bench.spawn`).
+"""Multi-rank tests: run a function on N gloo ranks, as threads of this process or as processes.
 
-    results = run_ranks(train_and_report, 3, (config,))
+    results = run_threads(train_and_report, 3, (config,))   # tests/rank_threads.py: 0.05 s a call
+    results = run_ranks(train_and_report, 3, (config,))     # rank processes: 0.45 s a call
 
-A failure on any rank fails the test with that rank's traceback; a hang is killed after `timeout`.
+A failure on any rank fails the test with that rank's traceback; a hang fails it after `timeout`.
+Threads are the default for the runtime's tests: each rank a gloo rank of its own on the same wire, the same
+collective algorithms as processes. A test takes processes where a process is what it tests, or where its ranks
+would share something a thread cannot have alone (tests/rank_threads.py lists what). The runtime's files that stay
+on processes, and why:
+- compute-bound training (threads gain little on a loaded machine and take turns under the GIL on a quiet one):
+  test_engine_parity, test_offload, test_hier_collectives, test_overlap_optimizer, test_reduce_dtype;
+- what they test is per process: test_interop (what zerorun changes in torch), test_sharded_init
+  (nn.Module.register_parameter replaced), test_compile (dynamo, not thread safe, and its counters),
+  test_cuda_standin (torch.cuda and torch.distributed stood in for), test_host_allocator and test_block_cache
+  (glibc's heap), test_architecture (the files a process enters), test_publish_overlap (the worker's
+  destroy_process_group, the engines' settle);
+- they change the process for their ranks: test_compression (the link's measurement, the zerorun logger),
+  test_stage3_plan (caught warnings), test_desync (a fresh shared-memory segment per case);
+- saves in flight are kept per process (checkpoint/background.py): test_checkpoint*, test_resume_check.
+Single cases elsewhere say why where they stay on processes.
 
 Each rank is a new process forked from a server that imported, once for the whole session, what every rank
 imports (`forkserver` with `PRELOAD`), rather than a fresh interpreter importing it again: torch itself, and
