@@ -5,11 +5,14 @@ a process of its own."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import pytest
 
-from tests.harness import run_ranks
+from tests.harness import run_ranks, run_threads, seeded
+from tests.rank_threads import run_threads as run_rank_threads
+from zerorun.bench.spawn import RankFailure
 
 
 def _what_a_rank_sees(rank: int, world: int) -> tuple[str | None, str, str, int]:
@@ -38,3 +41,80 @@ def test_what_a_rank_prints_reaches_the_callers_stdout_of_the_moment(capfd: pyte
     run_ranks(_say, 2)  # (a forked rank would write to the server's stdout, captured by an earlier test)
     out = capfd.readouterr().out
     assert "rank 0 says hello" in out and "rank 1 says hello" in out
+
+
+# -- ranks as threads ---------------------------------------------------------------------------------------------
+def _pairwise_and_a_subgroup(rank: int, world: int) -> tuple[str, int, list[float], list[float]]:
+    """What the runtime's collectives need of a rank: its own gloo group, point to point and subgroups."""
+    import torch
+    import torch.distributed as dist
+
+    right, left = (rank + 1) % world, (rank - 1) % world
+    received = torch.zeros(2)
+    works = [dist.isend(torch.full((2,), float(rank)), right), dist.irecv(received, left)]
+    for work in works:
+        work.wait()
+    pair = dist.new_group([0, 1])
+    total = torch.tensor([float(rank + 1)])
+    if rank in (0, 1):
+        dist.all_reduce(total, group=pair)
+    return dist.get_backend(), dist.get_rank(), received.tolist(), total.tolist()
+
+
+def test_rank_threads_are_gloo_ranks_of_their_own_with_point_to_point_and_subgroups() -> None:
+    seen = run_threads(_pairwise_and_a_subgroup, 3)
+    assert seen == [("gloo", 0, [2.0, 2.0], [3.0]), ("gloo", 1, [0.0, 0.0], [3.0]), ("gloo", 2, [1.0, 1.0], [3.0])]
+
+
+def _from_a_thread_of_the_rank(rank: int, world: int) -> float:
+    """A worker thread the rank starts (as the codec's) issues a collective on the rank's default group."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(rank + 1)])
+    with ThreadPoolExecutor(1) as worker:
+        worker.submit(dist.all_reduce, total).result()
+    return float(total)
+
+
+def test_a_thread_a_rank_thread_starts_is_in_that_ranks_world() -> None:
+    assert run_threads(_from_a_thread_of_the_rank, 3) == [6.0, 6.0, 6.0]
+
+
+def _rank_one_fails(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("rank 1's own mistake")
+    dist.all_reduce(torch.ones(1))  # waits for rank 1, whose group goes away
+
+
+def test_a_failing_rank_thread_fails_the_call_at_once_with_its_traceback() -> None:
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match=r"(?s)rank 1 failed:.*ValueError: rank 1's own mistake"):
+        run_rank_threads(_rank_one_fails, 2, timeout=120)
+    assert time.monotonic() - started < 30
+
+
+def _seeds_alone(rank: int, world: int) -> list[float]:
+    import torch
+
+    with seeded(7):
+        drawn = torch.randn(3).tolist()
+    with pytest.raises(AssertionError, match="seeded"):
+        torch.manual_seed(7)
+    return drawn
+
+
+def test_rank_threads_seed_one_at_a_time_and_leave_the_process_as_it_was() -> None:
+    import torch
+    import torch.distributed as dist
+
+    threads, seed, world = torch.get_num_threads(), torch.manual_seed, dist.distributed_c10d._world
+    first, second = run_threads(_seeds_alone, 2)
+    assert first == second  # each rank drew its own seed's numbers, none of the other's
+    assert (torch.get_num_threads(), torch.manual_seed, dist.distributed_c10d._world) == (threads, seed, world)
+    assert not dist.is_initialized()

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from zerorun import ops
 from zerorun.bench import gpu, gpu_kernel
+from zerorun.cli import app
 
 SMALL = 70_000  # the cases up to 65539 elements: a second on a CPU
 
@@ -44,9 +46,8 @@ def test_without_cuda_every_step_after_the_environment_skips_and_the_exit_code_i
 
 
 def test_unknown_step_is_refused() -> None:
-    result = subprocess.run([sys.executable, "-m", "zerorun.cli", "bench", "gpu", "--steps", "numerix"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "--steps: unknown numerix" in result.stderr
+    result = CliRunner().invoke(app, ["bench", "gpu", "--steps", "numerix"])
+    assert result.exit_code == 2 and "--steps: unknown numerix" in result.stderr, result.output
 
 
 def _cpu_kernel() -> None:

@@ -151,7 +151,7 @@ def _measure(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_estimate_matches_engine_model_states_within_5_percent(world: int) -> None:
     shape = planner.shape_of(_model(), [], 100_000, 0.25)
     for rank, measured in enumerate(run_ranks(_measure, world)):

@@ -53,6 +53,7 @@ def test_workers_whose_floor_cannot_fit_the_available_memory_are_refused_even_wh
     capacity.check(_nodes(Node("localhost", tuple(range(16)))), small, False, "fits")
 
 
+@pytest.mark.slow  # starts an interpreter that imports torch
 def test_the_worker_floor_is_below_what_a_fresh_interpreter_with_torch_holds_of_its_own() -> None:
     probe = ("import psutil, torch, zerorun.runtime.engine; print(psutil.Process().memory_full_info().uss)")
     uss = int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,

@@ -73,8 +73,8 @@ def stopped(job, within_s: float = 60.0) -> str:
     return stderr
 
 
-@pytest.mark.parametrize("stage", [3, pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow),
-                                   pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the development tier keeps one launch of the script: nccl refused on CPU workers
+@pytest.mark.parametrize("stage", [3, 0, 1, 2])
 def test_a_torchrun_script_that_joins_the_group_itself_trains_under_zerorun_as_under_torchrun(launch, tmp_path, stage):
     args = ["--wrap", "zerorun", "--eval", "all", "--save", "all"]
     job = finished(launch(SCRIPT, args, **keys(stage)))
@@ -103,9 +103,10 @@ def test_a_script_that_never_joins_the_group_still_runs(launch):
     finished(launch(SCRIPT, ["--wrap", "zerorun", "--backend", "none"], **keys(2)))
 
 
+@pytest.mark.slow  # tests/runtime/test_desync.py names the same places in process, in the development tier
 @pytest.mark.parametrize("habit,place", [
     (["--eval", "master"], "a forward outside a training step (no_grad, not in engine.backward)"),
-    pytest.param(["--save", "master", "--eval", "none"], "a state dict", marks=pytest.mark.slow),
+    (["--save", "master", "--eval", "none"], "a state dict"),
 ])
 def test_master_only_evaluation_or_saving_at_stage_3_stops_the_job_naming_both_places(launch, habit, place):
     stderr = stopped(launch(SCRIPT, ["--wrap", "zerorun", *habit], **keys(3)))

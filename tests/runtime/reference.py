@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests.rank_threads import seeded
+
 VOCAB, DIM, HIDDEN, SEQ, BATCH = 37, 13, 29, 9, 3
 
 
@@ -47,8 +49,8 @@ class OddNet(nn.Module):
 
 
 def make_model(seed: int = 0, plain: bool = False) -> OddNet:
-    torch.manual_seed(seed)
-    return OddNet(plain)
+    with seeded(seed):
+        return OddNet(plain)
 
 
 def batch(seed: int, rank: int, micro_step: int, size: int = BATCH) -> torch.Tensor:
@@ -83,9 +85,9 @@ def tied_gpt(seed: int = 0, checkpoint: str = "none") -> nn.Module:
     """A small GPT with a tied embedding/output matrix and optional activation checkpointing."""
     from zerorun.bench.gpt import GPT, GPTConfig
 
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(layers=3, d_model=24, heads=2, vocab=VOCAB, seq_len=SEQ - 1, tie_weights=True,
-                         checkpoint=checkpoint))
+    with seeded(seed):
+        return GPT(GPTConfig(layers=3, d_model=24, heads=2, vocab=VOCAB, seq_len=SEQ - 1, tie_weights=True,
+                             checkpoint=checkpoint))
 
 
 COMPILE_MODES = ("none", "whole", "block")

@@ -8,18 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from tests.harness import run_ranks, run_threads
+from zerorun.runtime.comm import shm_collectives
 
 PIECE = 5  # elements per rank: odd, so nothing lines up by accident
 
 
 def _exercise(rank: int, world: int, cpu: str = "gloo") -> dict:
-    from zerorun.runtime.comm import shm_collectives
     from zerorun.runtime.comm.collectives import Collectives, Pending
     from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
-    shm_collectives.SLOT_BYTES = 24  # 6 fp32 per slot: a 5-element piece takes 2 or 3 chunks
     comm = Collectives(cpu=cpu)
     assert comm.transport == ("shared memory" if cpu == "shm" and world > 1 else "gloo"), comm.transport
     # every rank contributes (rank + 1) * (1, 2, 3, ...): sums are known in closed form
@@ -56,8 +55,9 @@ def _exercise(rank: int, world: int, cpu: str = "gloo") -> dict:
 
 @pytest.mark.parametrize("cpu", ["gloo", "shm"])
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_collectives_give_the_sums_and_pieces_they_promise(world: int, cpu: str) -> None:
-    for rank, out in enumerate(run_ranks(_exercise, world, (cpu,))):
+def test_collectives_give_the_sums_and_pieces_they_promise(world: int, cpu: str, monkeypatch) -> None:
+    monkeypatch.setattr(shm_collectives, "SLOT_BYTES", 24)  # 6 fp32 per slot: a 5-element piece takes 2 or 3 chunks
+    for rank, out in enumerate(run_threads(_exercise, world, (cpu,))):
         stats = out.pop("stats")
         assert all(out.values()), (rank, out)
         nbytes = world * PIECE * 4
@@ -68,12 +68,10 @@ def test_collectives_give_the_sums_and_pieces_they_promise(world: int, cpu: str)
 def _both_transports(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from zerorun.runtime.comm import shm_collectives
     from zerorun.runtime.comm.collectives import Collectives
     from zerorun.runtime.comm.dist import init_distributed
 
     init_distributed()
-    shm_collectives.SLOT_BYTES = 4096  # a 3001-element piece crosses several chunks in every dtype
     gloo, shm = Collectives(cpu="gloo"), Collectives(cpu="shm")
     gen = torch.Generator().manual_seed(rank)
     out = {}
@@ -97,8 +95,9 @@ def _both_transports(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_shared_memory_gives_gloos_bits_with_two_ranks_and_one_answer_on_every_rank(world: int) -> None:
-    results = run_ranks(_both_transports, world)
+def test_shared_memory_gives_gloos_bits_with_two_ranks_and_one_answer_on_every_rank(world: int, monkeypatch) -> None:
+    monkeypatch.setattr(shm_collectives, "SLOT_BYTES", 4096)  # a 3001-element piece: several chunks in every dtype
+    results = run_threads(_both_transports, world)
     for key in results[0]:
         for rank_result in results[1:]:  # every rank holds the same bits (replicas must not drift)
             if "reduce_scatter" not in key[1]:
@@ -132,6 +131,7 @@ def _without_shm(rank: int, world: int, setting: str) -> str:
 
 
 def test_without_shared_memory_auto_falls_back_to_gloo_and_shm_refuses_naming_why() -> None:
+    # rank processes: each takes /dev/shm away from its whole process
     assert run_ranks(_without_shm, 2, ("auto",)) == ["gloo", "gloo"]
     for answer in run_ranks(_without_shm, 2, ("shm",)):
         assert answer.startswith("refused: zero.cpu_collectives: shm is not possible here: rank 0: cannot reserve"), answer
@@ -146,9 +146,8 @@ def _one_rank_stays_away(rank: int, world: int) -> str:
 
     init_distributed()
     comm = Collectives(cpu="shm", timeout_s=2.0)
-    if rank == 1:
-        time.sleep(6)  # alive but elsewhere: the timeout, not the exit check, must end rank 0's wait
-        return "stayed away"
+    if rank == 1:  # alive but elsewhere (a rank thread: its process lives on, so the exit check cannot end rank
+        return "stayed away"  # 0's wait; the timeout must)
     first, queued = comm.all_reduce(torch.ones(10)), comm.all_reduce(torch.ones(10))
     answers = []
     for handle in (first, queued):
@@ -162,7 +161,7 @@ def _one_rank_stays_away(rank: int, world: int) -> str:
 
 
 def test_a_rank_that_never_arrives_is_an_error_naming_it_after_the_timeout_not_a_hang() -> None:
-    first, queued = run_ranks(_one_rank_stays_away, 2)[0].split("\n")
+    first, queued = run_threads(_one_rank_stays_away, 2)[0].split("\n")
     assert first.startswith("shared-memory collective: rank 1 did not arrive within 2 s"), first
     # the one queued behind it fails at once (it waited out another timeout before), naming the first failure
     assert queued.startswith("shared-memory collective not run: an earlier one failed (shared-memory collective: "

@@ -206,6 +206,7 @@ def _compile_after_initialize(rank: int, world: int) -> str:
     return "ran"
 
 
+@pytest.mark.slow  # the development tier keeps the refusals made at initialize
 def test_a_model_compiled_after_initialize_is_refused_at_its_first_forward() -> None:
     """Before a backward could crash: zerorun marks its hooks at initialize, and dynamo was not loaded then."""
     said = run_ranks(_compile_after_initialize, 2)
@@ -273,7 +274,7 @@ def _resume_across_compile(rank: int, world: int, directory: str, stage: int) ->
     return sorted(state), same, resumed.global_step
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_checkpoint_resumes_whether_the_script_compiles_or_not(tmp_path, stage: int) -> None:
     """Names are the model's own, compiled or not: torch.compile(model) would put `_orig_mod.` before each."""
     names, same, step = run_ranks(_resume_across_compile, 2, (str(tmp_path), stage))[0]

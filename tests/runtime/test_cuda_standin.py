@@ -66,23 +66,36 @@ def _train(rank: int, overrides: list[str]) -> tuple[list[float], dict[str, torc
     return run.losses, {name: p.cpu().as_subclass(torch.Tensor) for name, p in run.params.items()}, devices
 
 
-def _both(rank: int, world: int, backend: str, cases: dict[str, list[str]], per_node: int | None) -> dict:
-    """Each case on plain CPU, then on the pretended GPU: {case: (loss, parameter differences, devices believed)},
-    and under "calls" the (torch.distributed call, device) pairs the pretended runs made."""
+def _both(rank: int, world: int, backends: tuple[str, ...], cases: dict[str, list[str]],
+          per_node: int | None) -> dict[str, dict]:
+    """Each case on plain CPU, then on the pretended GPU over each backend: per backend, {case: (loss, parameter
+    differences, devices believed)}, and under "calls" the (torch.distributed call, device) pairs its runs made."""
     from tests.runtime.cuda_standin import pretend_cuda
 
     if per_node:
         os.environ.update(LOCAL_WORLD_SIZE=str(per_node), LOCAL_RANK=str(rank % per_node))
-    out: dict = {}  # the first CPU run starts the process group (gloo); pretend_cuda then reports `backend`
-    calls: set[tuple[str, str]] = set()
-    for name, overrides in cases.items():
-        cpu = _train(rank, overrides)
-        with pretend_cuda(backend) as seen:
-            gpu = _train(rank, overrides)
-        calls |= seen
-        out[name] = (*_differences(cpu, gpu), gpu[2])
-    out["calls"] = calls
+    out: dict[str, dict] = {backend: {"calls": set()} for backend in backends}
+    for name, overrides in cases.items():  # the first CPU run starts the process group (gloo); pretend_cuda then
+        cpu = _train(rank, overrides)      # reports each backend
+        for backend in backends:
+            with pretend_cuda(backend) as seen:
+                gpu = _train(rank, overrides)
+            out[backend]["calls"] |= seen
+            out[backend][name] = (*_differences(cpu, gpu), gpu[2])
     return out
+
+
+_RUNS: dict[tuple[int, str], list[dict]] = {}  # (world, cases) -> every rank's results, for both backends' tests
+
+
+def _runs(world: int, cases: str, backend: str) -> list[dict]:
+    """The ranks' results of `cases` (FLAT with ZERO_PLUS_PLUS, or NODES) over `backend`: both backends in one call
+    of the ranks, each case's CPU run shared by the gloo and the NCCL test."""
+    key = (world, cases)
+    if key not in _RUNS:
+        matrix, per_node = ({**FLAT, **ZERO_PLUS_PLUS}, None) if cases == "flat" else (NODES, 2)
+        _RUNS[key] = run_ranks(_both, world, (("gloo", "nccl"), matrix, per_node), timeout=900)
+    return [dict(result[backend]) for result in _RUNS[key]]
 
 
 def _differences(cpu: tuple, gpu: tuple) -> tuple[float, float]:
@@ -110,7 +123,7 @@ def _check(results: list[dict], backend: str) -> set[tuple[str, str]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_stage_on_gpus_sharing_gloo_matches_the_cpu_bit_for_bit(world: int) -> None:
-    calls = _check(run_ranks(_both, world, ("gloo", {**FLAT, **ZERO_PLUS_PLUS}, None), timeout=600), "gloo")
+    calls = _check(_runs(world, "flat", "gloo"), "gloo")
     assert ("isend", "cpu") in calls and ("irecv", "cpu") in calls, calls  # the pairwise wire ran, on host copies
     assert not {call for call in calls if call[1] == "cuda"} - {("all_reduce", "cuda"), ("broadcast", "cuda")}, calls
 
@@ -118,20 +131,20 @@ def test_every_stage_on_gpus_sharing_gloo_matches_the_cpu_bit_for_bit(world: int
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.slow
 def test_every_stage_on_nccl_matches_the_cpu(world: int) -> None:
-    calls = _check(run_ranks(_both, world, ("nccl", {**FLAT, **ZERO_PLUS_PLUS}, None), timeout=600), "nccl")
+    calls = _check(_runs(world, "flat", "nccl"), "nccl")
     assert {("reduce_scatter_tensor", "cuda"), ("all_gather_into_tensor", "cuda"), ("all_reduce", "cuda"),
             ("all_to_all_single", "cuda")} <= calls  # the last: qgZ's exchange
 
 
 @pytest.mark.slow
 def test_two_levels_and_hpz_on_gpus_sharing_gloo_match_the_cpu() -> None:
-    calls = _check(run_ranks(_both, 4, ("gloo", NODES, 2), timeout=600), "gloo")
+    calls = _check(_runs(4, "nodes", "gloo"), "gloo")
     assert ("isend", "cpu") in calls, calls  # the cross-node level's pairwise wire, on host copies
 
 
 @pytest.mark.slow
 def test_two_levels_hpz_and_zero_plus_plus_on_nccl_match_the_cpu() -> None:
-    calls = _check(run_ranks(_both, 4, ("nccl", NODES, 2), timeout=600), "nccl")
+    calls = _check(_runs(4, "nodes", "nccl"), "nccl")
     assert ("all_to_all_single", "cuda") in calls  # the cross-node level's int8 exchange
 
 
@@ -140,8 +153,9 @@ def test_a_gpu_step_over_either_wire_takes_only_what_its_backend_carries() -> No
     with qgZ + qwZ, each on 2 ranks believing they hold CUDA tensors, over gloo and over NCCL."""
     cases = {"stage 2, gloo's own wire": FLAT["stage 2, gloo's own wire (no shared memory)"],
              "stage 3, qgZ + qwZ": ZERO_PLUS_PLUS["stage 3, qgZ + qwZ"]}
+    results = run_ranks(_both, 2, (("gloo", "nccl"), cases, None), timeout=600)
     for backend in ("gloo", "nccl"):
-        _check(run_ranks(_both, 2, (backend, cases, None), timeout=600), backend)
+        _check([result[backend] for result in results], backend)
 
 
 def _refusals(rank: int, world: int, backend: str) -> str:

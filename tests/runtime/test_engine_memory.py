@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import run_ranks
+from tests.harness import run_threads, seeded
 
 # bytes per parameter of model states (params + grads + master + moments) on N ranks.
 # fp32: the parameters are the master weights. bf16: 2-byte parameters, gradients accumulated in
@@ -22,8 +22,8 @@ FORMULAS = {
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(301, 517), nn.GELU(), nn.Linear(517, 299), nn.LayerNorm(299), nn.Linear(299, 7))
+    with seeded(0):
+        return nn.Sequential(nn.Linear(301, 517), nn.GELU(), nn.Linear(517, 299), nn.LayerNorm(299), nn.Linear(299, 7))
 
 
 def _measure(rank: int, world: int) -> dict:
@@ -49,7 +49,7 @@ def _measure(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: CI, not the development tier
 def test_model_state_bytes_match_zero_formulas(world: int) -> None:
-    results = run_ranks(_measure, world)
+    results = run_threads(_measure, world)
     for rank, measured in enumerate(results):
         for key, (nbytes, params, detail) in measured.items():
             expected = FORMULAS[key](world) * params
@@ -59,9 +59,9 @@ def test_model_state_bytes_match_zero_formulas(world: int) -> None:
 
 def _layered_model() -> nn.Module:
     """Like a transformer's stack: many units of nearly (not exactly) equal size, cut at parameter boundaries."""
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(64, 61 + i % 5) if i % 2 == 0 else nn.Linear(61 + (i - 1) % 5, 64)
-                           for i in range(16)])
+    with seeded(0):
+        return nn.Sequential(*[nn.Linear(64, 61 + i % 5) if i % 2 == 0 else nn.Linear(61 + (i - 1) % 5, 64)
+                               for i in range(16)])
 
 
 def _working_buffers(rank: int, world: int, collectives: str) -> dict:
@@ -95,7 +95,7 @@ def test_working_buffers_are_sized_to_the_job(collectives: str) -> None:
     buffer kept per distinct unit size), and a 256 MiB ring (4 x the default buffer_mb) for KiB-sized pieces.
     The bound holds whatever order transfers finish in (gloo's on its own threads, shm's on a worker thread): CI
     once measured 50,560 B here when small buffers were kept beside new large ones."""
-    for name, (pool, pool_bound, ring, piece, units) in run_ranks(_working_buffers, 2, (collectives,))[0].items():
+    for name, (pool, pool_bound, ring, piece, units) in run_threads(_working_buffers, 2, (collectives,))[0].items():
         assert units >= 8, (name, units)  # the model makes many units, or the pool bound proves nothing
         assert pool <= pool_bound, f"{name}: reduce staging {pool} B > {pool_bound} B (in-flight units x largest)"
         assert ring <= 2 * 2 * piece, f"{name}: offload ring {ring} B for pieces of at most {piece} B"

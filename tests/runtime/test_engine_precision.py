@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from tests.harness import run_threads
 from tests.runtime.reference import MISTAKES, OPT, Run, ddp_reference, engine_run
 
 STEPS = 12
@@ -111,7 +111,7 @@ def _compare_low_precision(rank: int, world: int) -> list[str]:
 @pytest.mark.slow
 def test_bf16_and_fp16_match_same_precision_reference_at_every_stage_on_2_and_3_ranks() -> None:
     for world in (2, 3):  # 2 references and 8 engine runs per rank: a limit with room for a loaded host
-        problems = [p for r in run_ranks(_compare_low_precision, world, timeout=900) for p in r]
+        problems = [p for r in run_threads(_compare_low_precision, world, timeout=900) for p in r]
         assert not problems, "\n".join(problems)
 
 
@@ -130,7 +130,7 @@ def _compare_with_mistakes(rank: int, world: int) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_the_bounds_catch_a_dropped_world_division_a_missed_unscale_and_a_skipped_step() -> None:
     # The comparison is symmetric, so a reference with the mistake stands for an engine with it.
-    found = run_ranks(_compare_with_mistakes, 2, timeout=600)[0]
+    found = run_threads(_compare_with_mistakes, 2, timeout=600)[0]
     assert found.pop("None") == [], "the correct reference must pass"
     for mistake, problems in found.items():
         assert problems, f"a reference with {mistake} passed the fp16 bounds: they are too loose"
@@ -148,7 +148,7 @@ def _overflow(rank: int, world: int, poisoned: tuple[int, ...]) -> dict:
 
 def test_fp16_overflow_on_one_rank_skips_exactly_that_step_on_every_rank() -> None:
     # micro-steps 3 and 10 belong to optimizer steps 1 and 5 (2 micro-steps each); rank 0 only
-    results = run_ranks(_overflow, 3, ((3, 10),))
+    results = run_threads(_overflow, 3, ((3, 10),))
     for r in results:
         assert r["skipped"] == 2, results
         assert r["unchanged_steps"] == [1, 5], results
@@ -175,7 +175,7 @@ def _state_dicts(rank: int, world: int) -> dict[int, dict[str, tuple[str, float]
 def test_state_dict_holds_fp32_master_weights_at_every_stage() -> None:
     """In bf16, engine.state_dict() returned the bf16 compute copies at stages 0-2 and the fp32 master at stage 3;
     now every stage returns the fp32 master, the same values on the same training."""
-    by_stage = run_ranks(_state_dicts, 2)[0]
+    by_stage = run_threads(_state_dicts, 2)[0]
     assert by_stage[3]["embed.weight"][0] == "torch.float32" and by_stage[3]["frozen"][0] == "torch.bfloat16"
     for stage, state in by_stage.items():  # frozen parameters and buffers stay as the module holds them
         assert {k: dtype for k, (dtype, _) in state.items()} == {k: d for k, (d, _) in by_stage[3].items()}, stage

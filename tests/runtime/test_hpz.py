@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from tests.harness import run_threads
 
 STAGE3 = ["zero.stage=3", "train.grad_accum_steps=2"]
 
@@ -33,7 +33,7 @@ def _runs(rank: int, world: int, hpz: int, cpu: str, extra: tuple[str, ...] = ()
     pytest.param(2, 2, "gloo", ("zero.quantized_weights=true",), marks=pytest.mark.slow)])
 def test_hpz_is_bit_identical_to_stage_3_and_gathers_within_the_node(world: int, hpz: int, cpu: str,
                                                                      extra: tuple[str, ...]) -> None:
-    for rank, out in enumerate(run_ranks(_runs, world, (hpz, cpu, extra))):
+    for rank, out in enumerate(run_threads(_runs, world, (hpz, cpu, extra))):
         plain, secondary = out["losses"]
         assert plain == secondary, f"rank {rank}: losses differ"
         assert out["params"], f"rank {rank}: final parameters differ"
@@ -60,7 +60,7 @@ def _refused(rank: int, world: int) -> str:
 
 
 def test_a_partition_size_that_does_not_divide_the_world_is_refused_naming_the_key() -> None:
-    for message in run_ranks(_refused, 3):
+    for message in run_threads(_refused, 3):
         assert message.startswith("zero.hpz_partition_size: 2 does not divide the world size 3"), message
 
 

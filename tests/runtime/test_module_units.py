@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from tests.harness import run_threads, seeded
 from tests.runtime.reference import OPT, VOCAB, ddp_reference, engine_run, tied_gpt
 from zerorun.runtime.stage3.module_units import plan_stage3
 from zerorun.runtime.stage3.unit_group import UnitKind, UnitState
@@ -87,7 +87,7 @@ def _transitions(rank: int, world: int) -> dict:
 
 
 def test_transitions_assert_their_starting_state_and_the_helpers_forgive() -> None:
-    out = run_ranks(_transitions, 2)[0]
+    out = run_threads(_transitions, 2)[0]
     refused = out.pop("refused")
     assert all(out.values()), out
     assert refused == ["stage 3 unit blocks.0: expected gathering, but it is released",
@@ -112,8 +112,8 @@ class _EncoderModel(torch.nn.Module):
 
 
 def _encoder_model(seed: int) -> _EncoderModel:
-    torch.manual_seed(seed)
-    return _EncoderModel()
+    with seeded(seed):
+        return _EncoderModel()
 
 
 def test_automatic_units_descend_into_a_transformer_encoder_to_its_layers() -> None:
@@ -153,5 +153,5 @@ def _encoder_parity(rank: int, world: int) -> list[str]:
 
 @pytest.mark.slow
 def test_stage3_with_automatic_units_in_a_transformer_encoder_trains_as_ddp() -> None:
-    problems = [p for rank_problems in run_ranks(_encoder_parity, 3) for p in rank_problems]
+    problems = [p for rank_problems in run_threads(_encoder_parity, 3) for p in rank_problems]
     assert not problems, problems

@@ -142,6 +142,28 @@ def test_a_second_store_reopens_nothing_stale(aio: AioSettings, direct_io_dir: P
         assert not root.exists()
 
 
+def test_a_store_at_the_path_of_one_not_yet_collected_keeps_its_own_file(direct_io_dir: Path) -> None:
+    """Engine after engine at one path (a test, a restart in one process): the earlier store, not yet collected,
+    keeps its data, and its cleanup removes its own file only, never the later store's (one truncated and shared
+    file lost a checkpoint test's files to the previous engine's garbage collection)."""
+    aio = AioSettings(backend="python")
+    root = direct_io_dir / "rank-0"
+    earlier = _store(root, aio, 1000, tile_numel=100, names=("a",))
+    earlier.write("a", torch.ones(1000))
+    later = _store(root, aio, 1000, tile_numel=100, names=("a",))
+    later.write("a", torch.full((1000,), 2.0))
+    seen = torch.zeros(1000)
+    earlier.read("a", seen)
+    assert torch.equal(seen, torch.ones(1000))
+    del earlier
+    gc.collect()
+    assert (root / "a.bin").is_file()
+    later.read("a", seen)
+    assert torch.equal(seen, torch.full((1000,), 2.0))
+    later.close()
+    assert not root.exists()
+
+
 def test_dropping_the_last_reference_removes_the_files(aio: AioSettings, direct_io_dir: Path) -> None:
     root = direct_io_dir / "dropped"
     store = _store(root, aio, 1000, tile_numel=100)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from tests.harness import run_ranks, run_threads
 from zerorun.runtime.comm.quantize import BLOCK, Quantized, dequantize_add, quantize
 
 
@@ -44,7 +44,7 @@ def _reduce_scatter(rank: int, world: int) -> tuple[list[float], list[float], fl
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_quantized_reduce_scatter_is_within_half_a_step_per_peer_of_the_exact_one(world):
-    for exact, quantized, bound in run_ranks(_reduce_scatter, world):
+    for exact, quantized, bound in run_threads(_reduce_scatter, world):
         error = (torch.tensor(exact) - torch.tensor(quantized)).abs().max().item()
         assert 0 < error <= 2 * bound  # the peers' bounds, each from its own data (< 2x ours here)
 
@@ -75,7 +75,7 @@ def _chunked(rank: int, world: int) -> dict[str, list[list[float]]]:
 
 
 def test_the_codec_pipeline_gives_the_same_bits_in_any_number_of_chunks():
-    for results in run_ranks(_chunked, 3):
+    for results in run_ranks(_chunked, 3):  # rank processes: each sets the codec's chunk for its process
         for name, (whole, chunked) in results.items():
             assert torch.equal(torch.tensor(whole), torch.tensor(chunked)), name
 
@@ -92,7 +92,7 @@ def _losses(rank: int, world: int) -> tuple[list[float], list[float]]:
 
 
 def test_training_with_quantized_gradients_stays_within_two_percent_of_exact_losses():
-    exact, quantized = (torch.tensor(x) for x in run_ranks(_losses, 3)[0])
+    exact, quantized = (torch.tensor(x) for x in run_threads(_losses, 3)[0])
     assert not torch.equal(exact, quantized)  # the quantized path really ran
     assert ((quantized - exact).abs() / exact.abs()).max() < 0.02
 
@@ -111,7 +111,7 @@ def _gather(rank: int, world: int) -> list[float]:
 
 
 def test_a_quantized_gather_gives_every_rank_the_same_weights_close_to_each_owners():
-    runs = run_ranks(_gather, 3)
+    runs = run_threads(_gather, 3)
     gathered = [torch.tensor(x) for x, _ in runs]
     quantized = 3 * 3000 + 4 * 3 * 2  # int8 values, and a scale per block of each rank's 3000-element piece
     assert all(network == quantized + 3 * 3000 * 4 for _, network in runs)  # the telemetry counts what crossed
@@ -134,7 +134,7 @@ def _stage3_losses(rank: int, world: int) -> tuple[list[float], list[float]]:
 
 @pytest.mark.slow
 def test_stage_3_with_quantized_weights_and_gradients_stays_within_two_percent_of_exact_losses():
-    exact, quantized = (torch.tensor(x) for x in run_ranks(_stage3_losses, 3)[0])
+    exact, quantized = (torch.tensor(x) for x in run_threads(_stage3_losses, 3)[0])
     assert not torch.equal(exact, quantized)
     assert ((quantized - exact).abs() / exact.abs()).max() < 0.02
 
@@ -154,7 +154,7 @@ def _stage2_run(rank: int, world: int) -> tuple[list[float], list[float], dict, 
 
 @pytest.mark.slow
 def test_stage_2_with_quantized_publish_stays_within_two_percent_and_keeps_an_exact_master():
-    runs = run_ranks(_stage2_run, 3)
+    runs = run_threads(_stage2_run, 3)
     exact, quantized = torch.tensor(runs[0][0]), torch.tensor(runs[0][1])
     assert not torch.equal(exact, quantized)
     assert ((quantized - exact).abs() / exact.abs()).max() < 0.02
@@ -189,4 +189,5 @@ def _setup_loads(rank: int, world: int) -> tuple[bool, bool]:
 
 
 def test_quantized_collectives_load_the_int8_kernel_at_setup_not_in_the_first_backward():
+    # rank processes: what a process has loaded is the question
     assert run_ranks(_setup_loads, 2) == [(False, True), (False, True)]

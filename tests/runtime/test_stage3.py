@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import run_ranks
+from tests.harness import run_ranks, run_threads, seeded
 from tests.runtime.reference import ddp_reference, engine_run, tied_gpt
 from zerorun.runtime.stage3.unit_group import UnitKind
 
@@ -68,7 +68,7 @@ CASES = [("none", 2, []), ("reentrant", 2, []), ("non-reentrant", 1, []),
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: CI, not the development tier
 def test_stage3_matches_ddp_adamw_with_tied_weights_checkpointing_and_eval(world: int) -> None:
-    problems = [p for rank_problems in run_ranks(_compare, world, (CASES,)) for p in rank_problems]
+    problems = [p for rank_problems in run_threads(_compare, world, (CASES,)) for p in rank_problems]
     assert not problems, "\n".join(problems)
 
 
@@ -78,8 +78,8 @@ def _memory(rank: int, world: int) -> dict:
     from zerorun.bench.gpt import GPT, GPTConfig, synthetic_tokens
 
     cfg = GPTConfig(layers=6, d_model=64, heads=4, vocab=300, seq_len=16)
-    torch.manual_seed(0)
-    model = GPT(cfg)
+    with seeded(0):
+        model = GPT(cfg)
     params = sum(p.numel() for p in model.parameters())
     threshold = 1000
     persistent = sum(p.numel() for p in model.parameters() if p.numel() < threshold)
@@ -104,7 +104,7 @@ def _memory(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_stage3_memory_at_rest_is_16_over_n_and_gathering_stays_in_the_prefetch_window(world: int) -> None:
-    for rank, m in enumerate(run_ranks(_memory, world)):
+    for rank, m in enumerate(run_threads(_memory, world)):
         expected = 16 / world * m["params"] + 4 * m["persistent"]  # fp32 AdamW + persistent params kept whole
         assert 0 < m["prefetched"] <= m["largest_block"], (rank, m)  # prefetch_units=1 block, started by step()
         assert abs(m["model_states"] - expected) / expected < 0.02, (rank, m, expected)
@@ -134,7 +134,7 @@ def _gathered(rank: int, world: int) -> dict:
 
 
 def test_gathered_gives_full_parameters_and_writes_back_from_one_rank() -> None:
-    for r in run_ranks(_gathered, 3):
+    for r in run_threads(_gathered, 3):
         assert all(r.values()), r
 
 
@@ -171,8 +171,8 @@ class Quirky(nn.Module):
 
 
 def quirky(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return Quirky()
+    with seeded(seed):
+        return Quirky()
 
 
 def _quirky(rank: int, world: int) -> list[str]:
@@ -193,7 +193,7 @@ def _quirky(rank: int, world: int) -> list[str]:
 
 
 def test_stage3_handles_repeated_units_changing_order_loose_submodules_and_buffers() -> None:
-    problems = [p for r in run_ranks(_quirky, 2) for p in r]
+    problems = [p for r in run_threads(_quirky, 2) for p in r]
     assert not problems, "\n".join(problems)
 
 
@@ -218,8 +218,8 @@ class _IndexedPositions(nn.Module):
 
 
 def indexed_positions(seed: int = 0, indexed: bool = True) -> nn.Module:
-    torch.manual_seed(seed)
-    return _IndexedPositions(indexed)
+    with seeded(seed):
+        return _IndexedPositions(indexed)
 
 
 def _split(rank: int, world: int, indexed: bool) -> tuple[list[str], list[str], list[str], str]:
@@ -250,6 +250,7 @@ def test_modules_outside_every_unit_are_split_off_the_root_unless_used_outside_t
     # the embeddings and the head (untied) are split off the root and gathered around their use; a
     # position table read through its weight stays gathered for the whole pass (released around its own
     # forward, the indexing would read a released parameter), and both train exactly as DDP
+    # rank processes: each rank reads what it printed through sys.stdout, which threads would share
     for rank, (problems, split, kept_whole, printed) in enumerate(run_ranks(_split, 3, (indexed,))):
         assert not problems, "\n".join(problems)
         assert split == ["gpt.tok", "gpt.pos", "gpt.head"], split

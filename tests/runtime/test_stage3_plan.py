@@ -29,6 +29,7 @@ def _launch(tmp_path: Path, *sets: str) -> tuple[int, str]:
         job.cleanup()
 
 
+@pytest.mark.slow  # a real launch; the plan checks on two ranks stay fast
 def test_a_misspelled_wrap_class_stops_the_launch_and_names_it(tmp_path: Path) -> None:
     code, output = _launch(tmp_path, "zero.stage=3", "zero.wrap=[Blok]")
     assert code != 0, output
@@ -37,6 +38,7 @@ def test_a_misspelled_wrap_class_stops_the_launch_and_names_it(tmp_path: Path) -
     assert "step    0" not in output  # refused before training
 
 
+@pytest.mark.slow  # a real launch
 def test_the_quick_start_at_stage_3_shards_its_layers_and_says_into_how_many_units(tmp_path: Path) -> None:
     code, output = _launch(tmp_path, "zero.stage=3")
     assert code == 0, output

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from tests.harness import run_threads
 from tests.runtime.reference import engine_run
 
 CASES = {
@@ -44,7 +44,7 @@ def _split(rank: int, world: int) -> dict[str, tuple[bool, bool, float]]:
 
 
 def test_a_share_of_the_optimizer_on_the_device_trains_bit_for_bit_as_all_of_it_on_the_host() -> None:
-    for rank, result in enumerate(run_ranks(_split, 2, timeout=600)):
+    for rank, result in enumerate(run_threads(_split, 2, timeout=600)):
         for name, (losses, params, share) in result.items():
             assert losses and params, f"rank {rank} {name}: losses equal {losses}, parameters equal {params}"
             assert 0.2 < share < 0.8, f"rank {rank} {name}: {share:.0%} of the state on the device, for a ratio of 0.5"

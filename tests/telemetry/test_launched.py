@@ -30,6 +30,7 @@ def of(recs: list[dict], kind: str, rank: int | None = None) -> list[dict]:
     return [r for r in recs if r["type"] == kind and (rank is None or r.get("rank") == rank)]
 
 
+@pytest.mark.slow  # a real launch; the collector and console tests stay fast
 def test_two_ranks_stream_every_step_memory_equals_engine_memory_plain_summaries_and_report(launch, tmp_path):
     job = launch(TINY, nproc_per_node=2, train={"steps": 5}, telemetry=FAST)
     assert job.wait() == 0, job.output

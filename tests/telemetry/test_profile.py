@@ -142,6 +142,7 @@ def test_every_rank_writes_a_chrome_trace_with_zeroruns_phases(tmp_path: Path) -
     assert not ranges.recording()
 
 
+@pytest.mark.slow  # a real launch; the development tier keeps the ranks writing their traces
 def test_the_launcher_and_report_say_where_each_ranks_trace_is(launch, tmp_path: Path) -> None:
     job = launch(TINY, nproc_per_node=2, train={"steps": 5}, telemetry={"profile_start": 2, "profile_steps": 2})
     assert job.wait() == 0, job.output

@@ -60,6 +60,7 @@ def test_a_failing_script_is_a_result_with_its_error(tmp_path: Path, monkeypatch
     assert Path(trial.log).is_file() and trial.throughput is None
 
 
+@pytest.mark.slow  # a real launch
 def test_a_trial_without_steps_is_stopped_and_leaves_nothing_running(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

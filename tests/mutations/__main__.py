@@ -1,0 +1,5 @@
+import sys
+
+from tests.mutations.run import main
+
+sys.exit(main())
