@@ -44,6 +44,7 @@ def _both(rank: int, world: int, cases: dict[str, list[str]]) -> dict[str, tuple
         (off, none), (on, overlap) = runs["false"], runs["true"]
         assert none is None and overlap is not None
         same_params = all(torch.equal(off.params[n], on.params[n]) for n in off.params)
+        assert set(overlap.reasons) == {"clipped", "skipped"}, f"{name}: rolled back for {dict(overlap.reasons)}"
         out[name] = (off.losses == on.losses, same_params, overlap.applied, overlap.rollbacks)
     return out
 
@@ -81,8 +82,11 @@ def _reads_between_backward_and_step(rank: int, world: int) -> dict[str, bool]:
     engine.backward(engine(batch(0, rank, 1)))
     engine.optimizer.param_groups[0]["lr"] *= 0.5  # changed between the backward and the step
     engine.step()  # the speculation used the old lr: rolled back, and the step runs with the new one
+    told = engine.update.stats()  # what telemetry sends (issue 57: the overlap could not be seen working)
     return {"updated under the backward": updated_meanwhile, "state dict unchanged": unchanged,
-            "rolled back": engine.update.overlap.rollbacks == 2 and engine.update.overlap.applied == 0}
+            "rolled back": engine.update.overlap.rollbacks == 2 and engine.update.overlap.applied == 0,
+            "told why": told.get("overlap_rollbacks") == {"read": 1.0, "hyper": 1.0},
+            "told how much": told["overlap"]["rolled_back"] == 2 and told["overlap"]["seconds"] > 0}
 
 
 def test_reads_between_backward_and_step_see_the_state_before_it() -> None:

@@ -339,3 +339,19 @@ def test_the_eta_after_a_first_step_that_built_a_kernel_leaves_the_build_out():
     assert state.eta_s(now=103.0) == pytest.approx(9 * 0.5)
     del records[-2]["kernel_build_s"], records[-4]["kernel_build_s"]  # without the field: 2 s a step
     assert fold(records).eta_s(now=103.0) == pytest.approx(9 * 2.0)
+
+
+def test_the_summary_says_what_the_overlapped_host_optimizer_did_and_why_it_rolled_back() -> None:
+    # Issue 57: zero.overlap_optimizer could not be seen working (no log line, field or summary said it ran).
+    records = job_records(steps=4)
+    for r in records:
+        if r["type"] == "step":
+            rolled = 1 if r["step"] >= 3 else 0
+            r["offload"] = {"overlap": {"applied": r["step"] - rolled, "rolled_back": rolled,
+                                        "seconds": 0.5 * r["step"], "waited": 0.125 * r["step"]},
+                            **({"overlap_rollbacks": {"clipped": 1}} if rolled else {})}
+    shown = text(console.summary(fold(records)))
+    assert ("host optimizer under the backward (zero.overlap_optimizer): 3 step(s) applied as made, 1 rolled back "
+            "and run again (clipped 1); 4.00 s of host updates over 2 rank(s), 3.00 s of it hidden under the backward "
+            "(1.00 s waited for)") in " ".join(shown.split())
+    assert console.overlap_line(fold(job_records())) is None  # no overlap, no line

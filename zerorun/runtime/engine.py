@@ -320,7 +320,7 @@ class Engine:
             self.update.apply(sum_divisor / coef, clamped=call.value is not None)
             with ranges.named("publish"):
                 self.store.publish_after_step()
-        self.in_flight.settle(Need.STATE)  # a skipped step: the speculation is undone
+        self.update.settle("skipped" if found_inf else "read")  # Need.STATE: a skipped step's speculation is undone
         self.scaler.update(found_inf)
         self.optimizer.count_step()  # skipped or not, scheduler.step() after engine.step() is the right order
         self.reducer.zero()

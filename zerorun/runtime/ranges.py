@@ -10,6 +10,7 @@
 | reduce-scatter / all-reduce   | a unit's gradient collective launched (`... wait`: waited for) |
 | all-gather                    | stage 3: a unit gathered (`... wait`: waited for)  |
 | offload copies                | the optimizer's tiles moved between device and host (`OffloadCopies`) |
+| overlap update / rollback     | `zero.overlap_optimizer`: a unit's host update under the backward (its worker thread), a speculation undone |
 | checkpoint snapshot           | `save_checkpoint` on the training thread: the snapshot (or a whole synchronous save) |
 
 A range costs an operator call, so outside a window `named` returns one shared no-op context: the

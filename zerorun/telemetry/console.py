@@ -147,7 +147,30 @@ def summary(state: RunState) -> RenderableType:
     offload = offload_table(state)
     if offload is not None:
         parts += [Text("offload: bytes moved @ GB/s, per direction; waited: the time steps waited on it"), offload]
+    overlap = overlap_line(state)
+    if overlap is not None:
+        parts.append(Text(overlap))
     return Group(*parts)
+
+
+def overlap_line(state: RunState) -> str | None:
+    """What `zero.overlap_optimizer` did, where it ran (optim/overlap.py's telemetry): steps applied as made under the
+    backward and rolled back (why), and the host update time it hid (run under the backward, not waited for), summed
+    over the ranks."""
+    ranks = [r.offload["overlap"] for r in state.sorted_ranks() if r.offload.get("overlap")]
+    if not ranks:
+        return None
+    applied, rolled_back = int(ranks[0].get("applied", 0)), int(ranks[0].get("rolled_back", 0))  # the same on each rank
+    ran = sum(float(r.get("seconds", 0.0)) for r in ranks)
+    waited = sum(float(r.get("waited", 0.0)) for r in ranks)
+    reasons: dict[str, float] = {}
+    for r in state.sorted_ranks():
+        for reason, n in (r.offload.get("overlap_rollbacks") or {}).items():
+            reasons[reason] = max(reasons.get(reason, 0.0), n)
+    why = f" ({', '.join(f'{reason} {int(n)}' for reason, n in sorted(reasons.items()))})" if reasons else ""
+    return (f"host optimizer under the backward (zero.overlap_optimizer): {applied} step(s) applied as made, "
+            f"{rolled_back} rolled back and run again{why}; {seconds(ran)} of host updates over {len(ranks)} rank(s), "
+            f"{seconds(max(ran - waited, 0.0))} of it hidden under the backward ({seconds(waited)} waited for)")
 
 
 _SUMMARY_CAPTION = ("means over the steps after each rank's first; all: sums (max for skipped, comm). comm: time "

@@ -26,23 +26,41 @@ host, which the backward hides. Where host memory is the wall (the largest model
 leaves the optimizer after the backward and says why (`overlaps`). Anything that reads or changes the state between the backward and
 `step()` (a state dict, a checkpoint, `gathered()`, a forward, another backward, `zero_grad()`)
 first rolls the speculation back, so it sees the state as it was.
+
+What it did is told, not assumed: rank 0 says at the start that it runs, each step's telemetry
+carries `offload["overlap"]` (speculations applied and rolled back, the seconds of host updates run under
+the backward and the seconds `step()` still waited for them) and `offload["overlap_rollbacks"]` (why, by
+reason), the launch summary prints both, rank 0 warns once per reason a step was rolled back, and a
+profile window shows the ranges `zerorun.overlap update` and `zerorun.overlap rollback`.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
+from zerorun.runtime import ranges
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.optim.flat_step import FlatStep, FusedAdam, Piece, Tile
 
 OverlapSetting = Any  # Literal["auto", True, False], as the recipe spells it
 
 
+# Why a speculation was rolled back (telemetry's `overlap_rollbacks` keys, the summary's words).
+ROLLBACK_REASONS = {
+    "clipped": "the step was clipped (train.clip_grad_norm or the script's clip_grad_norm_)",
+    "clamped": "the script clamped the gradients (clip_grad_value_)",
+    "skipped": "the step was skipped (inf/nan in the gradients)",
+    "hyper": "a learning rate or another hyper-parameter changed between the backward and step()",
+    "read": "the state was read or changed before step() (a state dict, checkpoint, gathered(), forward, backward "
+            "or zero_grad)",
+}
 BACKUP_SHARE = 0.5  # auto: the backup may take at most this share of the host memory available to a rank
 
 
@@ -109,6 +127,10 @@ class OverlappedUpdate:
         self.current: Speculation | None = None
         self.rollbacks = 0  # speculations that step() did not apply as they were (telemetry, tests)
         self.applied = 0
+        self.reasons: Counter[str] = Counter()  # rollbacks by ROLLBACK_REASONS key
+        self.updated_s = 0.0  # the worker's seconds of host updates (under the backward, unless waited for)
+        self.waited_s = 0.0  # the seconds step() (or a rollback) waited for them
+        self.warn: Callable[[str], None] | None = None  # told once per reason a speculation is rolled back (rank 0)
 
     # -- during the backward --------------------------------------------------------------------
     def begin(self, divisor: float) -> None:
@@ -129,6 +151,12 @@ class OverlappedUpdate:
         spec.pending.append(self._worker.submit(self._update_piece, spec, piece, ready))
 
     def _update_piece(self, spec: Speculation, piece: Piece, ready: Any) -> None:
+        started = time.perf_counter()
+        with ranges.named("overlap update"):
+            self._update(spec, piece, ready)
+        self.updated_s += time.perf_counter() - started
+
+    def _update(self, spec: Speculation, piece: Piece, ready: Any) -> None:
         backup = self._backups()[piece.group]
 
         def save(k: int, span: tuple[int, int], views: dict[str, torch.Tensor]) -> None:
@@ -153,18 +181,25 @@ class OverlappedUpdate:
         spec = self.current
         if spec is None:
             return None
+        started = time.perf_counter()
         for future in spec.pending:
             future.result()  # an update's error is raised here, on the training thread
+        self.waited_s += time.perf_counter() - started
         spec.pending.clear()
         self.update.finish()
         return spec
 
-    def matches(self, divisor: float, clamped: bool) -> bool:
-        """Whether the step `step()` is about to run is the one speculated."""
+    def mismatch(self, divisor: float, clamped: bool) -> str | None:
+        """Why the step `step()` is about to run is not the one speculated (a ROLLBACK_REASONS key); None: it is."""
         spec = self.current
         assert spec is not None and not spec.pending, "settle() first"
-        same_hyper = all(spec.hypers[g] == self.fused[g].arguments(divisor) for g in spec.groups_updated)
-        return not clamped and divisor == spec.divisor and same_hyper
+        if clamped:
+            return "clamped"
+        if divisor != spec.divisor:
+            return "clipped"
+        if any(spec.hypers[g] != self.fused[g].arguments(divisor) for g in spec.groups_updated):
+            return "hyper"
+        return None
 
     def commit(self) -> None:
         """The speculation is the step: count it for every fused group, as a step does, and update the pieces it did
@@ -181,11 +216,21 @@ class OverlappedUpdate:
         self.current = None
         self.applied += 1
 
-    def rollback(self) -> None:
+    def rollback(self, reason: str = "read") -> None:
         """Restore every touched tile's state from its backup and its parameters from the restored master."""
         spec = self.settle()
         if spec is None:
             return
+        with ranges.named("overlap rollback"):
+            self._restore(spec)
+        self.rollbacks += 1
+        self.reasons[reason] += 1
+        if self.reasons[reason] == 1 and self.warn is not None:
+            self.warn(f"zerorun: zero.overlap_optimizer: a host update made under the backward was rolled back and the "
+                      f"step run again after it: {ROLLBACK_REASONS[reason]}. Exact either way; where it happens at "
+                      f"most steps the overlap hides nothing (the summary counts them). Said once per reason.")
+
+    def _restore(self, spec: Speculation) -> None:
         for g, tiles in spec.touched.items():
             if tiles:
                 saved = self._backups()[g]
@@ -195,7 +240,14 @@ class OverlappedUpdate:
                 self.update.restore(g, tiles, from_backup)
         self.update.finish()
         self.current = None
-        self.rollbacks += 1
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Telemetry's `overlap` and `overlap_rollbacks` entries (cumulative, module docstring)."""
+        out = {"overlap": {"applied": float(self.applied), "rolled_back": float(self.rollbacks),
+                           "seconds": self.updated_s, "waited": self.waited_s}}
+        if self.reasons:
+            out["overlap_rollbacks"] = {reason: float(n) for reason, n in self.reasons.items()}
+        return out
 
     def account(self, report: MemoryReport) -> None:
         if self._backup is not None:

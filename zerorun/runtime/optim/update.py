@@ -120,6 +120,10 @@ class Update:
         self.overlap = OverlappedUpdate(self.flat, self.fused, fused,
                                         [next(in_order[u.group]) if u.group in fused else None for u in self.store.units],
                                         self.store.group_numels)
+        self.overlap.warn = say
+        if say is not None:
+            say("zerorun: zero.overlap_optimizer: the host optimizer runs under the backward, unit by unit (the launch "
+                "summary says what it hid and how often a step rolled it back)")
         return self.overlap
 
     @property
@@ -142,17 +146,19 @@ class Update:
         """This window's update, gradients divided by `divisor` (world x loss scale / clip coefficient): the one made
         under the backward when it is this step (`clamped`: `clip_grad_value_` changed the gradients since)."""
         with ranges.named("optimizer"):
-            if self.wait_speculation() and self.overlap is not None and self.overlap.matches(divisor, clamped):
+            why = self.overlap.mismatch(divisor, clamped) if self.wait_speculation() and self.overlap else None
+            if self.overlap is not None and self.overlap.current is not None and why is None:
                 self.overlap.commit()  # the fused groups' update made under the backward is this step's
                 self._run(divisor, [g for g in range(len(self.groups)) if g not in self.fused])
             else:
-                self.settle()
+                self.settle(why or "read")
                 self._run(divisor, list(range(len(self.groups))))
 
-    def settle(self) -> None:
-        """Roll back an update made under the backward that no step has claimed (its state as it was before)."""
+    def settle(self, reason: str = "read") -> None:
+        """Roll back an update made under the backward that no step has claimed (its state as it was before);
+        `reason`: why, a key of overlap.ROLLBACK_REASONS."""
         if self.overlap is not None and self.overlap.current is not None:
-            self.overlap.rollback()
+            self.overlap.rollback(reason)
 
     @torch.no_grad()
     def _run(self, divisor: float, groups: list[int]) -> None:
@@ -202,8 +208,8 @@ class Update:
             self.overlap.account(report)
 
     def stats(self) -> dict[str, dict[str, float]]:
-        """Cumulative offload traffic of the flat ways (`FlatStep.stats`)."""
-        return self.flat.stats()
+        """Cumulative offload traffic of the flat ways (`FlatStep.stats`), and the overlap's (`OverlappedUpdate.stats`)."""
+        return self.flat.stats() | (self.overlap.stats() if self.overlap is not None else {})
 
     # -- checkpoints ------------------------------------------------------------------------------
     def classes(self) -> list[str]:
