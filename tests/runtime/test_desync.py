@@ -55,7 +55,7 @@ def test_agreeing_tags_pass_and_differing_ones_name_every_rank_and_the_habit() -
     end = Tag(9, Op.ALL_REDUCE, 0, -1, Place(Activity.SCRIPT_END, 3, 6, 0))
     assert "data loader that ran out early" in mismatch_message([_tag(), end], names)
     state = _tag(place=Place(Activity.STATE_DICT, 3, 6, 0))
-    assert "Call it on every rank and save on rank 0" in mismatch_message([state, _tag()], names)
+    assert "Call them on every rank and save on rank 0" in mismatch_message([state, _tag()], names)
     ahead = _tag(place=Place(Activity.FORWARD, 3, 7, 0))
     assert "engine.step() or engine.backward() was called a different number" in mismatch_message([_tag(), ahead],
                                                                                                      names)
@@ -143,8 +143,8 @@ def _loader_ran_out(engine, micro: int) -> bool:
 
 CASES = {
     "eval alone": (_eval_alone, "a forward outside a training step", "with engine.gathered(): if rank == 0:"),
-    "state dict alone": (_state_dict_alone, "a state dict (engine.state_dict() or model.state_dict())",
-                         "Call it on every rank and save on rank 0"),
+    "state dict alone": (_state_dict_alone, "a state dict (engine.state_dict(), model.state_dict() or the optimizer's)",
+                         "Call them on every rank and save on rank 0"),
     "skipped backward": (_skip_backward, "rank 0:", "called a different number of times"),
     "extra step": (_extra_step, "rank 0: step 1, micro-step 3", "called a different number of times"),
     "loader ran out": (_loader_ran_out, "the end of the script", "a data loader that ran out early"),

@@ -170,8 +170,7 @@ class Engine:
                 self.interop.remove_with_engine(hooks.remove_hooks)
         if self.deferred is not None:
             self.interop.guard_parameter_reads(model, self.deferred.wait_all)
-        for optimizer in handed_over:
-            self.interop.refuse_direct_use(optimizer, self.update.is_stepping)
+        self.interop.guard_optimizers(self, handed_over)
         if self.stage == 3:  # the model's own state_dict() gathers (never a closure over the engine: the hook lives on)
             self.interop.gather_state_dicts(self.model, partial(self.where.gathered_state, self.store, self.comm))
         self.interop.route_clip_calls(self)

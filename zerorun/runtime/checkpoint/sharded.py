@@ -192,7 +192,7 @@ def rank_tensors(engine: Engine) -> dict[str, torch.Tensor]:
 def describe_optimizer(engine: Engine) -> dict[str, Any]:
     """The manifest's optimizer section: hyper-parameters and the account of its state (a collective)."""
     groups = [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in engine.optimizer.param_groups]
-    return {"param_groups": groups, **engine.update.describe(lambda value: _gather_json(engine, value))}
+    return {"param_groups": groups, **engine.update.describe(lambda value: gather_json(engine.comm, engine.device, value))}
 
 
 def describe(engine: Engine, tag: str, rng: list[dict], optimizer: dict[str, Any]) -> dict[str, Any]:
@@ -370,19 +370,19 @@ def _barrier(engine: Engine) -> None:
 
 def gather_rng(engine: Engine) -> list[dict[str, Any]]:
     """Every rank's RNG states, on every rank (a collective: all ranks call it)."""
-    return _gather_json(engine, _rng_state())
+    return gather_json(engine.comm, engine.device, _rng_state())
 
 
-def _gather_json(engine: Engine, value: Any) -> list[Any]:
+def gather_json(comm: Collectives, device: torch.device, value: Any) -> list[Any]:
     """Every rank's `value`, on every rank (JSON through two all-reduces; no pickling collectives)."""
-    rank, world = engine.comm.rank, engine.comm.world_size
+    rank, world = comm.rank, comm.world_size
     data = json.dumps(value).encode()
-    sizes = torch.zeros(world, dtype=torch.int64, device=engine.device)
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
     sizes[rank] = len(data)
-    engine.comm.all_reduce(sizes, async_op=False).wait()
-    table = torch.zeros(world, int(sizes.max()), dtype=torch.uint8, device=engine.device)
-    table[rank, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(engine.device)
-    engine.comm.all_reduce(table, async_op=False).wait()
+    comm.all_reduce(sizes, async_op=False).wait()
+    table = torch.zeros(world, int(sizes.max()), dtype=torch.uint8, device=device)
+    table[rank, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    comm.all_reduce(table, async_op=False).wait()
     rows = table.cpu()
     return [json.loads(bytes(rows[r, :n].tolist())) for r, n in enumerate(sizes.tolist())]
 

@@ -38,7 +38,7 @@ class Activity(IntEnum):
     NO_GRAD_FORWARD = 3  # a forward under no_grad outside engine.backward: evaluation, generate()
     BACKWARD = 4  # inside engine.backward (recomputation included)
     STEP = 5  # the optimizer step and its publish
-    STATE_DICT = 6  # engine.state_dict() / model.state_dict() gathering parameters
+    STATE_DICT = 6  # engine.state_dict() / model.state_dict() / optimizer.state_dict() gathering state
     GATHERED = 7  # entering or leaving engine.gathered()
     CHECKPOINT = 8  # saving or loading a checkpoint
     SCRIPT_END = 9  # the script has returned: the worker's last meeting
@@ -54,7 +54,7 @@ _ACTIVITY_TEXT = {
     Activity.NO_GRAD_FORWARD: "a forward outside a training step (no_grad, not in engine.backward)",
     Activity.BACKWARD: "backward",
     Activity.STEP: "optimizer step",
-    Activity.STATE_DICT: "a state dict (engine.state_dict() or model.state_dict())",
+    Activity.STATE_DICT: "a state dict (engine.state_dict(), model.state_dict() or the optimizer's)",
     Activity.GATHERED: "engine.gathered()",
     Activity.CHECKPOINT: "a checkpoint",
     Activity.SCRIPT_END: "the end of the script (its code has returned)",
@@ -171,8 +171,9 @@ def _advice(tags: list[Tag]) -> str:
                 "(docs/coming-from-ddp.md).")
     if len(doing) > 1 and Activity.STATE_DICT in doing:
         return ("A state dict on some ranks only: at stage 3 `model.state_dict()` and `engine.state_dict()` gather "
-                "every parameter from every rank. Call it on every rank and save on rank 0 "
-                "(`sd = model.state_dict()` then `if rank == 0: torch.save(sd, path)`), or use "
+                "every parameter from every rank, and `optimizer.state_dict()` gathers the optimizer's state at every "
+                "stage. Call them on every rank and save on rank 0 (`sd = {'model': model.state_dict(), "
+                "'optimizer': optimizer.state_dict()}` then `if rank == 0: torch.save(sd, path)`), or use "
                 "engine.save_checkpoint() (docs/coming-from-ddp.md).")
     if Activity.SCRIPT_END in doing:
         return ("Some ranks' scripts returned while others still train: a data loader that ran out early on one "

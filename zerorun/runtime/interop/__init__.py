@@ -33,7 +33,7 @@ from torch import nn
 
 from zerorun.runtime.interop import clip_functions, engines, process_group
 from zerorun.runtime.interop.engines import live, settle_all
-from zerorun.runtime.interop.optimizer_guard import refuse_direct_use
+from zerorun.runtime.interop.optimizer_guard import WholeState, refuse_direct_use
 from zerorun.runtime.interop.publish_guard import guard_parameter_reads
 from zerorun.runtime.interop.schedulers import schedulers_of
 from zerorun.runtime.interop.state_dict_gather import gather_state_dicts
@@ -91,9 +91,11 @@ class Interop:
         """Stage 3: `root.state_dict()` holds whole parameters, gathered on every rank (state_dict_gather.py)."""
         self._undo.append(gather_state_dicts(root, full_values))
 
-    def refuse_direct_use(self, optimizer: torch.optim.Optimizer, engine_steps: Callable[[], bool]) -> None:
-        """The handed-over optimizer refuses to step or save, but for the engine's own steps (optimizer_guard.py)."""
-        self._undo.append(refuse_direct_use(optimizer, engine_steps))
+    def guard_optimizers(self, engine: Any, handed_over: list[torch.optim.Optimizer]) -> None:
+        """The handed-over optimizers refuse to step, but for the engine's own steps; they and `engine.optimizer`
+        answer state_dict()/load_state_dict() with the whole state (optimizer_guard.py)."""
+        for optimizer in (*handed_over, engine.optimizer):
+            self._undo.append(refuse_direct_use(optimizer, engine.update.is_stepping, WholeState(engine, optimizer)))
 
     def remove(self) -> None:
         """Undo every interception of this engine (idempotent)."""

@@ -21,7 +21,7 @@ updated under the backward (`OverlappedUpdate`, overlap.py) and `apply` commits 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Collection, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -249,14 +249,16 @@ class Update:
                    "scalars": scalars_to_json(self.group_scalars(i))} for i, g in enumerate(self.groups)]
         return {"groups": groups, "owned": owned}
 
-    def load(self, saved: SavedState) -> None:
-        """Restore every group's state from a checkpoint (any world size, stage or way it was saved at)."""
+    def load(self, saved: SavedState, groups: Collection[int] | None = None) -> None:
+        """Restore every group's state (or only `groups`') from a checkpoint (any world size, stage or way it was
+        saved at)."""
         for g, group in enumerate(self.groups):
-            if group.way is not Way.OWNER:
+            if group.way is not Way.OWNER and (groups is None or g in groups):
                 self._load_flat(g, saved)
         if self.owner is not None:
             for param in self.owner.owned:
-                self.owner.set_state(param, saved.whole(param.name, param.shape))
+                if groups is None or param.group in groups:
+                    self.owner.set_state(param, saved.whole(param.name, param.shape))
 
     def _load_flat(self, g: int, saved: SavedState) -> None:
         scalars = saved.scalars(g)
