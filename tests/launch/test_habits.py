@@ -10,6 +10,7 @@ where only the order of a floating-point sum may differ.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -96,6 +97,11 @@ def test_the_scripts_own_accumulation_trains_as_the_engines(launch, launch_once,
     for update in ours:  # the loss is divided by the script instead of the engine: the same product, rounded once
         assert float(ours[update][0]) == pytest.approx(float(theirs[update][0]), rel=1e-6), update
     assert checksum(job) == pytest.approx(checksum(reference), rel=1e-6)
+    # telemetry reports the loss the script computed, not the loss / W it handed to backward (issue 57: it showed 1/W)
+    records = [json.loads(line) for line in next((tmp_path / "runs").glob("*/telemetry.jsonl")).read_text().splitlines()]
+    reported = [r["loss"] for r in sorted((r for r in records if r.get("type") == "step" and r.get("rank") == 0),
+                                          key=lambda r: r["step"])]
+    assert reported == pytest.approx([float(ours[update][0]) for update in sorted(ours)], rel=1e-5), reported
 
 
 @pytest.mark.slow

@@ -196,6 +196,7 @@ class Engine:
         around = self.passes.forward_context() if self.passes is not None else contextlib.nullcontext()
         with self.phase.running(Phase.FORWARD), around:
             out = self.module(*args, **kwargs)
+        self._window.note_outputs(out)  # the loss the model computed: telemetry's, however the script scales it
         self.wait_published()  # a unit no module hook waited for (unused in this forward) is current from here on
         return out
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -115,9 +115,18 @@ class StepWindow:
 
     def _reset(self) -> None:
         self.started = time.perf_counter()
-        self.losses: list[torch.Tensor] = []
+        self.losses: list[torch.Tensor] = []  # as handed to backward; `scalings`: (constant factor, from a forward's)
+        self.scalings: list[tuple[float, bool]] = []
         self.samples = 0
         self.tokens = 0
+        self.outputs: list[int] = []  # the autograd nodes of the recent forwards' scalar outputs (ids: `note_outputs`)
+
+    def note_outputs(self, out: Any) -> None:
+        """Remember the forward's scalar outputs (a loss the model computed), so that `add_loss` reports that loss
+        and not the one the script scaled from it (`engine.backward(loss / W)`, `loss * W`)."""
+        if torch.is_grad_enabled():
+            values = out.values() if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else (out,)
+            self.outputs = [*self.outputs, *(id(t.grad_fn) for t in values if _scalar_loss(t))][-8:]
 
     def count_inputs(self, args: tuple, kwargs: dict, tokens_per_sample: int | None) -> None:
         """Samples = the first tensor's batch dimension; tokens = its numel when it holds token ids.
@@ -135,13 +144,56 @@ class StepWindow:
             self.tokens += first.numel()
 
     def add_loss(self, loss: torch.Tensor) -> None:
+        """The loss as the script computed it, before it scaled it by constants for the backward: down to a scalar
+        the forward returned, or else by 1/W in a window of W backwards (`engine.backward(loss / W)`; `close`)."""
+        factor, anchored = _scaled_by(loss, set(self.outputs))
         self.losses.append(loss.detach())
+        self.scalings.append((factor, anchored))
+        self.outputs = []
+
+    def _unscaled(self) -> list[torch.Tensor]:
+        window = len(self.losses)
+        return [loss if factor == 1.0 or not (anchored or abs(factor * window - 1.0) < 1e-6) else loss / factor
+                for loss, (factor, anchored) in zip(self.losses, self.scalings)]
 
     def close(self, step: int, norm: float, scale: float, skipped: bool, skipped_total: int,
               comm: dict[str, dict[str, float]], offload: dict[str, dict[str, float]]) -> StepStats:
         now = time.perf_counter()
-        loss = torch.stack(self.losses).float().mean() if self.losses else None
+        loss = torch.stack(self._unscaled()).float().mean() if self.losses else None
         stats = StepStats(step, loss, norm, scale, skipped, skipped_total, now - self.started,
                                  self.samples, self.tokens, comm, offload)
         self._reset()
         return stats
+
+
+def _scalar_loss(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point() and \
+        value.grad_fn is not None
+
+
+_PASS_THROUGH = {"ToCopyBackward0", "CloneBackward0", "AliasBackward0", "ViewBackward0"}
+
+
+def _scaled_by(loss: torch.Tensor, outputs: set[int]) -> tuple[float, bool]:
+    """(the constant `loss` is a value multiplied by, following products and quotients with constants and casts back
+    from it; whether that value is one of the forward's scalar outputs, by its node's id in `outputs`)."""
+    node, factor = loss.grad_fn, 1.0
+    for _ in range(16):
+        if node is None or id(node) in outputs:
+            return factor, node is not None
+        name = type(node).__name__
+        inputs = [fn for fn, _ in node.next_functions]
+        if name in _PASS_THROUGH and len(inputs) == 1:
+            node = inputs[0]
+            continue
+        if name not in ("MulBackward0", "DivBackward0") or len(inputs) != 2 or (inputs[0] is None) == (inputs[1] is None):
+            break
+        constant = getattr(node, "_saved_other" if inputs[1] is None else "_saved_self", None)
+        if not isinstance(constant, torch.Tensor) or constant.numel() != 1 or (name == "DivBackward0" and inputs[0] is None):
+            break  # a constant divided by the loss is not a scaling of it
+        value = float(constant)
+        if value == 0.0:
+            break
+        factor = factor / value if name == "DivBackward0" else factor * value
+        node = inputs[0] if inputs[0] is not None else inputs[1]
+    return factor, False
