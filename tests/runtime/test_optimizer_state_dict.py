@@ -108,6 +108,9 @@ def _save_and_resume(rank: int, world: int, cases: list[tuple[str, list[str], li
             if when == "after initialize":
                 for opt, sd in zip(opts, got):
                     opt.load_state_dict(copy.deepcopy(sd))
+            counted = STEPS if name != "sgd-nesterov" else 0  # SGD keeps no step count
+            if engine.global_step != counted:  # saves are tagged with the step the script counts, not step-0
+                problems.append(f"{name} loaded {when}: the engine counts from {engine.global_step}, not {counted}")
             losses = torch.tensor(_train(engine, rank, STEPS * ACCUM, MORE))
             engine.destroy()
             expected = torch.tensor(longer.losses[STEPS * ACCUM:])

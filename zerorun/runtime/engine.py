@@ -153,7 +153,8 @@ class Engine:
         self.clip_grad_norm = recipe.train.clip_grad_norm
         self.window = AccumulationWindow()
         self.clip_calls = clip.ScriptClipping(self.grad_accum_steps)  # the script's clip_grad_norm_/value_ calls
-        self.micro_steps = self.global_step = self.skipped_steps = 0
+        self.micro_steps = self.skipped_steps = 0
+        self.global_step: int = self.update.steps_taken()  # a handed-over optimizer's count (its own checkpoint's)
         self.grad_norm: float | None = None
         self._boundary: bool | None = None  # set_boundary's answer; None: every grad_accum_steps-th micro-step
         self.tokens_per_sample: int | None = None  # set it when inputs are not (batch, seq) token ids
@@ -339,9 +340,8 @@ class Engine:
         return float(local.sqrt())
 
     def destroy(self) -> None:
-        """End the engine: a save in flight commits, collectives in flight finish, and everything it changed outside
-        zerorun is undone (torch's clip functions, the model root's class, the handed-over optimizer, every hook on
-        the model and its parameters: runtime/interop/). Build no new work on the engine after this."""
+        """End the engine: a save in flight commits, collectives in flight finish, and all it changed outside zerorun
+        is undone (clip functions, the root's class, optimizers, hooks: runtime/interop/). Build nothing on it after."""
         self.checkpoints.wait()
         self.store.settle()
         self.interop.remove()

@@ -44,6 +44,7 @@ class Engine(Protocol):
     where: EnginePlace
     in_flight: InFlight
     checkpoints: Any  # before_update(): a background save has captured the state a load replaces
+    global_step: int
 
 
 def _packed_groups(optimizer: torch.optim.Optimizer) -> tuple[list[dict[str, Any]], dict[int, int]]:
@@ -180,6 +181,8 @@ def load_state_dict(engine: Engine, optimizer: torch.optim.Optimizer, sd: StateD
         engine.update.load(_FromTorch(engine, sd["state"], saved_index, mine), mine)
     for live, saved in zip(optimizer.param_groups, saved_groups):
         live.update({k: v for k, v in saved.items() if k != "params"})
+    if engine.global_step == 0:  # the script's own checkpoint: count on from the updates it had made
+        engine.global_step = engine.update.steps_taken()
 
 
 def _renumber(by_name: dict[str, int], groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> dict[str, int]:

@@ -187,6 +187,16 @@ class Update:
         """Whether the engine is stepping a script's optimizer right now (optimizer_guard.py asks)."""
         return self._stepping
 
+    def steps_taken(self) -> int:
+        """The updates the optimizers' state has seen (the largest `step` of its groups; 0 without one): a script
+        that hands over, or loads, the optimizer of its own checkpoint resumes the engine's count from there, so
+        that saves are tagged with the step the script counts."""
+        counts = [self.fused[g].steps for g in self.fused]
+        for g in self.elementwise:
+            step = (self.elementwise[g].scalars or {}).get("step")
+            counts.append(int(float(step)) if step is not None else 0)
+        return max(counts, default=0)
+
     def ways(self) -> str | None:
         """One line saying how each optimizer runs (None when every group is zerorun's fused Adam: nothing new)."""
         if all(group.way is Way.FUSED_ADAM for group in self.groups):
