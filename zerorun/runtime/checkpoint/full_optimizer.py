@@ -86,7 +86,7 @@ def _gather(engine: Engine, optimizer: torch.optim.Optimizer) -> StateDict:
         scalars = {key: scalar_from_json(entry) for key, entry in (saved["scalars"] or {}).items()}
         for unit in (u for u in store.units if u.group == g):
             if saved["way"] == "owner":
-                for param, shape in zip(unit.params, unit.shapes):
+                for param in unit.params:
                     entry = described["owned"].get(update.names[param])
                     if entry is not None and entry["state"]:
                         state[index[id(param)]] = _owned(engine, update.names[param], entry, owned_here)
@@ -106,7 +106,7 @@ def _unit_kind(engine: Engine, unit: Any, flat: torch.Tensor | None) -> torch.Te
     """One state kind of one unit, whole, on every rank: each rank's piece, summed over the ranks."""
     full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=engine.device)
     if flat is not None:
-        unit.piece(full, engine.comm.rank).copy_(unit.state_slice(flat))
+        unit.piece(full, engine.store.shard_rank).copy_(unit.state_slice(flat))
     if engine.comm.world_size > 1:
         engine.comm.all_reduce(full, async_op=False).wait()
     return full.cpu()
