@@ -41,12 +41,14 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Any, cast
 
 import psutil
 import torch
 
 from zerorun.errors import ZerorunError
 from zerorun.runtime import events
+from zerorun.runtime.checkpoint import full_optimizer
 from zerorun.runtime.checkpoint import sharded as checkpoint
 from zerorun.runtime.checkpoint.files import clean_crashed_saves, shard_file, write_atomic, write_tensors
 from zerorun.runtime.checkpoint.snapshot import HostSnapshot, RankState, StreamedState
@@ -102,6 +104,15 @@ class Checkpointer:
         self.last_save = time.monotonic()
         self._reported = True
         self._report_lock = threading.Lock()  # the writer thread and the training thread may both report
+
+    # -- the optimizer's state as torch lays it out (full_optimizer.py) -----------------------------
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """`optimizer.state_dict()` under the engine: the whole state, gathered on every rank (a collective)."""
+        return full_optimizer.state_dict(cast(full_optimizer.Engine, self.engine), optimizer)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """`optimizer.load_state_dict(sd)` under the engine (every rank, with the same `sd`)."""
+        full_optimizer.load_state_dict(cast(full_optimizer.Engine, self.engine), optimizer, state_dict)
 
     # -- cadence ------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:

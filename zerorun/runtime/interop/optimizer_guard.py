@@ -37,14 +37,12 @@ class WholeState:
         return engine, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        from zerorun.runtime.checkpoint import full_optimizer
-
-        return full_optimizer.state_dict(*self._both())
+        engine, optimizer = self._both()
+        return engine.checkpoints.optimizer_state_dict(optimizer)  # type: ignore[no-any-return]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from zerorun.runtime.checkpoint import full_optimizer
-
-        full_optimizer.load_state_dict(*self._both(), state_dict)
+        engine, optimizer = self._both()
+        engine.checkpoints.load_optimizer_state_dict(optimizer, state_dict)
 
 
 def refuse_direct_use(optimizer: torch.optim.Optimizer, engine_steps: Callable[[], bool],
