@@ -54,15 +54,21 @@ class FoundFile:
 
 
 def offload_files(directory: Path, skip: str | None = None) -> list[FoundFile]:
-    """zerorun's offload files (`*.bin`) anywhere under `directory`, but not under its `skip` subdirectory."""
+    """zerorun's offload files (`*.bin`) anywhere under `directory`, but not under its `skip` subdirectory. Walked
+    with os.walk, which passes over a directory that vanishes meanwhile (a sibling rank removing its temporary
+    files): `Path.rglob` raised FileNotFoundError there."""
     found = []
-    for path in sorted(directory.rglob("*.bin")) if directory.is_dir() else []:
-        if skip is not None and path.relative_to(directory).parts[0] == skip:
-            continue
-        try:
-            found.append(FoundFile(path, path.stat().st_size))
-        except OSError:
-            continue
+    for root, dirs, files in os.walk(directory):
+        if skip is not None and Path(root) == directory and skip in dirs:
+            dirs.remove(skip)
+        for name in files:
+            if name.endswith(".bin"):
+                path = Path(root) / name
+                try:
+                    found.append(FoundFile(path, path.stat().st_size))
+                except OSError:
+                    continue
+    found.sort(key=lambda f: f.path)
     return found
 
 
