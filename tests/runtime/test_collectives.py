@@ -65,6 +65,50 @@ def test_collectives_give_the_sums_and_pieces_they_promise(world: int, cpu: str,
                          "broadcast": (1, 12)}, stats
 
 
+def _trimmed(rank: int, world: int, cpu: str) -> dict:
+    """The owner way's units (partition.whole_layout): each rank's piece carries values only at its start, the
+    rest is padding, zero on every rank; only the carrying part moves, and the counts say so."""
+    from zerorun.runtime.comm.collectives import Collectives
+    from zerorun.runtime.comm.dist import init_distributed
+
+    init_distributed()
+    comm = Collectives(cpu=cpu)
+    piece, used = 7, [7, 2, 5][:world]  # uneven, one piece full and one mostly padding
+    full = torch.zeros(world, piece)
+    for r in range(world):
+        full[r, :used[r]] = (rank + 1) * torch.arange(1, used[r] + 1, dtype=torch.float32) + 10 * r
+    total = sum(range(1, world + 1))
+    want = torch.zeros(piece)
+    want[:used[rank]] = total * torch.arange(1, used[rank] + 1, dtype=torch.float32) + 10 * rank * world
+    out = {}
+    got = torch.full((piece,), -1.0)
+    comm.reduce_scatter(full.clone().view(-1), got, used=used).wait()
+    out["reduce_scatter"] = torch.equal(got, want)
+    acc = torch.ones(piece)
+    comm.reduce_scatter(full.clone().view(-1), acc, accumulate=True, used=used).wait()
+    out["reduce_scatter_accumulate"] = torch.equal(acc, want + 1)
+    gathered = torch.full((world, piece), -7.0)
+    gathered[rank, :used[rank]] = rank + 0.5
+    comm.all_gather(gathered.view(-1), used=used).wait()
+    out["all_gather"] = all(torch.equal(gathered[r, :used[r]], torch.full((used[r],), r + 0.5)) and
+                            bool((gathered[r, used[r]:] == -7.0).all()) for r in range(world) if r != rank)
+    level = "node_bytes" if comm.transport == "shared memory" else "network_bytes"
+    out["stats"] = {kind: (entry["calls"], entry[level]) for kind, entry in comm.stats.as_dict().items()}
+    return out
+
+
+@pytest.mark.parametrize("cpu", ["gloo", "shm"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_whole_layouts_collectives_move_only_the_values_each_piece_carries(world: int, cpu: str,
+                                                                              monkeypatch) -> None:
+    monkeypatch.setattr(shm_collectives, "SLOT_BYTES", 24)  # several chunks, the pieces ending in different ones
+    for rank, out in enumerate(run_threads(_trimmed, world, (cpu,))):
+        stats = out.pop("stats")
+        assert all(out.values()), (rank, out)
+        moved = sum([7, 2, 5][:world]) * 4
+        assert stats == {"reduce_scatter": (2, 2 * moved), "all_gather": (1, moved)}, stats
+
+
 def _both_transports(rank: int, world: int) -> dict:
     import torch.distributed as dist
 

@@ -48,7 +48,7 @@ class _FakeComm:
         return _Handle(self, lambda: tensor.mul_(2))
 
     def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
-                       unit: int = -1) -> _Handle:
+                       unit: int = -1, used: object = None) -> _Handle:
         self.kinds.append("reduce_scatter")
         piece = 2 * full[:out.numel()]  # rank 0's piece, summed with an identical peer
 

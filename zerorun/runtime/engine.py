@@ -87,8 +87,8 @@ class Engine:
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
         self.lr_schedules = LrSchedules(self.optimizer, handed_over, schedulers_of, lr_scheduler, scheduler_source)
-        stage = build_stage(recipe, model, [g.params for g in groups], init_log, self.comm, self.placement,
-                            self.policy, self.phase, self.device, self.compiled, [g.kinds for g in groups])
+        stage = build_stage(recipe, model, groups, init_log, self.comm, self.placement, self.policy, self.phase,
+                            self.device, self.compiled)
         self.store: ParamStore = stage.store
         self.passes: UnitPasses | None = stage.passes  # stage 3's gather and release around every pass
         self.reducer: GradReducer = stage.reducer

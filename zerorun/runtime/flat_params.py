@@ -40,6 +40,7 @@ from zerorun.runtime.deferred_publish import DeferredPublish
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.offload.homes import MASTER
 from zerorun.runtime.offload.placement import Place, Placement
+from zerorun.runtime.ownership import Balance
 from zerorun.runtime.precision import PrecisionPolicy
 from zerorun.runtime.store import (
     InMaster,
@@ -57,18 +58,20 @@ class FlatParams:
 
     def __init__(self, groups: list[list[nn.Parameter]], placement: Placement, policy: PrecisionPolicy,
                  comm: Collectives, shard_world: int, bucket_numel: int, defer_to: nn.Module | None = None,
-                 state_kinds: list[tuple[str, ...]] | None = None) -> None:
+                 state_kinds: list[tuple[str, ...]] | None = None, whole: list[Balance | None] | None = None) -> None:
         """`defer_to`: with `zero.overlap_publish`, the model whose next forward waits for the post-step
         all-gather (deferred_publish.py); None publishes within `step()`. `state_kinds`: per group, what its
-        optimizer keeps per element beside the master (the home's kinds)."""
+        optimizer keeps per element beside the master (the home's kinds). `whole`: per group, the owner way's
+        balance (its units hold whole parameters per rank, each rank's piece about a bucket), or None."""
         self.comm, self.device = comm, placement.device
         self.shard_world = shard_world  # 1 for stage 0: no sharding
         self.shard_rank = comm.rank if shard_world > 1 else 0
         self.units: list[Unit] = []
         for g, params in enumerate(groups):  # gradients arrive roughly in reverse registration order
             flat_offset = self.units[-1].flat_offset + self.units[-1].padded_numel if self.units else 0
-            self.units += cut_units(g, list(reversed(params)), bucket_numel, shard_world, policy.param_dtype,
-                                    flat_offset=flat_offset)
+            balance = whole[g] if whole else None
+            self.units += cut_units(g, list(reversed(params)), bucket_numel * (shard_world if balance else 1),
+                                    shard_world, policy.param_dtype, flat_offset=flat_offset, whole=balance)
         self.group_numels = group_numels(self.units, len(groups))
         self.quantized_publish = comm.quantized_weights and shard_world > 1  # the buffer is a compute copy
         self.params_are_master = (placement.optimizer is Place.DEVICE and policy.param_dtype == torch.float32
@@ -126,7 +129,7 @@ class FlatParams:
         if self.shard_world == 1:
             return {}
         return {k: Pending([self.comm.all_gather(self.unit_full(self.units[k]), compute_copy=self.quantized_publish,
-                                                 unit=k)])
+                                                 unit=k, used=self.units[k].layout.used)])
                 for k in order}
 
     def publish_after_step(self) -> None:

@@ -234,7 +234,8 @@ class GradReducer:
             return self._full_region(unit)
         if k not in self._staging:
             staging = self.pool.get(unit.padded_numel)
-            staging[unit.layout.numel:].zero_()  # padding; parameter regions are written by their first gradient
+            for lo, hi in unit.layout.gaps():  # padding; parameter regions are written by their first gradient
+                staging[lo:hi].zero_()
             self._staging[k] = staging
             for index, grad in self._held.pop(k, {}).items():
                 span = unit.layout.spans[index]
@@ -265,11 +266,11 @@ class GradReducer:
         if self.reduction is Reduction.ALL_REDUCE:
             return self.comm.all_reduce(region, unit=k)
         if self.reduction is Reduction.SCATTER_FULL:
-            return self.comm.reduce_scatter(region, unit.piece(region, self.rank), unit=k)
+            return self.comm.reduce_scatter(region, unit.piece(region, self.rank), unit=k, used=unit.layout.used)
         accumulate = k in self._written_units  # the window's first reduce writes the shard piece
         self._written_units.add(k)
         return self.comm.reduce_scatter(region, unit.state_slice(self.grad_shards[unit.group]), accumulate=accumulate,
-                                        unit=k)
+                                        unit=k, used=unit.layout.used)
 
     def end_backward(self) -> None:
         """After `loss.backward()`: reduce what is left, wait for every unit, recycle staging."""

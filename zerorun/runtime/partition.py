@@ -10,6 +10,11 @@ A *unit* is a list of parameters laid out back to back (no per-parameter padding
 whose length is padded to a multiple of `world_size * align`, so every rank owns exactly
 `shard_numel` elements starting at `rank * shard_numel`, and each shard starts `align`-aligned.
 A parameter may straddle two or more shards; `shard_pieces` says which part of it a rank owns.
+The owner way's units (`whole_layout`) are laid out so none does: each rank's shard holds whole
+parameters, back to back, then padding up to the fullest shard.
+
+    whole layout        | p0 ....| p2 .|pad | p1 ......|pad|
+                        |  rank 0          |  rank 1       |
 """
 
 from __future__ import annotations
@@ -50,6 +55,21 @@ class FlatLayout:
     align: int
     numel: int  # elements holding parameters
     padded_numel: int  # multiple of world_size * align
+    whole: bool = False  # laid out by `whole_layout`: padding at the end of each shard
+
+    @property
+    def used(self) -> tuple[int, ...] | None:
+        """A whole layout's elements per shard that hold parameters, from the shard's start (at least 1, so a
+        collective moving only these never moves an empty tensor); None for a flat layout, where only the last
+        shard ends in padding."""
+        if not self.whole:
+            return None
+        used = [1] * self.world_size
+        for span in self.spans:
+            if span.numel:
+                rank = span.offset // self.shard_numel
+                used[rank] = max(used[rank], span.end - rank * self.shard_numel)
+        return tuple(used)
 
     @property
     def shard_numel(self) -> int:
@@ -72,6 +92,21 @@ class FlatLayout:
         if both is None:
             return None
         return ShardPiece(index, both[0] - span.offset, both[0] - lo, both[1] - both[0])
+
+    def owner(self, index: int) -> int | None:
+        """The rank whose shard holds all of parameter `index` (None when it straddles shards, or is empty)."""
+        span = self.spans[index]
+        rank = span.offset // self.shard_numel
+        return rank if span.numel and (span.end - 1) // self.shard_numel == rank else None
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """The [lo, hi) ranges no parameter covers (the padding), in order."""
+        out, at = [], 0
+        for span in sorted(self.spans, key=lambda s: s.offset):
+            if span.offset > at:
+                out.append((at, span.offset))
+            at = max(at, span.end)
+        return out + ([(at, self.padded_numel)] if at < self.padded_numel else [])
 
     def shard_pieces(self, rank: int) -> list[ShardPiece]:
         """The parts of parameters that `rank` owns, in flat order (padding excluded)."""
@@ -128,6 +163,23 @@ def flat_layout(numels: Sequence[int], world_size: int, align: int = 1) -> FlatL
         offset += numel
     padded = max(round_up(offset, world_size * align), world_size * align)
     return FlatLayout(tuple(spans), world_size, align, offset, padded)
+
+
+def whole_layout(numels: Sequence[int], owners: Sequence[int], world_size: int, align: int = 1) -> FlatLayout:
+    """Lay parameters out so each lies whole in its owner's shard: rank r's shard holds the parameters `owners` gives
+    it, in order, then padding; every shard as long as the fullest (aligned). `owners` must be non-decreasing, so the
+    spans stay in flat order (the caller orders the unit's parameters by owner)."""
+    assert len(numels) == len(owners) and list(owners) == sorted(owners), "owners per parameter, non-decreasing"
+    assert all(0 <= r < world_size for r in owners), f"owners {owners} outside world of {world_size}"
+    filled = [0] * world_size
+    starts = []
+    for numel, owner in zip(numels, owners):
+        starts.append(filled[owner])
+        filled[owner] += numel
+    shard = max(round_up(max(filled, default=0), align), align)
+    spans = tuple(ParamSpan(i, owner * shard + start, numel)
+                  for i, (numel, owner, start) in enumerate(zip(numels, owners, starts)))
+    return FlatLayout(spans, world_size, align, sum(numels), shard * world_size, whole=True)
 
 
 def bucket_params(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:

@@ -10,6 +10,7 @@ scheduler through `UnitPasses`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from zerorun.runtime.deferred_publish import DeferredPublish, publish_overlaps
 from zerorun.runtime.flat_params import FlatParams
 from zerorun.runtime.grad_reducer import GradReducer, LaunchOrder, Reduction
 from zerorun.runtime.offload.placement import Placement
+from zerorun.runtime.ownership import Balance, Cost
 from zerorun.runtime.phase import TrainingPhase
 from zerorun.runtime.precision import PrecisionPolicy
 from zerorun.runtime.stage3.hpz import SecondaryPartition
@@ -29,6 +31,17 @@ from zerorun.runtime.stage3.module_units import plan_stage3, warn_if_nothing_sha
 from zerorun.runtime.stage3.scheduled_params import ScheduledParams
 from zerorun.runtime.stage3.sharded_init import InitLog
 from zerorun.runtime.store import ParamStore, UnitPasses
+
+
+class GroupCut(Protocol):
+    """What the stage needs of a param group (the engine's `EngineGroup`)."""
+
+    params: list[nn.Parameter]
+    kinds: tuple[str, ...]  # what its optimizer keeps per element of the flat shard beside the master
+
+    @property
+    def whole(self) -> Cost | None:
+        """The owner way: each parameter lies whole in one rank's piece, balanced by this cost; None: flat pieces."""
 
 
 @dataclass
@@ -41,21 +54,25 @@ class Stage:
     deferred: DeferredPublish | None  # stages 1/2 with zero.overlap_publish: the publish the root's reads wait for
 
 
-def build_stage(recipe: Recipe, model: nn.Module, groups: list[list[nn.Parameter]], init_log: InitLog | None,
+def build_stage(recipe: Recipe, model: nn.Module, cuts: Sequence[GroupCut], init_log: InitLog | None,
                 comm: Collectives, placement: Placement, policy: PrecisionPolicy, phase: TrainingPhase,
-                device: torch.device, seen: compiled.CompiledModel, state_kinds: list[tuple[str, ...]]) -> Stage:
-    """The stage's parameter store (at stage 3 with its scheduler) and the gradient reducer around it; `state_kinds`:
-    per param group, what its optimizer keeps per element of the flat shard beside the master."""
+                device: torch.device, seen: compiled.CompiledModel) -> Stage:
+    """The stage's parameter store (at stage 3 with its scheduler) and the gradient reducer around it, for the
+    param groups `cuts`."""
     zero, stage = recipe.zero, recipe.zero.stage
+    groups, state_kinds = [c.params for c in cuts], [c.kinds for c in cuts]
     if stage < 3:
         shard_world = 1 if stage == 0 else comm.world_size
         defer_to = model if publish_overlaps(zero.overlap_publish, comm.world_size) else None
-        store = FlatParams(groups, placement, policy, comm, shard_world, numel(zero.bucket_mb), defer_to, state_kinds)
+        whole = [Balance(c.whole, shard_world) if c.whole else None for c in cuts]
+        store = FlatParams(groups, placement, policy, comm, shard_world, numel(zero.bucket_mb), defer_to, state_kinds,
+                           whole)
         reducer = GradReducer(store, comm, policy.reduce_dtype, device, Reduction.for_stage(stage),
                               LaunchOrder.LAYOUT, zero.overlap_comm, phase)
         return Stage(store, None, reducer, store.deferred)
     plan = plan_stage3(model, groups, zero.wrap, zero.param_persistence_threshold, numel(zero.bucket_mb),
-                       numel(zero.allgather_bucket_mb), comm.world_size, policy.param_dtype)
+                       numel(zero.allgather_bucket_mb), comm.world_size, policy.param_dtype,
+                       [Balance(c.whole, comm.world_size) if c.whole else None for c in cuts])
     units = plan.gathered_units()
     compiled.refuse_unworkable(seen, stage, [(g.name, g.module) for g in units])
     if comm.rank == 0:

@@ -201,7 +201,7 @@ def master_state_dict(module: nn.Module, store: ParamStore, comm: Collectives,
         full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=store.device)
         store.home.read(unit.group, MASTER, unit.piece(full, store.shard_rank), start=unit.state_offset)
         if store.shard_world > 1:
-            comm.all_gather(full).wait()
+            comm.all_gather(full, used=unit.layout.used).wait()
         if every_rank or store.shard_rank == 0:
             for span, param, shape in zip(unit.layout.spans, unit.params, unit.shapes):
                 for name in names[param]:

@@ -7,7 +7,9 @@ A unit is one `FlatLayout` (partition.py) over a few parameters of one optimizer
     per group state        | u0.piece | u1.piece | ...                       master, moments, gradient shard
 
 Its gradients are reduced with one reduce-scatter (or all-reduce) and its parameters gathered with
-one all-gather, so a unit is both the reduce bucket and the gather bucket. Stages 0-2 keep all
+one all-gather, so a unit is both the reduce bucket and the gather bucket. A param group whose optimizer
+needs parameters whole (the owner way) is cut with `whole`: each unit's pieces then hold whole
+parameters, each in its owning rank's piece (`partition.whole_layout`, `ownership.py`). Stages 0-2 keep all
 units back to back in one flat parameter buffer (`flat_offset`); stage 3 gives each its own buffer
 and groups them into module units (`module_units.py`). This rank's state for a param group is one
 contiguous fp32 tensor: its units' pieces in unit order, starting at each unit's `state_offset`.
@@ -20,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerorun.runtime.partition import FlatLayout, bucket_params, flat_layout
+from zerorun.runtime.ownership import Balance
+from zerorun.runtime.partition import FlatLayout, bucket_params, flat_layout, whole_layout
 
 ALIGN_BYTES = 64  # each rank's piece starts on a cache line / vector boundary
 
@@ -60,16 +63,24 @@ def align_elements(dtype: torch.dtype) -> int:
 
 
 def cut_units(group: int, params: list[nn.Parameter], bucket_numel: int, world: int, dtype: torch.dtype,
-              state_offset: int = 0, flat_offset: int | None = None) -> list[Unit]:
+              state_offset: int = 0, flat_offset: int | None = None, whole: Balance | None = None) -> list[Unit]:
     """`params` (in this order) cut into units of about `bucket_numel` elements, sharded over `world`.
 
     State offsets continue from `state_offset`; with `flat_offset`, units also lie back to back in
-    one flat buffer from there (stages 0-2), else each unit has a buffer of its own (stage 3).
+    one flat buffer from there (stages 0-2), else each unit has a buffer of its own (stage 3). With
+    `whole`, each parameter lies whole in its owner's piece, a unit's parameters ordered by owner.
     """
     units = []
     for indices in bucket_params([p.numel() for p in params], bucket_numel) if params else []:
         members = [params[i] for i in indices]
-        layout = flat_layout([p.numel() for p in members], world, align_elements(dtype))
+        if whole is None:
+            layout = flat_layout([p.numel() for p in members], world, align_elements(dtype))
+        else:
+            owners = whole.owners([p.shape for p in members])
+            order = sorted(range(len(members)), key=lambda i: (owners[i], i))
+            members = [members[i] for i in order]
+            layout = whole_layout([p.numel() for p in members], [owners[i] for i in order], world,
+                                  align_elements(dtype))
         units.append(Unit(group, members, [p.shape for p in members], layout, state_offset, flat_offset or 0))
         state_offset += layout.shard_numel
         if flat_offset is not None:

@@ -33,7 +33,7 @@ synchronisation of its own.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -172,6 +172,14 @@ class Collectives(PointToPoint):
         else:
             self._agreed(tag)
 
+    def _trimmed(self, kind: str, full: torch.Tensor, used: Sequence[int] | None) -> None:
+        """A flat collective that moves only the `used` start of each rank's piece: its counts say so (`_record`
+        counted all of `full`)."""
+        if used is not None:
+            unmoved = (full.numel() - sum(used)) * full.element_size()
+            self.stats.bytes[kind] -= unmoved
+            self.stats.by_level[kind][self.stats.level] -= unmoved
+
     def _record(self, kind: str, tensor: torch.Tensor, flat: bool = True) -> None:
         self.stats.calls[kind] += 1
         self.stats.bytes[kind] += tensor.numel() * tensor.element_size()
@@ -196,10 +204,14 @@ class Collectives(PointToPoint):
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
         return Handle([work], None, self.stats, "all_reduce")
 
-    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool = False, unit: int = -1) -> Handle:
+    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool = False, unit: int = -1,
+                       used: Sequence[int] | None = None) -> Handle:
         """Sum `full` across ranks; this rank's equal-sized piece goes into `out` (or is added to it).
 
-        `full` is consumed (its contents are undefined afterwards) and must stay alive until `wait()`.
+        `full` is consumed (its contents are undefined afterwards) and must stay alive until `wait()`. `used`: per
+        rank, the elements at the start of its piece that carry values, the rest being zeros on every rank (a whole
+        layout's padding, partition.py); the point-to-point and shared-memory wires move only those, and `out`'s
+        rest is zero (or left as it is, accumulating).
         """
         assert full.numel() == out.numel() * self.world_size, "reduce_scatter: full must be world_size x out"
         if self.world_size == 1:
@@ -208,12 +220,12 @@ class Collectives(PointToPoint):
         tag = self._tag_for(Op.REDUCE_SCATTER, full, unit)
         if route(Op.REDUCE_SCATTER, self.backend, full.device.type).staged:
             host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=torch.cuda.is_available())
-            handle = self._reduce_scatter_on_wire(_to_host(full), host_out, False, tag)
+            handle = self._reduce_scatter_on_wire(_to_host(full), host_out, False, tag, used)
             return handle.followed_by(lambda: store_into(out, host_out.to(out.device, non_blocking=True), accumulate))
-        return self._reduce_scatter_on_wire(full, out, accumulate, tag)
+        return self._reduce_scatter_on_wire(full, out, accumulate, tag, used)
 
     def _reduce_scatter_on_wire(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool,
-                                tag: Tag | None) -> Handle:
+                                tag: Tag | None, used: Sequence[int] | None = None) -> Handle:
         """A reduce-scatter of tensors where the backend's wire reads them: hierarchical across nodes of several
         ranks, else through shared memory on one host, else as block int8 (qgZ), else the wire's own."""
         hierarchical = self._hierarchical(full, out)
@@ -225,19 +237,22 @@ class Collectives(PointToPoint):
             return Handle([self.hier.reduce_scatter(full, out, accumulate)], None, self.stats, "reduce_scatter")
         shm = self._on_shm(full, out)
         if shm is not None:
-            return self._shm_handle("reduce_scatter", shm, shm.reduce_scatter, tag, full, out, accumulate)
+            self._trimmed("reduce_scatter", full, used)
+            return self._shm_handle("reduce_scatter", shm, shm.reduce_scatter, tag, full, out, accumulate, used)
         self._agreed(tag)
         if self._int8("reduce_scatter", full):
             self._record_quantized("reduce_scatter", full)
             return self._quantized_reduce_scatter(full, out, accumulate)
         if route(Op.REDUCE_SCATTER, self.backend, full.device.type).primitive is Primitive.POINT_TO_POINT:
-            return self._pairwise_reduce_scatter(full, out, accumulate)
+            self._trimmed("reduce_scatter", full, used)
+            return self._pairwise_reduce_scatter(full, out, accumulate, used)
         target = torch.empty_like(out) if accumulate else out
         work = dist.reduce_scatter_tensor(target, full, group=self.group, async_op=True)
         then = (lambda: out.add_(target)) if accumulate else None
         return Handle([work], then, self.stats, "reduce_scatter")
 
-    def all_gather(self, full: torch.Tensor, compute_copy: bool = False, unit: int = -1) -> Handle:
+    def all_gather(self, full: torch.Tensor, compute_copy: bool = False, unit: int = -1,
+                   used: Sequence[int] | None = None) -> Handle:
         """Fill `full` from every rank's piece; this rank's piece is already in place in `full`.
 
         `compute_copy`: `full` is only computed with, never stored back (stage 3's gathered unit; stages 1/2's flat
@@ -252,11 +267,12 @@ class Collectives(PointToPoint):
             host = torch.empty(full.shape, dtype=full.dtype, pin_memory=torch.cuda.is_available())
             own = slice(self.rank * (full.numel() // self.world_size), (self.rank + 1) * (full.numel() // self.world_size))
             host.view(-1)[own].copy_(full.view(-1)[own])  # waits for the device's work on it, as any device-to-host copy
-            handle = self._all_gather_on_wire(host, compute_copy, tag)
+            handle = self._all_gather_on_wire(host, compute_copy, tag, used)
             return handle.followed_by(lambda: full.copy_(host, non_blocking=True))
-        return self._all_gather_on_wire(full, compute_copy, tag)
+        return self._all_gather_on_wire(full, compute_copy, tag, used)
 
-    def _all_gather_on_wire(self, full: torch.Tensor, compute_copy: bool, tag: Tag | None) -> Handle:
+    def _all_gather_on_wire(self, full: torch.Tensor, compute_copy: bool, tag: Tag | None,
+                            used: Sequence[int] | None = None) -> Handle:
         """An all-gather of a tensor where the backend's wire reads it: hierarchical, else shared memory, else as
         block int8 (qwZ), else the wire's own."""
         hierarchical = self._hierarchical(full)
@@ -268,14 +284,17 @@ class Collectives(PointToPoint):
             return Handle([self.hier.all_gather(full, compute_copy)], None, self.stats, "all_gather")
         shm = self._on_shm(full)
         if shm is not None:
-            return self._shm_handle("all_gather", shm, shm.all_gather, tag, full)
+            self._trimmed("all_gather", full, used)
+            return self._shm_handle("all_gather", shm, shm.all_gather, tag, full, used)
         self._agreed(tag)
         pieces = full.view(self.world_size, -1)
         if self._int8("all_gather", full, compute_copy):
             self._record_quantized("all_gather", full)
             return self._quantized_all_gather(full)
         if route(Op.ALL_GATHER, self.backend, full.device.type).primitive is Primitive.POINT_TO_POINT:
-            works = self._exchange(lambda peer: [pieces[self.rank]], lambda peer: [pieces[peer]])
+            self._trimmed("all_gather", full, used)
+            n = used or [pieces.shape[1]] * self.world_size
+            works = self._exchange(lambda peer: [pieces[self.rank, :n[self.rank]]], lambda peer: [pieces[peer, :n[peer]]])
             return Handle(works, None, self.stats, "all_gather")
         work = dist.all_gather_into_tensor(full, pieces[self.rank], group=self.group, async_op=True)
         return Handle([work], None, self.stats, "all_gather")

@@ -40,19 +40,25 @@ class PointToPoint:
         self._p2p_tag = 0  # the last point-to-point tag taken: every rank takes them in the same order
         self._codec: ThreadPoolExecutor | None = None  # quantized point-to-point collectives: made at first use
 
-    def _pairwise_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool) -> Handle:
+    def _pairwise_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool,
+                                 used: Sequence[int] | None = None) -> Handle:
         """Send each peer its piece of `full`, receive theirs of mine, sum in rank order (the same bits on every
-        rank, shared memory's, and gloo's own with 2 ranks), then store the sum in `out`."""
+        rank, shared memory's, and gloo's own with 2 ranks), then store the sum in `out`. `used`: per rank, the
+        start of its piece that carries values (only that travels; the rest of `out` is zero, or left accumulating)."""
         pieces = full.view(self.world_size, -1)
-        received = {peer: torch.empty(pieces.shape[1], dtype=full.dtype) for peer in self._peers()}
-        works = self._exchange(lambda peer: [pieces[peer]], lambda peer: [received[peer]])
+        n = used or [pieces.shape[1]] * self.world_size
+        mine = n[self.rank]
+        received = {peer: torch.empty(mine, dtype=full.dtype) for peer in self._peers()}
+        works = self._exchange(lambda peer: [pieces[peer, :n[peer]]], lambda peer: [received[peer]])
 
         def then() -> None:
-            parts = [received.get(r, pieces[self.rank]) for r in range(self.world_size)]
+            parts = [received.get(r, pieces[self.rank, :mine]) for r in range(self.world_size)]
             total = torch.add(parts[0], parts[1], out=parts[1])  # never into a summand still to come
             for part in parts[2:]:
                 total.add_(part)
-            store_into(out, total, accumulate)
+            store_into(out[:mine], total, accumulate)
+            if mine < out.numel() and not accumulate:
+                out[mine:].zero_()
         return Handle(works, then, self.stats, "reduce_scatter")
 
     def _quantized_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool) -> Handle:

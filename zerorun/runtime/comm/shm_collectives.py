@@ -39,7 +39,7 @@ import platform
 import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 import numpy
 import torch
@@ -147,43 +147,57 @@ class ShmCollectives:
             self._meet()
             _reduce_into(piece, [slots[q] for q in range(self.world_size)], op)
 
-    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-        """The sum of every rank's `full`, this rank's piece of it into `out` (or added to it)."""
+    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool,
+                       used: Sequence[int] | None = None) -> None:
+        """The sum of every rank's `full`, this rank's piece of it into `out` (or added to it). `used`: per rank, the
+        start of its piece that carries values; only that moves, and the rest of `out` is zero (or left as it is)."""
         pieces = full.view(self.world_size, -1)
+        n = used or [pieces.shape[1]] * self.world_size
         per = self.slot_bytes // full.element_size() // self.world_size
         scratch = torch.empty(min(per, out.numel()), dtype=out.dtype) if accumulate else None
         # the pieces the others read go through the slot; this rank's own is read in place, unless `out` is
         # that very piece (an in-place reduce-scatter) and the sum would overwrite it before reading it
         # (summands from the third on are added into `out`)
         in_place = self.rank >= 2 and out.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
-        for start in self._chunks(out.numel(), per):
-            end = min(start + per, out.numel())
+        for start in self._chunks(max(n), per):  # every rank meets as often: over the longest piece
+            end = min(start + per, max(n))
             slots = self._slots(full.dtype)[:, :self.world_size * (end - start)].view(self.world_size, self.world_size, -1)
             for q in range(self.world_size):
-                if q != self.rank or in_place:
-                    slots[self.rank, q].copy_(pieces[q, start:end])
+                if (q != self.rank or in_place) and start < n[q]:
+                    hi = min(end, n[q])
+                    slots[self.rank, q, :hi - start].copy_(pieces[q, start:hi])
             self._meet()
-            mine = [slots[q, self.rank] if q != self.rank or in_place else pieces[q, start:end]
+            hi = min(end, n[self.rank])
+            if start >= hi:
+                continue
+            mine = [slots[q, self.rank, :hi - start] if q != self.rank or in_place else pieces[q, start:hi]
                     for q in range(self.world_size)]
             if scratch is None:
-                _reduce_into(out[start:end], mine, dist.ReduceOp.SUM)
+                _reduce_into(out[start:hi], mine, dist.ReduceOp.SUM)
             else:
-                total = scratch[:end - start]
+                total = scratch[:hi - start]
                 _reduce_into(total, mine, dist.ReduceOp.SUM)
-                out[start:end].add_(total)
+                out[start:hi].add_(total)
+        if n[self.rank] < out.numel() and not accumulate:
+            out[n[self.rank]:].zero_()
 
-    def all_gather(self, full: torch.Tensor) -> None:
-        """Every rank's piece of `full` (its own already in place) into every rank's `full`."""
+    def all_gather(self, full: torch.Tensor, used: Sequence[int] | None = None) -> None:
+        """Every rank's piece of `full` (its own already in place) into every rank's `full`. `used`: per rank, the
+        start of its piece that carries values; only that moves (the rest of the others' pieces is left as it is)."""
         pieces = full.view(self.world_size, -1)
+        n = used or [pieces.shape[1]] * self.world_size
         per = self.slot_bytes // full.element_size()
-        for start in self._chunks(pieces.shape[1], per):
-            end = min(start + per, pieces.shape[1])
+        for start in self._chunks(max(n), per):
+            end = min(start + per, max(n))
             slots = self._slots(full.dtype)[:, :end - start]
-            slots[self.rank].copy_(pieces[self.rank, start:end])
+            if start < n[self.rank]:
+                hi = min(end, n[self.rank])
+                slots[self.rank, :hi - start].copy_(pieces[self.rank, start:hi])
             self._meet()
             for q in range(self.world_size):
-                if q != self.rank:
-                    pieces[q, start:end].copy_(slots[q])
+                if q != self.rank and start < n[q]:
+                    hi = min(end, n[q])
+                    pieces[q, start:hi].copy_(slots[q, :hi - start])
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         flat = tensor.view(-1)

@@ -2,20 +2,19 @@
 
 Muon orthogonalizes a whole matrix, Adafactor factors its second moment into row and column sums,
 LAMB scales a parameter's step by its norm: none of them can run over a flat piece that holds part of
-a matrix (ways.py). Each such parameter is owned by one rank (`ownership.py`: whole parameters,
-balanced by size), which keeps its optimizer state and updates it on its real shape. A step, unit by
-unit of the owner-run groups (units.py; every unit holds whole parameters):
+a matrix (ways.py). Each such parameter is owned by one rank, which keeps its optimizer state and
+updates it on its real shape. The stage lays these groups out so that a rank's piece of each unit
+holds exactly the parameters it owns, whole (`ownership.py`, `partition.whole_layout`), balanced by
+the optimizer's cost. So the stage's own collectives do all the moving, as for Adam:
 
-    this rank's reduced gradient piece --all-gather--> the unit's full gradient  -> owners take theirs
-    this rank's master piece            --all-gather--> the unit's full master    -> owners take theirs
-    each optimizer steps the parameters this rank owns (its object, its param groups, on real shapes)
-    owners' new values, zeros elsewhere --reduce-scatter--> every rank's master piece (each value comes
-                                                            from its one owner: the sum is exact)
+    the stage's reduce-scatter      -> this rank's gradient piece: its owned parameters' whole gradients
+    this rank's master piece        -> its owned parameters, whole, on their real shapes
+    each optimizer steps the parameters this rank owns (its object, its param groups)
     the master piece --> the stage's parameters (the same targets the flat way writes: flat_step.py)
+    the stage's all-gather          -> every rank's parameters, whole matrices from their owners
 
-The stage then publishes the parameters as for any update. The two all-gathers and the reduce-scatter
-are this way's price beside the flat way: a stage partition that follows the owners (each whole
-gradient reduce-scattered to its owner) removes them. The state lives where the placement says: on
+No collective beyond the stage's own: the bytes on the wire are AdamW's but for the pieces' padding,
+and each rank runs the optimizer only for what it owns. The state lives where the placement says: on
 the device, on the host (the owned tensors are copied there to step), or on NVMe (`OwnedFiles`: a
 file per owned parameter, read before the step and written after).
 """
@@ -32,13 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerorun.runtime.comm.collectives import Collectives
 from zerorun.runtime.memory import MemoryReport, tensor_bytes
 from zerorun.runtime.offload.homes import MASTER
 from zerorun.runtime.offload.transfers import Direct
 from zerorun.runtime.optim.elementwise import stepping
 from zerorun.runtime.optim.flat_step import Piece
-from zerorun.runtime.optim.ownership import OwnershipPlan, plan_ownership
+from zerorun.runtime.ownership import OwnershipPlan
 from zerorun.runtime.partition import ParamSpan
 from zerorun.runtime.store import ParamStore
 
@@ -85,37 +83,40 @@ class OwnedFiles:
 
 
 class OwnerStep:
-    """Gathers, steps and scatters back the owner-run groups (see the module docstring)."""
+    """Steps the owner-run groups on the parameters this rank's pieces hold whole (see the module docstring)."""
 
     def __init__(self, groups: dict[int, tuple[torch.optim.Optimizer, int]], store: ParamStore,
-                 pieces: list[list[Piece]], comm: Collectives, place: torch.device, tile_numel: int,
-                 names: dict[nn.Parameter, str], files: OwnedFiles | None = None) -> None:
+                 pieces: list[list[Piece]], place: torch.device, tile_numel: int, names: dict[nn.Parameter, str],
+                 files: OwnedFiles | None = None) -> None:
         """`groups`: engine group -> (its optimizer, the group's index there); `pieces`: per engine group, its
         units' gradients and targets in state order; `place`: where the owned parameters step and their state
         lives (the device, or the host); `files`: the state's files on NVMe (None: in memory)."""
-        self.groups, self.store, self.comm, self.place = groups, store, comm, place
+        self.groups, self.store, self.place = groups, store, place
         self.tile_numel, self.files = tile_numel, files
         self.piece_of: dict[int, Piece] = {}  # per unit index: its gradient piece and target
-        members = []
+        self.params: list[OwnerParam] = []
         seen = {g: 0 for g in groups}  # each group's units so far: its pieces are in the same (state) order
         for k, unit in enumerate(store.units):
-            if unit.group in groups:
-                self.piece_of[k] = pieces[unit.group][seen[unit.group]]
-                seen[unit.group] += 1
-                members += [(k, unit, i) for i in range(len(unit.params))]
-        # by the layout's sizes: a stage 3 parameter is an empty tensor between its gathers
-        self.plan: OwnershipPlan = plan_ownership([unit.layout.spans[i].numel for _, unit, i in members],
-                                                  store.shard_world)
-        self.params = [OwnerParam(names[unit.params[i]], unit.group, k, unit.layout.spans[i], unit.shapes[i], owner,
-                                  nn.Parameter(torch.empty(0, device=place)))
-                       for (k, unit, i), owner in zip(members, self.plan.owner)]
+            if unit.group not in groups:
+                continue
+            self.piece_of[k] = pieces[unit.group][seen[unit.group]]
+            seen[unit.group] += 1
+            for i, span in enumerate(unit.layout.spans):
+                owner = unit.layout.owner(i)
+                if owner is None:  # an empty parameter: nothing to step, its rank is moot
+                    assert not span.numel, f"{names[unit.params[i]]} straddles the pieces of an owner-run unit"
+                    owner = min(span.offset // unit.shard_numel, store.shard_world - 1)
+                self.params.append(OwnerParam(names[unit.params[i]], unit.group, k, span, unit.shapes[i], owner,
+                                              nn.Parameter(torch.empty(0, device=place))))
+        self.plan = OwnershipPlan.of([p.owner for p in self.params], [p.span.numel for p in self.params],
+                                     store.shard_world)
         self.owned = [p for p in self.params if p.owner == store.shard_rank]
         self.direct = Direct(store.device)  # the targets are reached from device memory, as the flat way's are
 
     @property
     def units(self) -> list[int]:
-        """The store's units that hold owner-run parameters, in order."""
-        return sorted(self.piece_of)
+        """The store's units that hold parameters this rank owns, in order."""
+        return sorted({p.unit for p in self.owned})
 
     def optimizers(self) -> dict[torch.optim.Optimizer, dict[int, list[OwnerParam]]]:
         """Per optimizer object, per param group index there, the parameters this rank owns."""
@@ -128,8 +129,7 @@ class OwnerStep:
     @torch.no_grad()
     def run(self, divisor: float) -> None:
         """One step of every owner-run group; gradients are divided by `divisor` (world x loss scale / clip)."""
-        for k in self.units:
-            self._take_whole(k, divisor)
+        masters = {k: self._take_whole(k, divisor) for k in self.units}
         for optimizer, by_index in self.optimizers().items():
             owned = [p for params in by_index.values() for p in params]
             if self.files is not None:  # the state comes in from its files for the step, and goes back
@@ -140,49 +140,40 @@ class OwnerStep:
             if self.files is not None:
                 for param in owned:
                     self.files.write(param, optimizer.state.pop(param.key, {}))
-        for k in self.units:
-            self._send_back(k)
+        for k, master in masters.items():
+            self._send_back(k, master)
         for param in self.owned:
             param.key.data, param.key.grad = torch.empty(0, device=self.place), None
 
-    def _full(self, k: int, piece: torch.Tensor) -> torch.Tensor:
-        """Unit k's full tensor from every rank's `piece` (an all-gather; the piece itself when unsharded)."""
-        unit = self.store.units[k]
-        if self.store.shard_world == 1:
-            return piece
-        full = torch.empty(unit.padded_numel, dtype=piece.dtype, device=self.store.device)
-        unit.piece(full, self.store.shard_rank).copy_(piece)
-        self.comm.all_gather(full).wait()
-        return full
+    def _span(self, param: OwnerParam) -> slice:
+        """The parameter's elements within this rank's piece of its unit."""
+        start = param.span.offset - self.store.shard_rank * self.store.units[param.unit].shard_numel
+        return slice(start, start + param.span.numel)
 
-    def _take_whole(self, k: int, divisor: float) -> None:
-        """Gather unit k's gradient and master; this rank's owned parameters in it take theirs, whole."""
+    def _take_whole(self, k: int, divisor: float) -> torch.Tensor:
+        """Unit k's master piece; this rank's owned parameters in it take theirs and their gradients, whole."""
         unit = self.store.units[k]
         master = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.store.device)
         self.store.home.read(unit.group, MASTER, master, start=unit.state_offset)
-        grads, masters = self._full(k, self.piece_of[k].grad), self._full(k, master)
+        grad = self.piece_of[k].grad
         for param in (p for p in self.owned if p.unit == k):
-            span = slice(param.span.offset, param.span.end)
-            param.key.data = masters[span].view(param.shape).to(self.place, copy=True)
-            param.key.grad = grads[span].view(param.shape).to(self.place, torch.float32, copy=True).div_(divisor)
+            span = self._span(param)
+            param.key.data = master[span].view(param.shape).to(self.place, copy=True)
+            param.key.grad = grad[span].view(param.shape).to(self.place, torch.float32, copy=True).div_(divisor)
+        return master
 
-    def _send_back(self, k: int) -> None:
-        """Every rank's master piece of unit k from the owners' new values, then the stage's parameters from it."""
+    def _send_back(self, k: int, master: torch.Tensor) -> None:
+        """Unit k's master piece from the owned parameters' new values, then the stage's parameters from it."""
         unit = self.store.units[k]
-        full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.store.device)
         for param in (p for p in self.owned if p.unit == k):
-            full[param.span.offset:param.span.end].copy_(param.key.detach().view(-1))
-        piece = unit.piece(full, self.store.shard_rank)
-        if self.store.shard_world > 1:
-            piece = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.store.device)
-            self.comm.reduce_scatter(full, piece).wait()
-        self.store.home.write(unit.group, MASTER, piece, start=unit.state_offset)
+            master[self._span(param)].copy_(param.key.detach().view(-1))
+        self.store.home.write(unit.group, MASTER, master, start=unit.state_offset)
         target = self.piece_of[k].target
         for lo in range(0, unit.shard_numel, self.tile_numel):
             hi = min(unit.shard_numel, lo + self.tile_numel)
             out = target.staging(self.direct, lo, hi)
             if out is not None:
-                out.copy_(piece[lo:hi])
+                out.copy_(master[lo:hi])
                 target.deliver(self.direct, lo, hi, out)
         self.direct.finish()
 

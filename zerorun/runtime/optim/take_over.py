@@ -24,7 +24,8 @@ from torch import nn
 from zerorun.errors import ZerorunError
 from zerorun.runtime.offload.homes import ADAM_KINDS
 from zerorun.runtime.optim.elementwise import State, probe_kinds, split_state
-from zerorun.runtime.optim.ways import Way, refuse_unrunnable, way_of
+from zerorun.runtime.optim.ways import Way, refuse_unrunnable, way_of, whole_cost
+from zerorun.runtime.ownership import Cost
 
 
 @dataclass(eq=False)
@@ -40,6 +41,12 @@ class EngineGroup:
     carried: dict[nn.Parameter, State] = field(default_factory=dict)  # the state it held when handed over
     scalars: State | None = None  # the flat ways' one value per group of each other state entry (`step`), carried
     # over; None while the group holds no state (its optimizer has not stepped it)
+
+    @property
+    def whole(self) -> Cost | None:
+        """The owner way's cost of a whole parameter (the stage lays each out whole in its owner's piece, balanced
+        by it); None for the flat ways."""
+        return whole_cost(self.optimizer) if self.way is Way.OWNER else None
 
     @property
     def hyper(self) -> dict[str, Any]:

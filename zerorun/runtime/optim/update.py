@@ -102,7 +102,7 @@ class Update:
         self.elementwise = {g: ElementwiseGroup(group.optimizer, group.index, group.kinds, group.scalars, group.where)
                             for g, group in enumerate(groups) if group.way is Way.ELEMENTWISE}
         owned = {g: (group.optimizer, group.index) for g, group in enumerate(groups) if group.way is Way.OWNER}
-        self.owner = OwnerStep(owned, store, self.pieces, comm, _owner_place(placement, store.device),
+        self.owner = OwnerStep(owned, store, self.pieces, _owner_place(placement, store.device),
                                placement.tile_numel, names, _owned_files(placement)) if owned else None
         self.overlap: OverlappedUpdate | None = None  # the host's fused groups under the backward (overlap.py)
         self._stepping = False  # True while the engine calls a script's optimizer (its guard lets it through)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from zerorun.errors import ZerorunError
+from zerorun.runtime.ownership import Cost, matrix_cost, size_cost
 
 
 class Way(Enum):
@@ -85,3 +86,10 @@ def way_of(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Way:
 def decoupled(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
     """Whether a fused Adam group decays weights decoupled (AdamW, or Adam(decoupled_weight_decay=True))."""
     return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+
+
+def whole_cost(optimizer: torch.optim.Optimizer) -> Cost:
+    """What an owner-way optimizer's update of a whole parameter costs, by its shape: Newton-Schulz's for a Muon
+    (torch's, or a class of that name), else the parameter's size."""
+    return matrix_cost if isinstance(optimizer, torch.optim.Muon) or "muon" in type(optimizer).__name__.lower() \
+        else size_cost

@@ -32,6 +32,7 @@ from torch import nn
 
 from zerorun.errors import ZerorunError, ZerorunWarning
 from zerorun.runtime import compiled
+from zerorun.runtime.ownership import Balance
 from zerorun.runtime.stage3.unit_group import AROUND_USE, UnitGroup, UnitKind
 from zerorun.runtime.units import Unit, cut_units, group_numels
 
@@ -56,8 +57,10 @@ class Stage3Plan:
 
 
 def plan_stage3(model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[str], threshold: int,
-                auto_numel: int, chunk_numel: int, world: int, dtype: torch.dtype) -> Stage3Plan:
-    """Module units for `model` (see the module docstring) and their units of at most `chunk_numel`."""
+                auto_numel: int, chunk_numel: int, world: int, dtype: torch.dtype,
+                whole: list[Balance | None] | None = None) -> Stage3Plan:
+    """Module units for `model` (see the module docstring) and their units of at most `chunk_numel`; `whole`: per
+    param group, the owner way's balance (each unit's pieces hold whole parameters), or None."""
     wrapped = wrapped_modules(model, wrap, auto_numel)
     split = split_modules(model, [mod for _, mod in wrapped], max(1, auto_numel // 2))
     position = {mod: i for i, (_, mod) in enumerate(model.named_modules())}
@@ -73,7 +76,7 @@ def plan_stage3(model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[s
     for owner in reversed([*ordered, root, persistent]):  # bounded buffers stay reusable by the host allocator
         for g, params in enumerate(groups):  # g: the optimizer's param group
             for unit in cut_units(g, [p for p in params if owner_of.get(p) is owner], chunk_numel, world, dtype,
-                                  offsets[g]):
+                                  offsets[g], whole=whole[g] if whole else None):
                 owner.add(len(units), unit)
                 units.append(unit)
                 group_of.append(owner)

@@ -51,7 +51,7 @@ class UnitBuffers:
             handle = self.hpz.gather(slot, full)
         else:
             self.shard.fill(unit, unit.piece(full, self.rank))
-            handle = self.comm.all_gather(full, compute_copy=True, unit=slot)
+            handle = self.comm.all_gather(full, compute_copy=True, unit=slot, used=unit.layout.used)
             if self.hpz is not None:
                 self._full_gathers[slot] = self.hpz.generation  # kept when it lands, unless stale by then
         for param, view in zip(unit.params, self.views[slot]):
