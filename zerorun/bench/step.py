@@ -19,7 +19,7 @@ import gc
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence, cast
 
 import torch
@@ -53,6 +53,7 @@ ZERO_SYSTEMS = {
     "zero3-nvme": ["zero.stage=3", "zero.offload_optimizer.device=nvme", "zero.offload_param.device=cpu"],
 }
 PEERS = ("ddp", "ddp-fused", "fsdp2", "deepspeed2", "deepspeed3")
+NS_REFERENCE = "muon-ns"  # not a system: torch's Muon.step() over the Muon matrices alone, in one process (T_NS)
 SYSTEMS = (*PEERS, *ZERO_SYSTEMS)
 DEFAULT_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 DESCRIPTIONS = {
@@ -122,11 +123,21 @@ class Sample:
 
 def describe(system: str, optimizer: str = "adamw") -> str:
     """The table's name of a system, compiled ones included (`zero2+compile`), with another `optimizer` than AdamW
-    named in place of it."""
+    (or the one the system names: `zero2@muon`)."""
+    if system == NS_REFERENCE:
+        return "torch Muon.step() alone, one process (T_NS)"
+    system, optimizer = split_optimizer(system, optimizer)
     base, mode = compiling.split_system(system)
     text = DESCRIPTIONS[base] if optimizer == "adamw" else \
         DESCRIPTIONS[base].replace("torch AdamW(fused=True)", optimizer).replace("torch AdamW", optimizer)
-    return text + (f", {compiling.describe_mode(mode)}" if mode else "")
+    text = text if optimizer == "adamw" or optimizer in text else f"{text}, {optimizer}"
+    return f"{text}, {compiling.describe_mode(mode)}" if mode else text
+
+
+def split_optimizer(system: str, default: str) -> tuple[str, str]:
+    """`zero2@muon` -> ("zero2", "muon"); a system without one runs `default` (the bench's --optimizer)."""
+    base, _, optimizer = system.partition("@")
+    return base, optimizer or default
 
 
 def optimizer_keys(cfg: StepBenchConfig) -> list[str]:
@@ -152,8 +163,17 @@ def _peers(system: str, model: torch.nn.Module, cfg: StepBenchConfig,
     if system.startswith("deepspeed"):
         import deepspeed
 
-        ds_config = {"train_micro_batch_size_per_gpu": cfg.micro_batch, "gradient_accumulation_steps": 1,
-                     "zero_optimization": {"stage": int(system[-1])}, "zero_allow_untested_optimizer": True}
+        ds_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": cfg.micro_batch, "gradient_accumulation_steps": 1,
+                                     "zero_optimization": {"stage": int(system[-1])},
+                                     "zero_allow_untested_optimizer": True}
+        if cfg.optimizer == "muon":  # DeepSpeed's own Muon (MuonWithAuxAdam): its split is the recipe's muon's
+            ds_config["optimizer"] = {"type": "Muon", "params": _muon_params(cfg)}
+            if system == "deepspeed3":  # "Muon and reduce scatter cannot be used together"
+                ds_config["zero_optimization"]["reduce_scatter"] = False
+            torch._dynamo.config.disable = True  # its Newton-Schulz is compiled, which fails on a CPU host
+            engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                     config=ds_config)
+            return engine, [opt]
         opts = _optimizers(model, cfg, fused=True)
         engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opts[0], config=ds_config)
         return engine, [opt]
@@ -171,6 +191,62 @@ def _peers(system: str, model: torch.nn.Module, cfg: StepBenchConfig,
     return model, _optimizers(model, cfg, fused=False)
 
 
+def _muon_params(cfg: StepBenchConfig) -> dict[str, Any]:
+    """DeepSpeed's Muon settings: the recipe's (lr, weight decay, torch Muon's momentum)."""
+    from zerorun import config
+
+    recipe = config.loads("script: bench", "<bench>", optimizer_keys(cfg)).optimizer
+    return {"lr": recipe.lr, "weight_decay": recipe.weight_decay, "momentum": recipe.momentum or 0.95}
+
+
+def _newton_schulz(rank: int, world: int, cfg: StepBenchConfig) -> Sample:
+    """T_NS: torch's `Muon.step()` over the matrices the recipe's muon gives it (DeepSpeed's split) of the bench's
+    GPT, alone in one process with the ranks' threads; as a Sample whose steps are the optimizer's."""
+    from zerorun.runtime.optim.recipe_optimizers import from_recipe
+
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    from zerorun import config
+
+    muon = from_recipe(config.loads("script: bench", "<bench>", optimizer_keys(cfg)).optimizer, model)[0]
+    assert isinstance(muon, torch.optim.Muon), type(muon)
+    for group in muon.param_groups:
+        for p in group["params"]:
+            p.grad = torch.randn_like(p)
+    times = []
+    for _ in range(cfg.warmup + cfg.steps):
+        start = _now()
+        muon.step()
+        times.append(_now() - start)
+    timed = times[cfg.warmup:]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return Sample(timed, [0.0] * len(timed), [0.0] * len(timed), timed, rss, 0.0, float("nan"), None)
+
+
+def muon_verdicts(cfg: StepBenchConfig, results: Sequence[SystemResult]) -> list[str]:
+    """Per stage with both a Muon and an AdamW row: what Muon adds to the step against T_NS / ranks (the most the
+    work split evenly can cost), and its step against DeepSpeed's Muon at that stage, where it ran."""
+    by = {r.system: r for r in results}
+    if NS_REFERENCE not in by:
+        return []
+    ns = by[NS_REFERENCE].step_s
+    lines = [f"T_NS (torch Muon.step(), one process) {ns:.2f} s; split evenly over {cfg.world_size} ranks "
+             f"{ns / cfg.world_size:.2f} s"]
+    for r in results:
+        system, optimizer = split_optimizer(r.system, cfg.optimizer)
+        adamw = by.get(f"{system}@adamw") or (by.get(system) if cfg.optimizer == "adamw" else None)
+        if optimizer != "muon" or not system.startswith("zero") or adamw is None:
+            continue
+        added = r.step_s - adamw.step_s
+        line = (f"{system}: Muon adds {added:.2f} s to AdamW's step = {added / (ns / cfg.world_size):.2f} x "
+                f"T_NS / {cfg.world_size}")
+        peer = by.get(f"deepspeed{system[4]}@muon")
+        if peer is not None and system[4] in "23":
+            line += f"; Muon step {r.step_s:.2f} s = {r.step_s / peer.step_s:.2f} x DeepSpeed's ({peer.step_s:.2f} s)"
+        lines.append(line)
+    return lines
+
+
 def _local_bytes(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
@@ -186,6 +262,8 @@ def _peer_state_mib(model: torch.nn.Module, opts: list[torch.optim.Optimizer]) -
 
 
 def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
+    system, optimizer = split_optimizer(system, cfg.optimizer)
+    cfg = replace(cfg, optimizer=optimizer)
     import zerorun
     from zerorun import config
     from zerorun.runtime.comm.dist import init_distributed
@@ -350,15 +428,21 @@ def _rounds(cfg: StepBenchConfig, progress: Callable[[str], None], spawn: Spawn)
         order = cfg.systems[shift:] + cfg.systems[:shift]
         this_round = {}
         for system in order:
-            sample = spawn(_train, (system, cfg))[0]
+            if system == NS_REFERENCE:  # one process, wherever the ranks run
+                sample = run_ranks(_newton_schulz, 1, (replace(cfg, optimizer="muon"),), timeout=1800,
+                                   threads=cfg.threads)[0]
+            else:
+                sample = spawn(_train, (system, cfg))[0]
             samples[system].append(sample)
             this_round[system] = statistics.median(sample.step_s)
             progress(f"round {round_index + 1}/{cfg.rounds} {system:10s} {this_round[system]:.3f} s/step, warm-up "
                      f"{sample.first_step_s:.1f} s")
         for base, per_system in ratios.items():
             for system, seconds in this_round.items():
-                if base in this_round:
-                    per_system[system].append(seconds / this_round[base])
+                same = f"{base}@{split_optimizer(system, cfg.optimizer)[1]}"  # `zero2@muon` against `ddp@muon`
+                reference = same if same in this_round else base
+                if reference in this_round:
+                    per_system[system].append(seconds / this_round[reference])
     results = []
     for system in cfg.systems:
         runs = samples[system]
@@ -427,7 +511,8 @@ def render(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[An
     ratio = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
     for r in results:
         ratios = [ratio(r.ratio_to_ddp)] + ([ratio(r.ratio_to_baseline)] if baseline else [])
-        sent = [f"{r.link_mb:.0f} ({ideal_link_mb(r.system, params, cfg.cluster[0]):.0f})"] if cfg.cluster else []
+        sent = [f"{r.link_mb:.0f} ({ideal_link_mb(split_optimizer(r.system, '')[0], params, cfg.cluster[0]):.0f})"] \
+            if cfg.cluster else []
         later = f"{r.later_first_step_s:.1f}" if r.later_first_step_s is not None else "-"
         first = [f"{r.first_step_s or 0:.1f} / {later}", r.dynamo or "-"] if compiled else []
         table.add_row(describe(r.system, cfg.optimizer), *ratios,

@@ -70,7 +70,9 @@ def bench_step(
                                                           "(each block replaced by torch.compile(block)).")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")] = None,
     optimizer: Annotated[str, typer.Option(help="Every system's optimizer, as a recipe's optimizer.type names it "
-                                                "(adamw, sgd, lion, muon, ...; sgd with momentum 0.9).")] = "adamw",
+                                                "(adamw, sgd, lion, muon, ...; sgd with momentum 0.9). Several, "
+                                                "comma-separated, give each system a row per optimizer (SYSTEM@OPT); "
+                                                "with muon, a row times torch's Muon.step() alone (T_NS).")] = "adamw",
 ) -> None:
     """Step time and memory of zerorun's stages against DDP, FSDP2 and DeepSpeed, in one interleaved run."""
     from zerorun import tables
@@ -78,6 +80,7 @@ def bench_step(
     from zerorun.bench.cluster import parse_shape
 
     chosen = _step_systems(systems, nvme_path, baseline, compile)
+    chosen, optimizer = _with_optimizers(chosen, optimizer)
     shape = parse_shape(cluster) if cluster else None
     # a compiled stage 3 model compiles in its second step (its first pass runs eagerly): every system warms up
     # over two steps then, so that the rows still train on the same batches
@@ -89,8 +92,30 @@ def bench_step(
     out = tables.console()
     out.print(step.render(cfg, results, links, out.width))
     out.print(step_profile.render(results, out.width))
+    for line in step.muon_verdicts(cfg, results):
+        out.print(line)
     if json_out is not None:
         json_out.write_text(json.dumps(step.as_json(cfg, results, links), indent=2))
+
+
+def _with_optimizers(chosen: tuple[str, ...], optimizer: str) -> tuple[tuple[str, ...], str]:
+    """The systems and the default optimizer for `--optimizer`: with several, a row per system and optimizer
+    (SYSTEM@OPT); with muon, T_NS's row too. Unknown names are refused as the recipe refuses them."""
+    from zerorun import config
+    from zerorun.bench import step
+
+    names = [o.strip() for o in optimizer.split(",") if o.strip()] or ["adamw"]
+    for name in names:
+        try:
+            config.loads("script: bench", "<bench>", [f"optimizer.type={name}"])
+        except ZerorunError as exc:
+            raise ZerorunError(f"--optimizer {name}: {exc}") from None
+    if len(names) > 1:
+        baseline_first = [f"{s}@{o}" for s in chosen for o in names]
+        chosen = tuple(baseline_first)
+    if "muon" in names:
+        chosen = (*chosen, step.NS_REFERENCE)
+    return chosen, names[0] if len(names) == 1 else ",".join(names)
 
 
 def _step_systems(systems: str, nvme_path: str | None, baseline: str, compile: bool = False) -> tuple[str, ...]:
