@@ -19,15 +19,17 @@ import gc
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
 from zerorun.bench import compiling, step_profile
-from zerorun.bench.gpt import GPT, GPTConfig, synthetic_tokens
+from zerorun.bench.gpt import GPT, synthetic_tokens
+from zerorun.bench.peers import optimizer_keys, peer_state_mib, peers
 from zerorun.bench.spawn import run_ranks
+from zerorun.bench.step_results import NS_REFERENCE, Sample, StepBenchConfig, SystemResult, split_optimizer
 
 # zerorun's systems: the recipe overrides each one runs with
 ZERO_SYSTEMS = {
@@ -53,9 +55,7 @@ ZERO_SYSTEMS = {
     "zero3-nvme": ["zero.stage=3", "zero.offload_optimizer.device=nvme", "zero.offload_param.device=cpu"],
 }
 PEERS = ("ddp", "ddp-fused", "fsdp2", "deepspeed2", "deepspeed3")
-NS_REFERENCE = "muon-ns"  # not a system: torch's Muon.step() over the Muon matrices alone, in one process (T_NS)
 SYSTEMS = (*PEERS, *ZERO_SYSTEMS)
-DEFAULT_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 DESCRIPTIONS = {
     "ddp": "DDP + torch AdamW (default: for-loop on CPU)",
     "ddp-fused": "DDP + torch AdamW(fused=True)",
@@ -85,42 +85,6 @@ DESCRIPTIONS = {
 }
 
 
-@dataclass
-class StepBenchConfig:
-    model: GPTConfig = field(default_factory=GPTConfig)
-    micro_batch: int = 2
-    world_size: int = 2
-    threads: int = 1
-    rounds: int = 3
-    warmup: int = 1
-    steps: int = 3
-    systems: tuple[str, ...] = DEFAULT_SYSTEMS
-    precision: str = "fp32"
-    nvme_path: str | None = None  # for the *-nvme systems
-    baseline: str = "ddp"  # a second ratio column against this system (one of `systems`)
-    cluster: tuple[int, int] | None = None  # (nodes, ranks per node) on an emulated cluster; None: local ranks
-    link: str = "1gbit"  # the emulated cluster's link rate
-    optimizer: str = "adamw"  # every system's optimizer, as the recipe's optimizer.type names it (sgd: momentum 0.9)
-
-
-@dataclass
-class Sample:
-    """One (round, system) run on rank 0: per-step phase times and memory."""
-
-    step_s: list[float]
-    forward_s: list[float]
-    backward_s: list[float]
-    optimizer_s: list[float]
-    peak_rss_mib: float
-    model_state_mib: float
-    final_loss: float
-    live_mib: float | None  # every live tensor after a backward (None for DDP: its buckets live in C++)
-    link_bytes: float | None = None  # per timed step, sent by rank 0's node on its link (emulated cluster only)
-    profile: dict[str, float] | None = None  # per timed step: CPU by thread and waits per collective (step_profile)
-    first_step_s: float = 0.0  # the warm-up steps: with a compiled model, the compile happens here
-    dynamo: str | None = None  # a compiled system's graphs, breaks and frames left eager (compiling.py)
-
-
 def describe(system: str, optimizer: str = "adamw") -> str:
     """The table's name of a system, compiled ones included (`zero2+compile`), with another `optimizer` than AdamW
     (or the one the system names: `zero2@muon`)."""
@@ -132,133 +96,6 @@ def describe(system: str, optimizer: str = "adamw") -> str:
         DESCRIPTIONS[base].replace("torch AdamW(fused=True)", optimizer).replace("torch AdamW", optimizer)
     text = text if optimizer == "adamw" or optimizer in text else f"{text}, {optimizer}"
     return f"{text}, {compiling.describe_mode(mode)}" if mode else text
-
-
-def split_optimizer(system: str, default: str) -> tuple[str, str]:
-    """`zero2@muon` -> ("zero2", "muon"); a system without one runs `default` (the bench's --optimizer)."""
-    base, _, optimizer = system.partition("@")
-    return base, optimizer or default
-
-
-def optimizer_keys(cfg: StepBenchConfig) -> list[str]:
-    """The recipe keys of the benchmark's optimizer (lr 1e-4; SGD with momentum, as it is trained)."""
-    return [f"optimizer.type={cfg.optimizer}", "optimizer.lr=1e-4",
-            *(["optimizer.momentum=0.9"] if cfg.optimizer == "sgd" else [])]
-
-
-def _optimizers(model: torch.nn.Module, cfg: StepBenchConfig, fused: bool) -> list[torch.optim.Optimizer]:
-    """The peers' optimizers: the ones the recipe's keys build for zerorun (`fused`: AdamW(fused=True))."""
-    from zerorun import config
-    from zerorun.runtime.optim.recipe_optimizers import from_recipe
-
-    if fused and cfg.optimizer == "adamw":
-        return [torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)]
-    return from_recipe(config.loads("script: bench", "<bench>", optimizer_keys(cfg)).optimizer, model)
-
-
-def _peers(system: str, model: torch.nn.Module, cfg: StepBenchConfig,
-           compile: str | None = None) -> tuple[Any, list[torch.optim.Optimizer]]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    if system.startswith("deepspeed"):
-        import deepspeed
-
-        ds_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": cfg.micro_batch, "gradient_accumulation_steps": 1,
-                                     "zero_optimization": {"stage": int(system[-1])},
-                                     "zero_allow_untested_optimizer": True}
-        if cfg.optimizer == "muon":  # DeepSpeed's own Muon (MuonWithAuxAdam): its split is the recipe's muon's
-            ds_config["optimizer"] = {"type": "Muon", "params": _muon_params(cfg)}
-            if system == "deepspeed3":  # "Muon and reduce scatter cannot be used together"
-                ds_config["zero_optimization"]["reduce_scatter"] = False
-            torch._dynamo.config.disable = True  # its Newton-Schulz is compiled, which fails on a CPU host
-            engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                     config=ds_config)
-            return engine, [opt]
-        opts = _optimizers(model, cfg, fused=True)
-        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opts[0], config=ds_config)
-        return engine, [opt]
-    if system.startswith("ddp"):
-        if compile == "block":
-            compiling.compile_blocks(model)
-        wrapped = DDP(model)
-        optimizers = _optimizers(model, cfg, fused=system == "ddp-fused")
-        return (torch.compile(wrapped) if compile == "whole" else wrapped), optimizers
-    from torch.distributed.fsdp import fully_shard
-
-    for block in cast(torch.nn.ModuleList, model.blocks):
-        fully_shard(block)
-    fully_shard(model)
-    return model, _optimizers(model, cfg, fused=False)
-
-
-def _muon_params(cfg: StepBenchConfig) -> dict[str, Any]:
-    """DeepSpeed's Muon settings: the recipe's (lr, weight decay, torch Muon's momentum)."""
-    from zerorun import config
-
-    recipe = config.loads("script: bench", "<bench>", optimizer_keys(cfg)).optimizer
-    return {"lr": recipe.lr, "weight_decay": recipe.weight_decay, "momentum": recipe.momentum or 0.95}
-
-
-def _newton_schulz(rank: int, world: int, cfg: StepBenchConfig) -> Sample:
-    """T_NS: torch's `Muon.step()` over the matrices the recipe's muon gives it (DeepSpeed's split) of the bench's
-    GPT, alone in one process with the ranks' threads; as a Sample whose steps are the optimizer's."""
-    from zerorun.runtime.optim.recipe_optimizers import from_recipe
-
-    torch.manual_seed(0)
-    model = GPT(cfg.model)
-    from zerorun import config
-
-    muon = from_recipe(config.loads("script: bench", "<bench>", optimizer_keys(cfg)).optimizer, model)[0]
-    assert isinstance(muon, torch.optim.Muon), type(muon)
-    for group in muon.param_groups:
-        for p in group["params"]:
-            p.grad = torch.randn_like(p)
-    times = []
-    for _ in range(cfg.warmup + cfg.steps):
-        start = _now()
-        muon.step()
-        times.append(_now() - start)
-    timed = times[cfg.warmup:]
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return Sample(timed, [0.0] * len(timed), [0.0] * len(timed), timed, rss, 0.0, float("nan"), None)
-
-
-def muon_verdicts(cfg: StepBenchConfig, results: Sequence[SystemResult]) -> list[str]:
-    """Per stage with both a Muon and an AdamW row: what Muon adds to the step against T_NS / ranks (the most the
-    work split evenly can cost), and its step against DeepSpeed's Muon at that stage, where it ran."""
-    by = {r.system: r for r in results}
-    if NS_REFERENCE not in by:
-        return []
-    ns = by[NS_REFERENCE].step_s
-    lines = [f"T_NS (torch Muon.step(), one process) {ns:.2f} s; split evenly over {cfg.world_size} ranks "
-             f"{ns / cfg.world_size:.2f} s"]
-    for r in results:
-        system, optimizer = split_optimizer(r.system, cfg.optimizer)
-        adamw = by.get(f"{system}@adamw") or (by.get(system) if cfg.optimizer == "adamw" else None)
-        if optimizer != "muon" or not system.startswith("zero") or adamw is None:
-            continue
-        added = r.step_s - adamw.step_s
-        line = (f"{system}: Muon adds {added:.2f} s to AdamW's step = {added / (ns / cfg.world_size):.2f} x "
-                f"T_NS / {cfg.world_size}")
-        peer = by.get(f"deepspeed{system[4]}@muon")
-        if peer is not None and system[4] in "23":
-            line += f"; Muon step {r.step_s:.2f} s = {r.step_s / peer.step_s:.2f} x DeepSpeed's ({peer.step_s:.2f} s)"
-        lines.append(line)
-    return lines
-
-
-def _local_bytes(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
-    t = t.to_local() if hasattr(t, "to_local") else t
-    return t.numel() * t.element_size()
-
-
-def _peer_state_mib(model: torch.nn.Module, opts: list[torch.optim.Optimizer]) -> float:
-    params = sum(_local_bytes(p) + _local_bytes(p.grad) for p in model.parameters())
-    states = sum(_local_bytes(v) for opt in opts for s in opt.state.values() for v in s.values()
-                 if isinstance(v, torch.Tensor))
-    return (params + states) / 2**20
 
 
 def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
@@ -294,7 +131,7 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
         state_mib = lambda: engine.memory().model_states() / 2**20  # noqa: E731
         snapshot = step_profile.counters(engine.comm.stats)
     else:
-        wrapped, opts = _peers(system, model, cfg, compile)
+        wrapped, opts = peers(system, model, cfg, compile)
         forward, backward, settle = wrapped, lambda loss: loss.backward(), lambda: None
 
         def step() -> None:
@@ -303,7 +140,7 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
                 opt.zero_grad(set_to_none=False)  # keep gradients allocated, as steady-state training does
         if system.startswith("deepspeed"):
             backward, step = wrapped.backward, wrapped.step
-        state_mib = lambda: _peer_state_mib(model, opts)  # noqa: E731
+        state_mib = lambda: peer_state_mib(model, opts)  # noqa: E731
         snapshot = step_profile.counters(None)
     times, final_loss, delta, first_s = _timed(batches, cfg.warmup, forward, backward, step, settle, snapshot)
     steps = [sum(parts) for parts in zip(*times.values())]
@@ -387,26 +224,6 @@ def _now() -> float:
     return time.perf_counter()
 
 
-@dataclass
-class SystemResult:
-    system: str
-    step_s: float
-    ratio_to_ddp: float | None
-    ratio_to_baseline: float | None
-    forward_s: float
-    backward_s: float
-    optimizer_s: float
-    peak_rss_mib: float
-    model_state_mib: float
-    final_loss: float
-    live_mib: float | None  # every live tensor after a backward (see `live_tensor_bytes`)
-    link_mb: float | None = None  # per step, sent by rank 0's node on its link (median; emulated cluster only)
-    profile: dict[str, float] | None = None  # per step, medians of the rounds' (step_profile.py)
-    first_step_s: float | None = None  # the warm-up steps of the first round: a compiled system compiles in them
-    later_first_step_s: float | None = None  # ... of the later rounds (median): inductor's cache is warm by then
-    dynamo: str | None = None  # a compiled system's graphs, breaks and frames left eager (first round's)
-
-
 Spawn = Callable[[Callable[..., Any], tuple], list[Any]]  # run fn(rank, world, *args) on every rank
 
 
@@ -421,6 +238,8 @@ def run(cfg: StepBenchConfig, progress: Callable[[str], None] = print, spawn: Sp
 
 
 def _rounds(cfg: StepBenchConfig, progress: Callable[[str], None], spawn: Spawn) -> list[SystemResult]:
+    from zerorun.bench import step_muon
+
     samples: dict[str, list[Sample]] = {s: [] for s in cfg.systems}
     ratios: dict[str, dict[str, list[float]]] = {base: {s: [] for s in cfg.systems} for base in {"ddp", cfg.baseline}}
     for round_index in range(cfg.rounds):
@@ -429,7 +248,7 @@ def _rounds(cfg: StepBenchConfig, progress: Callable[[str], None], spawn: Spawn)
         this_round = {}
         for system in order:
             if system == NS_REFERENCE:  # one process, wherever the ranks run
-                sample = run_ranks(_newton_schulz, 1, (replace(cfg, optimizer="muon"),), timeout=1800,
+                sample = run_ranks(step_muon.newton_schulz, 1, (replace(cfg, optimizer="muon"),), timeout=1800,
                                    threads=cfg.threads)[0]
             else:
                 sample = spawn(_train, (system, cfg))[0]

@@ -76,7 +76,7 @@ def bench_step(
 ) -> None:
     """Step time and memory of zerorun's stages against DDP, FSDP2 and DeepSpeed, in one interleaved run."""
     from zerorun import tables
-    from zerorun.bench import step, step_profile
+    from zerorun.bench import step, step_muon, step_profile
     from zerorun.bench.cluster import parse_shape
 
     chosen = _step_systems(systems, nvme_path, baseline, compile)
@@ -92,7 +92,7 @@ def bench_step(
     out = tables.console()
     out.print(step.render(cfg, results, links, out.width))
     out.print(step_profile.render(results, out.width))
-    for line in step.muon_verdicts(cfg, results):
+    for line in step_muon.muon_verdicts(cfg, results):
         out.print(line)
     if json_out is not None:
         json_out.write_text(json.dumps(step.as_json(cfg, results, links), indent=2))

@@ -3,7 +3,9 @@
 Muon orthogonalizes a whole matrix, Adafactor factors its second moment into row and column sums,
 LAMB scales a parameter's step by its norm: none of them can run over a flat piece that holds part of
 a matrix (ways.py). Each such parameter is owned by one rank, which keeps its optimizer state and
-updates it on its real shape. The stage lays these groups out so that a rank's piece of each unit
+updates it on its real shape, on the device wherever there is one (Newton-Schulz is matrix products,
+what a GPU is for), whatever the placement keeps the state in. The
+stage lays these groups out so that a rank's piece of each unit
 holds exactly the parameters it owns, whole (`ownership.py`, `partition.whole_layout`), balanced by
 the optimizer's cost. So the stage's own collectives do all the moving, as for Adam:
 
@@ -15,8 +17,9 @@ the optimizer's cost. So the stage's own collectives do all the moving, as for A
 
 No collective beyond the stage's own: the bytes on the wire are AdamW's but for the pieces' padding,
 and each rank runs the optimizer only for what it owns. The state lives where the placement says: on
-the device, on the host (the owned tensors are copied there to step), or on NVMe (`OwnedFiles`: a
-file per owned parameter, read before the step and written after).
+the device (in the optimizer's own `state`), on the host (`OwnedHost`: brought to the device for the
+step and back after it; on a CPU-only machine it simply stays in the optimizer), or on NVMe
+(`OwnedFiles`: a file per owned parameter, read before the step and written after).
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class OwnedFiles:
     directory is this engine's own, made under `root` when it starts and removed when it is collected (an engine
     built after it at the same path has another)."""
 
+    where = "nvme"
+
     def __init__(self, root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.root = Path(tempfile.mkdtemp(prefix="owned-", dir=root))
@@ -82,17 +87,50 @@ class OwnedFiles:
         return sum(f.stat().st_size for f in self.root.glob("*.pt"))
 
 
+class OwnedHost:
+    """The owned parameters' optimizer state in host memory, between the steps they take on the device: each
+    tensor in a host buffer of its own (pinned where CUDA is, so it moves at the link's speed), reused."""
+
+    where = "cpu"
+
+    def __init__(self) -> None:
+        self.states: dict[str, dict[str, Any]] = {}
+
+    def read(self, param: OwnerParam) -> dict[str, Any]:
+        """The parameter's state ({} before its first step), on the host."""
+        return dict(self.states.get(param.name, {}))
+
+    def write(self, param: OwnerParam, state: dict[str, Any]) -> None:
+        if not state:
+            self.states.pop(param.name, None)
+            return
+        kept = self.states.get(param.name, {})
+        self.states[param.name] = {k: _to_host(v, kept.get(k)) for k, v in state.items()}
+
+    def nbytes(self) -> int:
+        return tensor_bytes([v for state in self.states.values() for v in state.values() if isinstance(v, torch.Tensor)])
+
+
+def _to_host(value: Any, buffer: Any) -> Any:
+    """`value` in host memory: copied into `buffer` where it fits (the last step's), else into a new pinned one."""
+    if not isinstance(value, torch.Tensor) or value.device.type == "cpu":
+        return value
+    if not (isinstance(buffer, torch.Tensor) and buffer.shape == value.shape and buffer.dtype == value.dtype):
+        buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=torch.cuda.is_available())
+    return buffer.copy_(value)
+
+
 class OwnerStep:
     """Steps the owner-run groups on the parameters this rank's pieces hold whole (see the module docstring)."""
 
     def __init__(self, groups: dict[int, tuple[torch.optim.Optimizer, int]], store: ParamStore,
                  pieces: list[list[Piece]], place: torch.device, tile_numel: int, names: dict[nn.Parameter, str],
-                 files: OwnedFiles | None = None) -> None:
+                 kept: OwnedFiles | OwnedHost | None = None) -> None:
         """`groups`: engine group -> (its optimizer, the group's index there); `pieces`: per engine group, its
-        units' gradients and targets in state order; `place`: where the owned parameters step and their state
-        lives (the device, or the host); `files`: the state's files on NVMe (None: in memory)."""
+        units' gradients and targets in state order; `place`: where the owned parameters step (the device);
+        `kept`: where their state stays between steps, when not with them (the host, or files on NVMe)."""
         self.groups, self.store, self.place = groups, store, place
-        self.tile_numel, self.files = tile_numel, files
+        self.tile_numel, self.kept = tile_numel, kept
         self.piece_of: dict[int, Piece] = {}  # per unit index: its gradient piece and target
         self.params: list[OwnerParam] = []
         seen = {g: 0 for g in groups}  # each group's units so far: its pieces are in the same (state) order
@@ -132,14 +170,14 @@ class OwnerStep:
         masters = {k: self._take_whole(k, divisor) for k in self.units}
         for optimizer, by_index in self.optimizers().items():
             owned = [p for params in by_index.values() for p in params]
-            if self.files is not None:  # the state comes in from its files for the step, and goes back
+            if self.kept is not None:  # the state comes in for the step, and goes back
                 for param in owned:
-                    self._put(optimizer, param, self.files.read(param))
+                    self._put(optimizer, param, self._placed(self.kept.read(param)))
             with stepping(optimizer, {i: [p.key for p in params] for i, params in by_index.items()}):
                 optimizer.step()
-            if self.files is not None:
+            if self.kept is not None:
                 for param in owned:
-                    self.files.write(param, optimizer.state.pop(param.key, {}))
+                    self.kept.write(param, optimizer.state.pop(param.key, {}))
         for k, master in masters.items():
             self._send_back(k, master)
         for param in self.owned:
@@ -180,19 +218,24 @@ class OwnerStep:
     # -- state: memory, checkpoints ------------------------------------------------------------------
     def state_of(self, param: OwnerParam) -> dict[str, Any]:
         """The optimizer state this rank keeps for an owned parameter ({} before its first step)."""
-        if self.files is not None:
-            return self.files.read(param)
+        if self.kept is not None:
+            return self.kept.read(param)
         optimizer, _ = self.groups[param.group]
         return dict(optimizer.state.get(param.key, {}))
 
     def set_state(self, param: OwnerParam, state: dict[str, Any]) -> None:
         """Replace an owned parameter's optimizer state (a checkpoint load, or the state handed over with it)."""
-        # 0-d tensors (a `step`) stay where they are: torch's optimizers keep them on the host unless capturable
-        state = {k: v.to(self.place) if isinstance(v, torch.Tensor) and v.dim() else v for k, v in state.items()}
-        if self.files is not None:
-            self.files.write(param, state)
+        state = self._placed(state)
+        if self.kept is not None:
+            self.kept.write(param, state)
         else:
             self._put(self.groups[param.group][0], param, state)
+
+    def _placed(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` where its parameter steps; 0-d tensors (a `step`) stay where they are: torch's optimizers keep
+        them on the host unless capturable."""
+        return {k: v.to(self.place, non_blocking=True) if isinstance(v, torch.Tensor) and v.dim() else v
+                for k, v in state.items()}
 
     @staticmethod
     def _put(optimizer: torch.optim.Optimizer, param: OwnerParam, state: dict[str, Any]) -> None:
@@ -201,8 +244,9 @@ class OwnerStep:
             optimizer.state[param.key] = state
 
     def account(self, report: MemoryReport) -> None:
-        if self.files is not None:
-            report.add("optimizer", "nvme", self.files.nbytes())
+        if self.kept is not None:
+            report.add("optimizer", self.kept.where, self.kept.nbytes())
+            report.add("comm", self.store.device.type, self.direct.held_bytes())
             return
         tensors = [v for param in self.owned for v in self.state_of(param).values() if isinstance(v, torch.Tensor)]
         report.add("optimizer", self.place.type, tensor_bytes(tensors))

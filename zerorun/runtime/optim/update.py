@@ -36,7 +36,7 @@ from zerorun.runtime.optim.elementwise import ElementwiseGroup, State, TorchTile
 from zerorun.runtime.optim.flat_step import FlatStep, FusedAdam, Piece
 from zerorun.runtime.optim.optimizer import ShardedOptimizer
 from zerorun.runtime.optim.overlap import OverlappedUpdate
-from zerorun.runtime.optim.owner_step import OwnedFiles, OwnerStep
+from zerorun.runtime.optim.owner_step import OwnedFiles, OwnedHost, OwnerStep
 from zerorun.runtime.optim.state_json import owned_to_json, scalars_to_json
 from zerorun.runtime.optim.take_over import EngineGroup
 from zerorun.runtime.optim.ways import Way, decoupled
@@ -102,8 +102,8 @@ class Update:
         self.elementwise = {g: ElementwiseGroup(group.optimizer, group.index, group.kinds, group.scalars, group.where)
                             for g, group in enumerate(groups) if group.way is Way.ELEMENTWISE}
         owned = {g: (group.optimizer, group.index) for g, group in enumerate(groups) if group.way is Way.OWNER}
-        self.owner = OwnerStep(owned, store, self.pieces, _owner_place(placement, store.device),
-                               placement.tile_numel, names, _owned_files(placement)) if owned else None
+        self.owner = OwnerStep(owned, store, self.pieces, store.device, placement.tile_numel, names,
+                               _owned_home(placement, store.device)) if owned else None
         self.overlap: OverlappedUpdate | None = None  # the host's fused groups under the backward (overlap.py)
         self._stepping = False  # True while the engine calls a script's optimizer (its guard lets it through)
         self._place_carried(comm)
@@ -316,17 +316,15 @@ class Update:
                 self.store.home.write(g, kind, unit.piece(full, self.store.shard_rank), start=unit.state_offset)
 
 
-def _owner_place(placement: Placement, device: torch.device) -> torch.device:
-    """Where the owner way's parameters step and their state lives: the device, or the host when offloaded."""
-    return device if placement.optimizer is Place.DEVICE else torch.device("cpu")
-
-
-def _owned_files(placement: Placement) -> OwnedFiles | None:
-    """The owner way's state files when the optimizer lives on NVMe."""
+def _owned_home(placement: Placement, device: torch.device) -> OwnedFiles | OwnedHost | None:
+    """Where the owner way keeps its state between steps when not beside the parameters on the device they step
+    on: files when the optimizer lives on NVMe, the host when it lives there and the device is a GPU (None: in the
+    optimizer's own state)."""
+    if placement.optimizer is Place.HOST and device.type != "cpu":
+        return OwnedHost()
     if placement.optimizer is not Place.NVME:
         return None
     from zerorun.offload_files import rank_dir
 
     assert placement.optimizer_nvme is not None, "an optimizer on NVMe has a zero.offload_optimizer.nvme_path"
     return OwnedFiles(rank_dir(placement.optimizer_nvme, placement.run, placement.rank))
-

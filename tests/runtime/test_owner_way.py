@@ -1,4 +1,6 @@
-"""The owner way moves what Adam moves: Muon's whole matrices travel in the stage's own collectives.
+"""The owner way moves what Adam moves, and steps where the device is, whatever holds its state.
+
+Muon's whole matrices travel in the stage's own collectives.
 
 The stage lays an owner-run group out so each rank's piece holds whole parameters (ownership.py), so
 the reduce-scatter already brings each matrix's whole gradient to its owner and the all-gather takes
@@ -6,6 +8,10 @@ each updated matrix back out, and the pieces' padding never travels (`used`, par
 the owner step gathered every gradient and master and scattered the updates back: 2.5x AdamW's bytes
 at stage 2. Here a step with Muon + AdamW moves AdamW's bytes (within a few per call) in as many calls or fewer, at stages
 2 and 3, on 2 and 3 ranks (tests/runtime/test_any_optimizer.py proves Muon's values against DDP's).
+
+With the optimizer on the host and a GPU, owned parameters step on the GPU and their state goes back to
+the host after each step (`OwnedHost`). A CPU-only machine has no such move (the state stays in the
+optimizer), so the test below makes the engine take it on the CPU: the same bits as without it.
 """
 
 from __future__ import annotations
@@ -74,3 +80,41 @@ def test_a_muon_step_moves_the_bytes_and_calls_an_adamw_step_moves(stage: int, w
             # all, but each piece moves at least one element (never an empty tensor): a few bytes per call
             assert values <= muon[kind][1] <= adamw[kind][1] + 4 * world * muon[kind][0], (kind, rank, muon, adamw)
         assert set(muon) == set(adamw), (muon, adamw)  # no collective of another kind
+
+
+def _offloaded_run(rank: int, world: int, stage: int) -> tuple[list[float], list[list[float]], dict]:
+    import zerorun
+    from zerorun import config
+
+    recipe = config.loads("script: t.py", "t.yaml", [f"zero.stage={stage}", "optimizer.type=muon",
+                                                      "zero.offload_optimizer.device=cpu", "zero.wrap=[Linear]",
+                                                      "zero.bucket_mb=0.004", "zero.allgather_bucket_mb=0.004"])
+    with seeded(0):
+        model = Net()
+    engine = zerorun.initialize(model, None, recipe)
+    losses = []
+    for step in range(4):
+        tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = engine(tokens)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    with engine.gathered():
+        params = [p.detach().flatten().tolist() for p in engine.module.parameters()]
+    memory = engine.memory().as_dict()
+    engine.destroy()
+    return losses, params, memory
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_state_kept_on_the_host_between_device_steps_gives_the_same_bits(stage: int, monkeypatch) -> None:
+    from zerorun.runtime.offload.placement import Place
+    from zerorun.runtime.optim import owner_step, update
+
+    in_optimizer = run_threads(_offloaded_run, 2, (stage,))
+    monkeypatch.setattr(update, "_owned_home", lambda placement, device:
+                        owner_step.OwnedHost() if placement.optimizer is Place.HOST else None)
+    moved = run_threads(_offloaded_run, 2, (stage,))
+    for rank, ((losses, params, _), (moved_losses, moved_params, memory)) in enumerate(zip(in_optimizer, moved)):
+        assert moved_losses == losses and moved_params == params, rank
+        assert memory["optimizer"]["cpu"] > 0, memory  # Muon's momentum, kept on the host
