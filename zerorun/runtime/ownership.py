@@ -12,7 +12,7 @@ all-gather returns each whole updated parameter: no collective beyond the stage'
 
 Two things are balanced at once. The optimizer's work: each parameter goes to the rank with the least
 cost so far, over all units (`loads`), largest cost first (greedy longest-processing-time). Newton-Schulz
-costs about m·n·min(m, n) per matrix (`matrix_cost`), not its size. And the unit's pieces: every
+costs about m²·(2n + m) per m x n matrix, m <= n (`matrix_cost`), not its size. And the unit's pieces: every
 rank's piece is as long as the fullest one, so a parameter goes only where it keeps that piece
 within an even share of the unit (or of its largest parameter); where none has room, to the emptiest
 piece. A pure function of sizes, costs and the world size: the same on every rank and at every resume.
@@ -34,13 +34,15 @@ def size_cost(shape: torch.Size) -> int:
 
 
 def matrix_cost(shape: torch.Size) -> int:
-    """Newton-Schulz's work on a matrix (Muon): its iterations multiply m x n by its transpose, ~ m·n·min(m, n).
-    A parameter of more dimensions is taken as its first dimension by the rest, as Muon's implementations do."""
+    """Newton-Schulz's work on a matrix (Muon): each iteration forms A = X·Xᵀ over the shorter side m (m²·n), A·A
+    (m³) and that times X (m²·n), for m <= n: m²·(2n + m). A parameter of more dimensions is taken as its first
+    dimension by the rest, as Muon's implementations do."""
     if len(shape) < 2:
         return shape.numel()
     rows = shape[0]
     cols = shape.numel() // max(rows, 1)
-    return rows * cols * min(rows, cols)
+    m, n = min(rows, cols), max(rows, cols)
+    return m * m * (2 * n + m)
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,13 @@ def place_whole(numels: Sequence[int], costs: Sequence[int], world: int, loads: 
     return owner
 
 
+def balanced(costs: Sequence[int], world: int) -> list[int]:
+    """Each item's rank, greedy longest-processing-time with no room to keep: the busiest rank's cost is at most the
+    mean plus one item's (tests/runtime/test_ownership.py checks it)."""
+    loads = [0] * world
+    return place_whole([0] * len(costs), costs, world, loads)
+
+
 class Balance:
     """The owner way's placement over a param group's units, one unit at a time, with the costs carried over."""
 
@@ -96,3 +105,21 @@ class Balance:
     def owners(self, shapes: Sequence[torch.Size]) -> list[int]:
         """The owning rank of each of one unit's parameters (by their shapes)."""
         return place_whole([s.numel() for s in shapes], [self.cost(s) for s in shapes], len(self.loads), self.loads)
+
+    def buckets(self, shapes: Sequence[torch.Size], bucket_numel: int) -> list[list[tuple[int, int]]]:
+        """Stages 0-2, where a unit is only a bucket: every parameter placed at once (`balanced`), then units of
+        (index, owner) cut so that each rank's piece is about `bucket_numel`, each rank's parameters in order."""
+        owners = balanced([self.cost(s) for s in shapes], len(self.loads))
+        for index, owner in enumerate(owners):
+            self.loads[owner] += self.cost(shapes[index])
+        queues = [[i for i, r in enumerate(owners) if r == rank] for rank in range(len(self.loads))]
+        units: list[list[tuple[int, int]]] = []
+        while any(queues):
+            unit = []
+            for rank, queue in enumerate(queues):
+                filled = 0
+                while queue and (filled == 0 or filled + shapes[queue[0]].numel() <= bucket_numel):
+                    filled += shapes[queue[0]].numel()
+                    unit.append((queue.pop(0), rank))
+            units.append(unit)
+        return units

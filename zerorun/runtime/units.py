@@ -71,21 +71,33 @@ def cut_units(group: int, params: list[nn.Parameter], bucket_numel: int, world: 
     `whole`, each parameter lies whole in its owner's piece, a unit's parameters ordered by owner.
     """
     units = []
-    for indices in bucket_params([p.numel() for p in params], bucket_numel) if params else []:
-        members = [params[i] for i in indices]
-        if whole is None:
-            layout = flat_layout([p.numel() for p in members], world, align_elements(dtype))
-        else:
-            owners = whole.owners([p.shape for p in members])
-            order = sorted(range(len(members)), key=lambda i: (owners[i], i))
-            members = [members[i] for i in order]
-            layout = whole_layout([p.numel() for p in members], [owners[i] for i in order], world,
-                                  align_elements(dtype))
+    for members, layout in _laid_out(params, bucket_numel, world, align_elements(dtype), whole, flat_offset is None):
         units.append(Unit(group, members, [p.shape for p in members], layout, state_offset, flat_offset or 0))
         state_offset += layout.shard_numel
         if flat_offset is not None:
             flat_offset += layout.padded_numel
     return units
+
+
+def _laid_out(params: list[nn.Parameter], bucket_numel: int, world: int, align: int, whole: Balance | None,
+              own_buffers: bool) -> list[tuple[list[nn.Parameter], FlatLayout]]:
+    """Each unit's parameters and layout. Flat: consecutive buckets. Whole, each unit with a buffer of its own
+    (stage 3's, within a module): the unit's parameters placed as they come. Whole, units that are only buckets
+    (stages 0-2): every parameter placed at once, each rank's piece about a bucket."""
+    if not params:
+        return []
+    if whole is None:
+        buckets = [[params[i] for i in indices] for indices in bucket_params([p.numel() for p in params], bucket_numel)]
+        return [(members, flat_layout([p.numel() for p in members], world, align)) for members in buckets]
+    if own_buffers:
+        placed = []
+        for indices in bucket_params([p.numel() for p in params], bucket_numel):
+            owners = whole.owners([params[i].shape for i in indices])
+            placed.append(sorted(zip(indices, owners), key=lambda item: (item[1], item[0])))
+    else:
+        placed = whole.buckets([p.shape for p in params], max(1, bucket_numel // world))
+    return [([params[i] for i, _ in unit], whole_layout([params[i].numel() for i, _ in unit], [r for _, r in unit],
+                                                       world, align)) for unit in placed]
 
 
 def group_numels(units: list[Unit], groups: int) -> list[int]:
