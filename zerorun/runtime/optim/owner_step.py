@@ -196,7 +196,8 @@ class OwnerStep:
         grad = self.piece_of[k].grad
         for param in (p for p in self.owned if p.unit == k):
             span = self._span(param)
-            param.key.data = master[span].view(param.shape).to(self.place, copy=True)
+            # the master piece itself where the parameter steps there (it is this step's copy of the home's)
+            param.key.data = master[span].view(param.shape).to(self.place)
             param.key.grad = grad[span].view(param.shape).to(self.place, torch.float32, copy=True).div_(divisor)
         return master
 
@@ -204,7 +205,9 @@ class OwnerStep:
         """Unit k's master piece from the owned parameters' new values, then the stage's parameters from it."""
         unit = self.store.units[k]
         for param in (p for p in self.owned if p.unit == k):
-            master[self._span(param)].copy_(param.key.detach().view(-1))
+            values = master[self._span(param)]
+            if param.key.data_ptr() != values.data_ptr():  # stepped elsewhere (the host's copy)
+                values.copy_(param.key.detach().view(-1))
         self.store.home.write(unit.group, MASTER, master, start=unit.state_offset)
         target = self.piece_of[k].target
         for lo in range(0, unit.shard_numel, self.tile_numel):
