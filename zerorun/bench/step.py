@@ -330,8 +330,8 @@ def render(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[An
     ratio = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
     for r in results:
         ratios = [ratio(r.ratio_to_ddp)] + ([ratio(r.ratio_to_baseline)] if baseline else [])
-        sent = [f"{r.link_mb:.0f} ({ideal_link_mb(split_optimizer(r.system, '')[0], params, cfg.cluster[0]):.0f})"] \
-            if cfg.cluster else []
+        sent = ([f"{r.link_mb:.0f} ({ideal_link_mb(split_optimizer(r.system, '')[0], params, cfg.cluster[0]):.0f})"
+                 if r.link_mb is not None else "-"] if cfg.cluster else [])  # T_NS's row ran off the cluster
         later = f"{r.later_first_step_s:.1f}" if r.later_first_step_s is not None else "-"
         first = [f"{r.first_step_s or 0:.1f} / {later}", r.dynamo or "-"] if compiled else []
         table.add_row(describe(r.system, cfg.optimizer), *ratios,

@@ -75,8 +75,10 @@ def plan_stage3(model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[s
     offsets = [0] * len(groups)
     for owner in reversed([*ordered, root, persistent]):  # bounded buffers stay reusable by the host allocator
         for g, params in enumerate(groups):  # g: the optimizer's param group
-            for unit in cut_units(g, [p for p in params if owner_of.get(p) is owner], chunk_numel, world, dtype,
-                                  offsets[g], whole=whole[g] if whole else None):
+            balance = whole[g] if whole else None  # the owner way's units: a chunk per rank, as even as whole
+            # parameters cut, so that their gathers move about as much in each direction of a link
+            for unit in cut_units(g, [p for p in params if owner_of.get(p) is owner],
+                                  chunk_numel * (world if balance else 1), world, dtype, offsets[g], whole=balance):
                 owner.add(len(units), unit)
                 units.append(unit)
                 group_of.append(owner)
