@@ -18,8 +18,9 @@ What the threads share, so a test that depends on it stays a process test (`run_
 - torch's global random generator. `torch.manual_seed` in a rank thread raises unless inside `seeded(seed)`, which
   holds a lock while it seeds and builds: two ranks seeding at once would draw each other's numbers.
 - the process: its environment (torchrun's RANK and LOCAL_RANK are not set; WORLD_SIZE and LOCAL_WORLD_SIZE are, the
-  same for every rank), signals, exit, pid, and what zerorun keeps per process (saves in flight, event listeners,
-  torch attribute patches held by engines), torch.compile (dynamo is not thread safe), glibc's heap tuning.
+  same for every rank), signals, exit, pid, the torch attributes engines patch (zerorun/runtime/context.py: each
+  rank has a runtime of its own, with its engines, listeners, saves in flight and segments), torch.compile (dynamo
+  is not thread safe), glibc's heap tuning.
 - no rank can die alone: a failing rank's group is destroyed, which fails its peers' gloo calls at once; a peer
   waiting in shared memory waits out its timeout (a thread is never killed), after this call has reported.
 """
@@ -133,39 +134,17 @@ def _thread_world(world_size: int) -> Iterator[RankWorlds]:
                 os.environ[key] = value
 
 
-@contextlib.contextmanager
-def _segments_released() -> Iterator[None]:
-    """The shared-memory segments the run's groups made are let go after it: the runtime keeps one per process
-    group for the life of the process (comm/shm_collectives.py), and a rank thread's groups end with the call."""
-    from zerorun.runtime.comm import shm_collectives
-
-    before = set(shm_collectives._SHM)
-    try:
-        yield
-    finally:
-        for group in set(shm_collectives._SHM) - before:
-            del shm_collectives._SHM[group]
-
-
-def _settle_mine(rank: int) -> None:
-    """Finish the collectives this rank's engines still have in flight (`settle_all` would reach the other
-    threads' engines too): a group destroyed under a running collective aborts the whole process."""
-    from zerorun.runtime.interop import live
-
-    for engine in live():
-        if engine.comm.rank == rank and engine.comm.group is None:
-            engine.store.settle()
-
-
 def _rank(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, worlds: RankWorlds, store: dist.Store,
           timeout: float, outcomes: dict[int, tuple[bool, Any, float]]) -> None:
+    from zerorun.runtime import context
+
     worlds.enter_rank()
-    try:
-        with torch.autograd.set_multithreading_enabled(False):  # backward runs its hooks on this rank's thread
+    try:  # the rank's own runtime (its engines, listeners, saves and segments), closed when the rank ends
+        with torch.autograd.set_multithreading_enabled(False), context.using(context.Runtime()) as runtime:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store,
                                     timeout=datetime.timedelta(seconds=timeout))
             value = fn(rank, world_size, *args)
-            _settle_mine(rank)
+            runtime.engines.settle_all()  # a group destroyed under a running collective aborts the whole process
             dist.barrier()  # nothing of any rank is still in flight when the groups go
         outcomes[rank] = (True, value, time.monotonic())
     except BaseException:  # noqa: BLE001 - every failure goes back to the caller
@@ -181,7 +160,7 @@ def run_threads(fn: Callable[..., Any], world_size: int, args: tuple = (), timeo
     The first failure raises `RankFailure` with that rank's traceback; a hang raises after `timeout` with where each
     unfinished rank stands."""
     outcomes: dict[int, tuple[bool, Any, float]] = {}
-    with _thread_world(world_size) as worlds, _segments_released():
+    with _thread_world(world_size) as worlds:
         store = dist.HashStore()
         threads = [threading.Thread(target=_rank, args=(fn, r, world_size, args, worlds, store, timeout, outcomes),
                                     name=f"rank-{r}", daemon=True) for r in range(world_size)]

@@ -149,6 +149,15 @@ RUNTIME_LAYERS = {
     "checkpoint": {"comm", "offload", "optim", "core"},
     "interop": {"optim"},
 }
+# Below every layer: the runtime the engines live in (context.py) and what it holds, which any subpackage may import
+# and which import nothing else of the runtime.
+FOUNDATION = {"context", "events", "ranges"}
+
+
+def test_the_foundation_imports_nothing_else_of_the_runtime() -> None:
+    graph = _graph()
+    below = {f"zerorun.runtime.{name}" for name in FOUNDATION}
+    assert {(m, t) for m in below for t in graph[m] if t.startswith("zerorun.runtime.") and t not in below} == set()
 
 
 def test_runtime_subpackages_import_only_the_layers_below_them() -> None:
@@ -163,6 +172,8 @@ def test_runtime_subpackages_import_only_the_layers_below_them() -> None:
             if tparts[:2] != ["zerorun", "runtime"] or len(tparts) < 3 or tparts[2] == parts[2]:
                 continue
             layer = tparts[2] if len(tparts) > 3 else tparts[2] if tparts[2] in allowed else "core"
+            if len(tparts) == 3 and tparts[2] in FOUNDATION:
+                continue
             if layer not in allowed or target == "zerorun.runtime.engine":
                 wrong.append(f"{module} imports {target}")
     assert not wrong, "; ".join(wrong)

@@ -25,24 +25,25 @@ if TYPE_CHECKING:
     # a scheduler on the script's optimizer, or a function that builds one on the engine's optimizer
     SchedulerArg = Union[LRScheduler, Callable[[Optimizer], LRScheduler], None]
 
-_recipe: Recipe | None = None
-
-
 def recipe() -> Recipe:
-    """The recipe this worker was launched with (defaults plus the script itself outside a launch)."""
-    global _recipe
-    if _recipe is None:
-        from zerorun import config
+    """The recipe this worker was launched with (defaults plus the script itself outside a launch), read once per
+    runtime (zerorun/runtime/context.py)."""
+    from zerorun import config
+    from zerorun.runtime import context
 
-        _recipe = config.from_env() or config.from_dict({"script": sys.argv[0] or "<interactive>"}, "<defaults>")
-    return _recipe
+    runtime = context.current()
+    if runtime.recipe is None:
+        runtime.recipe = config.from_env() or config.from_dict({"script": sys.argv[0] or "<interactive>"}, "<defaults>")
+    return runtime.recipe
 
 
 def sharded_init() -> Any:
     """Context manager: models built inside never exist whole on any rank (see zerorun.runtime.stage3.sharded_init)."""
+    from zerorun.runtime import context
+    from zerorun.runtime.stage3.sharded_init import InitLogs
     from zerorun.runtime.stage3.sharded_init import sharded_init as _sharded_init
 
-    return _sharded_init()
+    return _sharded_init(context.current().part(InitLogs))
 
 
 def initialize(model: nn.Module, optimizer: Optimizer | list[Optimizer] | None = None, config: Recipe | None = None,

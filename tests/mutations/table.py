@@ -99,9 +99,9 @@ MUTATIONS = [
     Mutation(
         "end-of-script-meeting", "6b3d7af",
         "a rank whose data loader ran out ended its script while its peers waited in their next collective",
-        "zerorun/runtime/interop/engines.py",
-        "    engines[-1].comm.end_of_script()\n    return True",
-        "    return True",
+        "zerorun/runtime/context.py",
+        "        engines[-1].comm.end_of_script()\n        return True",
+        "        return True",
         ("tests/launch/test_torchrun_scripts.py"
          "::test_a_data_loader_that_runs_out_on_one_rank_stops_the_job_naming_it",)),
     Mutation(
@@ -117,7 +117,7 @@ MUTATIONS = [
         "a script's own destroy_process_group() tore the group down under a publish still in flight: gloo aborted "
         "the process",
         "zerorun/runtime/interop/process_group.py",
-        "            engines.settle_all()\n            engines.end_of_script()",
-        "            engines.end_of_script()",
+        "            live.settle_all()\n            live.end_of_script()",
+        "            live.end_of_script()",
         ("tests/runtime/test_publish_overlap.py",)),
 ]

@@ -103,10 +103,10 @@ def test_async_checkpoint_equals_the_synchronous_one_byte_for_byte_while_trainin
 
 # -- one save in flight, telemetry, keep_last, every_minutes ---------------------------------------------
 def _cadence_case(rank: int, world: int, root: str) -> dict:
-    from zerorun.runtime import events
+    from zerorun.runtime import context
 
     records: list = []
-    events.subscribe_checkpoints(records.append)
+    context.current().events.subscribe_checkpoints(records.append)
     engine = _engine(["zero.stage=2", f"checkpoint.dir={root}", "checkpoint.every_steps=2", "checkpoint.keep_last=2"])
     os.environ[SLOW_ENV] = "0.3"  # step-2's save is still writing when step 4 asks for the next one
     _train(engine, rank, 0, 2)
@@ -145,14 +145,14 @@ def _small_host_case(rank: int, world: int, root: str) -> dict:
     from types import SimpleNamespace
     from unittest import mock
 
-    from zerorun.runtime import events
+    from zerorun.runtime import context
 
     warnings: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage()) if record.levelno >= logging.WARNING else None
     logging.getLogger("zerorun").addHandler(handler)
     records: list = []
-    events.subscribe_checkpoints(records.append)
+    context.current().events.subscribe_checkpoints(records.append)
     engine = _engine(["zero.stage=1", f"checkpoint.dir={root}"])
     _train(engine, rank, 0, 1)
     available = 1000 if rank == 1 else 1 << 40  # only rank 1 lacks memory; both must save the same way

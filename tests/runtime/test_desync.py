@@ -153,9 +153,10 @@ CASES = {
 
 def _fresh_transport() -> None:
     """After a mismatch the shared-memory segment refuses further work (as it must): a new one for the next case."""
-    from zerorun.runtime.comm import shm_collectives
+    from zerorun.runtime import context
+    from zerorun.runtime.comm.shm_collectives import Segments
 
-    shm_collectives._SHM.clear()
+    context.current().part(Segments).close()
 
 
 def _cases(rank: int, world: int, stage: int, overrides: tuple[str, ...], names: list[str], standin: str) -> dict:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from zerorun import config
-from zerorun.runtime import events
+from zerorun.runtime import context, events
 from zerorun.runtime.memory import MemoryReport
 from zerorun.telemetry import probe as probe_module
 from zerorun.telemetry import whereabouts
@@ -68,7 +68,7 @@ def test_probe_sends_hello_engine_steps_samples_and_bye_that_the_collector_folds
     try:
         probe.attach_engine(engine)
         for step in (1, 2, 3):
-            events.emit(stats(step))
+            context.current().events.emit(stats(step))
         wait_until(lambda: collector.state.ranks.get(3) is not None and collector.state.ranks[3].step == 3
                    and collector.state.ranks[3].memory is not None)
     finally:
@@ -94,7 +94,7 @@ def test_a_script_can_give_its_own_flop_count_per_sample(tmp_path: Path):
     try:
         probe_module.attach_engine(engine)
         probe_module.set_model_flops(per_sample=1e9)  # e.g. count_training_flops(model, batch) / len(batch)
-        events.emit(stats(1))
+        context.current().events.emit(stats(1))
         wait_until(lambda: 0 in collector.state.ranks and collector.state.ranks[0].step == 1)
     finally:
         probe_module.set_model_flops()  # back to 6 x params per token
@@ -119,7 +119,7 @@ def test_a_frozen_or_dead_launcher_never_blocks_the_step_listener_and_stop_is_bo
             for step in range(1, 20_001):
                 big.step = step
                 started = time.perf_counter()
-                events.emit(big)
+                context.current().events.emit(big)
                 slowest = max(slowest, time.perf_counter() - started)
             time.sleep(0.3)  # let the probe thread try to send
             started = time.monotonic()
@@ -159,7 +159,7 @@ def test_on_cuda_the_loss_is_read_after_its_event_and_allocator_figures_are_sent
         x = torch.randn(2048, 2048, device="cuda")
         step = stats(1)
         step.loss = (x @ x).mean().detach()  # still queued on the training stream when emitted
-        events.emit(step)
+        context.current().events.emit(step)
         wait_until(lambda: 0 in collector.state.ranks and collector.state.ranks[0].step == 1
                    and collector.state.ranks[0].cuda)
     finally:

@@ -114,7 +114,6 @@ def _set_mode(engine: Any, mode: str, default_nice: int) -> None:
 def _train(rank: int, world: int, cfg: CkptBenchConfig, root: str) -> dict[str, Any]:
     import zerorun
     from zerorun import config
-    from zerorun.runtime import events
     from zerorun.runtime.checkpoint import background as checkpoint_async
     from zerorun.runtime.comm.dist import init_distributed
 
@@ -134,7 +133,7 @@ def _train(rank: int, world: int, cfg: CkptBenchConfig, root: str) -> dict[str, 
     engine = zerorun.initialize(model, None, config.loads("script: bench", "<bench>", keys))
     records: list[dict[str, Any]] = []
     current = ["warmup"]
-    events.subscribe_checkpoints(lambda r: records.append(dict(vars(r), bench_mode=current[0])))
+    engine.runtime.events.subscribe_checkpoints(lambda r: records.append(dict(vars(r), bench_mode=current[0])))
     step = [0]
 
     def train_step() -> float:

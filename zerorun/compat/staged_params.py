@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
+from zerorun.runtime import context
 from zerorun.runtime.comm.wire import CARRIES, Primitive
 from zerorun.runtime.stage3 import sharded_init
 
@@ -103,7 +104,7 @@ def _account(extra: int) -> None:
 def _pieces(params: list[torch.Tensor]) -> dict[Any, Piece]:
     """Each parameter's piece, staging (once) the `Init` logs that made them."""
     global _held
-    logs = sharded_init.logs_owning(params)
+    logs = context.current().part(sharded_init.InitLogs).owning(params)
     for log in logs:
         if id(log) in _PIECES:
             continue

@@ -112,13 +112,14 @@ def run_script(script: str, args: list[str]) -> int:
 
 def _run_path(script: str) -> dict[str, Any]:
     """Run the script as `__main__`; the moment it returns or raises, the probe (if any) stops reporting where it is."""
+    from zerorun.runtime import context
     from zerorun.runtime.checkpoint import background as checkpoint_async
     from zerorun.telemetry import probe, profile
 
     raised: BaseException | None = None
     try:
         namespace = runpy.run_path(script, run_name="__main__")
-        checkpoint_async.wait_all()  # a background save commits before the job ends, or its error ends it
+        checkpoint_async.wait_all(context.current())  # a background save commits before the job ends, or its error ends it
         return namespace
     except BaseException as exc:
         raised = exc
@@ -171,10 +172,11 @@ def _meet_at_the_end() -> None:
     process at exit ("terminate called without an active exception")."""
     import torch.distributed as dist
 
-    from zerorun.runtime.interop import engines
+    from zerorun.runtime import context
 
     if not dist.is_initialized():  # the script destroyed it itself (and met there), or never had one
         return
+    engines = context.current().engines
     engines.settle_all()
     if not engines.end_of_script():
         dist.barrier()

@@ -6,5 +6,6 @@ uses), store (the ParamStore protocol the engine calls), flat_params and deferre
 units and partition. Subpackages, each owning one concern: comm (collectives), offload (where state
 lives), optim (the update), stage3 (sharded parameters), checkpoint, and interop (everything an
 engine changes outside zerorun, undone by engine.destroy()). Dependencies point from the engine down to comm; no
-subpackage imports another in a circle (tests/test_imports.py).
+subpackage imports another in a circle (tests/test_imports.py). Under them all, context (the Runtime an engine lives
+in: what engines share, held in one object rather than in module globals, tests/test_runtime_state.py).
 """

@@ -11,7 +11,8 @@ state and stage 3's shard live); a `ParamStore` (store.py: `FlatParams` at stage
 also the engine's `UnitPasses`); the `GradReducer` (grad_reducer.py: this rank's summed gradient pieces); the
 `Update` (optim/update.py: every param group's optimizer and its state, run the way each needs); `InFlight`
 (in_flight.py: what an update leaves running, settled in one place, `@settles`); the `TrainingPhase` (phase.py) the
-reducer and the scheduler read; the `EnginePlace` (engine_place.py) every collective's tag reports.
+reducer and the scheduler read; the `EnginePlace` (engine_place.py) every collective's tag reports. The engine lives
+in a `Runtime` (context.py: its listeners, ranges, saves in flight, segments), handed to whatever needs it.
 
 An optimizer step: the global L2 norm of the gradient pieces (one all-reduce of a scalar, which also
 tells every rank whether any rank saw an inf/nan: then the step is skipped everywhere); the update,
@@ -33,7 +34,7 @@ from torch import nn
 
 from zerorun.config import Recipe
 from zerorun.errors import ZerorunError
-from zerorun.runtime import compiled, events, ranges, script_settings
+from zerorun.runtime import compiled, context, events, script_settings
 from zerorun.runtime.accumulation import AccumulationWindow
 from zerorun.runtime.checkpoint import background as checkpoint_async
 from zerorun.runtime.checkpoint.background import Checkpointer
@@ -68,21 +69,21 @@ class Engine:
     """Wraps a model and its optimizers in ZeRO stage 0, 1, 2 or 3."""
 
     def __init__(self, model: nn.Module, optimizer: Any, recipe: Recipe, lr_scheduler: Any = None,
-                 scheduler_source: str | None = None) -> None:
+                 scheduler_source: str | None = None, runtime: context.Runtime | None = None) -> None:
         """`optimizer`: a torch optimizer, a list of them over disjoint parameters, or None (the recipe's).
         `lr_scheduler`: stepped by the engine after every applied update (a scheduler, or a function of the
-        engine's optimizer that makes one); `scheduler_source` names where the recipe set it."""
-        self.recipe = recipe
+        engine's optimizer that makes one); `scheduler_source` names where the recipe set it. `runtime`: where
+        the engine lives (runtime/context.py; None: this thread's)."""
+        self.recipe, self.runtime = recipe, runtime or context.current()
         self._build_runtime(recipe)
         setup = partial(events.EngineSetup, host_memory=recipe.zero.host_memory, stage=self.stage,
                         device_type=self.device.type)
-        events.emit_setup(setup(done=False))  # process-wide tuning (the worker's host_allocator) follows
+        self.runtime.events.emit_setup(setup(done=False))  # process-wide tuning (the worker's host_allocator) follows
         init_log = self._take_model(model)
         handed_over = given_optimizers(optimizer)
         groups = take_over(handed_over or from_recipe(recipe.optimizer, model), model, self.device)
         self._sync_buffers()
-        # the torch Optimizer face: every handed-over param group; it and the schedulers are refused (if they are)
-        # before any hook is on the model
+        # the torch Optimizer face: every handed-over param group; it and the schedulers are refused before any hook
         self.optimizer = ShardedOptimizer([g.hyper for g in groups], list(dict.fromkeys(g.optimizer for g in groups)))
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
@@ -95,19 +96,19 @@ class Engine:
         cast_frozen(self.module, self.policy.param_dtype)
         grads = [self.reducer.grad_pieces(g) for g in range(len(groups))]
         self.update = Update(groups, self.optimizer, self.store, grads, self.placement, self.comm,
-                             first_names(self.model))  # every group's update and state
+                             first_names(self.model), self.runtime.ranges)  # every group's update and state
         self._overlap_optimizer(groups)
         if self.comm.rank == 0 and self.update.ways() is not None:
             print(self.update.ways(), flush=True)
         self._loop_state(recipe)
-        self.checkpoints = Checkpointer(self)  # saves: in the background, at most one in flight
+        self.checkpoints = Checkpointer(self, self.runtime)  # saves: in the background, at most one in flight
         self.checkpoints.clean_start()
         self.deferred = stage.deferred  # stages 1/2 with zero.overlap_publish: the publish the next forward waits for
         self.in_flight = InFlight(self.update, self.deferred)
         # last, so that an engine that failed to build changed nothing outside zerorun (runtime/interop/)
         self.interop = Interop(self)
         self._install_interop(model, stage, handed_over)
-        events.emit_setup(setup(done=True))
+        self.runtime.events.emit_setup(setup(done=True))
 
     # -- setup helpers ----------------------------------------------------------------------
     def _build_runtime(self, recipe: Recipe) -> None:
@@ -119,8 +120,9 @@ class Engine:
         self.scaler = LossScaler(recipe.precision)
         self.comm = Collectives(cpu=recipe.zero.cpu_collectives, timeout_s=recipe.launch.timeout_s,
                                 quantized_gradients=recipe.zero.quantized_gradients,
-                                quantized_weights=recipe.zero.quantized_weights, device=self.device)
-        self.phase = TrainingPhase()
+                                quantized_weights=recipe.zero.quantized_weights, device=self.device,
+                                runtime=self.runtime)
+        self.phase = TrainingPhase(self.runtime.ranges)
         self.where = EnginePlace(self.phase, self, self.comm)  # every collective's tag says where its caller stands
         self.script_settings = script_settings.watch(recipe, self.policy.param_dtype, self.comm.rank)
         self.placement = Placement.from_recipe(recipe, self.device, self.info.rank)
@@ -129,13 +131,12 @@ class Engine:
         """The model on the engine's device; the `sharded_init` log stage 3 replays (None: nothing to replay)."""
         self.compiled = compiled.inspect(model)  # what the script compiled with torch.compile, if anything
         self._dynamo_seen = compiled.dynamo_loaded()  # else the first forward after dynamo loads checks for a compile
-        init_log = sharded_init.log_for(model)
+        init_log = self.runtime.part(sharded_init.InitLogs).log_for(model)
         if init_log is not None and self.stage < 3:  # stages 0-2 hold whole parameters anyway
             init_log.replay(sharded_init.materialize, self.device)
             init_log = None
         self.module = to_device(model, self.device)  # what a forward calls: compiled, when the script compiled it
-        # whose names checkpoints and state dicts use: the model's own, compiled or not (torch.compile(model) would
-        # add `_orig_mod.`), so a checkpoint resumes whether the script compiles or not
+        # whose names checkpoints and state dicts use: the model's own, compiled or not (torch.compile adds `_orig_mod.`)
         self.model = compiled.unwrapped(self.module)
         return init_log
 
@@ -159,8 +160,7 @@ class Engine:
         self._boundary: bool | None = None  # set_boundary's answer; None: every grad_accum_steps-th micro-step
         self.tokens_per_sample: int | None = None  # set it when inputs are not (batch, seq) token ids
         self._window = StepWindow()
-        # the script's own state (data position, ...): saved with every checkpoint, the recipe's `every_steps` saves
-        # included, and set from the checkpoint on resume
+        # the script's own state (data position, ...): saved with every checkpoint, set from the checkpoint on resume
         self.client_state: dict = {}
 
     def _install_interop(self, model: nn.Module, stage: Stage, handed_over: list[torch.optim.Optimizer]) -> None:
@@ -260,7 +260,7 @@ class Engine:
             if not found_inf:
                 self.lr_schedules.update_applied()
             self.lr_schedules.update_ended()
-            events.emit(self._window.close(self.global_step, norm, self.scaler.scale, found_inf, self.skipped_steps,
+            self.runtime.events.emit(self._window.close(self.global_step, norm, self.scaler.scale, found_inf, self.skipped_steps,
                                            self.comm.stats.as_dict(), self.update.stats()))
             with self.where.doing(Activity.CHECKPOINT):
                 if self.checkpoints.due(self.global_step):
@@ -319,7 +319,7 @@ class Engine:
             max_norm = call.max_norm if call.max_norm is not None else self.clip_grad_norm
             coef = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
             self.update.apply(sum_divisor / coef, clamped=call.value is not None)
-            with ranges.named("publish"):
+            with self.runtime.ranges.named("publish"):
                 self.store.publish_after_step()
         self.update.settle("skipped" if found_inf else "read")  # Need.STATE: a skipped step's speculation is undone
         self.scaler.update(found_inf)
@@ -413,7 +413,7 @@ class Engine:
         are written in the background; `latest` moves when every rank's files are durable. `block=True`
         (or `wait_checkpoint()`) waits for that."""
         state = self.client_state if client_state is None else client_state
-        with ranges.named("checkpoint snapshot"), self.where.doing(Activity.CHECKPOINT):
+        with self.runtime.ranges.named("checkpoint snapshot"), self.where.doing(Activity.CHECKPOINT):
             return self.checkpoints.save(self._checkpoint_dir(dir), tag or f"step-{self.global_step}", state, block)
 
     def wait_checkpoint(self) -> None:
@@ -426,7 +426,7 @@ class Engine:
         """Restore from `tag` (default: the latest); returns its client_state, or None when there is no checkpoint."""
         from zerorun.runtime.checkpoint import sharded as checkpoint
 
-        checkpoint_async.wait_all()  # and the state a save in flight reads; `latest` is final once it commits
+        checkpoint_async.wait_all(self.runtime)  # and what a save in flight reads; `latest` is final once it commits
         with self.where.doing(Activity.CHECKPOINT):
             loaded = checkpoint.load(self, self._checkpoint_dir(dir), tag)
         if loaded is None:

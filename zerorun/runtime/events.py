@@ -1,6 +1,7 @@
 """Per-step metrics the engine publishes, for whoever listens (the telemetry probe, tests, user code).
 
-The engine calls `emit(StepStats)` after every optimizer step; listeners must be cheap and must
+The engine calls its runtime's `events.emit(StepStats)` after every optimizer step (runtime/context.py:
+`context.current().events.subscribe(listener)` listens to the engines of this thread's runtime); listeners must be cheap and must
 not raise (an exception in a listener is logged and the listener dropped, never propagated into
 training). The loss is left as a detached tensor so that nothing here forces a device sync:
 a listener on another thread converts it when it sends.
@@ -61,36 +62,34 @@ class EngineSetup:
     device_type: str  # "cpu", "cuda"
 
 
-_listeners: list[Callable[[StepStats], None]] = []
-_checkpoint_listeners: list[Callable[[CheckpointStats], None]] = []
-_setup_listeners: list[Callable[[EngineSetup], None]] = []
+class Events:
+    """The listeners of one runtime (runtime/context.py): its engines' steps, checkpoints and setups."""
 
+    def __init__(self) -> None:
+        self._steps: list[Callable[[StepStats], None]] = []
+        self._checkpoints: list[Callable[[CheckpointStats], None]] = []
+        self._setups: list[Callable[[EngineSetup], None]] = []
 
-def subscribe(listener: Callable[[StepStats], None]) -> Callable[[], None]:
-    """Call `listener` after every optimizer step; returns a function that unsubscribes."""
-    return _add(_listeners, listener)
+    def subscribe(self, listener: Callable[[StepStats], None]) -> Callable[[], None]:
+        """Call `listener` after every optimizer step; returns a function that unsubscribes."""
+        return _add(self._steps, listener)
 
+    def subscribe_checkpoints(self, listener: Callable[[CheckpointStats], None]) -> Callable[[], None]:
+        """Call `listener` once per checkpoint save, when it is committed (on the training thread)."""
+        return _add(self._checkpoints, listener)
 
-def subscribe_checkpoints(listener: Callable[[CheckpointStats], None]) -> Callable[[], None]:
-    """Call `listener` once per checkpoint save, when it is committed (on the training thread)."""
-    return _add(_checkpoint_listeners, listener)
+    def subscribe_setup(self, listener: Callable[[EngineSetup], None]) -> Callable[[], None]:
+        """Call `listener` when an engine starts and finishes building (the worker's host-memory tuning)."""
+        return _add(self._setups, listener)
 
+    def emit(self, stats: StepStats) -> None:
+        _notify(self._steps, stats)
 
-def subscribe_setup(listener: Callable[[EngineSetup], None]) -> Callable[[], None]:
-    """Call `listener` when an engine starts and finishes building (the worker's host-memory tuning)."""
-    return _add(_setup_listeners, listener)
+    def emit_checkpoint(self, stats: CheckpointStats) -> None:
+        _notify(self._checkpoints, stats)
 
-
-def emit_setup(setup: EngineSetup) -> None:
-    _notify(_setup_listeners, setup)
-
-
-def emit(stats: StepStats) -> None:
-    _notify(_listeners, stats)
-
-
-def emit_checkpoint(stats: CheckpointStats) -> None:
-    _notify(_checkpoint_listeners, stats)
+    def emit_setup(self, setup: EngineSetup) -> None:
+        _notify(self._setups, setup)
 
 
 def _add(listeners: list, listener: Callable) -> Callable[[], None]:

@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from zerorun.errors import ZerorunError
-from zerorun.runtime import ranges
 from zerorun.runtime.comm.collectives import Collectives, Handle
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.phase import Phase, TrainingPhase
@@ -251,7 +250,7 @@ class GradReducer:
         for index, span in enumerate(unit.layout.spans):
             if not self._written(k, index):  # an unused parameter's gradient is zero
                 region[span.offset:span.end].zero_()
-        with ranges.named(self._range):
+        with self.phase.ranges.named(self._range):
             self._inflight.append((k, self._collective(k, region)))
         self.direct_launches += k in self._direct
         # bound staging memory: finish the oldest beyond the limit, and any already done (recycled at once)
@@ -287,7 +286,7 @@ class GradReducer:
         self._reset_backward_state(reduce=False)
 
     def _finish(self, k: int, handle: Handle) -> None:
-        with ranges.named(f"{self._range} wait"):
+        with self.phase.ranges.named(f"{self._range} wait"):
             handle.wait()
         staging = self._staging.pop(k, None)
         if staging is not None and k not in self._direct:

@@ -13,7 +13,7 @@ import ctypes.util
 import sys
 from typing import Callable
 
-from zerorun.runtime import events
+from zerorun.runtime import context, events
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 
@@ -51,9 +51,10 @@ def set_host_allocator(mode: str) -> bool:
     return done
 
 
-def install() -> Callable[[], None]:
-    """Tune this process's allocator around every engine it builds (the worker's call); returns the undo."""
-    return events.subscribe_setup(follow_engine_setup)
+def install(runtime: context.Runtime | None = None) -> Callable[[], None]:
+    """Tune this process's allocator around every engine built in `runtime` (None: this thread's; the worker's
+    call); returns the undo."""
+    return (runtime or context.current()).events.subscribe_setup(follow_engine_setup)
 
 
 def follow_engine_setup(setup: events.EngineSetup) -> None:

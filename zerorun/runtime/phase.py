@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from enum import Enum
 from typing import Iterator
 
-from zerorun.runtime import ranges
+from zerorun.runtime.ranges import Ranges
 
 
 class Phase(Enum):
@@ -31,8 +31,9 @@ class Phase(Enum):
 class TrainingPhase:
     """The current `Phase`; entering one requires being idle (phases never nest)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranges: Ranges | None = None) -> None:
         self.now = Phase.IDLE
+        self.ranges = ranges or Ranges()  # the runtime's: each phase, and what the phase's parts do, in a trace
 
     @contextmanager
     def running(self, phase: Phase) -> Iterator[None]:
@@ -40,7 +41,7 @@ class TrainingPhase:
         assert self.now is Phase.IDLE, f"cannot start {phase.value} while {self.now.value} is running"
         self.now = phase
         try:
-            with ranges.named(phase.value):  # a profile window's trace shows each phase (ranges.py)
+            with self.ranges.named(phase.value):  # a profile window's trace shows each phase (ranges.py)
                 yield
         finally:
             self.now = Phase.IDLE

@@ -167,8 +167,9 @@ class Probe:
     # -- training thread ------------------------------------------------------------------------
 
     def start(self) -> None:
-        from zerorun.runtime import events
+        from zerorun.runtime import context
 
+        events = context.current().events  # the engines this thread builds (the worker's: the script's)
         self._process.cpu_percent(None)  # the first call only starts the measurement
         self._unsubscribe = events.subscribe(self._on_step)
         self._unsubscribe_checkpoints = events.subscribe_checkpoints(self._on_checkpoint)

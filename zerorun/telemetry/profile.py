@@ -30,15 +30,14 @@ from typing import Any, Callable, Protocol
 import torch
 
 from zerorun.jobs import JOB_ID_ENV
-from zerorun.runtime import events, ranges
+from zerorun.runtime import context
+from zerorun.runtime.ranges import Ranges
 from zerorun.telemetry.profile_files import MEMORY_SUFFIX, TRACE_SUFFIX, profile_dir
 
 log = logging.getLogger("zerorun")
 
 MEMORY_ENTRIES = 100_000  # allocator events the CUDA history keeps (the newest): a few MB per rank
 
-_window: ProfileWindow | None = None  # this process's window in flight (one per process, as torch.profiler's)
-_unsubscribe: list[Callable[[], None]] = []  # its step listener
 
 
 class Profiler(Protocol):
@@ -87,8 +86,10 @@ class ProfileWindow:
     """Records steps [start, start + steps) on this rank and writes their trace (and memory snapshot)."""
 
     def __init__(self, start: int, steps: int, directory: Path, rank: int,
-                 profiler: Callable[[], Profiler], memory: MemoryHistory | None) -> None:
+                 profiler: Callable[[], Profiler], memory: MemoryHistory | None, ranges: Ranges | None = None) -> None:
+        """`ranges`: the engine's runtime's, named in the trace while the window records."""
         self.start, self.stop_at = start, start + steps
+        self.ranges = ranges or Ranges()
         self.directory, self.rank = directory, rank
         self._make_profiler, self.memory = profiler, memory
         self._profiler: Profiler | None = None
@@ -121,12 +122,12 @@ class ProfileWindow:
             self._memory_on = True
         profiler.start()
         self._profiler = profiler
-        ranges.record(True)
+        self.ranges.record(True)
 
     def _write(self) -> None:
         profiler, self._profiler = self._profiler, None
         assert profiler is not None, "a window writes what it recorded"
-        ranges.record(False)
+        self.ranges.record(False)
         try:
             profiler.stop()
         finally:
@@ -160,7 +161,7 @@ class ProfileWindow:
         except Exception as exc:  # noqa: BLE001 - profiling never fails a run
             self.failed = True
             self._profiler = None
-            ranges.record(False)
+            self.ranges.record(False)
             try:
                 self._memory_off()
             except Exception:  # noqa: BLE001 - the warning below is the one this window gives
@@ -174,29 +175,40 @@ def attach(engine: Any, profiler: Callable[[], Profiler] | None = None,
     """Open a window for `engine` as its recipe's telemetry asks (None when it asks for none); `zerorun.initialize`
     calls it. `profiler` and `memory` replace torch's (tests); by default CUDA's activity and memory history
     are recorded where the engine's device is a GPU."""
-    global _window
     telemetry = engine.recipe.telemetry
     if telemetry.profile_start is None:
         return None
-    finish()  # a second engine in the process: the first one's window ends here
+    open_window = engine.runtime.part(OpenWindow)
+    open_window.finish()  # a second engine in the runtime: the first one's window ends here
     cuda = engine.device.type == "cuda"
     job = os.environ.get(JOB_ID_ENV) or "local"
     window = ProfileWindow(telemetry.profile_start, telemetry.profile_steps, profile_dir(engine.recipe.name, job),
                            engine.comm.rank, profiler or (lambda: torch_profiler(cuda)),
-                           memory if memory is not None else (CudaMemoryHistory() if cuda else None))
-    unsubscribe = events.subscribe(lambda stats: window.reached(stats.step))
+                           memory if memory is not None else (CudaMemoryHistory() if cuda else None),
+                           engine.runtime.ranges)
+    open_window.open(window, engine.runtime.events.subscribe(lambda stats: window.reached(stats.step)))
     window.reached(engine.global_step)
-    _window = window
-    _unsubscribe.append(unsubscribe)
     return window
 
 
-def finish() -> None:
-    """Close the window in flight, if any (the worker calls this when the script ends)."""
-    global _window
-    window, _window = _window, None
-    for unsubscribe in _unsubscribe:
-        unsubscribe()
-    _unsubscribe.clear()
-    if window is not None:
-        window.close()
+class OpenWindow:
+    """A runtime's window in flight (runtime/context.py): one at a time, as torch.profiler records one at a time."""
+
+    def __init__(self) -> None:
+        self.window: ProfileWindow | None = None
+        self._unsubscribe: Callable[[], None] | None = None  # its step listener
+
+    def open(self, window: ProfileWindow, unsubscribe: Callable[[], None]) -> None:
+        self.window, self._unsubscribe = window, unsubscribe
+
+    def finish(self) -> None:
+        window, unsubscribe, self.window, self._unsubscribe = self.window, self._unsubscribe, None, None
+        if unsubscribe is not None:
+            unsubscribe()
+        if window is not None:
+            window.close()
+
+
+def finish(runtime: context.Runtime | None = None) -> None:
+    """Close the window in flight, if any (the worker calls this when the script ends; None: this thread's)."""
+    (runtime or context.current()).part(OpenWindow).finish()

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from zerorun.compat import staged_params
-from zerorun.runtime.stage3 import sharded_init
 
 
 def Init(module: Any = None, data_parallel_group: Any = None, mem_efficient_linear: bool = True,  # noqa: N802
@@ -36,7 +35,9 @@ def Init(module: Any = None, data_parallel_group: Any = None, mem_efficient_line
                                   "zerorun: build the model inside `with deepspeed.zero.Init():` instead.")
     if not enabled or _stage(config_dict_or_path if config_dict_or_path is not None else config) != 3:
         return contextlib.nullcontext()
-    return sharded_init.sharded_init()
+    import zerorun
+
+    return zerorun.sharded_init()
 
 
 def _stage(source: Any) -> int:

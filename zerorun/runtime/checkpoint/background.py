@@ -52,6 +52,7 @@ from zerorun.runtime.checkpoint import full_optimizer
 from zerorun.runtime.checkpoint import sharded as checkpoint
 from zerorun.runtime.checkpoint.files import clean_crashed_saves, shard_file, write_atomic, write_tensors
 from zerorun.runtime.checkpoint.snapshot import HostSnapshot, RankState, StreamedState
+from zerorun.runtime.context import Runtime
 from zerorun.runtime.memory import MemoryReport
 
 log = logging.getLogger("zerorun")
@@ -59,9 +60,29 @@ log = logging.getLogger("zerorun")
 SLOW_ENV = "ZERORUN_CHECKPOINT_SLOW_WRITE_S"  # tests only: seconds the writer sleeps per written chunk
 WRITER_NICE = 0  # the writer thread's niceness (0: as the training thread; see `_lower_priority`)
 HOST_HEADROOM = 0.8  # a snapshot may take at most this share of the host memory available at the first save
-# Checkpointers whose last save no `wait()` has seen yet, in the order of their saves: the same on every
-# rank (every rank saves and waits at the same points), so `wait_all`'s collectives match across ranks
-_pending: list[Checkpointer] = []
+
+
+class SavesInFlight:
+    """A runtime's checkpointers (runtime/context.py) whose last save no `wait()` has seen yet, in the order of their
+    saves: the same on every rank (every rank saves and waits at the same points), so `wait_all`'s collectives match
+    across ranks."""
+
+    def __init__(self) -> None:
+        self._checkpointers: list[Checkpointer] = []
+
+    def saving(self, checkpointer: Checkpointer) -> None:
+        if checkpointer not in self._checkpointers:
+            self._checkpointers.append(checkpointer)
+
+    def seen(self, checkpointer: Checkpointer) -> None:
+        if checkpointer in self._checkpointers:
+            self._checkpointers.remove(checkpointer)
+
+    def wait_all(self, but: Checkpointer | None = None) -> None:
+        """Wait for every save in flight but `but`'s; raise the first error."""
+        for checkpointer in list(self._checkpointers):
+            if checkpointer is not but:
+                checkpointer.wait()
 
 
 class SaveState(Enum):
@@ -95,8 +116,10 @@ class Save:
 class Checkpointer:
     """The engine's saves: synchronous or in the background, at most one in flight, on a cadence."""
 
-    def __init__(self, engine: checkpoint.Engine) -> None:
+    def __init__(self, engine: checkpoint.Engine, runtime: Runtime) -> None:
+        """`runtime`: the engine's (its listeners hear of every save; its other saves in flight are waited for)."""
         self.engine, self.cfg = engine, engine.recipe.checkpoint
+        self.listeners, self.in_flight = runtime.events, runtime.part(SavesInFlight)
         self.rank, self.shards = engine.comm.rank, engine.store.shard_world
         self.state: RankState | None = None  # built at the first asynchronous save
         self.fallback = False  # the host cannot hold a snapshot: every save is synchronous
@@ -148,8 +171,7 @@ class Checkpointer:
         job = _Job(self, save, manifest, checkpoint.extras_of(self.engine.model, copy=True),
                    checkpoint.client_payload(client_state), self.state.ready_event())
         self.current, self._reported = save, False
-        if self not in _pending:
-            _pending.append(self)
+        self.in_flight.saving(self)
         threading.Thread(target=job.run, name=f"zerorun-checkpoint-{tag}", daemon=False).start()
         save.stall_s = time.perf_counter() - started
         if block:
@@ -179,8 +201,7 @@ class Checkpointer:
         failed = torch.tensor([float(save is not None and save.error is not None)], device=self.engine.device)
         if self.engine.comm.world_size > 1:
             self.engine.comm.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, async_op=False).wait()
-        if self in _pending:
-            _pending.remove(self)
+        self.in_flight.seen(self)
         if save is not None:
             self._finish(save)
         if failed.item():
@@ -217,7 +238,7 @@ class Checkpointer:
                                               save.write_s, save.bytes, self.snapshot_bytes()))
 
     def _emit(self, stats: events.CheckpointStats) -> None:
-        events.emit_checkpoint(stats)
+        self.listeners.emit_checkpoint(stats)
 
     # -- memory -------------------------------------------------------------------------------------
     def _host_too_small(self) -> bool:
@@ -263,7 +284,7 @@ class Checkpointer:
     def clean_start(self) -> None:
         """Rank 0 at startup: remove what a save that never committed left behind (after this process's
         own saves in flight, from an engine made before this one, have finished)."""
-        wait_all(but=self)
+        self.in_flight.wait_all(but=self)
         if self.rank == 0 and self.cfg.dir is not None and Path(self.cfg.dir).is_dir():
             clean_crashed_saves(Path(self.cfg.dir))
 
@@ -380,9 +401,7 @@ def _describe_failure(rank: int, save: Save, exc: BaseException) -> str:
     return f"{where}: {type(exc).__name__}: {exc}"
 
 
-def wait_all(but: Checkpointer | None = None) -> None:
-    """Wait for every engine's save in flight (the worker calls this when the script ends, a load before
-    it reads); raise the first error."""
-    for checkpointer in list(_pending):
-        if checkpointer is not but:
-            checkpointer.wait()
+def wait_all(runtime: Runtime) -> None:
+    """Wait for every save in flight of `runtime`'s engines (the worker calls this when the script ends, a load
+    before it reads); raise the first error."""
+    runtime.part(SavesInFlight).wait_all()

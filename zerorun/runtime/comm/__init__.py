@@ -4,6 +4,7 @@ shared-memory transport for CPU ranks on one host (shm_collectives), the two-lev
 (hier_collectives), and ZeRO++'s block-int8 codec (quantize) with the rule that turns it on where it pays
 (compression).
 
-Owns every torch.distributed call the runtime makes. Imports nothing else from the runtime: the
-stores, the reducer and checkpoints depend on it, never the reverse.
+Owns every torch.distributed call the runtime makes. Imports nothing else from the runtime but its foundation (the
+`Runtime` a group's shared-memory segment is kept in, runtime/context.py): the stores, the reducer and checkpoints
+depend on it, never the reverse.
 """

@@ -39,13 +39,20 @@ import torch
 import torch.distributed as dist
 
 from zerorun import ops
+from zerorun.runtime import context
 from zerorun.runtime.comm import compression
 from zerorun.runtime.comm.handles import CommStats, FutureWork, Handle, Pending  # noqa: F401 - Pending too
 from zerorun.runtime.comm.hier_collectives import Hierarchical, local_world_for
 from zerorun.runtime.comm.pairwise import PointToPoint, store_into
 from zerorun.runtime.comm.places import Tag
 from zerorun.runtime.comm.quantize import Quantized
-from zerorun.runtime.comm.shm_collectives import CpuCollectives, ShmCollectives, host_contiguous, shared_memory
+from zerorun.runtime.comm.shm_collectives import (
+    CpuCollectives,
+    Segments,
+    ShmCollectives,
+    host_contiguous,
+    shared_memory,
+)
 from zerorun.runtime.comm.tags import TagCheck
 from zerorun.runtime.comm.wire import Op, Primitive, route
 
@@ -59,10 +66,11 @@ class Collectives(PointToPoint):
     def __init__(self, group: dist.ProcessGroup | None = None, cpu: CpuCollectives = "gloo",
                  timeout_s: float = 300.0, quantized_gradients: Quantization = False,
                  quantized_weights: Quantization = False, device: torch.device | None = None,
-                 tags: TagCheck | None = None, tagged: bool = True) -> None:
+                 tags: TagCheck | None = None, tagged: bool = True, runtime: context.Runtime | None = None) -> None:
         """`quantized_*`: True, False or "auto" (compression.py: measured here, at setup, on `device`). `tags`: share
         another group's numbering and check (hpZ's node groups: every rank issues them at the same place); `tagged`:
-        False for a hierarchy's levels, whose world-level collective was checked."""
+        False for a hierarchy's levels, whose world-level collective was checked. `runtime`: where the group's
+        shared-memory segment is kept (runtime/context.py; None: this thread's)."""
         super().__init__()
         self.group = group
         self.rank = dist.get_rank(group)
@@ -71,7 +79,9 @@ class Collectives(PointToPoint):
         self.tags = (tags or TagCheck(group, self.rank, self.world_size, self.backend)) if tagged else None
         self.stats = CommStats()
         self._cpu, self._timeout_s = cpu, timeout_s
-        self.shm = shared_memory(group, self.rank, self.world_size, self.backend, cpu, timeout_s)
+        self.runtime = runtime or context.current()
+        self.shm = shared_memory(group, self.rank, self.world_size, self.backend, cpu, timeout_s,
+                                 self.runtime.part(Segments))
         self.transport = "shared memory" if self.shm else self.backend
         self.stats.level = "node" if self.shm else "network"
         self.quantized_gradients = quantized_gradients is True  # reduce-scatters over the network send block int8
@@ -108,7 +118,8 @@ class Collectives(PointToPoint):
         across nodes, the backend with this group's quantization."""
         return Collectives(group, cpu=self._cpu if node_level else "gloo", timeout_s=self._timeout_s,
                            quantized_gradients=self.quantized_gradients and not node_level,
-                           quantized_weights=self.quantized_weights and not node_level, tagged=False)
+                           quantized_weights=self.quantized_weights and not node_level, tagged=False,
+                           runtime=self.runtime)
 
     def _hierarchical(self, *tensors: torch.Tensor) -> bool:
         return self.hier is not None and all(t.is_contiguous() for t in tensors)

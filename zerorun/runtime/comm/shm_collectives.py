@@ -373,7 +373,23 @@ def _map_segment(group: dist.ProcessGroup | None, rank: int, nbytes: int) -> tor
     return segment
 
 
-_SHM: dict[dist.ProcessGroup, ShmCollectives] = {}
+class Segments:
+    """A runtime's segments (runtime/context.py), one per process group, whatever the number of engines over it:
+    every rank of a group maps the same file, in the order the group's collectives are built."""
+
+    def __init__(self) -> None:
+        self._by_group: dict[dist.ProcessGroup, ShmCollectives] = {}
+
+    def of(self, group: dist.ProcessGroup) -> ShmCollectives | None:
+        return self._by_group.get(group)
+
+    def add(self, group: dist.ProcessGroup, segment: ShmCollectives) -> ShmCollectives:
+        self._by_group[group] = segment
+        return segment
+
+    def close(self) -> None:
+        """Let go of every segment (a rank thread's groups end with it; a process's, with the process)."""
+        self._by_group.clear()
 
 
 def host_contiguous(tensors: tuple[torch.Tensor, ...]) -> bool:
@@ -382,8 +398,9 @@ def host_contiguous(tensors: tuple[torch.Tensor, ...]) -> bool:
 
 
 def shared_memory(group: dist.ProcessGroup | None, rank: int, world_size: int, backend: str,
-                   setting: CpuCollectives, timeout_s: float) -> ShmCollectives | None:
-    """The shared-memory transport where `setting` asks for it and every rank of the group can map it."""
+                   setting: CpuCollectives, timeout_s: float, segments: Segments) -> ShmCollectives | None:
+    """The shared-memory transport where `setting` asks for it and every rank of the group can map it (the group's
+    segment in `segments`, made the first time)."""
     if setting == "gloo" or world_size == 1:
         return None
     if backend != "gloo":
@@ -393,11 +410,11 @@ def shared_memory(group: dist.ProcessGroup | None, rank: int, world_size: int, b
         return None
     key = group or dist.group.WORLD  # a re-initialised process group gets a segment of its own
     assert key is not None  # the default group exists once the process group is initialised
-    if key in _SHM:  # one segment per group and process, whatever the number of engines
-        return _SHM[key]
+    known = segments.of(key)
+    if known is not None:
+        return known
     try:
-        _SHM[key] = ShmCollectives(group, rank, world_size, timeout_s=timeout_s)
-        return _SHM[key]
+        return segments.add(key, ShmCollectives(group, rank, world_size, timeout_s=timeout_s))
     except Unavailable as why:
         if setting == "shm":
             raise ZerorunError(f"zero.cpu_collectives: shm is not possible here: {why}. Use auto (falls back to "

@@ -31,8 +31,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from zerorun.runtime.interop import clip_functions, engines, process_group
-from zerorun.runtime.interop.engines import live, settle_all
+from zerorun.runtime import context
+from zerorun.runtime.interop import clip_functions, process_group
 from zerorun.runtime.interop.optimizer_guard import WholeState, refuse_direct_use
 from zerorun.runtime.interop.publish_guard import guard_parameter_reads
 from zerorun.runtime.interop.schedulers import schedulers_of
@@ -42,6 +42,16 @@ from zerorun.runtime.optim.clip import trainable
 __all__ = ["Interop", "hold_for_script", "live", "schedulers_of", "settle_all"]
 
 log = logging.getLogger("zerorun")
+
+
+def live() -> list[Any]:
+    """The live engines of this thread's runtime (runtime/context.py), oldest first."""
+    return context.current().engines.live()
+
+
+def settle_all() -> None:
+    """Finish the collectives the live engines of this thread's runtime still have in flight."""
+    context.current().engines.settle_all()
 
 
 class Interop:
@@ -60,7 +70,7 @@ class Interop:
     def take_over(self, engine: Any, model: nn.Module) -> None:
         """Remove the interceptions of any live engine that steps the same parameters or wraps the same model."""
         mine = {id(p) for p in trainable(engine)}
-        for other in engines.live():
+        for other in engine.runtime.engines.live():
             if other is engine:
                 continue
             shared = any(model is m for m in other.interop.models) or any(id(p) in mine for p in trainable(other))
@@ -73,10 +83,11 @@ class Interop:
 
     def route_clip_calls(self, engine: Any) -> None:
         """torch's clip functions, called over this engine's parameters, reach this engine."""
-        engines.enter(engine)
+        live_engines = engine.runtime.engines
+        live_engines.enter(engine)
         ref = weakref.ref(engine)
         self._undo.append(clip_functions.hold())
-        self._undo.append(lambda: engines.leave(ref()))
+        self._undo.append(lambda: live_engines.leave(ref()))
 
     def remove_with_engine(self, remove_hooks: Callable[[], None]) -> None:
         """Hooks the runtime put on the script's modules and parameters (the reducer's, stage 3's scheduler's and

@@ -24,7 +24,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
-from zerorun.runtime.interop import engines
+from zerorun.runtime import context
 from zerorun.runtime.interop.patches import AttributePatch
 from zerorun.runtime.optim.clip import trainable
 
@@ -74,7 +74,7 @@ def hold() -> Callable[[], None]:
 def engine_of(params: list[torch.Tensor]) -> Any:
     """The live engine stepping any of `params`, or None."""
     ids = {id(p) for p in params}
-    for engine in engines.live():
+    for engine in context.current().engines.live():
         if any(id(p) in ids for p in trainable(engine)):
             return engine
     return None

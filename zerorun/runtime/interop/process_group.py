@@ -12,7 +12,7 @@ functions then; removed when the script returns):
   script's own arguments; a `world_size` or `rank` the job does not have is refused.
 - `destroy_process_group()` first finishes the engines' collectives still in flight (gloo aborts a process whose
   group goes under a running collective) and meets the other ranks once more through the newest engine's checked
-  collectives, so a rank whose peers still train is named, not left waiting (`engines.end_of_script`).
+  collectives, so a rank whose peers still train is named, not left waiting (`LiveEngines.end_of_script`, runtime/context.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
-from zerorun.runtime.interop import engines
+from zerorun.runtime import context
 from zerorun.runtime.interop.patches import AttributePatch
 
 
@@ -32,8 +32,9 @@ def _settled(destroy: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(destroy)
     def settled_destroy(*args: Any, **kwargs: Any) -> Any:
         if dist.is_initialized() and not args and kwargs.get("group") is None:  # the default group, not a subgroup
-            engines.settle_all()
-            engines.end_of_script()
+            live = context.current().engines
+            live.settle_all()
+            live.end_of_script()
         return destroy(*args, **kwargs)
     return settled_destroy
 

@@ -45,9 +45,9 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from zerorun.runtime import ranges
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.optim.flat_step import FlatStep, FusedAdam, Piece, Tile
+from zerorun.runtime.ranges import Ranges
 
 OverlapSetting = Any  # Literal["auto", True, False], as the recipe spells it
 
@@ -115,13 +115,14 @@ class OverlappedUpdate:
     """Runs the fused groups' update per unit on a worker thread while the backward goes on (module docstring)."""
 
     def __init__(self, update: FlatStep, fused: Mapping[int, FusedArguments], pieces: dict[int, list[Piece]],
-                 piece_of_unit: list[Piece | None], group_numels: list[int]) -> None:
+                 piece_of_unit: list[Piece | None], group_numels: list[int], ranges: Ranges | None = None) -> None:
         """`fused`: the fused Adam groups; `pieces`: per fused group, every piece of the step; `piece_of_unit`: the
         piece of each of the store's units, by unit index (None: not a fused group's). Pieces whose state is on the
         device (`offload_optimizer_ratio` < 1) are updated at `commit`; other ways' groups, after it."""
         self.update, self.fused = update, fused
         self.pieces, self.piece_of_unit = pieces, piece_of_unit
         self.group_numels = group_numels
+        self.ranges = ranges or Ranges()  # the runtime's: the worker's updates and rollbacks in a profile's trace
         self._backup: dict[int, dict[str, torch.Tensor]] | None = None  # per group, per kind: allocated at first use
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerorun-overlap")
         self.current: Speculation | None = None
@@ -152,7 +153,7 @@ class OverlappedUpdate:
 
     def _update_piece(self, spec: Speculation, piece: Piece, ready: Any) -> None:
         started = time.perf_counter()
-        with ranges.named("overlap update"):
+        with self.ranges.named("overlap update"):
             self._update(spec, piece, ready)
         self.updated_s += time.perf_counter() - started
 
@@ -221,7 +222,7 @@ class OverlappedUpdate:
         spec = self.settle()
         if spec is None:
             return
-        with ranges.named("overlap rollback"):
+        with self.ranges.named("overlap rollback"):
             self._restore(spec)
         self.rollbacks += 1
         self.reasons[reason] += 1

@@ -26,12 +26,11 @@ from typing import Any, Callable, Collection, Iterator, Protocol
 import torch
 from torch import nn
 
-from zerorun.runtime import ranges
 from zerorun.runtime.comm.collectives import Collectives
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.offload.homes import MASTER
 from zerorun.runtime.offload.placement import Place, Placement
-from zerorun.runtime.offload.transfers import Direct
+from zerorun.runtime.offload.transfers import Direct, Transfers
 from zerorun.runtime.optim.elementwise import ElementwiseGroup, State, TorchTiles
 from zerorun.runtime.optim.flat_step import FlatStep, FusedAdam, Piece
 from zerorun.runtime.optim.optimizer import ShardedOptimizer
@@ -40,6 +39,7 @@ from zerorun.runtime.optim.owner_step import OwnedFiles, OwnedHost, OwnerStep
 from zerorun.runtime.optim.state_json import owned_to_json, scalars_to_json
 from zerorun.runtime.optim.take_over import EngineGroup
 from zerorun.runtime.optim.ways import Way, decoupled
+from zerorun.runtime.ranges import Ranges
 from zerorun.runtime.store import ParamStore, flat_name, units_of
 
 
@@ -88,15 +88,16 @@ class Update:
 
     def __init__(self, groups: list[EngineGroup], face: ShardedOptimizer, store: ParamStore,
                  grad_pieces: list[list[torch.Tensor]], placement: Placement, comm: Collectives,
-                 names: dict[nn.Parameter, str]) -> None:
+                 names: dict[nn.Parameter, str], ranges: Ranges | None = None) -> None:
         """`face`: the torch Optimizer the script sees (its param groups are the groups'); `grad_pieces`: per group, the
         reducer's gradient piece of each unit in state order; `names`: each parameter's (checkpoints, messages)."""
         self.groups, self.face, self.store, self.names = groups, face, store, names
+        self.ranges = ranges or Ranges()  # the runtime's: the optimizer and its copies in a profile's trace
         self.pieces = [[Piece(g, u.state_offset, u.shard_numel, grad, target)
                         for u, grad, target in zip(units_of(store.units, g), grad_pieces[g], store.update_targets(g),
                                                    strict=True)] for g in range(len(groups))]
         largest_piece = max((u.shard_numel for u in store.units), default=1)
-        self.flat = FlatStep(store.home, ranges.offload_copies(placement.transfers(largest_piece)),
+        self.flat = FlatStep(store.home, offload_copies(placement.transfers(largest_piece), self.ranges),
                              placement.step_tile_numel, Direct(store.device), store.device)
         self.fused = {g: FusedGroup(group) for g, group in enumerate(groups) if group.way is Way.FUSED_ADAM}
         self.elementwise = {g: ElementwiseGroup(group.optimizer, group.index, group.kinds, group.scalars, group.where)
@@ -119,7 +120,7 @@ class Update:
         in_order = {g: iter(pieces) for g, pieces in fused.items()}
         self.overlap = OverlappedUpdate(self.flat, self.fused, fused,
                                         [next(in_order[u.group]) if u.group in fused else None for u in self.store.units],
-                                        self.store.group_numels)
+                                        self.store.group_numels, self.ranges)
         self.overlap.warn = say
         if say is not None:
             say("zerorun: zero.overlap_optimizer: the host optimizer runs under the backward, unit by unit (the launch "
@@ -145,7 +146,7 @@ class Update:
     def apply(self, divisor: float, clamped: bool) -> None:
         """This window's update, gradients divided by `divisor` (world x loss scale / clip coefficient): the one made
         under the backward when it is this step (`clamped`: `clip_grad_value_` changed the gradients since)."""
-        with ranges.named("optimizer"):
+        with self.ranges.named("optimizer"):
             why = self.overlap.mismatch(divisor, clamped) if self.wait_speculation() and self.overlap else None
             if self.overlap is not None and self.overlap.current is not None and why is None:
                 self.overlap.commit()  # the fused groups' update made under the backward is this step's
@@ -328,3 +329,43 @@ def _owned_home(placement: Placement, device: torch.device) -> OwnedFiles | Owne
 
     assert placement.optimizer_nvme is not None, "an optimizer on NVMe has a zero.offload_optimizer.nvme_path"
     return OwnedFiles(rank_dir(placement.optimizer_nvme, placement.run, placement.rank))
+
+
+def offload_copies(transfers: Transfers, ranges: Ranges) -> Transfers:
+    """`transfers` with each of its copies in an "offload copies" range (unchanged when nothing is offloaded)."""
+    return transfers if isinstance(transfers, Direct) else OffloadCopies(transfers, ranges)
+
+
+class OffloadCopies:
+    """A `Transfers` that puts the optimizer's device/host copies in ranges, and delegates everything."""
+
+    def __init__(self, inner: Transfers, ranges: Ranges) -> None:
+        self.inner, self._ranges = inner, ranges
+
+    def begin(self, grad_tiles: list[torch.Tensor], after: Any = None) -> None:
+        with self._ranges.named("offload copies"):
+            self.inner.begin(grad_tiles, after)
+
+    def fetch(self, k: int) -> torch.Tensor:
+        with self._ranges.named("offload copies"):
+            return self.inner.fetch(k)
+
+    def reaches(self, dest: torch.Tensor) -> bool:
+        return self.inner.reaches(dest)
+
+    def out_slot(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.out_slot(numel, dtype)
+
+    def send(self, dest: torch.Tensor, staged: torch.Tensor) -> None:
+        with self._ranges.named("offload copies"):
+            self.inner.send(dest, staged)
+
+    def finish(self) -> None:
+        with self._ranges.named("offload copies"):
+            self.inner.finish()
+
+    def held_bytes(self) -> int:
+        return self.inner.held_bytes()
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return self.inner.stats()

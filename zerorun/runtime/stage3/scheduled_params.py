@@ -33,7 +33,7 @@ class ScheduledParams(ShardedParams):
                  say: Callable[[str], None] | None = None, state_kinds: list[tuple[str, ...]] | None = None) -> None:
         """`prefetch_after_step` (`zero.overlap_comm`): a step's publish starts gathering the next forward's
         first `prefetch` units; `say` tells the user (rank 0) what the first pass keeps whole."""
-        super().__init__(model, plan, placement, policy, comm, init_log, hpz, state_kinds)
+        super().__init__(model, plan, placement, policy, comm, init_log, hpz, state_kinds, phase.ranges)
         self.scheduler = ParamScheduler(plan, self.buffers, prefetch, phase, say)
         self.prefetch_after_step = prefetch_after_step
 

@@ -130,21 +130,26 @@ def materialize(param: nn.Parameter, value: torch.Tensor) -> None:
         param.data = value
 
 
-_logs: list[InitLog] = []
+class InitLogs:
+    """A runtime's finished logs (runtime/context.py), where an engine built in it finds its model's."""
 
+    def __init__(self) -> None:
+        self._logs: list[InitLog] = []
 
-def log_for(module: nn.Module) -> InitLog | None:
-    """The log that created `module`'s meta parameters, if any."""
-    params = [p for p in module.parameters() if p.is_meta]
-    for log in _logs:
-        if params and log.owns(params[0]):
-            return log
-    return None
+    def add(self, log: InitLog) -> None:
+        self._logs.append(log)
 
+    def log_for(self, module: nn.Module) -> InitLog | None:
+        """The log that created `module`'s meta parameters, if any."""
+        params = [p for p in module.parameters() if p.is_meta]
+        for log in self._logs:
+            if params and log.owns(params[0]):
+                return log
+        return None
 
-def logs_owning(params: Sequence[torch.Tensor]) -> list[InitLog]:
-    """The finished logs that created any of `params` (meta parameters)."""
-    return [log for log in _logs if any(p.is_meta and log.owns(p) for p in params)]
+    def owning(self, params: Sequence[torch.Tensor]) -> list[InitLog]:
+        """The finished logs that created any of `params` (meta parameters)."""
+        return [log for log in self._logs if any(p.is_meta and log.owns(p) for p in params)]
 
 
 class _Recorder(TorchFunctionMode):
@@ -202,8 +207,9 @@ def _method(func: Any) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def sharded_init() -> Iterator[InitLog]:
-    """Create modules with meta parameters and a replayable record of their initialisation."""
+def sharded_init(logs: InitLogs) -> Iterator[InitLog]:
+    """Create modules with meta parameters and a replayable record of their initialisation, kept in `logs` (the
+    runtime's, where an engine looks for its model's)."""
     log = InitLog(torch.random.get_rng_state())
     original = nn.Module.register_parameter
 
@@ -221,5 +227,5 @@ def sharded_init() -> Iterator[InitLog]:
             yield log
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
-    _logs.append(log)
+    logs.add(log)
     log.replay(lambda p, t: None, only_rng=True)  # advance the RNG as a normal construction would have

@@ -21,6 +21,7 @@ from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.offload.homes import MASTER
 from zerorun.runtime.offload.placement import Placement
 from zerorun.runtime.precision import PrecisionPolicy
+from zerorun.runtime.ranges import Ranges
 from zerorun.runtime.stage3.hpz import SecondaryPartition
 from zerorun.runtime.stage3.module_units import Stage3Plan
 from zerorun.runtime.stage3.param_shards import build_param_shard
@@ -36,7 +37,8 @@ class ShardedParams:
 
     def __init__(self, model: nn.Module, plan: Stage3Plan, placement: Placement, policy: PrecisionPolicy,
                  comm: Collectives, init_log: InitLog | None = None,
-                 hpz: SecondaryPartition | None = None, state_kinds: list[tuple[str, ...]] | None = None) -> None:
+                 hpz: SecondaryPartition | None = None, state_kinds: list[tuple[str, ...]] | None = None,
+                 ranges: Ranges | None = None) -> None:
         self.policy, self.comm, self.device = policy, comm, placement.device
         self.hpz = hpz  # the secondary copy within the node; None: every gather is from every rank
         self.shard_world, self.shard_rank = comm.world_size, comm.rank
@@ -53,7 +55,7 @@ class ShardedParams:
         for k in range(len(self.units)):
             self.buffers.free(k)
         for group in self.groups:
-            group.bind(self.buffers)
+            group.bind(self.buffers, ranges or Ranges())
         self.persistent.ensure_gathered()
 
     # -- the first values -------------------------------------------------------------------------

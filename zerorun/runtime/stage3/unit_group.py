@@ -31,8 +31,8 @@ from typing import Protocol
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zerorun.runtime import ranges
 from zerorun.runtime.comm.collectives import Handle, Pending
+from zerorun.runtime.ranges import Ranges
 from zerorun.runtime.units import Unit
 
 
@@ -89,6 +89,7 @@ class UnitGroup:
         self.state = UnitState.RELEASED
         self.pending: Pending | None = None  # the all-gathers of a GATHERING group
         self._buffers: GatherBuffers | None = None
+        self.ranges = Ranges()  # the runtime's, once bound: its gathers in a profile's trace
         self._reducer: UnitReducer | None = None
         self._grad_hooks: list[RemovableHandle] = []
         self._sent: set[int] = set()  # slots whose reduce-scatter this group launched in this backward
@@ -103,9 +104,9 @@ class UnitGroup:
         self.slots.append(slot)
         self.units.append(unit)
 
-    def bind(self, buffers: GatherBuffers) -> None:
-        """The buffers this group's gathers fill (once, when the store is built)."""
-        self._buffers = buffers
+    def bind(self, buffers: GatherBuffers, ranges: Ranges) -> None:
+        """The buffers this group's gathers fill, and the ranges they are named in (once, when the store is built)."""
+        self._buffers, self.ranges = buffers, ranges
 
     def reduce_with(self, reducer: UnitReducer) -> None:
         """Reduce this group's gradients through `reducer` as backward produces them (once, at setup)."""
@@ -134,14 +135,14 @@ class UnitGroup:
         """RELEASED -> GATHERING: this rank's pieces into place, the all-gathers launched."""
         self.expect(UnitState.RELEASED)
         buffers = self._bound()
-        with ranges.named("all-gather"):
+        with self.ranges.named("all-gather"):
             self.pending, self.state = Pending([buffers.gather(k) for k in self.slots]), UnitState.GATHERING
 
     def finish_gather(self) -> None:
         """GATHERING -> GATHERED: wait for the all-gathers."""
         self.expect(UnitState.GATHERING)
         assert self.pending is not None, "a GATHERING unit has its all-gathers pending"
-        with ranges.named("all-gather wait"):
+        with self.ranges.named("all-gather wait"):
             self.pending.wait()
         self.pending, self.state = None, UnitState.GATHERED
         for k in self.slots:
