@@ -86,3 +86,21 @@ def test_only_ddp_and_zerorun_systems_have_compiled_rows() -> None:
     assert result.exit_code != 0 and "only ddp* and zero* systems have compiled rows" in result.output
     result = CliRunner().invoke(app, ["bench", "step", "--systems", "zero9+compile"])
     assert result.exit_code != 0 and "unknown zero9+compile" in result.output
+
+
+def test_muons_verdicts_compare_each_stage_with_its_adamw_row_t_ns_and_deepspeeds_muon_at_that_stage() -> None:
+    from zerorun.bench.step_muon import muon_verdicts
+    from zerorun.bench.step_results import NS_REFERENCE, StepBenchConfig, SystemResult
+
+    def row(system: str, step_s: float) -> SystemResult:
+        return SystemResult(system, step_s, None, None, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, None)
+
+    results = [row(NS_REFERENCE, 8.0), row("zero2@adamw", 2.0), row("zero2@muon", 6.5), row("zero3@adamw", 2.5),
+               row("zero3@muon", 7.0), row("deepspeed2@muon", 13.0), row("deepspeed3@muon", 14.0),
+               row("zero1@muon", 9.0)]  # no AdamW row at stage 1: no verdict for it
+    lines = muon_verdicts(StepBenchConfig(optimizer="muon,adamw"), results)
+    assert lines == ["T_NS (torch Muon.step(), one process) 8.00 s; split evenly over 2 ranks 4.00 s",
+                     "zero2: Muon adds 4.50 s to AdamW's step = 1.12 x T_NS / 2; Muon step 6.50 s = 0.50 x "
+                     "DeepSpeed's (13.00 s)",
+                     "zero3: Muon adds 4.50 s to AdamW's step = 1.12 x T_NS / 2; Muon step 7.00 s = 0.50 x "
+                     "DeepSpeed's (14.00 s)"]

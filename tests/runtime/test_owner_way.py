@@ -118,3 +118,21 @@ def test_state_kept_on_the_host_between_device_steps_gives_the_same_bits(stage: 
     for rank, ((losses, params, _), (moved_losses, moved_params, memory)) in enumerate(zip(in_optimizer, moved)):
         assert moved_losses == losses and moved_params == params, rank
         assert memory["optimizer"]["cpu"] > 0, memory  # Muon's momentum, kept on the host
+
+
+@pytest.mark.parametrize("optimizer, device, home", [("cpu", "cuda", "OwnedHost"), ("cpu", "cpu", None),
+                                                     ("device", "cuda", None), ("nvme", "cuda", "OwnedFiles"),
+                                                     ("nvme", "cpu", "OwnedFiles")])
+def test_the_owner_ways_state_lives_where_the_recipe_puts_the_optimizer(tmp_path, optimizer, device, home) -> None:
+    """On a GPU with the optimizer on the host, the owned parameters step on the GPU and keep their state on the
+    host (`OwnedHost`); on a CPU the optimizer's own state is already there. NVMe: files, on any device."""
+    from types import SimpleNamespace
+
+    from zerorun.runtime.offload.placement import Place
+    from zerorun.runtime.optim.update import _owned_home
+
+    placement = SimpleNamespace(optimizer=Place(optimizer), optimizer_nvme=str(tmp_path), run="job", rank=1)
+    chosen = _owned_home(placement, torch.device(device))  # type: ignore[arg-type]
+    assert (type(chosen).__name__ if chosen is not None else None) == home
+    if home == "OwnedFiles":
+        assert chosen.root.parent == tmp_path / "job" / "rank-1"

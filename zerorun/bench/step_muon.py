@@ -60,8 +60,9 @@ def muon_verdicts(cfg: StepBenchConfig, results: Sequence[SystemResult]) -> list
         added = r.step_s - adamw.step_s
         line = (f"{system}: Muon adds {added:.2f} s to AdamW's step = {added / (ns / cfg.world_size):.2f} x "
                 f"T_NS / {cfg.world_size}")
-        peer = by.get(f"deepspeed{system[4]}@muon")
-        if peer is not None and system[4] in "23":
+        stage = system.removeprefix("zero")  # zero2 -> 2: DeepSpeed's row at the same stage is deepspeed2
+        peer = by.get(f"deepspeed{stage}@muon")
+        if peer is not None and stage in ("2", "3"):
             line += f"; Muon step {r.step_s:.2f} s = {r.step_s / peer.step_s:.2f} x DeepSpeed's ({peer.step_s:.2f} s)"
         lines.append(line)
     return lines

@@ -90,10 +90,13 @@ def place_whole(numels: Sequence[int], costs: Sequence[int], world: int, loads: 
 
 
 def balanced(costs: Sequence[int], world: int) -> list[int]:
-    """Each item's rank, greedy longest-processing-time with no room to keep: the busiest rank's cost is at most the
-    mean plus one item's (tests/runtime/test_ownership.py checks it)."""
-    loads = [0] * world
-    return place_whole([0] * len(costs), costs, world, loads)
+    """Each item's rank, greedy longest-processing-time (the costliest first, to the least loaded rank): the busiest
+    rank's cost is at most the mean plus one item's (tests/runtime/test_ownership.py checks it)."""
+    loads, owner = [0] * world, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        owner[i] = min(range(world), key=lambda r: (loads[r], r))
+        loads[owner[i]] += costs[i]
+    return owner
 
 
 class Balance:

@@ -19,6 +19,7 @@ parameters, back to back, then padding up to the fullest shard.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -57,7 +58,7 @@ class FlatLayout:
     padded_numel: int  # multiple of world_size * align
     whole: bool = False  # laid out by `whole_layout`: padding at the end of each shard
 
-    @property
+    @functools.cached_property  # asked at every collective of the unit; the layout never changes
     def used(self) -> tuple[int, ...] | None:
         """A whole layout's elements per shard that hold parameters, from the shard's start (at least 1, so a
         collective moving only these never moves an empty tensor); None for a flat layout, where only the last
