@@ -12,6 +12,13 @@ import pytest
 
 from zerorun.runtime.offload.nvme import MEMORY_FILESYSTEMS, filesystem_type
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # execnet starts pytest-xdist's workers with COLUMNS=80 and LINES=24, which a plain run does not have: rich would
+    # take them for a terminal's, and the tests of what zerorun prints where no terminal is (120 columns) would not
+    # see what users see
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
+
 
 def _direct_io_works(directory: Path) -> bool:
     probe = directory / f".probe-{uuid.uuid4().hex}"
