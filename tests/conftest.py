@@ -12,6 +12,23 @@ import pytest
 
 from zerorun.runtime.offload.nvme import MEMORY_FILESYSTEMS, filesystem_type
 
+WORKERS = 2  # test files run on this many pytest-xdist workers by default (docs/benchmarks.md: the suite's time)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Unless `-n` says otherwise, the test files are shared among `WORKERS` processes (pytest-xdist, the test extra):
+    most of the suite waits on launched jobs rather than computing, so two files at once fill a 2-core machine. A
+    file stays on one worker (`--dist loadfile`): its module fixtures (a reference launch, a Slurm cluster) are made
+    once. `-n 0` runs in this process, as a debugger needs; without pytest-xdist (a GPU machine's bare pytest) the
+    suite runs here too."""
+    if getattr(config.option, "numprocesses", 0) is None and not os.environ.get("PYTEST_XDIST_WORKER") \
+            and not config.getoption("usepdb", False):
+        config.option.numprocesses = WORKERS
+        if config.option.dist == "no":
+            config.option.dist = "loadfile"
+
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # execnet starts pytest-xdist's workers with COLUMNS=80 and LINES=24, which a plain run does not have: rich would
     # take them for a terminal's, and the tests of what zerorun prints where no terminal is (120 columns) would not

@@ -24,7 +24,7 @@ def test_wheel_ships_kernel_sources_and_console_script(tmp_path: Path) -> None:
 
 
 TEST_ONLY = ("pytest", "hypothesis", "matplotlib", "tensorboard", "mypy", "wandb", "mlflow", "transformers",
-             "accelerate", "isal")  # the test extra and the optional ones: none is needed to launch
+             "accelerate", "isal", "xdist", "execnet")  # the test extra and the optional ones: none is needed to launch
 BLOCKER = f"""
 import sys
 class _Absent:
