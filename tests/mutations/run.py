@@ -61,7 +61,9 @@ def apply(mutation: Mutation, tree: Path) -> None:
 
 def pytest_command(mutation: Mutation, tier: bool) -> list[str]:
     where = ["-m", "not slow"] if tier else list(mutation.caught_by)
-    return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--no-header", "-rf", *where]
+    # one process: under pytest-xdist, -x ends the session as interrupted (exit code 2), not as failed (1)
+    return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", "--no-header",
+            "-rf", *where]
 
 
 def run(mutation: Mutation, tier: bool) -> Verdict:
