@@ -118,6 +118,9 @@ def main() -> None:
                    "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
                    "deepspeed": getattr(sys.modules.get("deepspeed"), "__version__", None),
                    "step_ends": trainer.clock.ends}, file)
+    if torch.distributed.is_initialized():  # the Trainer leaves the group to the interpreter's exit, where gloo aborts a
+        torch.distributed.barrier()  # rank whose peer is still mid-exchange ("terminate called without an active
+        torch.distributed.destroy_process_group()  # exception", seen once under plain torchrun): end it together
 
 
 if __name__ == "__main__":
