@@ -98,6 +98,8 @@ def _main(payload: str, result: str, threads: str) -> int:
     try:
         outcome = (True, fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *args))
         settle_all()  # collectives still in flight abort a gloo process at teardown
+        if dist.is_initialized():  # and so does a peer closing its connections while this rank still receives
+            dist.barrier()
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         outcome, code = (False, traceback.format_exc()), 1
     finally:

@@ -64,6 +64,8 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, thread
     try:
         result = fn(rank, world_size, *args)
         settle_all()  # collectives still in flight abort a gloo process at teardown
+        if dist.is_initialized():  # and so does a peer closing its connections while this rank still receives
+            dist.barrier()
         results.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         results.put((rank, False, traceback.format_exc()))

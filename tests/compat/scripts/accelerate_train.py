@@ -74,6 +74,10 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     with open(f"{args.record}.rank{rank}.json", "w") as file:
         json.dump({"losses": losses, "lr": scheduler.get_last_lr()}, file)
+    # as accelerate's examples end: without it a gloo rank can abort at exit ("terminate called without an active
+    # exception": its process group's threads outlive the interpreter), seen once under plain torchrun
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
