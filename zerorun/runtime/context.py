@@ -11,9 +11,9 @@ threads of one process (tests/rank_threads.py).
 | `ranges`: whether phases are named in a profiler trace | a profile window switches it; the engine's parts name their ranges |
 | `engines`: the live engines, oldest first | a routed clip call, `settle_all` and the worker's last meeting (interop/) |
 | `recipe`: the recipe this worker was launched with | `zerorun.recipe()` |
-| parts of a subpackage, one of each kind, made on first use (`part(Kind)`) | checkpoint/background.py's saves in flight, comm/shm_collectives.py's segments (one per process group), stage3/sharded_init.py's logs |
+| parts of a subpackage, one of each kind, made on first use (`part(Kind)`) | checkpoint/background.py's saves in flight, comm/shm_collectives.py's segments (one per process group), stage3/sharded_init.py's logs, telemetry/profile.py's open window |
 
-Nothing of this lives in a module's globals (tests/test_repository.py refuses mutable module-level state in
+Nothing of this lives in a module's globals (tests/test_runtime_state.py refuses mutable module-level state in
 zerorun/runtime/), so two engines in one process share only what they were built in: a rank thread's engines and
 its peers' never meet, and a test's reference engine can be built in a runtime of its own. `current()` is a context
 variable: a thread starts without a runtime and makes its own on first use. The threads an engine starts (its

@@ -260,8 +260,8 @@ class Engine:
             if not found_inf:
                 self.lr_schedules.update_applied()
             self.lr_schedules.update_ended()
-            self.runtime.events.emit(self._window.close(self.global_step, norm, self.scaler.scale, found_inf, self.skipped_steps,
-                                           self.comm.stats.as_dict(), self.update.stats()))
+            self.runtime.events.emit(self._window.close(self.global_step, norm, self.scaler.scale, found_inf,
+                                                        self.skipped_steps, self.comm.stats.as_dict(), self.update.stats()))
             with self.where.doing(Activity.CHECKPOINT):
                 if self.checkpoints.due(self.global_step):
                     with self.lr_schedules.saving_inside_step():
