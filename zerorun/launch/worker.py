@@ -119,7 +119,7 @@ def _run_path(script: str) -> dict[str, Any]:
     try:
         namespace = runpy.run_path(script, run_name="__main__")
         # a background save commits before the job ends, or its error ends it; a script that never imported the
-        # checkpoints (plain DDP, no engine) started none, and its rank is spared their import (0.4 s of CPU)
+        # checkpoints (plain DDP, no engine) started none, and its rank is spared their import (0.2-0.5 s)
         checkpoint_async = sys.modules.get("zerorun.runtime.checkpoint.background")
         if checkpoint_async is not None:
             checkpoint_async.wait_all(context.current())
