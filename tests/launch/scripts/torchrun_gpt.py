@@ -19,7 +19,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed import destroy_process_group, init_process_group
+from torch.distributed import barrier, destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 parser = argparse.ArgumentParser()
@@ -149,4 +149,9 @@ for it in range(iters):
     if master_process:
         print(f"iter {it} loss {loss.item():.6f}", flush=True)
 if ddp and args.backend != "none":
+    # As DDP: every rank past its last all-reduce before any tears its group down (without it a gloo rank aborted
+    # at exit under plain torchrun, "terminate called without an active exception"). Ported, the script leaves the
+    # meeting to zerorun's destroy_process_group, which a rank whose data ran out early must reach unmet.
+    if args.wrap == "ddp":
+        barrier()
     destroy_process_group()
