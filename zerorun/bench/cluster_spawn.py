@@ -15,7 +15,6 @@ import pickle
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -88,25 +87,14 @@ def _report(directory: Path, rank: int) -> str:
 
 def _main(payload: str, result: str, threads: str) -> int:
     import torch
-    import torch.distributed as dist
 
-    from zerorun.runtime.interop import settle_all
+    from zerorun.bench.spawn import run_rank
 
     torch.set_num_threads(int(threads))
     fn, args = pickle.loads(Path(payload).read_bytes())
-    code = 0
-    try:
-        outcome = (True, fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *args))
-        settle_all()  # collectives still in flight abort a gloo process at teardown
-        if dist.is_initialized():  # and so does a peer closing its connections while this rank still receives
-            dist.barrier()
-    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
-        outcome, code = (False, traceback.format_exc()), 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    outcome = run_rank(fn, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
     Path(result).write_bytes(pickle.dumps(outcome))
-    return code
+    return 0 if outcome[0] else 1
 
 
 if __name__ == "__main__":

@@ -56,19 +56,26 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, thread
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
+
+    torch.set_num_threads(threads)
+    results.put((rank, *run_rank(fn, rank, world_size, args)))
+
+
+def run_rank(fn: Callable[..., Any], rank: int, world_size: int, args: tuple) -> tuple[bool, Any]:
+    """One rank of a spawned job: `fn(rank, world_size, *args)`, then the ranks meet and the group ends.
+    (True, its result), or (False, the traceback) for the parent to show."""
     import torch.distributed as dist
 
     from zerorun.runtime.interop import settle_all
 
-    torch.set_num_threads(threads)
     try:
         result = fn(rank, world_size, *args)
         settle_all()  # collectives still in flight abort a gloo process at teardown
         if dist.is_initialized():  # and so does a peer closing its connections while this rank still receives
             dist.barrier()
-        results.put((rank, True, result))
+        return True, result
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
-        results.put((rank, False, traceback.format_exc()))
+        return False, traceback.format_exc()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
