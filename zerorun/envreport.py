@@ -89,7 +89,8 @@ def _distributed() -> dict[str, Any]:
     info["gloo"] = dist.is_gloo_available()
     info["mpi"] = dist.is_mpi_available()
     info["nccl"] = _nccl_version() if torch.cuda.is_available() else "n/a (no CUDA)"
-    info["torchrun"] = shutil.which("torchrun") or f"not on PATH (zerorun runs `{sys.executable} -m torch.distributed.run`)"
+    # zerorun never needs it on PATH: each node runs torchrun's main through `python -m zerorun.launch.torchrun`
+    info["torchrun"] = shutil.which("torchrun") or f"not on PATH (zerorun runs `{sys.executable} -m zerorun.launch.torchrun`)"
     return info
 
 

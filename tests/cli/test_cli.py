@@ -55,7 +55,7 @@ def test_dry_run_prints_every_nodes_command_and_env_and_starts_nothing(recipe: P
     assert result.exit_code == 0, result.output
     assert "2 nodes, 4 workers, master worker-0:" in result.stdout
     assert "node 1: worker-1  ranks 2-3" in result.stdout
-    assert result.stdout.count("-m torch.distributed.run") == 2
+    assert result.stdout.count("-m zerorun.launch.torchrun") == 2
     assert "ZERORUN_JOB_ID=" in result.stdout
 
 

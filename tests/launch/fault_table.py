@@ -142,7 +142,7 @@ def cases(work_root: Path) -> dict[str, Callable[[], Row]]:
 
     def kill_relay(job: LaunchedJob) -> None:  # the process torchrun started for rank 1: no exit record from it
         _wait_steps(job)
-        psutil.Process(_pid_of(job, "localhost:1")).parent().kill()
+        job.relay(1).kill()
 
     def signal_launcher(sig: int, again: bool = False, kill_after_s: float | None = None):
         def fault(job: LaunchedJob) -> None:

@@ -126,6 +126,21 @@ class LaunchedJob:
         """The pids the test scripts printed as `pid N` (workers and their children)."""
         return [int(m.group(1)) for m in map(_PID_LINE.match, list(self.stdout)) if m]
 
+    def relay(self, rank: int) -> psutil.Process:
+        """The process torchrun started for `rank`, the rank's output relay (whether it forked the rank itself or
+        the node's zygote did: `zerorun.launch.warm`)."""
+        def worker(proc: psutil.Process) -> bool:  # `python [-u] -m zerorun.launch.worker ...`: a relay, or its rank
+            command = proc.cmdline()
+            return "-m" in command and command[command.index("-m") + 1:][:1] == ["zerorun.launch.worker"]
+
+        for proc in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if worker(proc) and not worker(proc.parent()) and proc.environ().get("RANK") == str(rank):
+                    return proc
+            except psutil.NoSuchProcess:
+                continue
+        raise AssertionError(f"no relay of rank {rank} among the launcher's descendants")
+
     # -- what is left -----------------------------------------------------------------------------
 
     def leftovers(self) -> list[psutil.Process]:

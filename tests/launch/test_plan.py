@@ -31,7 +31,7 @@ def recipe(**keys: object) -> config.Recipe:
 def test_argv_runs_the_worker_module_under_torchrun_with_a_static_rendezvous():
     p = plan(recipe(), TWO_LOCAL, "job-1", 29555, CPU)
     assert p.nodes[0].argv == (
-        "/py/bin/python", "-m", "torch.distributed.run", "--nnodes", "1", "--node-rank", "0",
+        "/py/bin/python", "-m", "zerorun.launch.torchrun", "--nnodes", "1", "--node-rank", "0",
         "--nproc-per-node", "2", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
         "--master-port", "29555", "--max-restarts", "0", "--monitor-interval", "0.1",
         "-m", "zerorun.launch.worker", "--", "/jobs/train.py", "--lr", "0.1")

@@ -46,10 +46,12 @@ def test_a_sigkilled_rank_is_named_under_cpu_load(launch, cpu_load, target: str)
     job.wait_until(lambda: sum("pid " in line for line in job.stdout) == 2, "both ranks training", timeout=120)
     time.sleep(2.0)  # a few steps
     worker = psutil.Process(next(int(line.split()[-1]) for line in job.stdout if line.startswith("[localhost:1] pid ")))
+    relay = job.relay(1)
     if target == "relay":  # the process torchrun started: the worker's relay
-        worker.parent().kill()
-    else:  # the whole rank at once: relay and worker (its process group), as an OOM kill of the group would
-        os.killpg(os.getpgid(worker.pid), signal.SIGKILL)
+        relay.kill()
+    else:  # the whole rank at once: relay and worker (their process groups), as an OOM kill of the group would
+        for group in {os.getpgid(relay.pid), os.getpgid(worker.pid)}:
+            os.killpg(group, signal.SIGKILL)
     assert job.wait(timeout=120) == 137, job.output
     final = next(line for line in reversed(job.stderr) if line.startswith(f"zerorun: job {job.job_id} stopped: "))
     assert "rank 1 on localhost" in final and "SIGKILL" in final, job.output

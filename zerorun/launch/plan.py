@@ -43,6 +43,7 @@ from zerorun.launch.hostfile import Node
 from zerorun.telemetry import ADDRESS_ENV, RUNS_DIR, TOKEN_ENV
 
 WORKER_MODULE = "zerorun.launch.worker"
+TORCHRUN_MODULE = "zerorun.launch.torchrun"  # torch.distributed.run, its ranks forked warm (launch/warm.py)
 RECIPE_SOURCE_ENV = config.RECIPE_ENV + "_SOURCE"
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 PROPAGATED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX")
@@ -158,13 +159,14 @@ def with_env(launch_plan: LaunchPlan, extra: Mapping[str, str]) -> LaunchPlan:
 
 def torchrun_argv(python: str, nnodes: int, node_rank: int | str, nproc: int, master_addr: str, master_port: int,
                   script: str, args: Sequence[str]) -> tuple[str, ...]:
-    """`python -m torch.distributed.run ... -m zerorun.launch.worker -- script args` for one node.
+    """`python -m zerorun.launch.torchrun ... -m zerorun.launch.worker -- script args` for one node: torchrun's
+    own arguments, for torchrun with its ranks forked from a zygote (`warm`).
 
     Only flags that torchrun has accepted in this spelling since torch 2.x are used. `node_rank` may
     be a placeholder that the node fills in (a Slurm step runs one command on every node).
     """
     return (
-        python, "-m", "torch.distributed.run",
+        python, "-m", TORCHRUN_MODULE,
         "--nnodes", str(nnodes),
         "--node-rank", str(node_rank),
         "--nproc-per-node", str(nproc),

@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Protocol
 
 EXIT_RECORD = b"\x1ezerorun-exit "  # starts with ASCII record separator: no user output looks like it
 BEAT_RECORD = b"\x1ezerorun-beat"  # the node supervisor is alive (every second, on its stderr)
@@ -57,7 +57,7 @@ def prefix(host: str, rank: int | str) -> bytes:
 # Worker side
 
 
-def relay_from_child(host: str, rank: int | str, exit_record: bool) -> None:
+def relay_from_child(host: str, rank_name: int | str, exit_record: bool) -> None:
     """Fork. Return in the child, which runs the worker with its output piped to the parent.
 
     The parent prefixes that output onto the real stdout/stderr, writes the exit record (when
@@ -70,21 +70,30 @@ def relay_from_child(host: str, rank: int | str, exit_record: bool) -> None:
     from zerorun.launch import oom
 
     kills_before, started = oom.oom_kills(), time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        for fd in (out_r, out_w, err_r, err_w):
-            os.close(fd)
-        return
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
+    from zerorun.launch import warm
+
+    rank = warm.request_rank(out_w, err_w)  # forked by the node's zygote, torch already imported
+    if rank is None:
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            for fd in (out_r, out_w, err_r, err_w):
+                os.close(fd)
+            return
+        child: _Child = _OwnChild(pid)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # they reach the worker through our shared process group
+    else:
+        pid, child = rank.pid, rank
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda signum, _frame: rank.signal(signum))  # its group is not ours: pass them on
     os.close(out_w)
     os.close(err_w)
-    status = _relay(pid, prefix(host, rank), {out_r: 1, err_r: 2})
+    status = _relay(child, prefix(host, rank_name), {out_r: 1, err_r: 2})
     code = os.waitstatus_to_exitcode(status)
     if exit_record:
-        record = {"host": host, "rank": int(rank), "code": code if code >= 0 else None,
+        record = {"host": host, "rank": int(rank_name), "code": code if code >= 0 else None,
                   "signal": -code if code < 0 else None,
                   "oom": code == -signal.SIGKILL and oom.killed_by_oom(pid, kills_before, started)}
         _write(2, EXIT_RECORD + json.dumps(record).encode() + b"\n")
@@ -92,7 +101,34 @@ def relay_from_child(host: str, rank: int | str, exit_record: bool) -> None:
     os._exit(code if code >= 0 else 128 - code)
 
 
-def _relay(pid: int, line_prefix: bytes, sources: dict[int, int]) -> int:
+class _Child(Protocol):
+    """The worker the relay waits for: its own child, or one the node's zygote forked (`warm.Rank`)."""
+
+    def exit_fds(self) -> list[int]: ...  # readable once it has ended (none: poll)
+    def poll(self) -> int | None: ...  # its wait status, or None while it runs
+    def wait(self) -> int: ...
+
+
+class _OwnChild:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)  # Linux >= 5.3
+        except (AttributeError, OSError):
+            self._pidfd = None
+
+    def exit_fds(self) -> list[int]:
+        return [self._pidfd] if self._pidfd is not None else []
+
+    def poll(self) -> int | None:
+        waited, status = os.waitpid(self.pid, os.WNOHANG)
+        return status if waited else None
+
+    def wait(self) -> int:
+        return os.waitpid(self.pid, 0)[1]
+
+
+def _relay(child: _Child, line_prefix: bytes, sources: dict[int, int]) -> int:
     """Copy `sources` (pipe fd -> destination fd) line by line with a prefix until the child ends.
 
     Returns the child's wait status. After the child has exited, output its own children still
@@ -101,15 +137,15 @@ def _relay(pid: int, line_prefix: bytes, sources: dict[int, int]) -> int:
     selector = selectors.DefaultSelector()
     for fd in sources:
         selector.register(fd, selectors.EVENT_READ)
-    pidfd = _pidfd(pid)
-    if pidfd is not None:
-        selector.register(pidfd, selectors.EVENT_READ)
+    exit_fds = child.exit_fds()
+    for fd in exit_fds:
+        selector.register(fd, selectors.EVENT_READ)
     partial = {fd: b"" for fd in sources}
 
     def forward(ready: list[tuple[selectors.SelectorKey, int]]) -> None:
         for key, _ in ready:
-            chunk = b"" if key.fd == pidfd else _read(key.fd)
-            if not chunk:  # end of that pipe, or the pidfd saying the child exited
+            chunk = b"" if key.fd in exit_fds else _read(key.fd)
+            if not chunk:  # end of that pipe, or the child's exit descriptor saying it ended
                 selector.unregister(key.fd)
                 continue
             lines = (partial[key.fd] + chunk).split(b"\n")
@@ -125,13 +161,11 @@ def _relay(pid: int, line_prefix: bytes, sources: dict[int, int]) -> int:
     status: int | None = None
     while status is None:
         if not open_sources():
-            status = os.waitpid(pid, 0)[1]  # the child closed its output: only its exit is left
+            status = child.wait()  # the child closed its output: only its exit is left
             break
-        watching_exit = pidfd is not None and pidfd in selector.get_map()
+        watching_exit = any(fd in selector.get_map() for fd in exit_fds)
         forward(selector.select(None if watching_exit else 0.1))
-        waited, wait_status = os.waitpid(pid, os.WNOHANG)
-        if waited:
-            status = wait_status
+        status = child.poll()
     deadline = time.monotonic() + _DRAIN_S
     while open_sources() and time.monotonic() < deadline:
         ready = selector.select(0.2)
@@ -143,14 +177,6 @@ def _relay(pid: int, line_prefix: bytes, sources: dict[int, int]) -> int:
             _write_lines(sources[fd], line_prefix, [rest])
     selector.close()
     return status
-
-
-def _pidfd(pid: int) -> int | None:
-    """A descriptor that becomes readable when `pid` exits (Linux >= 5.3); None: poll instead."""
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return None
 
 
 def _read(fd: int) -> bytes:

@@ -50,16 +50,22 @@ USAGE = "usage: python -m zerorun.launch.worker -- SCRIPT [ARGS...]"
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = script_args(sys.argv[1:] if argv is None else argv)
+    host = os.environ.get(NODE_HOST_ENV) or socket.gethostname()
+    rank = os.environ.get("RANK", "0")
+    streams.relay_from_child(host, rank, exit_record=JOB_ID_ENV in os.environ)  # returns in the rank, if forked here
+    sys.exit(run_script(args[0], args[1:]))
+
+
+def script_args(argv: list[str]) -> list[str]:
+    """The script and its arguments from the worker's command line (usage and exit 2 without a script)."""
+    args = list(argv)
     if args[:1] == ["--"]:  # argparse in some Python versions keeps torchrun's `--`, others drop it
         args = args[1:]
     if not args:
         print(USAGE, file=sys.stderr)
         sys.exit(2)
-    host = os.environ.get(NODE_HOST_ENV) or socket.gethostname()
-    rank = os.environ.get("RANK", "0")
-    streams.relay_from_child(host, rank, exit_record=JOB_ID_ENV in os.environ)
-    sys.exit(run_script(args[0], args[1:]))
+    return args
 
 
 def run_script(script: str, args: list[str]) -> int:

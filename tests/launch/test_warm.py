@@ -1,0 +1,182 @@
+"""Warm ranks (`zerorun.launch.warm`): a node's ranks are forked from its zygote, and behave as fresh interpreters.
+
+Each test runs the node's torchrun (`python -m zerorun.launch.torchrun`) on two ranks, without the launcher, so
+that what it checks is the fork and the relay: who the rank's parent is, what it inherited, what reaches it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from zerorun.launch import streams, warm
+
+IDENTITY = """
+import os, random, sys, numpy, psutil, torch
+parent = psutil.Process(os.getppid()).cmdline()
+print("who", os.environ["RANK"], os.environ["LOCAL_RANK"], os.getpid(), " ".join(parent), flush=True)
+print("fresh", os.environ["RANK"], random.random(), numpy.random.random(), torch.get_num_threads(),
+      os.getcwd(), os.getsid(0) == os.getpid(), sys.argv[1:], flush=True)
+"""
+
+STAY = """
+import os, signal, subprocess, sys, time
+def ended(signum, frame):
+    print("got", signal.Signals(signum).name, flush=True)
+    sys.exit(7)
+signal.signal(signal.SIGTERM, ended)
+child = subprocess.Popen(["sleep", "60"])
+print("ready", os.getpid(), child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(tmp_path: Path, body: str, *, module: str = "zerorun.launch.torchrun",
+              env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    script = tmp_path / "script.py"
+    script.write_text(body)
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", warm.ADDRESS_ENV, warm.SWITCH_ENV)}
+    argv = [sys.executable, "-m", module, "--nproc-per-node", "2", "--rdzv-backend", "static",
+            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "--max-restarts", "0",
+            "--monitor-interval", "0.1", "-m", "zerorun.launch.worker", "--", str(script), "--flag", "x"]
+    return subprocess.Popen(argv, cwd=tmp_path, env={**clean, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _lines(proc: subprocess.Popen[str], word: str, count: int = 2) -> list[list[str]]:
+    """The first `count` lines that start (after the `[host:rank] ` prefix) with `word`, split."""
+    found = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        fields = line.split()
+        if len(fields) > 1 and fields[1] == word:
+            found.append(fields[2:])
+            if len(found) == count:
+                return found
+    raise AssertionError(f"torchrun ended (status {proc.wait()}) before {count} '{word}' lines")
+
+
+def _finished(proc: subprocess.Popen[str], *words: str) -> list[list[list[str]]]:
+    """For each word, the lines (split, after the `[host:rank]` prefix) that start with it, in rank order, of a run
+    that ends well by itself."""
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    return [sorted(line.split()[2:] for line in out.splitlines() if line.split()[1:2] == [word]) for word in words]
+
+
+def test_ranks_are_forked_by_the_zygote_and_look_like_fresh_interpreters(tmp_path: Path) -> None:
+    who, fresh = _finished(_torchrun(tmp_path, IDENTITY), "who", "fresh")
+    assert [w[:2] for w in who] == [["0", "0"], ["1", "1"]]
+    assert all("zerorun.launch.torchrun" in " ".join(w[3:]) for w in who), who  # the zygote: the node torchrun's fork
+    (rank0, rank1) = fresh
+    assert rank0[1] != rank1[1] and rank0[2] != rank1[2], fresh  # random's and numpy's seeds: each rank its own
+    # torchrun gives each of 2 workers 1 OpenMP thread where OMP_NUM_THREADS is unset; the zygote read its own at import
+    assert rank0[3] == rank1[3] == "1"
+    assert rank0[4] == rank1[4] == str(tmp_path) and rank0[5] == "True"
+    assert " ".join(rank0[6:]) == "['--flag', 'x']"
+
+
+def test_without_a_zygote_the_relay_forks_its_rank_itself(tmp_path: Path) -> None:
+    (who,) = _finished(_torchrun(tmp_path, IDENTITY, module="torch.distributed.run",
+                                 env={warm.ADDRESS_ENV: "zerorun-warm-nobody"}), "who")
+    assert all("zerorun.launch.worker" in " ".join(w[3:]) for w in who), who  # the relay: the process torchrun started
+
+
+def test_switched_off_the_node_torchrun_forks_no_zygote(tmp_path: Path) -> None:
+    (who,) = _finished(_torchrun(tmp_path, IDENTITY, env={warm.SWITCH_ENV: "0"}), "who")
+    assert all("zerorun.launch.worker" in " ".join(w[3:]) for w in who), who
+
+
+def _relays(proc: subprocess.Popen[str]) -> list[psutil.Process]:
+    return [p for p in psutil.Process(proc.pid).children() if "zerorun.launch.worker" in " ".join(p.cmdline())]
+
+
+def test_torchruns_sigterm_to_a_relays_group_reaches_its_forked_rank(tmp_path: Path) -> None:
+    proc = _torchrun(tmp_path, STAY)
+    _lines(proc, "ready")
+    for relay in _relays(proc):
+        os.killpg(relay.pid, signal.SIGTERM)  # what torchrun does to stop its workers
+    got = _lines(proc, "got")
+    assert got == [["SIGTERM"], ["SIGTERM"]]
+    assert proc.wait(60) != 0
+
+
+def test_a_rank_and_its_children_die_with_their_relay(tmp_path: Path) -> None:
+    proc = _torchrun(tmp_path, STAY)
+    ready = _lines(proc, "ready")
+    pids = [int(pid) for line in ready for pid in line]
+    try:
+        for relay in _relays(proc):
+            os.killpg(relay.pid, signal.SIGKILL)  # takes the relay alone: the rank has a session of its own
+        deadline = time.monotonic() + 10
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            assert time.monotonic() < deadline, [psutil.Process(p).cmdline() for p in pids if psutil.pid_exists(p)]
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_zygote_that_initialised_cuda_forks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        read, write = os.pipe()
+        try:
+            assert warm._zygote(listener, read) is None  # relays then fork their ranks themselves
+        finally:
+            os.close(read)
+            os.close(write)
+
+
+def test_the_zygotes_imports_never_reach_the_cuda_driver() -> None:
+    """A process forked after CUDA's driver was initialised (even by a device count) cannot use CUDA: the zygote's
+    imports must not ask. Checked here where there is no GPU by recording every way torch reaches the driver."""
+    probe = f"""
+import torch
+asked = []
+for name in ("_cuda_getDeviceCount", "_cuda_init", "_cuda_getDevice"):
+    if hasattr(torch._C, name):
+        setattr(torch._C, name, lambda *a, name=name: asked.append(name) or 0)
+for name in ("is_available", "device_count", "init", "current_device"):
+    setattr(torch.cuda, name, lambda *a, name=name: asked.append(name) or 0)
+for module in {warm.PRELOAD!r}:
+    __import__(module)
+print(asked)
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_ranks_outlive_their_zygote_and_their_relays_still_report_how_they_ended(tmp_path: Path) -> None:
+    body = ("import os, sys, time\nprint('ready', os.getpid(), os.getppid(), flush=True)\ntime.sleep(3)\n"
+            "sys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    proc = _torchrun(tmp_path, body, env={"ZERORUN_JOB_ID": "warm-test"})  # relays write exit records for a job
+    (zygote,) = {int(line[1]) for line in _lines(proc, "ready")}
+    os.kill(zygote, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    mark = streams.EXIT_RECORD.decode()  # "\x1e...": splitlines() would split there
+    records = [json.loads(line.split(mark, 1)[1]) for line in out.split("\n") if mark in line]
+    assert sorted((r["rank"], r["code"], r["signal"]) for r in records) == [(0, 0, None), (1, 3, None)], out
