@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -180,3 +181,36 @@ def test_ranks_outlive_their_zygote_and_their_relays_still_report_how_they_ended
     mark = streams.EXIT_RECORD.decode()  # "\x1e...": splitlines() would split there
     records = [json.loads(line.split(mark, 1)[1]) for line in out.split("\n") if mark in line]
     assert sorted((r["rank"], r["code"], r["signal"]) for r in records) == [(0, 0, None), (1, 3, None)], out
+
+
+def test_a_relay_whose_zygote_never_forks_forks_its_rank_itself_and_a_late_fork_would_exit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    name = f"zerorun-warm-test-{os.getpid()}"
+    received: list[list[int]] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind("\0" + name)
+        listener.listen(1)
+
+        def hung_zygote() -> None:  # takes the request, never answers (an import that hangs)
+            conn, _ = listener.accept()
+            received.append(socket.recv_fds(conn, 8, 5)[1])
+            conn.recv(1 << 20)
+            time.sleep(2)
+            conn.close()
+
+        zygote = threading.Thread(target=hung_zygote, daemon=True)
+        zygote.start()
+        monkeypatch.setenv(warm.ADDRESS_ENV, name)
+        monkeypatch.setattr(warm, "_FORK_TIMEOUT_S", 0.5)
+        out_r, out_w = os.pipe()
+        try:
+            assert warm.request_rank(out_w, out_w) is None  # the relay forks its own rank
+            child = os.fork()  # what the zygote would do with the request it holds, once its import ends
+            if child == 0:
+                warm.become(warm.Request(received[0], dict(os.environ), "/", []))
+                os._exit(0)  # the fork became a second rank
+            assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 1
+        finally:
+            for fd in (out_r, out_w, *received[0]):
+                os.close(fd)
+        zygote.join()

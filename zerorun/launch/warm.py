@@ -55,6 +55,7 @@ _HEADER = struct.Struct("!Q")  # the identity's length, sent with the descriptor
 _FDS = 5  # stdin, stdout, stderr, lifeline, exit note
 _REAP_S = 2.0  # how long an ending zygote waits for ranks still dying of their lifelines
 _READ_TIMEOUT_S = 5.0  # a peer that connected and stalls does not hold up the node's other ranks
+_FORK_TIMEOUT_S = 60.0  # a relay whose zygote has not forked by then (a hung import) forks its rank itself
 # What a rank imports before the user's first line (the worker bootstrap and the engine), imported once here.
 PRELOAD = ("torch", "torch.distributed", "zerorun.config", "zerorun.runtime.comm.dist", "zerorun.runtime.interop",
            "zerorun.runtime.host_allocator", "zerorun.runtime.engine", "zerorun.telemetry.probe")
@@ -228,11 +229,13 @@ def become(request: Request) -> Callable[[int], None]:
 
     Returns `note_exit(code)`, to call with the status the rank is about to exit with: the relay's witness of
     it should the zygote, which would report it, be gone by then."""
+    stdin, stdout, stderr, lifeline, note = request.fds
+    if select.select([lifeline], [], [], 0)[0]:  # the relay gave up waiting for this fork and made its own rank
+        os._exit(1)
     os.setsid()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    stdin, stdout, stderr, lifeline, note = request.fds
     for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
         os.dup2(fd, target)
         os.close(fd)
@@ -367,6 +370,7 @@ def request_rank(stdout_w: int, stderr_w: int) -> Rank | None:
     note_r, note_w = os.pipe()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        conn.settimeout(_FORK_TIMEOUT_S)
         conn.connect("\0" + name)
         body = json.dumps({"env": dict(os.environ), "cwd": os.getcwd(), "argv": sys.argv}).encode()
         socket.send_fds(conn, [_HEADER.pack(len(body))], [0, stdout_w, stderr_w, lifeline_r, note_w])
@@ -382,7 +386,8 @@ def request_rank(stdout_w: int, stderr_w: int) -> Rank | None:
         if word != b"pid":
             raise OSError(f"unexpected reply {line!r}")
         pid = int(value)
-    except (OSError, ValueError):
+        conn.settimeout(None)
+    except (OSError, ValueError):  # a rank the zygote forks after all finds its lifeline closed, and exits
         conn.close()
         for fd in (lifeline_r, lifeline_w, note_r, note_w):
             os.close(fd)
