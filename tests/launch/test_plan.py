@@ -186,7 +186,8 @@ def test_remote_hosts_run_over_ssh_and_local_ones_as_processes_unless_transport_
 
 def test_ssh_nodes_get_the_propagated_environment_then_env_file_then_recipe_env():
     inherited = {"PATH": "/venv/bin:/usr/bin", "PYTHONPATH": "/src", "VIRTUAL_ENV": "/venv", "HOME": "/root",
-                 "NCCL_DEBUG": "INFO", "CUDA_HOME": "/cuda", "SECRET": "x", "LD_LIBRARY_PATH": "/lib"}
+                 "NCCL_DEBUG": "INFO", "CUDA_HOME": "/cuda", "SECRET": "x", "LD_LIBRARY_PATH": "/lib",
+                 "ZERORUN_WARM_RANKS": "0"}
     facts = MachineFacts(cpu_count=8, python="/venv/bin/python", inherited_env=inherited,
                          cwd="/jobs", env_file={"NCCL_DEBUG": "WARN", "FROM_FILE": "1", "TOKEN": "file"})
     p = plan(recipe(env={"TOKEN": "recipe"}), [Node("localhost", (0,)), Node("worker-1", (0,))], "job-1", 29500, facts)
@@ -196,6 +197,7 @@ def test_ssh_nodes_get_the_propagated_environment_then_env_file_then_recipe_env(
         "PATH": "/venv/bin:/usr/bin", "PYTHONPATH": "/src", "VIRTUAL_ENV": "/venv", "LD_LIBRARY_PATH": "/lib",
         "CUDA_HOME": "/cuda"}
     assert (remote.env["NCCL_DEBUG"], remote.env["TOKEN"], remote.env["FROM_FILE"]) == ("WARN", "recipe", "1")
+    assert remote.env["ZERORUN_WARM_RANKS"] == "0"  # the launcher's choice of fresh interpreters holds there too
     assert "SECRET" not in remote.env and "HOME" not in remote.env
     assert (remote.over_ssh, remote.cwd) == (True, "/jobs")
     assert p.master_addr == "localhost"  # node 0 is this machine: the others reach it by its name, not 127.0.0.1

@@ -46,7 +46,8 @@ WORKER_MODULE = "zerorun.launch.worker"
 TORCHRUN_MODULE = "zerorun.launch.torchrun"  # torch.distributed.run, its ranks forked warm (launch/warm.py)
 RECIPE_SOURCE_ENV = config.RECIPE_ENV + "_SOURCE"
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
-PROPAGATED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX")
+PROPAGATED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX",
+                  "ZERORUN_WARM_RANKS")  # `ZERORUN_WARM_RANKS=0 zerorun launch ...` holds on every node
 PROPAGATED_ENV_PREFIXES = ("NCCL_", "CUDA_")
 NOT_PROPAGATED = frozenset({"CUDA_VISIBLE_DEVICES"})  # the launcher's GPUs, not the node's
 
