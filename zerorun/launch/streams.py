@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass
 from typing import IO, Protocol
 
+from zerorun.launch import warm
+
 EXIT_RECORD = b"\x1ezerorun-exit "  # starts with ASCII record separator: no user output looks like it
 BEAT_RECORD = b"\x1ezerorun-beat"  # the node supervisor is alive (every second, on its stderr)
 NOTE_RECORD = b"\x1ezerorun-note "  # the node supervisor says something the launcher always shows
@@ -70,8 +72,6 @@ def relay_from_child(host: str, rank_name: int | str, exit_record: bool) -> None
     from zerorun.launch import oom
 
     kills_before, started = oom.oom_kills(), time.monotonic()
-    from zerorun.launch import warm
-
     rank = warm.request_rank(out_w, err_w)  # forked by the node's zygote, torch already imported
     if rank is None:
         pid = os.fork()
@@ -112,10 +112,7 @@ class _Child(Protocol):
 class _OwnChild:
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        try:
-            self._pidfd: int | None = os.pidfd_open(pid)  # Linux >= 5.3
-        except (AttributeError, OSError):
-            self._pidfd = None
+        self._pidfd = warm.pidfd(pid)
 
     def exit_fds(self) -> list[int]:
         return [self._pidfd] if self._pidfd is not None else []

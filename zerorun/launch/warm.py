@@ -280,6 +280,14 @@ def _die_with_relay(lifeline: int) -> None:
 # The relay's side
 
 
+def pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when `pid` exits (Linux >= 5.3); None: poll instead."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
 class Rank:
     """A rank the zygote forked for this relay: its pid, and descriptors readable once it has ended.
 
@@ -292,10 +300,7 @@ class Rank:
         self._lifeline_w = lifeline_w  # held open while this relay lives: its close ends the rank
         self._received = received
         self._zygote_gone = False
-        try:
-            self._pidfd: int | None = os.pidfd_open(pid)  # Linux >= 5.3
-        except (AttributeError, OSError):
-            self._pidfd = None
+        self._pidfd = pidfd(pid)
 
     def exit_fds(self) -> list[int]:
         return [self.conn.fileno()] + ([self._pidfd] if self._pidfd is not None else [])
