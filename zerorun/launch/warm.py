@@ -1,11 +1,11 @@
 """Warm ranks: every rank of a node is forked from one process that has already imported torch.
 
-A rank started as a fresh interpreter spends 2.2-2.5 s of CPU importing torch and the runtime before the
+A rank started as a fresh interpreter spends 2.3-2.7 s of CPU importing torch and the runtime before the
 user's first line runs; on a node of 8 ranks that is 8 imports at once, fighting for the same cores. The
 node's torchrun (`zerorun.launch.torchrun`) imports torch anyway. Before it starts its agent it forks the
 *zygote*, which imports the rest of what a rank needs and then forks one rank per request. Measured on a
-2-core machine: two gloo ranks that import torch and the engine, join and all-reduce took 4.3-4.4 s of CPU
-as fresh interpreters and 0.08 s forked.
+2-core machine: a launch of a tiny engine script on 2 ranks costs 2.6 s of CPU instead of 4.7
+(docs/benchmarks.md, "Quick start").
 
 What torchrun sees does not change: it starts `python -m zerorun.launch.worker` per rank, and that process
 (the output relay, `streams`) is what it watches, signals and reaps. Only where the rank comes from does:
