@@ -35,6 +35,9 @@ TRAINING = ["--max_steps", "4", "--per_device_train_batch_size", "3", "--gradien
             "--logging_steps", "1"]
 HF_OPTIMIZER = ["--weight_decay", "0.1"]
 DS_OPTIMIZER = ["--weight_decay", "0.0"]  # the config's AdamW decays every parameter; the Trainer's skips some
+# a run takes 7-9 s quiet on 2 cores (3 ranks or real DeepSpeed up to ~20 s), a few times that beside the suite's
+# other worker; a hang (gloo's, once in a plain-torchrun run) costs this, not CI's whole budget
+RUN_TIMEOUT_S = 120
 SAVE_AT_2 = ["--save_strategy", "steps", "--save_steps", "2"]  # argparse: the last --save_strategy wins
 
 
@@ -60,10 +63,24 @@ def stage_config(tmp: Path, stage: int, **extra: object) -> Path:
 
 
 def run(argv: list[str], cwd: Path, **env: str) -> str:
+    """Run a launch to its end; one still running after RUN_TIMEOUT_S is stopped (SIGTERM: torchrun and zerorun
+    both stop their ranks) and fails its test, not the whole suite's time."""
     environment = {**subprocess_env(), "OMP_NUM_THREADS": "1", **env}
-    result = subprocess.run(argv, cwd=cwd, env=environment, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return result.stdout + result.stderr
+    with subprocess.Popen(argv, cwd=cwd, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            raise AssertionError(f"still running after {RUN_TIMEOUT_S} s, stopped: {' '.join(argv)}\n"
+                                 + out[-4000:] + err[-4000:]) from None
+    assert proc.returncode == 0, out[-4000:] + err[-4000:]
+    return out + err
 
 
 def records(prefix: Path, world: int = WORLD) -> list[dict]:

@@ -15,10 +15,12 @@ linear decay to 0), stepped DeepSpeed's way: update k runs with the lr of iterat
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -118,9 +120,28 @@ def main() -> None:
                    "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
                    "deepspeed": getattr(sys.modules.get("deepspeed"), "__version__", None),
                    "step_ends": trainer.clock.ends}, file)
-    if torch.distributed.is_initialized():  # the Trainer leaves the group to the interpreter's exit, where gloo aborts a
-        torch.distributed.barrier()  # rank whose peer is still mid-exchange ("terminate called without an active
-        torch.distributed.destroy_process_group()  # exception", seen once under plain torchrun): end it together
+    if torch.distributed.is_initialized():
+        end_together(trainer)
+
+
+def end_together(trainer: Trainer) -> None:
+    """Meet, destroy the group, then free the DDP wrapper while this function still holds the group.
+
+    Left to the interpreter's exit, gloo aborts a rank whose peer is still mid-exchange ("terminate called without an
+    active exception"), hence the barrier. And the group must not die with DDP: torch frees DDP's Reducer with the GIL
+    held, and when the Reducer holds the group's last reference, gloo's destructor joins a worker thread that is
+    waiting for the GIL to free a finished collective's tensors (1 run in 8 hung there, py-spy: ~ProcessGroupGloo in
+    std::thread::join, the worker in decref_pyobject). The last reference dropped here goes the way torch
+    releases the GIL first."""
+    group = torch.distributed.group.WORLD
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    wrapped = weakref.ref(trainer.model_wrapped)
+    trainer.accelerator.free_memory()
+    trainer.model_wrapped = trainer.model
+    gc.collect()
+    assert wrapped() is None or not isinstance(wrapped(), torch.nn.parallel.DistributedDataParallel), "DDP outlived"
+    del group
 
 
 if __name__ == "__main__":
