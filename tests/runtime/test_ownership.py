@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -100,3 +101,75 @@ def test_the_standard_gpts_muon_matrices_split_evenly_over_two_ranks_at_stage_2(
     # the pieces' padding costs memory, never the wire: 11.8% here, mostly where the ranks' element counts differ
     # (the work is balanced, and a square matrix costs more per element than a thin one)
     assert padded / sum(u.layout.numel for u in units) < 1.15
+
+
+def _blocks_placed(block: list[tuple[int, int]], blocks: int, world: int) -> tuple[Balance, list[list[int]]]:
+    """Stage 3's placement of `blocks` identical units (a transformer's blocks, each a module unit of Muon matrices):
+    the balance after them, and each unit's piece lengths per rank."""
+    shapes = [torch.Size(s) for s in block]
+    balance = Balance(matrix_cost, world)
+    pieces = []
+    for _ in range(blocks):
+        owners = balance.owners(shapes)
+        pieces.append([sum(s.numel() for s, r in zip(shapes, owners) if r == rank) for rank in range(world)])
+    return balance, pieces
+
+
+def test_at_stage_3_the_blocks_newton_schulz_is_even_and_the_fuller_piece_alternates_between_two_ranks() -> None:
+    """The standard GPT's 12 blocks (qkv, proj, fc, fc proj) on 2 ranks: a block's matrices cannot split evenly
+    (4.13M / 2.95M elements at best), and the rank that takes the fuller piece also takes more Newton-Schulz. The
+    next block's fuller piece goes to the other rank: the work ends even (it was 1.14x the mean, always rank 0's)
+    and over a link the gathers of two blocks load both directions alike."""
+    d = 768
+    balance, pieces = _blocks_placed([(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)], 12, 2)
+    assert max(balance.loads) * 2 / sum(balance.loads) < 1.001
+    fuller = [unit.index(max(unit)) for unit in pieces]
+    assert fuller == [0, 1] * 6, fuller
+    assert sorted(pieces[0]) == [2_949_120, 4_128_768]  # as even as whole matrices cut
+    _, on_three = _blocks_placed([(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)], 12, 3)
+    assert all(unit == [2_359_296] * 3 for unit in on_three)  # qkv and proj together, the same length as fc's
+
+
+@pytest.mark.parametrize("world", [3, 4, 5])
+def test_at_stage_3_a_llama_blocks_newton_schulz_is_within_2_percent_of_even(world: int) -> None:
+    """Four square attention matrices and three MLP ones (d 2048, hidden 5632), 16 blocks: the leftovers of each
+    block go to the rank with the least work (1.19x and 1.17x the mean on 3 and 4 ranks when they did not)."""
+    d, hidden = 2048, 5632
+    balance, _ = _blocks_placed([(d, d)] * 4 + [(hidden, d), (hidden, d), (d, hidden)], 16, world)
+    assert max(balance.loads) * world / sum(balance.loads) < 1.02
+
+
+@pytest.mark.parametrize("world, old", [(2, 1.009), (3, 1.122), (4, 1.159), (8, 1.331)])
+def test_the_standard_gpts_stage_3_plan_evens_newton_schulz_with_its_whole_embedding_and_head(world: int,
+                                                                                               old: float) -> None:
+    """DeepSpeed's split by name gives Muon the bench GPT's `tok` and `head` (8192 x 768: 2.5 blocks' fc of work
+    each, whole). Placed in the model's order, the last of them tipped the balance (`old`: the busiest rank's work
+    over the mean when units were placed one at a time); placed first, they even out among the blocks."""
+    from zerorun.bench.gpt import GPT
+    from zerorun.bench.shape import BENCHMARK
+    from zerorun.runtime.stage3.module_units import plan_stage3
+
+    with torch.device("meta"):
+        model = GPT(BENCHMARK)
+    muon = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    balance = Balance(matrix_cost, world)
+    bucket = 25 * 2**20 // 4
+    plan = plan_stage3(model, [muon, rest], [], 100_000, bucket, bucket, world, torch.float32, [balance, None])
+    work = [0] * world
+    for unit in plan.units:
+        for i, shape in enumerate(unit.shapes if unit.group == 0 else []):
+            work[unit.layout.owner(i)] += matrix_cost(shape)
+    assert work == balance.loads  # the units were laid out as planned
+    assert max(work) * world / sum(work) < {2: 1.001, 3: 1.03, 4: 1.015, 8: 1.08}[world] < old
+
+
+def test_a_planned_balance_answers_in_the_order_planned_and_refuses_another_unit() -> None:
+    shapes = [[torch.Size((4, 4)), torch.Size((2, 2))], [torch.Size((8, 8))]]
+    balance = Balance(matrix_cost, 2)
+    balance.plan(shapes)
+    # the 8 x 8 placed first (rank 0), then the 4 x 4 to the rank with less work, the 2 x 2 in the other piece
+    assert balance.owners(shapes[0]) == [1, 0] and balance.owners(shapes[1]) == [0]
+    balance.plan(shapes)
+    with pytest.raises(AssertionError, match="planned"):
+        balance.owners(shapes[1])

@@ -7,15 +7,15 @@ layout follows it (`partition.whole_layout`): rank r's piece of a unit holds exa
 owns, whole. The stage's own reduce-scatter then delivers each whole gradient to its owner and its
 all-gather returns each whole updated parameter: no collective beyond the stage's own.
 
-    owners = place_whole(numels, costs, world, loads)   # one unit's parameters; `loads` carries on
-    plan = OwnershipPlan.of(owners, numels, world)        # what the memory report says of it
+    owners = place_units([(numels, costs), ...], world, loads)   # per unit, each parameter's rank
+    plan = OwnershipPlan.of(owners[0], numels, world)            # what the memory report says of one
 
-Two things are balanced at once. The optimizer's work: each parameter goes to the rank with the least
-cost so far, over all units (`loads`), largest cost first (greedy longest-processing-time). Newton-Schulz
-costs about m²·(2n + m) per m x n matrix, m <= n (`matrix_cost`), not its size. And the unit's pieces: every
-rank's piece is as long as the fullest one, so a parameter goes only where it keeps that piece
-within an even share of the unit (or of its largest parameter); where none has room, to the emptiest
-piece. A pure function of sizes, costs and the world size: the same on every rank and at every resume.
+Two things are balanced at once. The unit's pieces: every rank's piece is as long as the fullest one, so
+a unit is cut into pieces of about an even share each, by size (`pieces`). And the optimizer's work, over
+all units (`place_units`): units with the costliest piece first, each unit's costliest piece to the rank
+with the least work so far. Newton-Schulz costs about m²·(2n + m) per m x n matrix, m <= n
+(`matrix_cost`), not its size. A pure function of sizes, costs and the world size: the same on every
+rank and at every resume.
 """
 
 from __future__ import annotations
@@ -72,21 +72,50 @@ class OwnershipPlan:
 
 
 def place_whole(numels: Sequence[int], costs: Sequence[int], world: int, loads: list[int]) -> list[int]:
-    """The owning rank of each of one unit's parameters (see the module docstring). `loads`: each rank's cost so
-    far, over the units placed before this one; it is updated."""
+    """The owning rank of each of one unit's parameters, the unit placed on its own (`place_units`). `loads`: each
+    rank's cost so far; it is updated."""
+    return place_units([(numels, costs)], world, loads)[0]
+
+
+def place_units(units: Sequence[tuple[Sequence[int], Sequence[int]]], world: int, loads: list[int]) -> list[list[int]]:
+    """The owning rank of each parameter of each unit, given as (sizes, costs), all units at once. `loads`: each
+    rank's cost so far; it is updated.
+
+    Each unit is cut into `world` pieces by size alone (`pieces`). Then the units are taken costliest piece first,
+    wherever they lie in the model, and each unit's pieces go to the ranks by work: its costliest piece to the
+    rank with the least work so far, its next to the next. So a whole embedding is placed before the blocks and
+    evens out among them (in the model's order it came last and tipped the balance), and consecutive blocks whose
+    matrices cannot cut evenly give their fuller piece to different ranks: what each rank sends over a step
+    evens out too."""
     assert world >= 1 and len(loads) == world, f"world={world}, loads={loads}"
-    assert len(numels) == len(costs) and all(c >= 0 for c in costs), "a non-negative cost per parameter"
-    room = max(max(numels, default=0), -(-sum(numels) // world))  # an even share, or the largest parameter
+    cut = []
+    for numels, costs in units:
+        assert len(numels) == len(costs) and all(c >= 0 for c in costs), "a non-negative cost per parameter"
+        piece = pieces(numels, world)
+        cut.append((piece, [sum(c for c, p in zip(costs, piece) if p == q) for q in range(world)],
+                    [sum(n for n, p in zip(numels, piece) if p == q) for q in range(world)]))
+    placed: list[list[int]] = [[] for _ in units]
+    for k in sorted(range(len(units)), key=lambda k: (-max(cut[k][1], default=0), k)):
+        piece, work, filled = cut[k]
+        rank_of = [0] * world
+        by_load = sorted(range(world), key=lambda r: (loads[r], r))  # the least work so far first
+        for rank, p in zip(by_load, sorted(range(world), key=lambda p: (-work[p], -filled[p], p))):
+            rank_of[p] = rank
+            loads[rank] += work[p]
+        placed[k] = [rank_of[p] for p in piece]
+    return placed
+
+
+def pieces(numels: Sequence[int], world: int) -> list[int]:
+    """Each parameter's piece of a unit cut into `world` (0 .. world-1), by size: the largest first, each into the
+    emptiest piece with room for it (an even share of the unit, or its largest parameter), else the emptiest."""
+    room = max(max(numels, default=0), -(-sum(numels) // world))
     filled = [0] * world
-    owner = [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: (-costs[i], -numels[i], i)):
-        fits = [r for r in range(world) if filled[r] + numels[i] <= room]
-        candidates = fits or [min(range(world), key=lambda r: (filled[r], r))]
-        rank = min(candidates, key=lambda r: (loads[r], filled[r], r))
-        owner[i] = rank
-        filled[rank] += numels[i]
-        loads[rank] += costs[i]
-    return owner
+    piece = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        piece[i] = min(range(world), key=lambda p: (filled[p] + numels[i] > room, filled[p], p))
+        filled[piece[i]] += numels[i]
+    return piece
 
 
 def balanced(costs: Sequence[int], world: int) -> list[int]:
@@ -100,13 +129,26 @@ def balanced(costs: Sequence[int], world: int) -> list[int]:
 
 
 class Balance:
-    """The owner way's placement over a param group's units, one unit at a time, with the costs carried over."""
+    """The owner way's placement over a param group's units, with the costs carried over: all units at once when
+    they were `plan`ned (stage 3 plans the model's units before it lays them out), else one at a time."""
 
     def __init__(self, cost: Cost, world: int) -> None:
         self.cost, self.loads = cost, [0] * world
+        self._planned: list[tuple[list[torch.Size], list[int]]] = []  # (shapes, owners), in the order asked
+
+    def plan(self, units: Sequence[Sequence[torch.Size]]) -> None:
+        """Place these units (their parameters' shapes, in the order `owners` will be asked for them) together."""
+        owners = place_units([([s.numel() for s in shapes], [self.cost(s) for s in shapes]) for shapes in units],
+                             len(self.loads), self.loads)
+        planned = [(list(shapes), placed) for shapes, placed in zip(units, owners)]
+        self._planned = planned[::-1] + self._planned  # popped from the end: the first asked for last in the list
 
     def owners(self, shapes: Sequence[torch.Size]) -> list[int]:
         """The owning rank of each of one unit's parameters (by their shapes)."""
+        if self._planned:
+            planned, owners = self._planned.pop()
+            assert planned == list(shapes), f"a unit of {list(shapes)} asked for where {planned} was planned"
+            return owners
         return place_whole([s.numel() for s in shapes], [self.cost(s) for s in shapes], len(self.loads), self.loads)
 
     def buckets(self, shapes: Sequence[torch.Size], bucket_numel: int) -> list[list[tuple[int, int]]]:

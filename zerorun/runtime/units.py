@@ -79,6 +79,12 @@ def cut_units(group: int, params: list[nn.Parameter], bucket_numel: int, world: 
     return units
 
 
+def own_buffer_shapes(params: list[nn.Parameter], bucket_numel: int) -> list[list[torch.Size]]:
+    """The shapes of each unit `cut_units` makes of `params` where units have buffers of their own (stage 3):
+    what a `Balance` is given to plan before they are cut."""
+    return [[params[i].shape for i in indices] for indices in bucket_params([p.numel() for p in params], bucket_numel)]
+
+
 def _laid_out(params: list[nn.Parameter], bucket_numel: int, world: int, align: int, whole: Balance | None,
               own_buffers: bool) -> list[tuple[list[nn.Parameter], FlatLayout]]:
     """Each unit's parameters and layout. Flat: consecutive buckets. Whole, each unit with a buffer of its own

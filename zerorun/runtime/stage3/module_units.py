@@ -34,7 +34,7 @@ from zerorun.errors import ZerorunError, ZerorunWarning
 from zerorun.runtime import compiled
 from zerorun.runtime.ownership import Balance
 from zerorun.runtime.stage3.unit_group import AROUND_USE, UnitGroup, UnitKind
-from zerorun.runtime.units import Unit, cut_units, group_numels
+from zerorun.runtime.units import Unit, cut_units, group_numels, own_buffer_shapes
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -70,13 +70,19 @@ def plan_stage3(model: nn.Module, groups: list[list[nn.Parameter]], wrap: list[s
     root = UnitGroup("<root>", model, UnitKind.ROOT)
     persistent = UnitGroup("<persistent>", model, UnitKind.PERSISTENT)
     owner_of = _owners(model, groups, ordered, root, persistent, threshold)
+    placing = list(reversed([*ordered, root, persistent]))  # bounded buffers stay reusable by the host allocator
+    # the owner way's units: a chunk per rank, as even as whole parameters cut, so that their gathers move about as
+    # much in each direction of a link; placed over the whole model at once (ownership.place_units)
+    for g, balance in enumerate(whole or []):
+        if balance is not None:
+            balance.plan([shapes for owner in placing for shapes in own_buffer_shapes(
+                [p for p in groups[g] if owner_of.get(p) is owner], chunk_numel * world)])
     units: list[Unit] = []
     group_of: list[UnitGroup] = []
     offsets = [0] * len(groups)
-    for owner in reversed([*ordered, root, persistent]):  # bounded buffers stay reusable by the host allocator
+    for owner in placing:
         for g, params in enumerate(groups):  # g: the optimizer's param group
-            balance = whole[g] if whole else None  # the owner way's units: a chunk per rank, as even as whole
-            # parameters cut, so that their gathers move about as much in each direction of a link
+            balance = whole[g] if whole else None
             for unit in cut_units(g, [p for p in params if owner_of.get(p) is owner],
                                   chunk_numel * (world if balance else 1), world, dtype, offsets[g], whole=balance):
                 owner.add(len(units), unit)
