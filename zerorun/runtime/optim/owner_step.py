@@ -39,6 +39,7 @@ from zerorun.runtime.offload.homes import MASTER
 from zerorun.runtime.offload.transfers import Direct
 from zerorun.runtime.optim.elementwise import stepping
 from zerorun.runtime.optim.flat_step import Piece
+from zerorun.runtime.optim.ways import whole_cost
 from zerorun.runtime.ownership import OwnershipPlan
 from zerorun.runtime.partition import ParamSpan
 from zerorun.runtime.store import ParamStore
@@ -148,6 +149,9 @@ class OwnerStep:
                                               nn.Parameter(torch.empty(0, device=place))))
         self.plan = OwnershipPlan.of([p.owner for p in self.params], [p.span.numel for p in self.params],
                                      store.shard_world)
+        # the optimizer's work each rank does (Newton-Schulz's for a Muon), as the placement weighed it
+        self.work = OwnershipPlan.of([p.owner for p in self.params],
+                                     [whole_cost(groups[p.group][0])(p.shape) for p in self.params], store.shard_world)
         self.owned = [p for p in self.params if p.owner == store.shard_rank]
         self.direct = Direct(store.device)  # the targets are reached from device memory, as the flat way's are
 

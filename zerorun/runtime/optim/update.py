@@ -206,7 +206,8 @@ class Update:
                 Way.ELEMENTWISE: "over each rank's flat shard (elementwise)",
                 Way.OWNER: "on whole parameters, each updated by the rank that owns it"}
         parts = dict.fromkeys(f"{type(g.optimizer).__name__} {said[g.way]}" for g in self.groups)
-        balance = f" (the busiest rank owns {self.owner.plan.imbalance:.2f}x the mean)" if self.owner else ""
+        balance = (f" (the busiest rank holds {self.owner.plan.imbalance:.2f}x the mean of the whole parameters and "
+                   f"does {self.owner.work.imbalance:.2f}x the mean of their work)") if self.owner else ""
         return "zerorun: optimizer: " + "; ".join(parts) + balance + " (docs/optimizers.md)"
 
     # -- memory and telemetry --------------------------------------------------------------------
