@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from zerorun.bench.shape import BENCHMARK, GPTConfig
+from zerorun.cli.bench_balance import bench_balance
 from zerorun.cli.counts import count
 from zerorun.config.counts import parse_count
 from zerorun.errors import ZerorunError
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 bench_app = typer.Typer(help="Side-by-side measurements: step time against DDP/FSDP2, collectives, Adam kernels, "
                              "NVMe I/O, the largest model this machine trains; and the GPU check.",
                         no_args_is_help=True)
+bench_app.command("balance")(bench_balance)
 
 # The benchmark model's options, shared by the commands that build it (defaults: `bench.shape.BENCHMARK`).
 Layers = Annotated[int, typer.Option(help="GPT layers.")]
