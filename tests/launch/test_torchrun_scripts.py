@@ -113,6 +113,9 @@ def test_a_ddp_script_that_never_calls_zerorun_runs_as_plain_ddp(launch, ddp_ref
     job = finished(launch(SCRIPT, ["--wrap", "ddp", "--eval", "master", "--save", "master"], **keys(2)))
     assert printed(job.stdout) == printed(ddp_reference) and len(printed(job.stdout)) == 6  # the same code: exact
     assert printed(job.stdout, "eval") == printed(ddp_reference, "eval")
+    # the script's DDP is freed after its own destroy_process_group() while the worker holds that group, so that
+    # gloo's destructor never runs inside the Reducer's free (interop/process_group.py: a hang at the end otherwise)
+    assert sum("ddp freed, its destroyed group held: True" in line for line in job.stdout) == 2, job.output
 
 
 def test_nccl_asked_for_on_cpu_workers_is_refused_in_one_line(launch):

@@ -214,3 +214,36 @@ def test_an_engine_that_fails_to_build_changes_nothing() -> None:
     """The interceptions are installed last, so a refusal at initialize leaves torch and the script's objects
     as they were (not only once the half-built engine is garbage-collected)."""
     assert run_ranks(_failed_build, 2) == [[], []]
+
+
+def _ddp_outlives_its_group(rank: int, world: int) -> tuple[int, int]:
+    """A script's DDP model outlives its own destroy_process_group(), under the worker's hold: the threads of the
+    process once the script's objects are freed, and once the hold is released."""
+    import gc
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from zerorun.runtime.comm.dist import init_distributed
+    from zerorun.runtime.interop import process_group
+
+    init_distributed()
+    release = process_group.hold()
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    model(torch.ones(2, 4)).sum().backward()
+    dist.barrier()
+    dist.destroy_process_group()  # the wrapper: the DDP's Reducer now holds the group in C++
+    del model
+    gc.collect()
+    freed = len(os.listdir("/proc/self/task"))
+    release()
+    return freed, len(os.listdir("/proc/self/task"))
+
+
+def test_a_group_the_script_destroyed_ends_when_the_worker_lets_go_not_inside_its_ddps_free() -> None:
+    """torch frees DDP's Reducer with the GIL held; if it held the destroyed group's last reference, gloo's destructor
+    would join a worker thread that may wait for the GIL (a hang at the rank's end). The destroyed group is held
+    until the worker's release: gloo's threads live past the DDP's free and end with the release."""
+    for freed, released in run_ranks(_ddp_outlives_its_group, 2):
+        assert freed > released, (freed, released)

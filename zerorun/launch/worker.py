@@ -29,6 +29,7 @@ same one, and the launcher shows it once per job.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import runpy
 import signal
@@ -105,10 +106,12 @@ def run_script(script: str, args: list[str]) -> int:
     except BaseException as exc:  # noqa: BLE001 - the user's error, reported as Python would
         _print_user_traceback(exc, script)
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
-    release_interop()  # torch's own functions again (an engine still alive holds its own until it goes)
     if stop_probe is not None:
         stop_probe()
     namespace.clear()
+    gc.collect()  # the script's objects in cycles too (its functions hold its globals), while the hold below keeps
+    # the groups it destroyed: none is destroyed inside a DDP Reducer's free, with the GIL held (interop/process_group.py)
+    release_interop()  # torch's own functions again (an engine still alive holds its own until it goes)
     sys.stdout.flush()
     sys.stderr.flush()
     if code == 0:

@@ -15,6 +15,7 @@ process only. Rank 0 prints `iter I loss L` per iteration and `eval I val V` per
 import argparse
 import os
 import tempfile
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,10 @@ if args.wrap == "ddp":
     model = DDP(model) if ddp else model
     raw_model = model.module if ddp else model
     engine = None
+    if ddp:  # freed after the script's own destroy_process_group(): says whether zerorun still holds that group
+        # (exec'd with globals of its own: a function of this script would hold the script's globals, and the model)
+        weakref.finalize(model, exec, "import torch.distributed as d; print('ddp freed, its destroyed group held:', "
+                                      "hasattr(d.destroy_process_group, '__wrapped__'), flush=True)", {})
 else:
     import zerorun
     from zerorun import config

@@ -29,14 +29,26 @@ from zerorun.runtime.interop.patches import AttributePatch
 
 
 def _settled(destroy: Callable[..., Any]) -> Callable[..., Any]:
+    kept: list[Any] = []  # the groups the script destroyed, let go with this wrapper (see `hold`)
+
     @functools.wraps(destroy)
     def settled_destroy(*args: Any, **kwargs: Any) -> Any:
-        if dist.is_initialized() and not args and kwargs.get("group") is None:  # the default group, not a subgroup
+        group = args[0] if args else kwargs.get("group")
+        if dist.is_initialized() and group is None:  # the default group, not a subgroup
             live = context.current().engines
             live.settle_all()
             live.end_of_script()
+        kept.extend(_groups(group))
         return destroy(*args, **kwargs)
     return settled_destroy
+
+
+def _groups(group: Any) -> list[Any]:
+    """What `destroy_process_group(group)` ends: that group, or with None every group of the process."""
+    if group is not None:
+        return [group]
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return list(getattr(world, "pg_map", {})) if dist.is_initialized() else []
 
 
 def _joining(init: Callable[..., Any]) -> Callable[..., Any]:
@@ -80,7 +92,15 @@ _INIT = AttributePatch(dist, "init_process_group", _joining)
 
 
 def hold() -> Callable[[], None]:
-    """Hold both wrappers until the returned release is called."""
+    """Hold both wrappers until the returned release is called.
+
+    The groups the script destroyed stay referenced until then. A script's DDP module keeps its group through
+    the C++ Reducer, and when the script's objects are freed (with the GIL held) after its own
+    destroy_process_group(), the Reducer would drop the group's last reference: gloo's destructor then joins a
+    worker thread that may be waiting for the GIL to free a finished collective's tensors, and the rank hangs
+    at its end (seen under plain torchrun, py-spy: ~ProcessGroupGloo in std::thread::join). The worker releases
+    this hold after it has freed the script's objects, so the last reference goes through torch's Python group
+    object, which releases the GIL before it destroys."""
     releases = [_DESTROY.hold(), _INIT.hold()]
 
     def release() -> None:
