@@ -130,7 +130,7 @@ def end_together(trainer: Trainer) -> None:
     Left to the interpreter's exit, gloo aborts a rank whose peer is still mid-exchange ("terminate called without an
     active exception"), hence the barrier. And the group must not die with DDP: torch frees DDP's Reducer with the GIL
     held, and when the Reducer holds the group's last reference, gloo's destructor joins a worker thread that is
-    waiting for the GIL to free a finished collective's tensors (1 run in 8 hung there, py-spy: ~ProcessGroupGloo in
+    waiting for the GIL to free a finished collective's tensors (1 run in 36 hung there, py-spy: ~ProcessGroupGloo in
     std::thread::join, the worker in decref_pyobject). The last reference dropped here goes the way torch
     releases the GIL first."""
     group = torch.distributed.group.WORLD
