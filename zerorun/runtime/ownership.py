@@ -134,14 +134,14 @@ class Balance:
 
     def __init__(self, cost: Cost, world: int) -> None:
         self.cost, self.loads = cost, [0] * world
-        self._planned: list[tuple[list[torch.Size], list[int]]] = []  # (shapes, owners), in the order asked
+        self._planned: list[tuple[list[torch.Size], list[int]]] = []  # (shapes, owners): the next asked for last
 
     def plan(self, units: Sequence[Sequence[torch.Size]]) -> None:
         """Place these units (their parameters' shapes, in the order `owners` will be asked for them) together."""
         owners = place_units([([s.numel() for s in shapes], [self.cost(s) for s in shapes]) for shapes in units],
                              len(self.loads), self.loads)
         planned = [(list(shapes), placed) for shapes, placed in zip(units, owners)]
-        self._planned = planned[::-1] + self._planned  # popped from the end: the first asked for last in the list
+        self._planned = planned[::-1] + self._planned  # asked for after what was planned before
 
     def owners(self, shapes: Sequence[torch.Size]) -> list[int]:
         """The owning rank of each of one unit's parameters (by their shapes)."""
