@@ -20,7 +20,7 @@ from zerorun.cli import app
 
 ROOT = Path(__file__).parents[2]
 QUICKSTART = ROOT / "recipes/quickstart.yaml"
-BUDGET_MIN = 0.75
+BUDGET_MIN = 0.5
 # After the deadline the running trial gets SIGTERM and the launcher stops its job (kill_grace_s 3 s,
 # then the pipes drain); on a loaded 2-core machine that has taken up to ~8 s.
 TEARDOWN_S = 15.0
