@@ -76,12 +76,15 @@ class Collectives(PointToPoint):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
-        self.tags = (tags or TagCheck(group, self.rank, self.world_size, self.backend)) if tagged else None
         self.stats = CommStats()
         self._cpu, self._timeout_s = cpu, timeout_s
         self.runtime = runtime or context.current()
         self.shm = shared_memory(group, self.rank, self.world_size, self.backend, cpu, timeout_s,
                                  self.runtime.part(Segments))
+        # the tags' own gloo group wherever they cross a wire (tags.py); shared memory carries them in its header
+        # (every rank decides `shm` alike: shm_collectives.py)
+        own = self.backend != "gloo" or self.shm is None
+        self.tags = (tags or TagCheck(group, self.rank, self.world_size, own, timeout_s)) if tagged else None
         self.transport = "shared memory" if self.shm else self.backend
         self.stats.level = "node" if self.shm else "network"
         self.quantized_gradients = quantized_gradients is True  # reduce-scatters over the network send block int8

@@ -4,8 +4,11 @@ Two checks, one per kind of transport:
 - shared memory (shm_collectives.py): every rank writes its tag into the segment's header before the operation's
   first meeting and reads everyone's after it, before any slot is read.
 - the wire (gloo, NCCL): one all-reduce (MAX) of two integers per collective, a 64-bit fingerprint of the tag and its
-  negation, on a gloo group (NCCL's own group for device tensors would make the host wait for the device); equal
-  fingerprints on every rank mean equal tags. Only after a mismatch do the ranks exchange their whole tags, to say
+  negation, on a gloo group of its own; equal fingerprints on every rank mean equal tags. Its own group, on either
+  backend: NCCL's group for device tensors would make the host wait for the device, and gloo's payload group would
+  queue the 16 bytes behind every megabyte already posted to that pair's TCP stream (a prefetched all-gather), so
+  the next collective's launch would wait for the transfers before it to cross: over a 1 Gbit/s link that was 18%
+  of a stage-3 step (`zerorun bench step --cluster 2x1 --link 1gbit`). Only after a mismatch do the ranks exchange their whole tags, to say
   where each was. Its cost is a host round trip per collective and, more, the wait for the last rank to arrive:
   1.10-1.11x a step of the standard GPT over gloo at stages 2-3 (docs/benchmarks.md).
 The exchange is blocking, on the caller's thread, before the payload is posted: a rank never posts a payload its
@@ -16,6 +19,7 @@ stall report names where each rank is, its last collective included (`last`, sen
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 
 import torch
@@ -28,16 +32,19 @@ from zerorun.runtime.comm.wire import Op
 class TagCheck:
     """Numbers the collectives of one `Collectives` (and of those that share its tags) and checks them on the wire."""
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, backend: str) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, own_group: bool,
+                 timeout_s: float) -> None:
+        """`own_group`: the fingerprints go on a gloo group made for them (every rank of the world must make the same
+        call: the same `own_group`); else on `group` itself (a wire that carries few payloads beside them)."""
         self.places: PlaceSource = Nowhere()  # the engine sets itself: where the caller stands at each call
         self.rank, self.world_size = rank, world_size
         self.seq = 0
         self.last: Tag | None = None  # the latest collective issued: where the stall report says this rank is
         self.failed: DesyncError | None = None  # once ranks disagreed, every later collective raises the same
         self._wire = group
-        if backend != "gloo" and world_size > 1:  # the host exchanges tags: a gloo group beside NCCL's
+        if own_group and world_size > 1:
             ranks = None if group is None else dist.get_process_group_ranks(group)
-            self._wire = dist.new_group(ranks, backend="gloo")
+            self._wire = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
     def next(self, op: Op, numel: int, unit: int = -1, detail: int = 0) -> Tag:
         """The tag of the collective about to be issued, where the caller stands now. After a mismatch, raises it
