@@ -10,7 +10,8 @@ Two checks, one per kind of transport:
   the next collective's launch would wait for the transfers before it to cross: over a 1 Gbit/s link that was 18%
   of a stage-3 step (`zerorun bench step --cluster 2x1 --link 1gbit`). Only after a mismatch do the ranks exchange their whole tags, to say
   where each was. Its cost is a host round trip per collective and, more, the wait for the last rank to arrive:
-  1.10-1.11x a step of the standard GPT over gloo at stages 2-3 (docs/benchmarks.md).
+  1.10-1.11x a step of the standard GPT over gloo at stages 2-3, measured while it still shared the payload's
+  group (docs/benchmarks.md).
 The exchange is blocking, on the caller's thread, before the payload is posted: a rank never posts a payload its
 peers are not posting too, so a size mismatch can neither hang NCCL nor abort gloo's point to point first.
 A peer that never comes to a collective at all (stuck in its own code) cannot be told from a slow one here; the
