@@ -228,9 +228,19 @@ def test_every_x86_variant_of_the_cpu_adam_kernel_is_vectorised() -> None:
     assert scalar == {isa: [] for isa in widest}
 
 
-def test_a_damaged_cache_entry_says_how_to_rebuild(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="module")
+def built_entry() -> Path:
+    """The cache entry of cpu_adam built where this process keeps kernels (what `zerorun env --build` and the
+    vectorisation test above use: built once, not per test)."""
     assert ops.build(["cpu_adam"])["cpu_adam"].startswith("loaded")
+    return ops.build_dir("cpu_adam")
+
+
+def test_a_damaged_cache_entry_says_how_to_rebuild(built_entry: Path, fresh_cache: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    shutil.copytree(built_entry, ops.build_dir("cpu_adam"))  # a good entry, then damaged: no compile needed
     library = ops.build_dir("cpu_adam") / (ops.build_dir("cpu_adam") / "BUILT").read_text()
+    assert library.is_file() and ops.build_dir("cpu_adam").is_relative_to(fresh_cache)
     damaged = library.with_name("damaged.so")
     damaged.write_bytes(b"not a shared library")
     (ops.build_dir("cpu_adam") / "BUILT").write_text(damaged.name)
