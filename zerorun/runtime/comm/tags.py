@@ -7,11 +7,11 @@ Two checks, one per kind of transport:
   negation, on a gloo group of its own; equal fingerprints on every rank mean equal tags. Its own group, on either
   backend: NCCL's group for device tensors would make the host wait for the device, and gloo's payload group would
   queue the 16 bytes behind every megabyte already posted to that pair's TCP stream (a prefetched all-gather), so
-  the next collective's launch would wait for the transfers before it to cross: over a 1 Gbit/s link that was 18%
-  of a stage-3 step (`zerorun bench step --cluster 2x1 --link 1gbit`). Only after a mismatch do the ranks exchange their whole tags, to say
-  where each was. Its cost is a host round trip per collective and, more, the wait for the last rank to arrive:
-  1.10-1.11x a step of the standard GPT over gloo at stages 2-3, measured while it still shared the payload's
-  group (docs/benchmarks.md).
+  the next collective's launch would wait for the transfers before it to cross: over a 1 Gbit/s link a stage-3
+  AdamW step took 6.67 s that way and 5.14 s on its own group (`zerorun bench step --cluster 2x1 --link 1gbit`).
+  Only after a mismatch do the ranks exchange their whole tags, to say where each was. Its cost is a host round
+  trip per collective and, more, the wait for the last rank to arrive: 1.10-1.11x a step of the standard GPT over
+  gloo at stages 2-3, measured while it still shared the payload's group (docs/benchmarks.md).
 The exchange is blocking, on the caller's thread, before the payload is posted: a rank never posts a payload its
 peers are not posting too, so a size mismatch can neither hang NCCL nor abort gloo's point to point first.
 A peer that never comes to a collective at all (stuck in its own code) cannot be told from a slow one here; the
@@ -36,7 +36,8 @@ class TagCheck:
     def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, own_group: bool,
                  timeout_s: float) -> None:
         """`own_group`: the fingerprints go on a gloo group made for them (every rank of the world must make the same
-        call: the same `own_group`); else on `group` itself (a wire that carries few payloads beside them)."""
+        call: the same `own_group`); else on `group` itself (shared memory carries the tags in its header: the group
+        sees only what shared memory cannot carry, a tensor that is not contiguous on the host)."""
         self.places: PlaceSource = Nowhere()  # the engine sets itself: where the caller stands at each call
         self.rank, self.world_size = rank, world_size
         self.seq = 0
