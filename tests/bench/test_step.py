@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from zerorun.bench import step
@@ -104,3 +105,66 @@ def test_muons_verdicts_compare_each_stage_with_its_adamw_row_t_ns_and_deepspeed
                      "DeepSpeed's (13.00 s)",
                      "zero3: Muon adds 4.50 s to AdamW's step = 1.12 x T_NS / 2; Muon step 7.00 s = 0.50 x "
                      "DeepSpeed's (14.00 s)"]
+
+
+def test_set_gives_every_zerorun_system_the_recipe_keys_and_names_them(monkeypatch, tmp_path: Path) -> None:
+    seen = {}
+
+    def fake(fn, world, args, timeout, threads):
+        seen[args[0]] = args[1].overrides
+        return _fake_run_ranks(fn, world, args, timeout, threads)
+
+    monkeypatch.setattr(step, "run_ranks", fake)
+    out = tmp_path / "step.json"
+    result = CliRunner().invoke(app, ["bench", "step", "--systems", "ddp,zero1", "--rounds", "1", "--set",
+                                      "zero.prefetch_units=2", "--set", "zero.bucket_mb=8", "--json", str(out)],
+                                env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert seen["zero1"] == ("zero.prefetch_units=2", "zero.bucket_mb=8")
+    assert "zerorun with zero.prefetch_units=2, zero.bucket_mb=8" in " ".join(result.output.split())
+    assert json.loads(out.read_text())["config"]["overrides"] == ["zero.prefetch_units=2", "zero.bucket_mb=8"]
+
+
+def test_the_keys_reach_the_recipe_the_engine_is_built_from(monkeypatch) -> None:
+    """_train's recipe: the system's keys, then --set's (a recipe built without them would run as before)."""
+    import zerorun
+    from zerorun.bench.shape import GPTConfig
+    from zerorun.bench.step_results import StepBenchConfig
+    from zerorun.runtime import host_allocator
+    from zerorun.runtime.comm import dist as zdist
+
+    class Built(Exception):
+        pass
+
+    def initialize(model, optimizer, recipe):
+        raise Built(recipe.zero.prefetch_units, recipe.zero.stage, recipe.zero.wrap)
+
+    monkeypatch.setattr(zdist, "init_distributed", lambda: None)  # built, not trained: no group is needed
+    monkeypatch.setattr(host_allocator, "install", lambda: None)
+    monkeypatch.setattr(zerorun, "initialize", initialize)
+    cfg = StepBenchConfig(GPTConfig(1, 16, 2, 32, 8), systems=("zero1",), overrides=("zero.prefetch_units=2",))
+    try:
+        step._train(0, 1, "zero1", cfg)
+    except Built as built:
+        assert built.args == (2, 1, ["Block"])
+    else:
+        raise AssertionError("the engine was never built")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--set", "zero.prefetch_unit=2"], "--set zero.prefetch_unit=2: zero.prefetch_unit: unknown key; did you mean "
+                                        "'prefetch_units'?"),
+    (["--set", "zero.prefetch_units=two"], "zero.prefetch_units: expected auto or an integer"),
+    (["--set", "zero.stage=2"], "the system zero3 sets zero.stage=3 itself"),
+    (["--set", "precision.dtype=bf16"], "precision.dtype is --precision's to set"),
+    (["--set", "prefetch"], "--set prefetch: expected KEY=VALUE"),
+])
+def test_set_refuses_what_would_not_run_as_asked(flags: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, ["bench", "step", "--systems", "ddp,zero3", *flags], env={"COLUMNS": "250"})
+    assert result.exit_code != 0 and message in " ".join(result.output.split()), result.output
+
+
+def test_set_without_a_zerorun_system_is_refused() -> None:
+    result = CliRunner().invoke(app, ["bench", "step", "--systems", "ddp,fsdp2", "--set", "zero.prefetch_units=2"],
+                                env={"COLUMNS": "250"})
+    assert result.exit_code != 0 and "none is among --systems (ddp, fsdp2)" in result.output, result.output

@@ -125,7 +125,7 @@ def _train(rank: int, world: int, system: str, cfg: StepBenchConfig) -> Sample:
         nvme = [f"zero.offload_optimizer.nvme_path={cfg.nvme_path}"] if system.endswith("nvme") else []
         recipe = config.loads("script: bench", "<bench>", [*ZERO_SYSTEMS[system], *nvme, "zero.wrap=[Block]",
                                                          f"precision.dtype={cfg.precision}", *optimizer_keys(cfg),
-                                                         "name=bench-step"])
+                                                         "name=bench-step", *cfg.overrides])
         engine = zerorun.initialize(model, None, recipe)
         forward, backward, step, settle = engine, engine.backward, engine.step, engine.wait_published
         state_mib = lambda: engine.memory().model_states() / 2**20  # noqa: E731
@@ -319,7 +319,8 @@ def render(cfg: StepBenchConfig, results: list[SystemResult], links: Sequence[An
         where = f"{cfg.cluster[0]} nodes x {cfg.cluster[1]} ranks, link {cfg.link} (measured Gbit/s: {measured})"
     table = tables.compact(f"step time: GPT {m.layers}L d{m.d_model} h{m.heads} vocab {m.vocab} seq {m.seq_len}"
                            f" ({params / 1e6:.1f}M params), micro-batch {cfg.micro_batch}, {cfg.precision}, "
-                           f"{cfg.optimizer}, {where} x {cfg.threads} thread(s), {cfg.rounds} interleaved rounds")
+                           f"{cfg.optimizer}, {where} x {cfg.threads} thread(s), {cfg.rounds} interleaved rounds"
+                           + (f"; zerorun with {', '.join(cfg.overrides)}" if cfg.overrides else ""))
     baseline = [f"x {cfg.baseline}"] if cfg.baseline != "ddp" else []
     link = ["node 0 sent MB/step (ideal)"] if cfg.cluster else []
     compiled = any(r.dynamo is not None for r in results)

@@ -27,6 +27,7 @@ class StepBenchConfig:
     cluster: tuple[int, int] | None = None  # (nodes, ranks per node) on an emulated cluster; None: local ranks
     link: str = "1gbit"  # the emulated cluster's link rate
     optimizer: str = "adamw"  # every system's optimizer, as the recipe's optimizer.type names it (sgd: momentum 0.9)
+    overrides: tuple[str, ...] = ()  # recipe keys (KEY=VALUE) every zerorun system runs with, after its own
 
 
 @dataclass

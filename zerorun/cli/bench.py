@@ -6,11 +6,10 @@ Each command imports its benchmark only when run, so `zerorun --help` stays fast
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -19,9 +18,6 @@ from zerorun.cli.bench_balance import bench_balance
 from zerorun.cli.counts import count
 from zerorun.config.counts import parse_count
 from zerorun.errors import ZerorunError
-
-if TYPE_CHECKING:
-    from zerorun.bench.step import StepBenchConfig, SystemResult
 
 bench_app = typer.Typer(help="Side-by-side measurements: step time against DDP/FSDP2, collectives, Adam kernels, "
                              "NVMe I/O, the largest model this machine trains; and the GPU check.",
@@ -75,22 +71,27 @@ def bench_step(
                                                 "(adamw, sgd, lion, muon, ...; sgd with momentum 0.9). Several, "
                                                 "comma-separated, give each system a row per optimizer (SYSTEM@OPT); "
                                                 "with muon, a row times torch's Muon.step() alone (T_NS).")] = "adamw",
+    sets: Annotated[list[str] | None, typer.Option("--set", help="KEY=VALUE, a recipe key every zerorun system runs "
+                                                                 "with (repeatable), e.g. zero.prefetch_units=2.")] =
+        None,
 ) -> None:
     """Step time and memory of zerorun's stages against DDP, FSDP2 and DeepSpeed, in one interleaved run."""
     from zerorun import tables
     from zerorun.bench import step, step_muon, step_profile
     from zerorun.bench.cluster import parse_shape
+    from zerorun.cli import bench_step
 
-    chosen = _step_systems(systems, nvme_path, baseline, compile)
-    chosen, optimizer = _with_optimizers(chosen, optimizer)
+    chosen = bench_step.step_systems(systems, nvme_path, baseline, compile)
+    chosen, optimizer = bench_step.with_optimizers(chosen, optimizer)
+    overrides = bench_step.zero_overrides(sets or [], chosen)
     shape = parse_shape(cluster) if cluster else None
     # a compiled stage 3 model compiles in its second step (its first pass runs eagerly): every system warms up
     # over two steps then, so that the rows still train on the same batches
     warmup = 2 if any("+" in s for s in chosen) else 1
     cfg = step.StepBenchConfig(GPTConfig(layers, d_model, heads, vocab, seq_len), micro_batch,
                                shape[0] * shape[1] if shape else ranks, threads, rounds, warmup, steps, chosen,
-                               precision, nvme_path, baseline, shape, link, optimizer)
-    results, links = _run_step_bench(cfg)
+                               precision, nvme_path, baseline, shape, link, optimizer, overrides)
+    results, links = bench_step.run_step_bench(cfg)
     out = tables.console()
     out.print(step.render(cfg, results, links, out.width))
     out.print(step_profile.render(results, out.width))
@@ -98,74 +99,6 @@ def bench_step(
         out.print(line)
     if json_out is not None:
         json_out.write_text(json.dumps(step.as_json(cfg, results, links), indent=2))
-
-
-def _with_optimizers(chosen: tuple[str, ...], optimizer: str) -> tuple[tuple[str, ...], str]:
-    """The systems and the default optimizer for `--optimizer`: with several, a row per system and optimizer
-    (SYSTEM@OPT); with muon, T_NS's row too. Unknown names are refused as the recipe refuses them."""
-    from zerorun import config
-    from zerorun.bench import step
-
-    names = [o.strip() for o in optimizer.split(",") if o.strip()] or ["adamw"]
-    for name in names:
-        try:
-            config.loads("script: bench", "<bench>", [f"optimizer.type={name}"])
-        except ZerorunError as exc:
-            raise ZerorunError(f"--optimizer {name}: {exc}") from None
-    if len(names) > 1:
-        baseline_first = [f"{s}@{o}" for s in chosen for o in names]
-        chosen = tuple(baseline_first)
-    if "muon" in names:
-        chosen = (*chosen, step.NS_REFERENCE)
-    return chosen, names[0] if len(names) == 1 else ",".join(names)
-
-
-def _step_systems(systems: str, nvme_path: str | None, baseline: str, compile: bool = False) -> tuple[str, ...]:
-    """`--systems` as a tuple (with `--compile`, each ddp*/zero* system followed by its compiled twin), refused
-    with the option's name when it cannot run as asked."""
-    from zerorun.bench import compiling, step
-
-    chosen = tuple(s.strip() for s in systems.split(",") if s.strip())
-    if compile:
-        chosen = tuple(dict.fromkeys(name for s in chosen for name in (
-            (s, f"{s}+compile") if s.startswith(compiling.COMPILED_BASES) and "+" not in s else (s,))))
-    bases = [compiling.split_system(s) for s in chosen]
-    unknown = [s for s, (base, _) in zip(chosen, bases) if base not in step.SYSTEMS]
-    if unknown:
-        raise ZerorunError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(step.SYSTEMS)}, each "
-                           f"also as SYSTEM+compile or SYSTEM+compile-blocks (ddp* and zero* only).")
-    uncompilable = [s for s, (base, mode) in zip(chosen, bases)
-                    if mode and not base.startswith(compiling.COMPILED_BASES)]
-    if uncompilable:
-        raise ZerorunError(f"--systems: {', '.join(uncompilable)}: only ddp* and zero* systems have compiled rows "
-                           "(FSDP2's and DeepSpeed's compile support is theirs to measure).")
-    if any(s.endswith("nvme") for s in chosen) and not nvme_path:
-        raise ZerorunError("--nvme-path: required by the *-nvme systems (a directory on a real disk, not tmpfs).")
-    if baseline != "ddp" and baseline not in chosen:
-        raise ZerorunError(f"--baseline: {baseline!r} is not among --systems ({', '.join(chosen)}); add it there "
-                           "so both run in the same rounds.")
-    if any(s.startswith("deepspeed") for s in chosen) and importlib.util.find_spec("deepspeed") is None:
-        raise ZerorunError("--systems: deepspeed2/deepspeed3 need DeepSpeed (pip install deepspeed).")
-    return chosen
-
-
-def _run_step_bench(cfg: StepBenchConfig) -> tuple[list[SystemResult], list[Any]]:
-    """The step benchmark's results on local processes, or on an emulated cluster (`cfg.cluster`) with its links."""
-    from zerorun.bench import step
-    from zerorun.bench.cluster import EmulatedCluster, parse_rate
-
-    progress = lambda line: typer.echo(line, err=True)  # noqa: E731
-    if cfg.cluster is None:
-        return step.run(cfg, progress), []
-    from zerorun.bench.cluster_spawn import run_ranks_on
-
-    nodes, per_node = cfg.cluster
-    with EmulatedCluster.start(nodes, parse_rate(cfg.link)) as built:
-        links = built.measure_links()
-        progress("links: " + ", ".join(f"{x.source}->{x.destination} {x.gbit_s:.2f} Gbit/s" for x in links))
-        results = step.run(cfg, progress, lambda fn, args: run_ranks_on(built, per_node, fn, args,
-                                                                        threads=cfg.threads))
-    return results, links
 
 
 @bench_app.command("comm")
