@@ -100,7 +100,8 @@ def test_env_prints_a_table():
     (["launch", "r.yaml", "--stage", "3"], "--set zero.stage=N"),
     (["estimate", "--gpus", "8"], "--gpus-per-node"),  # a prefix: below difflib's cutoff before
     (["estimate", "--param", "7B"], "--params"),
-    (["bench", "step", "--nproc", "3"], "--ranks"),  # no --set here: another launcher's word for it
+    (["bench", "step", "--nproc", "3"], "--ranks"),  # another launcher's word for it; --set here: zero.* only
+    (["bench", "step", "--prefetch-units", "2"], "--set zero.prefetch_units=auto|N"),
     (["checkpoint", "consolidate", "ckpt", "--fromat", "hf"], "--format"),
     (["--verison"], "--version"),
 ])

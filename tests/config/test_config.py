@@ -28,6 +28,8 @@ def _error(text: str, overrides: tuple[str, ...] = ()) -> str:
     ("script: t.py\nenv: [A]\n", "r.yaml:2: env: expected a mapping of NAME: value, got a list."),
     ("script: t.py\nzero:\n  stage: 5\n", "r.yaml:3: zero.stage: must be >= 0 and <= 3, got 5."),
     ("script: t.py\noptimizer: {lr: 0}\n", "r.yaml:2: optimizer.lr: must be > 0, got 0.0."),
+    ("script: t.py\nzero: {prefetch_units: aut}\n", "r.yaml:2: zero.prefetch_units: expected auto or an integer, got str 'aut'; did you mean 'auto'?"),
+    ("script: t.py\nzero: {prefetch_units: -1}\n", "r.yaml:2: zero.prefetch_units: must be >= 0, got -1."),
     ("script: t.py\nprecision: bf61\n", "r.yaml:2: precision.dtype: expected one of fp32, bf16, fp16, got str 'bf61'; did you mean 'bf16'?"),
     ("script: t.py\noptimizer: {betas: [0.9, 1.5]}\n", "r.yaml:2: optimizer.betas: expected two numbers in [0, 1), got [0.9, 1.5]."),
     ("zero:\n  stage: 1\n", "r.yaml: script: missing; every recipe names its training script"),

@@ -67,6 +67,17 @@ def test_zero_plus_plus_copies_count_hpz_secondary_partition_and_qwz_master() ->
     assert qwz.gpu_total - fp32.gpu_total == 4 * shape.params / 8  # the master shard kept apart
 
 
+def test_stage3_counts_the_unit_auto_gathers_ahead_for_an_optimizer_on_whole_parameters() -> None:
+    """zero.prefetch_units: auto is 2 where the engine runs the optimizer on whole parameters (Muon): one more of the
+    largest unit gathered at once, in p bytes, as the engine resolves it (runtime/stage_setup.py)."""
+    shape = planner.ModelShape(params=10**9, largest_unit=10**7)
+    buffers = lambda stage, **keys: planner.working_buffers(shape, stage, planner.Settings("bf16", **keys))  # noqa: E731
+    assert buffers(3, optimizer="muon") - buffers(3, optimizer="adamw") == 2 * shape.largest_unit
+    assert buffers(3, optimizer="muon", prefetch_units=1) == buffers(3, optimizer="adamw")  # a count is kept
+    assert buffers(3, optimizer="adamw", prefetch_units=3) - buffers(3) == 2 * 2 * shape.largest_unit
+    assert buffers(2, optimizer="muon") == buffers(2, optimizer="adamw")  # stages 1-2 gather buckets, not units
+
+
 def test_a_background_checkpoints_host_snapshot_is_the_shards_state_or_one_nvme_chunk_and_counts_for_fits() -> None:
     shape, cluster = planner.ModelShape(params=10**9, largest_unit=10**7), planner.Cluster(1, 4, 80)
     snapshot = {(stage, offload): planner.place(shape, cluster, planner.Settings("bf16"), stage, offload, "none",

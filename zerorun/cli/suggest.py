@@ -79,8 +79,9 @@ def _placeholder(kind: str) -> str:
         return "X"
     if kind == "bool":
         return "true"
-    if "\\|" in kind:  # a Literal: its choices, as the reference lists them
-        return "|".join(choice.strip().strip("`\"") for choice in kind.split("\\|"))
+    if "\\|" in kind:  # a Literal (or a word beside a number): its choices, as the reference lists them
+        return "|".join(_placeholder(choice.strip().strip("`\"")) if choice.strip() in ("int", "float")
+                        else choice.strip().strip("`\"") for choice in kind.split("\\|"))
     return "VALUE"
 
 
@@ -91,9 +92,16 @@ def recipe_keys() -> list[tuple[str, str]]:
     return [(key, kind) for key, kind, _, _ in reference_rows() if kind != "section"]
 
 
+# commands whose --set takes a part of the recipe only: the keys offered there start so (`bench step --nproc` is
+# `--ranks`, not the launch's `--set nproc_per_node=N`)
+SET_SCOPE = {"bench step": "zero."}
+
+
 def message(typed: str, flags: Iterable[str], with_recipe_keys: bool, command: str = "") -> str:
     """`No such option: --nproc. The nearest: --set nproc_per_node=N`, as the usage error says it."""
-    found = nearest(typed, flags, recipe_keys() if with_recipe_keys else ())
+    scope = next((prefix for name, prefix in SET_SCOPE.items() if command.endswith(name)), "")
+    keys = [(key, kind) for key, kind in recipe_keys() if key.startswith(scope)] if with_recipe_keys else []
+    found = nearest(typed, flags, keys)
     every = f"`{command} --help` lists every option" if command else "--help lists every option"
     if found is None:
         return f"No such option: {typed}; {every}."

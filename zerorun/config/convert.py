@@ -144,8 +144,19 @@ def _convert(tp: Any, value: Any, key: str, meta: typing.Mapping[str, Any], ctx:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, key, meta, ctx)
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 2:  # a word beside a number (`prefetch_units: auto | int`)
+            word, number = sorted(inner, key=lambda a: typing.get_origin(a) is not Literal)
+            if isinstance(value, str) and not value.strip()[:1].isdigit():
+                if value in typing.get_args(word):
+                    return value
+                choices = [*map(literal_text, typing.get_args(word)), "an integer" if number is int else "a number"]
+                close = difflib.get_close_matches(value, choices[:-1], n=1)
+                _fail(ctx, key, f"expected {' or '.join(choices)}, got {_describe(value)}"
+                      f"{f'; did you mean {close[0]!r}?' if close else '.'}")
+            return _convert(number, value, key, meta, ctx)
+        (single,) = inner
+        return _convert(single, value, key, meta, ctx)
     if dataclasses.is_dataclass(tp):
         return _build(typing.cast(type, tp), value, key + ".", ctx)
     if origin is Literal:

@@ -19,7 +19,8 @@ def _type_text(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
-        return f"{_type_text(inner[0])} or null"
+        text = " \\| ".join(map(_type_text, inner))
+        return f"{text} or null" if type(None) in args else text
     if origin is Literal:
         return " \\| ".join(map(literal_text, args))
     if origin is list:

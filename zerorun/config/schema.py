@@ -101,7 +101,11 @@ class ZeroConfig:
         "gradients fault in no pages; RSS follows the heap's high-water mark, fragmentation included. lean: blocks "
         "of 128 KiB or more go back to the OS when freed, so RSS follows the live tensors, at the price of page "
         "faults (docs/stages-and-precision.md).")
-    prefetch_units: int = _f(1, "Stage 3: units gathered ahead of the one computing.", ge=0)
+    prefetch_units: Literal["auto"] | int = _f(
+        "auto", "Stage 3: units gathered ahead of the one computing, each costing a unit's gathered bytes. auto: 2 "
+        "where a param group runs on whole parameters (Muon's matrices, an optimizer zerorun updates per parameter): "
+        "their pieces hold whole matrices, so a unit's gather sends more one way than the other, and a second "
+        "gather in flight keeps a link busy both ways; else 1 (docs/optimizers.md).", ge=0)
     hpz_partition_size: int = _f(
         1, "Stage 3, ZeRO++'s hpZ: after a unit is gathered from every rank, each rank keeps one piece of it out of "
         "this many (the ranks of its node), and the unit's next gathers (backward, later micro-steps) stay within "

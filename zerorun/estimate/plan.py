@@ -72,7 +72,7 @@ class Settings:
     precision: str = "fp32"
     bucket_mb: float = 25.0
     allgather_bucket_mb: float = 25.0
-    prefetch_units: int = 1
+    prefetch_units: int | str = "auto"  # zero.prefetch_units: auto is 2 with an optimizer run on whole parameters
     checkpointing: bool = False
     offload_buffer_mb: float = 64.0  # zero.offload_optimizer.buffer_mb
     async_checkpoints: bool = True  # checkpoint.async_save: a host snapshot of the rank's state between saves
@@ -200,8 +200,19 @@ def working_buffers(shape: ModelShape, stage: int, settings: Settings) -> float:
     buffers = 2 * settings.bucket_mb * MIB
     if stage == 3:
         p = PARAM_BYTES[settings.precision]
-        buffers += p * (shape.root + (2 + settings.prefetch_units) * shape.largest_unit)
+        buffers += p * (shape.root + (2 + units_ahead(settings)) * shape.largest_unit)
     return buffers
+
+
+OWNER_WAY = ("muon", "adafactor", "lamb")  # optimizers the engine runs on whole parameters (the owner way)
+
+
+def units_ahead(settings: Settings) -> int:
+    """`zero.prefetch_units` as the engine resolves it (runtime/stage_setup.py): auto is 2 where the optimizer runs
+    on whole parameters, else 1."""
+    if settings.prefetch_units != "auto":
+        return int(settings.prefetch_units)
+    return 2 if settings.optimizer in OWNER_WAY else 1
 
 
 def activation_bytes(act: Activations, precision: str, checkpointing: bool) -> float:

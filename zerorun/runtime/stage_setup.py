@@ -84,7 +84,11 @@ def build_stage(recipe: Recipe, model: nn.Module, cuts: Sequence[GroupCut], init
     hpz = (SecondaryPartition(plan.units, comm, zero.hpz_partition_size, zero.cpu_collectives,
                               recipe.launch.timeout_s) if zero.hpz_partition_size > 1 else None)
     say = (lambda text: print(text, flush=True)) if comm.rank == 0 else None
-    sharded = ScheduledParams(model, plan, placement, policy, comm, init_log, hpz, prefetch=zero.prefetch_units,
+    prefetch = units_ahead(zero.prefetch_units, cuts)
+    if say is not None and zero.prefetch_units == "auto" and prefetch > 1:
+        say(f"stage 3 prefetch: {prefetch} units ahead (zero.prefetch_units: auto; whole matrices make uneven "
+            "gathers)")
+    sharded = ScheduledParams(model, plan, placement, policy, comm, init_log, hpz, prefetch=prefetch,
                               phase=phase, prefetch_after_step=zero.overlap_comm, say=say, state_kinds=state_kinds)
     # each unit's group reduce-scatters its gradients as soon as backward completes them, then releases itself
     reducer = GradReducer(sharded, comm, policy.reduce_dtype, device, Reduction.SCATTER_SHARD, LaunchOrder.READY,
@@ -94,6 +98,14 @@ def build_stage(recipe: Recipe, model: nn.Module, cuts: Sequence[GroupCut], init
     for group in plan.groups:
         group.reduce_with(reducer)
     return Stage(sharded, sharded, reducer, None)
+
+
+def units_ahead(prefetch_units: int | str, cuts: Sequence[GroupCut]) -> int:
+    """`zero.prefetch_units` as a count: auto is 2 where a param group runs on whole parameters (its pieces are
+    uneven: with one gather in flight a link idles one way while the fuller piece crosses the other), else 1."""
+    if prefetch_units != "auto":
+        return int(prefetch_units)
+    return 2 if any(c.whole for c in cuts) else 1
 
 
 def cast_frozen(module: nn.Module, dtype: torch.dtype) -> None:
