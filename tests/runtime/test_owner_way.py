@@ -106,7 +106,7 @@ def test_stage3_gathers_two_units_ahead_where_whole_matrices_make_the_gathers_un
     uneven there, and with one gather in flight a link idles one way (docs/optimizers.md measures it); 1 for flat,
     even pieces. A count in the recipe is kept as written."""
     assert run_threads(_units_ahead, 2, (optimizer, prefetch)) == [ahead] * 2
-    said = capfd.readouterr().out.count("stage 3 prefetch: 2 units ahead (zero.prefetch_units: auto")
+    said = capfd.readouterr().out.count("zerorun: stage 3: 2 units gathered ahead (zero.prefetch_units: auto)")
     assert said == (1 if not prefetch and ahead == 2 else 0)  # rank 0 says so once, and only for auto
 
 

@@ -86,8 +86,8 @@ def build_stage(recipe: Recipe, model: nn.Module, cuts: Sequence[GroupCut], init
     say = (lambda text: print(text, flush=True)) if comm.rank == 0 else None
     prefetch = units_ahead(zero.prefetch_units, cuts)
     if say is not None and zero.prefetch_units == "auto" and prefetch > 1:
-        say(f"stage 3 prefetch: {prefetch} units ahead (zero.prefetch_units: auto; whole matrices make uneven "
-            "gathers)")
+        say(f"zerorun: stage 3: {prefetch} units gathered ahead (zero.prefetch_units: auto): a group on whole "
+            "parameters makes each unit's gather uneven")
     sharded = ScheduledParams(model, plan, placement, policy, comm, init_log, hpz, prefetch=prefetch,
                               phase=phase, prefetch_after_step=zero.overlap_comm, say=say, state_kinds=state_kinds)
     # each unit's group reduce-scatters its gradients as soon as backward completes them, then releases itself
