@@ -25,7 +25,10 @@ from torch.optim.lr_scheduler import LRScheduler
 def schedulers_of(optimizers: list[torch.optim.Optimizer]) -> list[Any]:
     """The top-level LR schedulers built on any of `optimizers` (children of a SequentialLR left out)."""
     referrers = gc.get_referrers(*optimizers)
-    dicts = [obj for obj in referrers if type(obj) is dict]  # before Python 3.11 an instance refers through its __dict__
+    # A scheduler may refer through its __dict__ (always before Python 3.11; from 3.11 once something, such as its
+    # state_dict(), has asked for it): only a dict whose "optimizer" is one of them can be a scheduler's, and any
+    # other (the script's, the engine's) would cost a second scan of the heap for nothing.
+    dicts = [obj for obj in referrers if type(obj) is dict and any(obj.get("optimizer") is o for o in optimizers)]
     owners = [obj for obj in gc.get_referrers(*dicts)
               if isinstance(obj, LRScheduler) and any(obj.__dict__ is d for d in dicts)] if dicts else []
     found = [obj for obj in referrers + owners
