@@ -93,15 +93,44 @@ def tied_gpt(seed: int = 0, checkpoint: str = "none") -> nn.Module:
 COMPILE_MODES = ("none", "whole", "block")
 
 
-def compiled(model: nn.Module, mode: str) -> nn.Module:
+def inductor_in_turn(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """torch.compile's default backend (inductor, its configuration unchanged), whose graphs the ranks of one
+    multi-rank call compile in turn rather than at once.
+
+    Every rank compiles the same graphs at the same moment, so each missed inductor's cache and built every
+    kernel itself. In turn, the first rank builds a graph and the others load it from the cache, as ranks do
+    once a job's cache is warm. Each graph's build (`compile_fx`'s inner compile, forward and backward alike)
+    holds a file lock; no collective runs inside a build, so a rank that
+    waits only waits for a peer's compile. (One lock file for every call: the compile tests are one file, run
+    by one pytest worker.)"""
+    import fcntl
+    import functools
+    import os
+    import tempfile
+
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return compile_fx(gm, example_inputs)
+    path = os.path.join(tempfile.gettempdir(), "zerorun-tests-inductor.lock")
+
+    @functools.wraps(compile_fx_inner)
+    def in_turn(*args: object, **kwargs: object) -> object:
+        with open(path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            return compile_fx_inner(*args, **kwargs)
+    return compile_fx(gm, example_inputs, inner_compile=in_turn)
+
+
+def compiled(model: nn.Module, mode: str, **options: object) -> nn.Module:
     """`model` compiled the two ways scripts do: `torch.compile(model)` (whole), or each of its `blocks`
-    in place (`block.compile()`, block)."""
+    in place (`block.compile()`, block), by inductor (`inductor_in_turn`)."""
     assert mode in COMPILE_MODES, f"unknown compile mode {mode!r}"
     if mode == "whole":
-        return torch.compile(model)
+        return torch.compile(model, backend=inductor_in_turn, **options)
     if mode == "block":
         for block in model.blocks:
-            block.compile()
+            block.compile(backend=inductor_in_turn, **options)
     return model
 
 

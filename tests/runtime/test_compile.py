@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
-from tests.runtime.reference import compiled, ddp_reference, engine_run, tied_gpt
+from tests.runtime.reference import compiled, ddp_reference, engine_run, inductor_in_turn, tied_gpt
 
 STEPS, ACCUM = 8, 2
 TOLERANCE = {"fp32": 8e-7, "bf16": 1.4e-3, "fp16": 6e-4}  # relative, per loss: see the module docstring
@@ -50,7 +50,7 @@ def gpt(seed: int, compile: str = "none", checkpoint: str = "none", layers: str 
     model = compiled(tied_gpt(seed, checkpoint), compile)
     if layers == "fullgraph":
         for i, block in enumerate(model.blocks):
-            model.blocks[i] = torch.compile(block, fullgraph=True)
+            model.blocks[i] = torch.compile(block, fullgraph=True, backend=inductor_in_turn)
     return model
 
 
