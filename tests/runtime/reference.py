@@ -100,9 +100,8 @@ def inductor_in_turn(gm: torch.fx.GraphModule, example_inputs: list) -> object:
     Every rank compiles the same graphs at the same moment, so each missed inductor's cache and built every
     kernel itself. In turn, the first rank builds a graph and the others load it from the cache, as ranks do
     once a job's cache is warm. Each graph's build (`compile_fx`'s inner compile, forward and backward alike)
-    holds a file lock; no collective runs inside a build, so a rank that
-    waits only waits for a peer's compile. (One lock file for every call: the compile tests are one file, run
-    by one pytest worker.)"""
+    holds a file lock; no collective runs inside a build, so a rank that waits only waits for a peer's compile.
+    (One lock file for every call: the compile tests are one file, run by one pytest worker.)"""
     import fcntl
     import functools
     import os
@@ -122,15 +121,15 @@ def inductor_in_turn(gm: torch.fx.GraphModule, example_inputs: list) -> object:
     return compile_fx(gm, example_inputs, inner_compile=in_turn)
 
 
-def compiled(model: nn.Module, mode: str, **options: object) -> nn.Module:
+def compiled(model: nn.Module, mode: str) -> nn.Module:
     """`model` compiled the two ways scripts do: `torch.compile(model)` (whole), or each of its `blocks`
     in place (`block.compile()`, block), by inductor (`inductor_in_turn`)."""
     assert mode in COMPILE_MODES, f"unknown compile mode {mode!r}"
     if mode == "whole":
-        return torch.compile(model, backend=inductor_in_turn, **options)
+        return torch.compile(model, backend=inductor_in_turn)
     if mode == "block":
         for block in model.blocks:
-            block.compile(backend=inductor_in_turn, **options)
+            block.compile(backend=inductor_in_turn)
     return model
 
 
