@@ -12,14 +12,16 @@ import pytest
 
 from zerorun.runtime.offload.nvme import MEMORY_FILESYSTEMS, filesystem_type
 
-WORKERS = 2  # test files run on this many pytest-xdist workers by default (docs/benchmarks.md: the suite's time)
+WORKERS = 3  # test files run on this many pytest-xdist workers by default (docs/benchmarks.md: the suite's time)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Unless `-n` says otherwise, the test files are shared among `WORKERS` processes (pytest-xdist, the test extra):
-    most of the suite waits on launched jobs rather than computing, so two files at once fill a 2-core machine. A
-    file stays on one worker (`--dist loadfile`): its module fixtures (a reference launch, a Slurm cluster) are made
+    much of the suite waits on launched jobs (their start, heartbeats, timeouts, a rank's sleep) rather than
+    computing, and on a 2-core machine two workers kept 1.85 cores busy: a third fills the waits (the whole suite
+    854 s against 911 s on two, quiet, one after the other; the development tier 125 s against 133). A file stays
+    on one worker (`--dist loadfile`): its module fixtures (a reference launch, a Slurm cluster) are made
     once. `-n 0` runs in this process, as a debugger needs; without pytest-xdist (a GPU machine's bare pytest) the
     suite runs here too."""
     if getattr(config.option, "numprocesses", 0) is None and not os.environ.get("PYTEST_XDIST_WORKER") \
