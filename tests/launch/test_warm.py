@@ -214,3 +214,93 @@ def test_a_relay_whose_zygote_never_forks_forks_its_rank_itself_and_a_late_fork_
             for fd in (out_r, out_w, *received[0]):
                 os.close(fd)
         zygote.join()
+
+
+# -- the script's heavy libraries, imported once by the zygote (warm_libraries) --------------------------------------
+# A stand-in for accelerate beside the script: the zygote imports it from there, as the rank would (the worker puts
+# the script's directory first on sys.path), so these run where neither transformers nor accelerate is installed.
+LIBRARY = """
+import os, numpy
+from torch.nn.utils import clip_grad_norm_
+IMPORTED_BY = os.getpid()
+numpy.random.random()  # numpy's global generator seeded at its first draw, in the zygote
+"""
+USES_LIBRARY = """
+import os, sys
+preloaded = "accelerate" in sys.modules
+import accelerate
+print("lib", os.environ["RANK"], preloaded, accelerate.IMPORTED_BY != os.getpid(),
+      getattr(accelerate.clip_grad_norm_, "_zerorun_routed", False), flush=True)
+"""
+
+
+def test_a_library_the_script_imports_is_imported_once_by_the_zygote_as_the_rank_would(tmp_path: Path) -> None:
+    (tmp_path / "accelerate.py").write_text(LIBRARY)
+    warm_lines, who, fresh = _finished(_torchrun(tmp_path, USES_LIBRARY + IDENTITY), "lib", "who", "fresh")
+    assert warm_lines == [["0", "True", "True", "True"], ["1", "True", "True", "True"]], warm_lines
+    assert all("zerorun.launch.torchrun" in " ".join(w[3:]) for w in who), who
+    assert fresh[0][2] != fresh[1][2], fresh  # numpy's draws: each rank its own, as in fresh interpreters
+    # a fresh rank imports it itself, with the clip function zerorun routes while the script runs bound alike
+    (cold,) = _finished(_torchrun(tmp_path, USES_LIBRARY, env={warm.SWITCH_ENV: "0"}), "lib")
+    assert cold == [["0", "False", "False", "True"], ["1", "False", "False", "True"]], cold
+
+
+@pytest.mark.parametrize("library,why", [
+    ("import threading, time\nthreading.Thread(target=time.sleep, args=(20,), daemon=True).start()\n",
+     "importing accelerate started a thread"),
+    ("import torch\ntorch.cuda.is_available()\n", "importing accelerate asked torch about CUDA (is_available)")],
+    ids=["thread", "cuda"])
+def test_a_library_that_could_import_otherwise_in_a_rank_leaves_every_rank_fresh(tmp_path: Path, library: str,
+                                                                                  why: str) -> None:
+    (tmp_path / "accelerate.py").write_text(library + "IMPORTED_BY = 0\nclip_grad_norm_ = None\n")
+    proc = _torchrun(tmp_path, USES_LIBRARY + IDENTITY)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert f"zerorun: every rank of this node imports its own libraries: {why}" in out, out
+    who = [line.split()[2:] for line in out.splitlines() if line.split()[1:2] == ["who"]]
+    assert len(who) == 2 and all("zerorun.launch.worker" in " ".join(w[3:]) for w in who), out
+
+
+def test_which_of_a_scripts_imports_the_zygote_imports(tmp_path: Path) -> None:
+    from zerorun.launch.warm_libraries import script_imports
+
+    script = tmp_path / "train.py"
+    script.write_text("import os, transformers.trainer_utils\nfrom transformers import Trainer, TrainingArguments\n"
+                      "try:\n    from accelerate import *\nexcept ImportError:\n    pass\nfrom . import local\n"
+                      "import transformersx\ndef main():\n    import accelerate.utils\nif True:\n    import accelerate\n")
+    assert script_imports(str(script)) == [("transformers.trainer_utils", ()),
+                                           ("transformers", ("Trainer", "TrainingArguments")), ("accelerate", ())]
+    script.write_text("import transformers\ndef broken(:\n")
+    assert script_imports(str(script)) == [] and script_imports(str(tmp_path / "missing.py")) == []
+
+
+PER_RANK = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+            "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING")  # what torchrun sets for each worker, and TORCHELASTIC_*
+
+
+def test_the_real_libraries_read_nothing_of_a_rank_at_import_ask_no_cuda_and_start_no_thread() -> None:
+    """Why warm_libraries.LIBRARIES may be imported before the fork: what a Trainer script imports, recorded."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    probe = """
+import json, os, sys, threading
+import torch
+reads = set()
+environ = type(os.environ)
+for method in ("__getitem__", "__contains__"):
+    def traced(self, key, original=getattr(environ, method)):
+        reads.add(key)
+        return original(self, key)
+    setattr(environ, method, traced)
+from zerorun.launch import warm_libraries
+with warm_libraries._cuda_asked() as asked:
+    warm_libraries._run([("transformers", ("Trainer", "TrainingArguments", "HfArgumentParser", "GPT2LMHeadModel")),
+                         ("accelerate", ("Accelerator",))])
+print(json.dumps([sorted(reads), asked, threading.active_count(), "transformers.trainer" in sys.modules]))
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    reads, asked, threads, loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert loaded and asked == [] and threads == 1
+    assert [key for key in reads if key in PER_RANK or key.startswith("TORCHELASTIC_")] == [], reads

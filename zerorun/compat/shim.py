@@ -67,16 +67,23 @@ class _Shim(importlib.abc.MetaPathFinder):
 
 def install(recipe: Recipe, args: Sequence[str]) -> list[str]:
     """Register the shim as `deepspeed`; return the script's arguments (with --local_rank when asked)."""
+    install_modules()
+    args = list(args)
+    if recipe.launch.deepspeed_local_rank and not any(a.startswith("--local_rank") for a in args):
+        args.insert(0, f"--local_rank={os.environ.get('LOCAL_RANK', '0')}")  # where DeepSpeed's launcher puts it
+    return args
+
+
+def install_modules() -> None:
+    """`deepspeed` and its PROVIDED submodules are the shim's from now on in this process (the zygote installs
+    them before it imports a script's libraries, the rank again: nothing changes then)."""
     package = importlib.import_module(PACKAGE)
     for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
-        del sys.modules[name]  # a real DeepSpeed imported earlier in this process: none of it may answer
+        if not getattr(sys.modules[name], "__name__", "").startswith(PACKAGE):
+            del sys.modules[name]  # a real DeepSpeed imported earlier in this process: none of it may answer
     sys.modules["deepspeed"] = package
     for name in PROVIDED:
         sys.modules[f"deepspeed.{name}"] = importlib.import_module(f"{PACKAGE}.{name}")
     if not any(isinstance(finder, _Shim) for finder in sys.meta_path):
         sys.meta_path.insert(0, _Shim())
     hf_cpu.install()  # accelerate's DeepSpeed mode and transformers' --bf16 on gloo CPU ranks
-    args = list(args)
-    if recipe.launch.deepspeed_local_rank and not any(a.startswith("--local_rank") for a in args):
-        args.insert(0, f"--local_rank={os.environ.get('LOCAL_RANK', '0')}")  # where DeepSpeed's launcher puts it
-    return args

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     if warm.enabled() and _runs_the_worker(args):
         import torch  # noqa: F401 - before the fork: the zygote and torchrun's agent share this import
 
-        started = warm.start()
+        started = warm.start(_script(args))
         if isinstance(started, warm.Request):  # this process is now a rank the zygote forked for a relay
             from zerorun.launch import worker
 
@@ -38,6 +38,16 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if zygote is not None:
             zygote.stop()
+
+
+def _script(args: list[str]) -> str | None:
+    """The user's script: the worker's first argument after its `-m zerorun.launch.worker` (and a `--`)."""
+    for i in range(len(args) - 1):
+        if tuple(args[i:i + 2]) == WORKER_ENTRY:
+            rest = args[i + 2:]
+            rest = rest[1:] if rest[:1] == ["--"] else rest
+            return rest[0] if rest else None
+    return None
 
 
 def _runs_the_worker(args: list[str]) -> bool:

@@ -22,8 +22,8 @@ What torchrun sees does not change: it starts `python -m zerorun.launch.worker` 
   children, as the relay's group SIGKILL did) the moment that pipe closes.
 - **What a fresh interpreter would differ in**, and is restored in the child: the environment (and with it
   the OpenMP threads torch read at import), the working directory, signal handlers, a session of its own.
-  `random` reseeds itself in a forked child; numpy's global generator would not, and is not imported
-  before the fork. `/proc/<pid>/cmdline` and `environ` stay the node torchrun's: they carry the job's id,
+  `random` reseeds itself in a forked child; numpy's global generator does not, and the child seeds it
+  from the OS as a fresh interpreter's first draw would. `/proc/<pid>/cmdline` and `environ` stay the node torchrun's: they carry the job's id,
   so the node supervisor's sweep of the job's processes still finds every rank.
 - **Safe by refusal.** The zygote forks nothing once CUDA was initialised in it (a forked CUDA context is
   unusable), and a relay that cannot reach a zygote, or that loses it before it answers, forks its rank
@@ -98,8 +98,9 @@ class Zygote:
         os.waitpid(self.pid, 0)
 
 
-def start() -> Zygote | Request:
-    """Fork the zygote and name its socket in the environment the workers inherit.
+def start(script: str | None = None) -> Zygote | Request:
+    """Fork the zygote and name its socket in the environment the workers inherit. The zygote also imports the
+    heavy libraries `script` imports (`warm_libraries`).
 
     Returns the zygote's handle in the calling process (the node torchrun, which goes on to start its agent).
     In the zygote it returns only once it has forked a rank: in that child it returns the rank's `Request`.
@@ -120,7 +121,7 @@ def start() -> Zygote | Request:
     os.close(agent_w)
     os.setsid()  # the terminal's Ctrl-C reaches torchrun, which ends the ranks its own way
     try:
-        request = _zygote(listener, agent_r)
+        request = _zygote(listener, agent_r, script)
     except BaseException:  # noqa: BLE001 - nothing of the zygote may run on as a second torchrun
         os._exit(1)
     if request is None:
@@ -128,8 +129,9 @@ def start() -> Zygote | Request:
     return request
 
 
-def _zygote(listener: socket.socket, agent_r: int) -> Request | None:
-    """Import what a rank needs, then serve; None at once where that fails or initialised CUDA."""
+def _zygote(listener: socket.socket, agent_r: int, script: str | None = None) -> Request | None:
+    """Import what a rank needs, then serve; None at once where that fails or initialised CUDA, or where the
+    script's libraries could not be imported here as in a rank (`warm_libraries`: then every rank starts fresh)."""
     try:
         for module in PRELOAD:
             __import__(module)
@@ -137,9 +139,25 @@ def _zygote(listener: socket.socket, agent_r: int) -> Request | None:
         return None
     import torch
 
+    if script is not None and _libraries_refused(script):
+        return None
     if torch.cuda.is_initialized():
         return None
     return _serve(listener, agent_r)
+
+
+def _libraries_refused(script: str) -> bool:
+    from zerorun import config
+    from zerorun.launch import warm_libraries
+
+    try:
+        recipe = config.from_env()
+        why = warm_libraries.import_for(script, recipe is not None and recipe.launch.deepspeed_compat)
+    except Exception as exc:  # noqa: BLE001 - each rank reads its recipe itself, and reports what is wrong
+        why = f"{type(exc).__name__}: {exc}"
+    if why:
+        print(f"zerorun: every rank of this node imports its own libraries: {why}", file=sys.stderr, flush=True)
+    return why is not None
 
 
 def _serve(listener: socket.socket, agent_r: int) -> Request | None:
@@ -259,9 +277,12 @@ def become(request: Request) -> Callable[[int], None]:
 
 def _fresh_state(threads_before: str | None) -> None:
     """What differs between a forked and a fresh interpreter that a script can see. `random` reseeds itself in
-    a forked child; numpy's global generator would not, and is not imported before the fork (`PRELOAD`)."""
+    a forked child; numpy's global generator (imported by torch) does not, and is seeded from the OS here."""
     import torch
 
+    generator = sys.modules.get("numpy.random")
+    if generator is not None:  # seeded from the OS at its first draw: a draw in the zygote (a library's import)
+        generator.seed()  # would give every rank the same numbers, where fresh interpreters each have their own
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads != threads_before and threads and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))  # torch read OpenMP's threads once, at import, in the zygote
