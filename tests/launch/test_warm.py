@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -248,7 +249,8 @@ def test_a_library_the_script_imports_is_imported_once_by_the_zygote_as_the_rank
 @pytest.mark.parametrize("library,why", [
     ("import threading, time\nthreading.Thread(target=time.sleep, args=(20,), daemon=True).start()\n",
      "importing accelerate started a thread"),
-    ("import torch\ntorch.cuda.is_available()\n", "importing accelerate asked torch about CUDA (is_available)")],
+    # a CUDA build of torch asks the driver for the count under is_available (a CPU build answers by itself)
+    ("import torch\ntorch.cuda.is_available()\n", r"importing accelerate asked torch about CUDA \([^)]*is_available")],
     ids=["thread", "cuda"])
 def test_a_library_that_could_import_otherwise_in_a_rank_leaves_every_rank_fresh(tmp_path: Path, library: str,
                                                                                   why: str) -> None:
@@ -256,7 +258,7 @@ def test_a_library_that_could_import_otherwise_in_a_rank_leaves_every_rank_fresh
     proc = _torchrun(tmp_path, USES_LIBRARY + IDENTITY)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
-    assert f"zerorun: every rank of this node imports its own libraries: {why}" in out, out
+    assert re.search(f"zerorun: every rank of this node imports its own libraries: {why}", out), out
     who = [line.split()[2:] for line in out.splitlines() if line.split()[1:2] == ["who"]]
     assert len(who) == 2 and all("zerorun.launch.worker" in " ".join(w[3:]) for w in who), out
 
