@@ -92,3 +92,11 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def joined(group: object) -> dist.ProcessGroup:
+    """A group `dist.new_group` made that this rank is in, as a group: torch types its answer as the group or, for a
+    rank outside it, a sentinel (-100), and the callers here keep only groups of their own rank."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError(f"this rank is not in the process group it made ({group!r})")
+    return group

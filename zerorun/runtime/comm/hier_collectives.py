@@ -33,6 +33,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from zerorun.runtime.comm.dist import joined
 from zerorun.runtime.comm.handles import FutureWork
 
 
@@ -77,8 +78,8 @@ class Hierarchical:
         self.node_index, self.local_rank = divmod(rank, local)
         node_groups = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(self.nodes)]
         cross_groups = [dist.new_group([n * local + q for n in range(self.nodes)]) for q in range(local)]
-        self.node = make(node_groups[self.node_index], True)
-        self.cross = make(cross_groups[self.local_rank], False)
+        self.node = make(joined(node_groups[self.node_index]), True)
+        self.cross = make(joined(cross_groups[self.local_rank]), False)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerorun-hier")
         self._stream: torch.cuda.Stream | None = None  # device tensors: the levels' side stream, made at first use
 

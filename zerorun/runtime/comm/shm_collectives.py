@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
 from zerorun.jobs import JOB_ID_ENV, SHM_DIR, shm_prefix
+from zerorun.runtime.comm.dist import joined
 from zerorun.runtime.comm.places import WORDS, DesyncError, Tag, UnitNames, check_agree
 
 log = logging.getLogger("zerorun")
@@ -82,9 +83,11 @@ class ShmCollectives:
         if ORDERED_STORES:
             self._rendezvous: Callable[[], None] = _Meeting(self._header, rank, pids, timeout_s)
         else:
-            barrier_group = dist.new_group(None if group is None else dist.get_process_group_ranks(group),
-                                           backend="gloo")
-            self._rendezvous = lambda: dist.barrier(group=barrier_group)
+            barrier_group = joined(dist.new_group(None if group is None else dist.get_process_group_ranks(group),
+                                                  backend="gloo"))
+            def meet() -> None:
+                dist.barrier(group=barrier_group)
+            self._rendezvous = meet
         self._half = 0
         # one thread runs every operation, in the order they were issued (the same on every rank), so
         # the caller goes on computing while its rank waits for the others, as with gloo's own threads

@@ -26,6 +26,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from zerorun.runtime.comm.dist import joined
 from zerorun.runtime.comm.places import WORDS, Activity, DesyncError, Nowhere, Place, PlaceSource, Tag, check_agree
 from zerorun.runtime.comm.wire import Op
 
@@ -46,7 +47,7 @@ class TagCheck:
         self._wire = group
         if own_group and world_size > 1:
             ranks = None if group is None else dist.get_process_group_ranks(group)
-            self._wire = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            self._wire = joined(dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
 
     def next(self, op: Op, numel: int, unit: int = -1, detail: int = 0) -> Tag:
         """The tag of the collective about to be issued, where the caller stands now. After a mismatch, raises it

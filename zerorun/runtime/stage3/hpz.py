@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
 from zerorun.runtime.comm.collectives import Collectives, CpuCollectives, Handle
+from zerorun.runtime.comm.dist import joined
 from zerorun.runtime.units import Unit
 
 
@@ -33,7 +34,7 @@ class SecondaryPartition:
                                f"set it to the ranks per node (a divisor of the world size), or 1 for off.")
         groups = [dist.new_group(list(range(start, start + size))) for start in range(0, comm.world_size, size)]
         # its gathers happen at the same place on every rank: numbered and checked with the world's collectives
-        self.comm = Collectives(groups[comm.rank // size], cpu=cpu, timeout_s=timeout_s, tags=comm.tags,
+        self.comm = Collectives(joined(groups[comm.rank // size]), cpu=cpu, timeout_s=timeout_s, tags=comm.tags,
                                 runtime=comm.runtime)
         self.size, self.rank = size, comm.rank % size
         self.units = units
