@@ -28,6 +28,7 @@ parent = psutil.Process(os.getppid()).cmdline()
 print("who", os.environ["RANK"], os.environ["LOCAL_RANK"], os.getpid(), " ".join(parent), flush=True)
 print("fresh", os.environ["RANK"], random.random(), numpy.random.random(), torch.get_num_threads(),
       os.getcwd(), os.getsid(0) == os.getpid(), sys.argv[1:], flush=True)
+print("drawn", os.environ["RANK"], torch.initial_seed(), torch.rand(1).item(), flush=True)
 """
 
 STAY = """
@@ -82,11 +83,15 @@ def _finished(proc: subprocess.Popen[str], *words: str) -> list[list[list[str]]]
 
 
 def test_ranks_are_forked_by_the_zygote_and_look_like_fresh_interpreters(tmp_path: Path) -> None:
-    who, fresh = _finished(_torchrun(tmp_path, IDENTITY), "who", "fresh")
+    who, fresh, drawn = _finished(_torchrun(tmp_path, IDENTITY), "who", "fresh", "drawn")
     assert [w[:2] for w in who] == [["0", "0"], ["1", "1"]]
     assert all("zerorun.launch.torchrun" in " ".join(w[3:]) for w in who), who  # the zygote: the node torchrun's fork
     (rank0, rank1) = fresh
     assert rank0[1] != rank1[1] and rank0[2] != rank1[2], fresh  # random's and numpy's seeds: each rank its own
+    import torch  # torch's: each rank its own where this torch seeds a fresh process from the OS, else its fixed one
+
+    fixed = torch.initial_seed() == warm.TORCH_FIXED_SEED
+    assert (drawn[0] == drawn[1]) if fixed else (drawn[0][0] != drawn[1][0] and drawn[0][1] != drawn[1][1]), drawn
     # torchrun gives each of 2 workers 1 OpenMP thread where OMP_NUM_THREADS is unset; the zygote read its own at import
     assert rank0[3] == rank1[3] == "1"
     assert rank0[4] == rank1[4] == str(tmp_path) and rank0[5] == "True"
@@ -228,9 +233,8 @@ numpy.random.random()  # numpy's global generator seeded at its first draw, in t
 """
 USES_LIBRARY = """
 import os, sys
-preloaded = "accelerate" in sys.modules
 import accelerate
-print("lib", os.environ["RANK"], preloaded, accelerate.IMPORTED_BY != os.getpid(),
+print("lib", os.environ["RANK"], accelerate.IMPORTED_BY != os.getpid(),
       getattr(accelerate.clip_grad_norm_, "_zerorun_routed", False), flush=True)
 """
 
@@ -238,12 +242,12 @@ print("lib", os.environ["RANK"], preloaded, accelerate.IMPORTED_BY != os.getpid(
 def test_a_library_the_script_imports_is_imported_once_by_the_zygote_as_the_rank_would(tmp_path: Path) -> None:
     (tmp_path / "accelerate.py").write_text(LIBRARY)
     warm_lines, who, fresh = _finished(_torchrun(tmp_path, USES_LIBRARY + IDENTITY), "lib", "who", "fresh")
-    assert warm_lines == [["0", "True", "True", "True"], ["1", "True", "True", "True"]], warm_lines
+    assert warm_lines == [["0", "True", "True"], ["1", "True", "True"]], warm_lines  # imported by another process
     assert all("zerorun.launch.torchrun" in " ".join(w[3:]) for w in who), who
     assert fresh[0][2] != fresh[1][2], fresh  # numpy's draws: each rank its own, as in fresh interpreters
     # a fresh rank imports it itself, with the clip function zerorun routes while the script runs bound alike
     (cold,) = _finished(_torchrun(tmp_path, USES_LIBRARY, env={warm.SWITCH_ENV: "0"}), "lib")
-    assert cold == [["0", "False", "False", "True"], ["1", "False", "False", "True"]], cold
+    assert cold == [["0", "False", "True"], ["1", "False", "True"]], cold
 
 
 @pytest.mark.parametrize("library,why", [
@@ -263,17 +267,28 @@ def test_a_library_that_could_import_otherwise_in_a_rank_leaves_every_rank_fresh
     assert len(who) == 2 and all("zerorun.launch.worker" in " ".join(w[3:]) for w in who), out
 
 
-def test_which_of_a_scripts_imports_the_zygote_imports(tmp_path: Path) -> None:
+def test_the_zygote_imports_only_the_libraries_of_the_scripts_leading_imports(tmp_path: Path) -> None:
     from zerorun.launch.warm_libraries import script_imports
 
     script = tmp_path / "train.py"
-    script.write_text("import os, transformers.trainer_utils\nfrom transformers import Trainer, TrainingArguments\n"
-                      "try:\n    from accelerate import *\nexcept ImportError:\n    pass\nfrom . import local\n"
-                      "import transformersx\ndef main():\n    import accelerate.utils\nif True:\n    import accelerate\n")
+    script.write_text('"""A docstring."""\nfrom __future__ import annotations\nimport os, transformers.trainer_utils\n'
+                      "from transformers import Trainer, TrainingArguments\nimport torch\nfrom accelerate import *\n"
+                      "from . import local\nimport accelerate.utils\n")
     assert script_imports(str(script)) == [("transformers.trainer_utils", ()),
                                            ("transformers", ("Trainer", "TrainingArguments")), ("accelerate", ())]
+    for before in ('os.environ["HF_HUB_OFFLINE"] = "1"', "import my_settings", 'sys.path.insert(0, "vendor")',
+                   "try:\n    import apex\nexcept ImportError:\n    pass", "def main():\n    import accelerate"):
+        script.write_text(f"import os, sys\n{before}\nimport transformers\n")  # may change what the import reads
+        assert script_imports(str(script)) == [], before
     script.write_text("import transformers\ndef broken(:\n")
     assert script_imports(str(script)) == [] and script_imports(str(tmp_path / "missing.py")) == []
+
+
+def test_a_script_that_sets_the_environment_before_its_libraries_imports_them_in_each_rank(tmp_path: Path) -> None:
+    (tmp_path / "accelerate.py").write_text("import os\nSEEN = os.environ.get('ZR_SETTING')\n")
+    body = "import os, sys\nos.environ['ZR_SETTING'] = 'set'\nimport accelerate\nprint('saw', accelerate.SEEN)\n"
+    (saw,) = _finished(_torchrun(tmp_path, body), "saw")
+    assert saw == [["set"], ["set"]], saw
 
 
 PER_RANK = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",

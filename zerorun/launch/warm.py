@@ -22,8 +22,8 @@ What torchrun sees does not change: it starts `python -m zerorun.launch.worker` 
   children, as the relay's group SIGKILL did) the moment that pipe closes.
 - **What a fresh interpreter would differ in**, and is restored in the child: the environment (and with it
   the OpenMP threads torch read at import), the working directory, signal handlers, a session of its own.
-  `random` reseeds itself in a forked child; numpy's global generator does not, and the child seeds it
-  from the OS as a fresh interpreter's first draw would. `/proc/<pid>/cmdline` and `environ` stay the node torchrun's: they carry the job's id,
+  `random` reseeds itself in a forked child; numpy's global generator and torch's CPU generator do not, and
+  the child seeds them from the OS as a fresh interpreter would (torch only where it seeds so at start). `/proc/<pid>/cmdline` and `environ` stay the node torchrun's: they carry the job's id,
   so the node supervisor's sweep of the job's processes still finds every rank.
 - **Safe by refusal.** The zygote forks nothing once CUDA was initialised in it (a forked CUDA context is
   unusable), and a relay that cannot reach a zygote, or that loses it before it answers, forks its rank
@@ -55,6 +55,8 @@ _HEADER = struct.Struct("!Q")  # the identity's length, sent with the descriptor
 _FDS = 5  # stdin, stdout, stderr, lifeline, exit note
 _REAP_S = 2.0  # how long an ending zygote waits for ranks still dying of their lifelines
 _READ_TIMEOUT_S = 5.0  # a peer that connected and stalls does not hold up the node's other ranks
+# torch's fixed default seed for its CPU generator (`default_rng_seed_val`); torch 2.13 and 2.14 draw one per process
+TORCH_FIXED_SEED = 67280421310721
 _FORK_TIMEOUT_S = 60.0  # a relay whose zygote has not forked by then (a hung import) forks its rank itself
 # What a rank imports before the user's first line (the worker bootstrap and the engine), imported once here.
 PRELOAD = ("torch", "torch.distributed", "zerorun.config", "zerorun.runtime.comm.dist", "zerorun.runtime.interop",
@@ -277,12 +279,15 @@ def become(request: Request) -> Callable[[int], None]:
 
 def _fresh_state(threads_before: str | None) -> None:
     """What differs between a forked and a fresh interpreter that a script can see. `random` reseeds itself in
-    a forked child; numpy's global generator (imported by torch) does not, and is seeded from the OS here."""
+    a forked child; numpy's global generator and torch's CPU generator do not, and are seeded from the OS here
+    wherever a fresh interpreter seeds them so."""
     import torch
 
     generator = sys.modules.get("numpy.random")
     if generator is not None:  # seeded from the OS at its first draw: a draw in the zygote (a library's import)
         generator.seed()  # would give every rank the same numbers, where fresh interpreters each have their own
+    if torch.initial_seed() != TORCH_FIXED_SEED:  # this torch seeds its CPU generator from the OS at start: each
+        torch.default_generator.seed()  # fresh rank had its own; forked ones would all share the zygote's
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads != threads_before and threads and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))  # torch read OpenMP's threads once, at import, in the zygote

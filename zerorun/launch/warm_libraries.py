@@ -11,7 +11,10 @@ conditions the worker would import it under:
   (transformers and accelerate decide at import whether DeepSpeed is there), and the functions zerorun
   routes while a script runs (`interop.hold_for_script`: a library that binds `clip_grad_norm_` at import
   binds the routed one, as in the rank), held for the imports and released after.
-- **The script's own statements, in its order.** `import transformers.trainer_utils` imports that module;
+- **The script's own statements, in its order, and only those that come before anything else runs.** The
+  leading block of imports, up to the first other statement or import of a module of the user's
+  (`script_imports`): a script that sets `HF_HUB_OFFLINE` before its `import transformers` gets its
+  libraries imported in the rank. `import transformers.trainer_utils` imports that module;
   `from transformers import Trainer` reads `Trainer` from transformers, which is what imports
   `transformers.trainer`. A statement that fails stops the imports: the rank runs it again and shows
   its own traceback.
@@ -40,31 +43,46 @@ Statement = tuple[str, tuple[str, ...]]  # a module, and the names the script re
 
 
 def script_imports(path: str) -> list[Statement]:
-    """The script's module-level imports from LIBRARIES, in its order; none where it cannot be read or parsed."""
+    """The imports from LIBRARIES in the script's leading block of imports, in its order; none where it cannot
+    be read or parsed.
+
+    The block ends at the first statement that is not an import, or that imports anything but the standard
+    library, torch, numpy, zerorun and LIBRARIES: a line such as `os.environ["HF_HUB_OFFLINE"] = "1"`, a
+    `sys.path` entry or a module of the user's may change what a library reads at its import, and the zygote
+    runs none of them. So only what Python would import before anything of the script's own has run is
+    imported early."""
     try:
         with open(path, "rb") as source:
             tree = ast.parse(source.read(), filename=path)
     except (OSError, SyntaxError, ValueError):
         return []
     found: list[Statement] = []
-    for node in _top_level(tree.body):
+    for index, node in enumerate(tree.body):
+        if index == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
         if isinstance(node, ast.Import):
-            found += [(alias.name, ()) for alias in node.names if _ours(alias.name)]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and _ours(node.module):
-            found.append((node.module, tuple(alias.name for alias in node.names if alias.name != "*")))
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        else:
+            break
+        if not all(_harmless(module) for module in modules):
+            break
+        if isinstance(node, ast.Import):
+            found += [(module, ()) for module in modules if _ours(module)]
+        elif _ours(modules[0]):
+            found.append((modules[0], tuple(alias.name for alias in node.names if alias.name != "*")))
     return found
-
-
-def _top_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
-    """The statements Python runs when it runs the module: its body, and the bodies of its top-level `try`."""
-    for node in body:
-        yield node
-        if isinstance(node, ast.Try):
-            yield from _top_level(node.body)
 
 
 def _ours(module: str) -> bool:
     return module.split(".")[0] in LIBRARIES
+
+
+def _harmless(module: str) -> bool:
+    """Imported before a library's import without changing what it reads: the zygote need not run it first."""
+    top = module.split(".")[0]
+    return top in LIBRARIES or top in sys.stdlib_module_names or top in ("torch", "numpy", "zerorun")
 
 
 def import_for(script: str, deepspeed_compat: bool) -> str | None:
@@ -119,11 +137,13 @@ def _cuda_asked() -> Iterator[list[str]]:
     originals = [(owner, name, getattr(owner, name)) for owner, name in targets]
     for owner, name, original in originals:
         setattr(owner, name, _recorded(original, name, asked))
+    stand_ins = [getattr(owner, name) for owner, name, _ in originals]
     try:
         yield asked
     finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
+        for (owner, name, original), stand_in in zip(originals, stand_ins):
+            if getattr(owner, name) is stand_in:  # a library that replaced it meanwhile keeps its own, as in a rank
+                setattr(owner, name, original)
 
 
 def _recorded(original: Any, name: str, asked: list[str]) -> Any:
