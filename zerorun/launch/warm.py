@@ -23,7 +23,8 @@ What torchrun sees does not change: it starts `python -m zerorun.launch.worker` 
 - **What a fresh interpreter would differ in**, and is restored in the child: the environment (and with it
   the OpenMP threads torch read at import), the working directory, signal handlers, a session of its own.
   `random` reseeds itself in a forked child; numpy's global generator and torch's CPU generator do not, and
-  the child seeds them from the OS as a fresh interpreter would (torch only where it seeds so at start). `/proc/<pid>/cmdline` and `environ` stay the node torchrun's: they carry the job's id,
+  the child seeds them from the OS as a fresh interpreter would (torch only where it seeds so at start).
+  `/proc/<pid>/cmdline` and `environ` stay the node torchrun's: they carry the job's id,
   so the node supervisor's sweep of the job's processes still finds every rank.
 - **Safe by refusal.** The zygote forks nothing once CUDA was initialised in it (a forked CUDA context is
   unusable), and a relay that cannot reach a zygote, or that loses it before it answers, forks its rank

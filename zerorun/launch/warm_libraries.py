@@ -4,7 +4,7 @@ A Hugging Face rank spends 4-5 s of CPU in `from transformers import Trainer` be
 training (transformers, accelerate, and what they pull in: dynamo, DTensor, scipy). The ranks of a node
 all pay it at the same moment. The zygote (`warm`) can pay it once and fork ranks that have it, as it does
 for torch, if importing the library there leaves each rank exactly as importing it in the rank would. So
-the zygote imports only what the script imports at its top level, only from `LIBRARIES`, and only under the
+the zygote imports only what the script's leading imports take from `LIBRARIES`, and only under the
 conditions the worker would import it under:
 
 - **What the worker sets up before the script, first.** The DeepSpeed shim where the recipe asks for it
