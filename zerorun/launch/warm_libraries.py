@@ -127,27 +127,28 @@ def _run(statements: list[Statement]) -> None:
 
 @contextmanager
 def _cuda_asked() -> Iterator[list[str]]:
-    """Records, while held, every call that would reach the CUDA driver (each still made)."""
+    """Records, while held, every call that would reach the CUDA driver (each still made). The stand-ins are
+    `AttributePatch`es: one a library replaced meanwhile stays the library's, as in a rank."""
     import torch
+
+    from zerorun.runtime.interop.patches import AttributePatch
 
     asked: list[str] = []
     targets: list[tuple[Any, str]] = [(torch.cuda, name) for name in ("is_available", "device_count", "init",
                                                                       "current_device", "get_device_properties")]
     targets += [(torch._C, name) for name in ("_cuda_getDeviceCount", "_cuda_init") if hasattr(torch._C, name)]
-    originals = [(owner, name, getattr(owner, name)) for owner, name in targets]
-    for owner, name, original in originals:
-        setattr(owner, name, _recorded(original, name, asked))
-    stand_ins = [getattr(owner, name) for owner, name, _ in originals]
+    releases = [AttributePatch(owner, name, _recorder(name, asked)).hold() for owner, name in targets]
     try:
         yield asked
     finally:
-        for (owner, name, original), stand_in in zip(originals, stand_ins):
-            if getattr(owner, name) is stand_in:  # a library that replaced it meanwhile keeps its own, as in a rank
-                setattr(owner, name, original)
+        for release in releases:
+            release()
 
 
-def _recorded(original: Any, name: str, asked: list[str]) -> Any:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        asked.append(name)
-        return original(*args, **kwargs)
-    return call
+def _recorder(name: str, asked: list[str]) -> Any:
+    def wrap(original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            asked.append(name)
+            return original(*args, **kwargs)
+        return call
+    return wrap
