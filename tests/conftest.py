@@ -63,3 +63,15 @@ def direct_io_dir(tmp_path: Path) -> Path:
             shutil.rmtree(directory, ignore_errors=True)
             return
     pytest.skip("no directory on a real disk accepts O_DIRECT here (tmp_path and /var/tmp are tmpfs or refuse it)")
+
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (torch, the runtime, every test module) is frozen out of the garbage collector's
+    reach (`tests/frozen_imports.py` says why) before the first test runs: the full collections the rank-thread
+    tests set off in this process no longer walk it. `python -m pytest -n 0` of test_stage3, test_engine_precision
+    and test_collectives: 47.2-48.5 s of machine CPU before, 42.4-44.4 frozen."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

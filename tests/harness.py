@@ -24,7 +24,8 @@ Each rank is a new process forked from a server that imported, once for the whol
 imports (`forkserver` with `PRELOAD`), rather than a fresh interpreter importing it again: torch itself, and
 torch._dynamo, which torch imports lazily when the first optimizer is built (its import, sympy included, was
 most of the seconds each multi-rank call cost: `python -m tests.harness`), and zerorun's runtime. Importing
-runs no code of a test and starts no thread (no thread pool exists to be forked); a module's state is as
+runs no code of a test and starts no thread (no thread pool exists to be forked); the last import freezes what
+the others imported out of the garbage collector's reach (`tests/frozen_imports.py`); a module's state is as
 import leaves it, so every rank starts from the same fresh state, sets torchrun's variables and joins its own
 process group, and a test proves what it proved.
 """
@@ -42,7 +43,7 @@ from zerorun.bench.spawn import RankFailure
 from zerorun.bench.spawn import run_ranks as _run_ranks
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim", "zerorun", "zerorun.runtime.engine",
-           "tests.runtime.reference"]
+           "tests.runtime.reference", "tests.frozen_imports"]
 _context: Any = None
 
 

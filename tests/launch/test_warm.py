@@ -29,6 +29,10 @@ print("who", os.environ["RANK"], os.environ["LOCAL_RANK"], os.getpid(), " ".join
 print("fresh", os.environ["RANK"], random.random(), numpy.random.random(), torch.get_num_threads(),
       os.getcwd(), os.getsid(0) == os.getpid(), sys.argv[1:], flush=True)
 print("drawn", os.environ["RANK"], torch.initial_seed(), torch.rand(1).item(), flush=True)
+import gc, weakref
+class Cycle: pass
+cycle = Cycle(); cycle.me = cycle; gone = weakref.ref(cycle); del cycle
+print("gc", os.environ["RANK"], gc.get_freeze_count(), gc.collect() > 0 and gone() is None, flush=True)
 """
 
 STAY = """
@@ -83,7 +87,7 @@ def _finished(proc: subprocess.Popen[str], *words: str) -> list[list[list[str]]]
 
 
 def test_ranks_are_forked_by_the_zygote_and_look_like_fresh_interpreters(tmp_path: Path) -> None:
-    who, fresh, drawn = _finished(_torchrun(tmp_path, IDENTITY), "who", "fresh", "drawn")
+    who, fresh, drawn, collected = _finished(_torchrun(tmp_path, IDENTITY), "who", "fresh", "drawn", "gc")
     assert [w[:2] for w in who] == [["0", "0"], ["1", "1"]]
     assert all("zerorun.launch.torchrun" in " ".join(w[3:]) for w in who), who  # the zygote: the node torchrun's fork
     (rank0, rank1) = fresh
@@ -96,6 +100,8 @@ def test_ranks_are_forked_by_the_zygote_and_look_like_fresh_interpreters(tmp_pat
     assert rank0[3] == rank1[3] == "1"
     assert rank0[4] == rank1[4] == str(tmp_path) and rank0[5] == "True"
     assert " ".join(rank0[6:]) == "['--flag', 'x']"
+    # what the zygote imported is frozen (torch alone: over 100,000 objects), what the script makes is collected
+    assert all(int(frozen) > 10_000 and cycle == "True" for _, frozen, cycle in collected), collected
 
 
 def test_without_a_zygote_the_relay_forks_its_rank_itself(tmp_path: Path) -> None:
