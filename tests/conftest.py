@@ -65,7 +65,6 @@ def direct_io_dir(tmp_path: Path) -> Path:
     pytest.skip("no directory on a real disk accepts O_DIRECT here (tmp_path and /var/tmp are tmpfs or refuse it)")
 
 
-
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What collection imported (torch, the runtime, every test module) is frozen out of the garbage collector's
     reach (`tests/frozen_imports.py` says why) before the first test runs: the full collections the rank-thread

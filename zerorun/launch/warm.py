@@ -158,7 +158,7 @@ def _freeze() -> None:
     it forks (`gc.freeze`, Python's own advice before a fork without exec).
 
     These are the imported modules', which live as long as the process anyway. Left in the collector's oldest
-    generation, every full collection walks them, torch's hundreds of thousands of objects: the one each process
+    generation, every full collection walks them (torch alone leaves over 100,000): the one each process
     makes at exit, and a script's own. In a forked process each such walk also writes to every page it visits
     (the collector's marks), so that the kernel copies them from the parent. Measured with a 2-rank launch of a
     script that prints one line (`zerorun launch --num_gpus 2 hello.py`, CPU from process accounting): 0.70-0.78
