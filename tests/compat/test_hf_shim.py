@@ -44,6 +44,41 @@ def test_availability_checks_find_zeroruns_shim_with_a_version_they_accept(insta
     assert packaging.parse(version) >= packaging.parse("0.16.4")  # accelerate's highest minimum
 
 
+def test_the_shim_installs_while_another_thread_imports() -> None:
+    """A rank's telemetry probe runs in a thread of its own from before the shim is installed, and may import then:
+    installing reads a snapshot of `sys.modules`. Iterating the live dict raised "dictionary changed size during
+    iteration" in one rank of a real launch (nanoGPT's train.py), which ended the job before the script began."""
+    import threading
+    import types
+
+    saved_modules = {k: v for k, v in sys.modules.items() if k == "deepspeed" or k.startswith("deepspeed.")}
+    saved_path, saved_interval = list(sys.meta_path), sys.getswitchinterval()
+    stop = threading.Event()
+
+    def imports() -> None:  # modules come and go as in a thread that imports
+        names = [f"_zerorun_test_import_{i}" for i in range(64)]
+        while not stop.is_set():
+            for name in names:
+                sys.modules[name] = types.ModuleType(name)
+            for name in names:
+                del sys.modules[name]
+
+    thread = threading.Thread(target=imports, daemon=True)
+    sys.setswitchinterval(1e-6)  # the threads take turns often: the race shows within a few installs
+    thread.start()
+    try:
+        for _ in range(200):
+            shim.install_modules()
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(saved_interval)
+        for name in [k for k in sys.modules if k == "deepspeed" or k.startswith("deepspeed.")]:
+            del sys.modules[name]
+        sys.modules.update(saved_modules)
+        sys.meta_path[:] = saved_path
+
+
 def test_a_real_deepspeed_imported_before_the_shim_no_longer_answers() -> None:
     import types
 

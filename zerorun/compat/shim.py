@@ -78,7 +78,8 @@ def install_modules() -> None:
     """`deepspeed` and its PROVIDED submodules are the shim's from now on in this process (the zygote installs
     them before it imports a script's libraries, the rank again: nothing changes then)."""
     package = importlib.import_module(PACKAGE)
-    for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
+    # a snapshot, taken at once: another thread of this process (the telemetry probe's) may import while this loops
+    for name in [n for n in list(sys.modules) if n == "deepspeed" or n.startswith("deepspeed.")]:
         if not getattr(sys.modules[name], "__name__", "").startswith(PACKAGE):
             del sys.modules[name]  # a real DeepSpeed imported earlier in this process: none of it may answer
     sys.modules["deepspeed"] = package
