@@ -12,6 +12,8 @@ import signal
 
 import pytest
 
+from zerorun.launch.failure_report import LOCAL_RANK_HINT
+
 TEARDOWN_LIMIT_S = 10.0
 
 
@@ -60,6 +62,20 @@ def test_exception_in_script_prints_its_traceback_and_fails_the_job(launch):
     assert "[localhost:0] RuntimeError: rank 0 fails on purpose" in stderr
     assert "stubborn.py" in stderr and "runpy" not in stderr  # the user's frames, not the bootstrap's
     assert "rank 0 on localhost failed (exit code 1)" in stderr, stderr  # the whole report when it fails
+    assert job.leftovers() == []
+
+
+@pytest.mark.slow
+def test_a_script_that_takes_no_local_rank_is_told_how_to_launch_without_it_and_then_runs(launch):
+    compat = {"kill_grace_s": 1.0, "deepspeed_compat": True}  # `zerorun launch script.py`: DeepSpeed's launcher's ways
+    job = launch("strict_args.py", args=["--steps", "3"], launch=compat)
+    assert job.wait() == 2, job.output  # argparse's exit
+    stderr = "\n".join(job.stderr)
+    assert "unrecognized arguments: --local_rank=" in stderr, stderr
+    assert f"zerorun: {LOCAL_RANK_HINT}" in job.stderr, stderr  # said once, on a line of its own
+    job = launch("strict_args.py", args=["--steps", "3"], launch={**compat, "deepspeed_local_rank": False})
+    assert job.wait() == 0, job.output  # what the hint says works
+    assert "[localhost:1] parsed steps 3" in job.stdout
     assert job.leftovers() == []
 
 

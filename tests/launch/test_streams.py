@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.launch.launched import subprocess_env
 from zerorun.launch import streams
 from zerorun.launch.streams import RankExit, RankLine
@@ -98,3 +100,24 @@ def test_the_failure_banner_fits_the_summarys_width():
     assert max(map(len, lines)) <= tables.WIDTH, lines
     assert " ".join(" ".join(lines).replace("=", " ").split()).startswith(cause), lines
     assert set(lines[-1]) == {"="} and len(lines[-1]) == len(lines[0])
+
+
+@pytest.mark.parametrize(("given", "last", "hinted"), [
+    (True, b"ValueError: Unknown config key: local_rank", True),  # nanoGPT's configurator
+    (True, b"t.py: error: unrecognized arguments: --local_rank=1", True),  # argparse
+    (False, b"t.py: error: unrecognized arguments: --local_rank=1", False),  # the user's own --local_rank
+    (True, b"KeyError: 'WORLD_SIZE'", False),  # the source line above names local_rank: not the error
+])
+def test_a_failure_on_the_given_local_rank_says_how_to_launch_without_it(given: bool, last: bytes, hinted: bool):
+    import collections
+    import io
+
+    from zerorun.launch.failure_report import LOCAL_RANK_HINT, FailureReport
+    from zerorun.launch.held_output import HeldOutput
+    from zerorun.launch.outcome import Ending, Outcome, Output
+
+    err = io.BytesIO()
+    tail = collections.deque([b"[localhost:1]     local_rank = int(os.environ['LOCAL_RANK'])", b"[localhost:1] " + last])
+    report = FailureReport("j", Output(io.BytesIO(), err), HeldOutput(), {("localhost", 1): tail}, None, given)
+    report.report(Outcome(1, Ending.RANK_FAILED, "rank 1 on localhost failed (exit code 1)", "localhost", 1), [])
+    assert (f"zerorun: {LOCAL_RANK_HINT}" in err.getvalue().decode().splitlines()) is hinted

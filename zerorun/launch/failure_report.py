@@ -15,14 +15,24 @@ from zerorun.launch.streams import RankExit
 
 CULPRIT_LINES = 200  # of the culprit's traceback shown (the rest, if any, in the failure log)
 ERROR_PREFIX = b"zerorun: error: "  # a ZerorunError a worker printed (see `worker`): shown once per job
+# A script that takes no --local_rank fails on the one its DeepSpeed-style launch gave it, in its last line:
+# argparse's "unrecognized arguments: --local_rank=0", a configurator's "Unknown config key: local_rank".
+LOCAL_RANK = b"local_rank"
+LOCAL_RANK_HINT = ("the script was given --local_rank=<its local rank> before its own arguments, as DeepSpeed's launcher "
+                   "does (launch.deepspeed_local_rank), and its last line names it. A script that does not take it "
+                   "runs with `zerorun launch --no_local_rank script.py ...`, or with `deepspeed_local_rank: false` "
+                   "under `launch:` in its recipe")
 
 
 class FailureReport:
     """The supervisor's record of a job's output, turned into its ending's report."""
 
     def __init__(self, job_id: str, output: Output, held: HeldOutput,
-                 tails: dict[tuple[str, int | str], deque[bytes]], failure_log: Path | None) -> None:
+                 tails: dict[tuple[str, int | str], deque[bytes]], failure_log: Path | None,
+                 local_rank_arg: bool = False) -> None:
+        """`local_rank_arg`: the script was given `--local_rank=N` before its own arguments (DeepSpeed's habit)."""
         self.job_id, self.output, self._held, self._tails, self.failure_log = job_id, output, held, tails, failure_log
+        self.local_rank_arg = local_rank_arg
 
     def report(self, outcome: Outcome, failures: Sequence[RankExit]) -> None:
         if outcome.ending is Ending.RANK_FAILED:
@@ -49,6 +59,8 @@ class FailureReport:
             self._failure_block(outcome.cause, shown, what)
         for line in outcome.evidence:
             self._say(f"evidence: {line}")
+        if self.local_rank_arg and tail and LOCAL_RANK in tail[-1].split(b"] ", 1)[-1]:
+            self._say(LOCAL_RANK_HINT)
         failed = {(f.host, f.rank): f for f in failures}
         held_ranks = [(host, who) for host, who in self._held.keys() if isinstance(who, int)]
         victims = sorted({key for key in (*failed, *held_ranks) if key != culprit}, key=lambda key: key[1])

@@ -390,8 +390,10 @@ class Supervisor:
                 self.output.tick()
 
     def _report(self, outcome: Outcome) -> None:
-        FailureReport(self.plan.job_id, self.output, self._held, self._tails, self.failure_log).report(
-            outcome, [*self._failures, *self._torchrun_exits.values()])
+        recipe = self.plan.inputs.recipe if self.plan.inputs is not None else None
+        local_rank_arg = recipe is not None and recipe.launch.deepspeed_compat and recipe.launch.deepspeed_local_rank
+        FailureReport(self.plan.job_id, self.output, self._held, self._tails, self.failure_log,
+                      local_rank_arg).report(outcome, [*self._failures, *self._torchrun_exits.values()])
 
     # -- output and signals -----------------------------------------------------------------------
 
