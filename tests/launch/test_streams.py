@@ -117,7 +117,8 @@ def test_a_failure_on_the_given_local_rank_says_how_to_launch_without_it(given: 
     from zerorun.launch.outcome import Ending, Outcome, Output
 
     err = io.BytesIO()
-    tail = collections.deque([b"[localhost:1]     local_rank = int(os.environ['LOCAL_RANK'])", b"[localhost:1] " + last])
+    source = b"[localhost:1]     local_rank = int(os.environ['LOCAL_RANK'])"
+    tail = collections.deque([source, b"[localhost:1] " + last])
     report = FailureReport("j", Output(io.BytesIO(), err), HeldOutput(), {("localhost", 1): tail}, None, given)
     report.report(Outcome(1, Ending.RANK_FAILED, "rank 1 on localhost failed (exit code 1)", "localhost", 1), [])
     assert (f"zerorun: {LOCAL_RANK_HINT}" in err.getvalue().decode().splitlines()) is hinted

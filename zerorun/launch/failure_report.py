@@ -18,10 +18,10 @@ ERROR_PREFIX = b"zerorun: error: "  # a ZerorunError a worker printed (see `work
 # A script that takes no --local_rank fails on the one its DeepSpeed-style launch gave it, in its last line:
 # argparse's "unrecognized arguments: --local_rank=0", a configurator's "Unknown config key: local_rank".
 LOCAL_RANK = b"local_rank"
-LOCAL_RANK_HINT = ("the script was given --local_rank=<its local rank> before its own arguments, as DeepSpeed's launcher "
-                   "does (launch.deepspeed_local_rank), and its last line names it. A script that does not take it "
-                   "runs with `zerorun launch --no_local_rank script.py ...`, or with `deepspeed_local_rank: false` "
-                   "under `launch:` in its recipe")
+LOCAL_RANK_HINT = ("the script was given --local_rank=<its local rank> before its own arguments, as DeepSpeed's "
+                   "launcher does (launch.deepspeed_local_rank), and its last line names it. A script that does not "
+                   "take it runs with `zerorun launch --no_local_rank script.py ...`, or with "
+                   "`deepspeed_local_rank: false` under `launch:` in its recipe")
 
 
 class FailureReport:
