@@ -88,6 +88,11 @@ def run_script(script: str, args: list[str]) -> int:
     # before the script imports clip_grad_norm_ or destroy_process_group (runtime/interop/): a clip call on the
     # engine's parameters reaches the engine, and the script's own teardown settles the engines first
     release_interop = interop.hold_for_script()
+    # What the bootstrap imported (torch, the runtime) leaves the collector's reach before the script runs, as a warm
+    # rank's zygote did (launch/warm.py): a full collection, the one at exit above all, no longer walks it. In a warm
+    # rank this walks only what the rank made since its fork.
+    gc.collect()
+    gc.freeze()
     script = os.path.abspath(script)
     sys.argv = [script, *args]
     # The script's directory comes first, as for `python script.py`; the entries after it stay, so
