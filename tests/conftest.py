@@ -70,7 +70,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     reach (`tests/frozen_imports.py` says why) before the first test runs: the full collections the rank-thread
     tests set off in this process no longer walk it. `python -m pytest -n 0` of test_stage3, test_engine_precision
     and test_collectives: 47.2-48.5 s of machine CPU before, 42.4-44.4 frozen."""
-    import gc
+    from zerorun.launch.warm import freeze_imports
 
-    gc.collect()
-    gc.freeze()
+    freeze_imports()

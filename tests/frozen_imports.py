@@ -8,7 +8,6 @@ kernel then copies from the server. `python -m pytest -n 0 tests/runtime/test_ch
 machine CPU before, 19.6-22.4 frozen. What a rank creates, its engine included, is collected as before.
 """
 
-import gc
+from zerorun.launch.warm import freeze_imports
 
-gc.collect()  # what is garbage already goes now, rather than never
-gc.freeze()
+freeze_imports()

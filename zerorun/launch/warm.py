@@ -24,7 +24,7 @@ What torchrun sees does not change: it starts `python -m zerorun.launch.worker` 
   the OpenMP threads torch read at import), the working directory, signal handlers, a session of its own.
   `random` reseeds itself in a forked child; numpy's global generator and torch's CPU generator do not, and
   the child seeds them from the OS as a fresh interpreter would (torch only where it seeds so at start).
-  One difference stays: what the zygote imported is frozen (`_freeze`), so `gc.get_freeze_count()` is not 0 and
+  One difference stays: what the zygote imported is frozen (`freeze_imports`), so `gc.get_freeze_count()` is not 0 and
   those objects are never collected (they are the modules', alive until the rank ends anyway).
   `/proc/<pid>/cmdline` and `environ` stay the node torchrun's: they carry the job's id,
   so the node supervisor's sweep of the job's processes still finds every rank.
@@ -115,7 +115,7 @@ def start(script: str | None = None) -> Zygote | Request:
     listener.bind(address)
     listener.listen(256)
     agent_r, agent_w = os.pipe()  # the zygote's own lifeline: EOF once the node torchrun is gone
-    _freeze()  # torch, imported by the node torchrun: for its agent and the zygote alike
+    freeze_imports()  # torch, imported by the node torchrun: for its agent and the zygote alike
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -149,17 +149,17 @@ def _zygote(listener: socket.socket, agent_r: int, script: str | None = None) ->
         return None
     if torch.cuda.is_initialized():
         return None
-    _freeze()  # and what the zygote imported since, for every rank it forks
+    freeze_imports()  # and what the zygote imported since, for every rank it forks
     return _serve(listener, agent_r)
 
 
-def _freeze() -> None:
+def freeze_imports() -> None:
     """Move every object alive now out of the garbage collector's reach, for the rest of this process and of those
-    it forks (`gc.freeze`, Python's own advice before a fork without exec).
-
-    These are the imported modules', which live as long as the process anyway. Left in the collector's oldest
-    generation, every full collection walks them (torch alone leaves over 100,000): the one each process
-    makes at exit, and a script's own. In a forked process each such walk also writes to every page it visits
+    it forks (`gc.freeze`, Python's own advice before a fork without exec). Called where what is alive is what was
+    imported (here before a fork, the worker before the script), so they are the modules', alive as long as the
+    process anyway. Left in the collector's oldest generation, every full collection walks them (torch alone leaves
+    over 100,000): the one each process makes at exit, and a script's own. In a forked process each such walk also
+    writes to every page it visits
     (the collector's marks), so that the kernel copies them from the parent. Measured with a 2-rank launch of a
     script that prints one line (`zerorun launch --num_gpus 2 hello.py`, CPU from process accounting): 0.70-0.78
     s of CPU per rank, 0.22 frozen; the node torchrun and its zygote together 0.4 s less."""

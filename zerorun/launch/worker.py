@@ -41,7 +41,7 @@ from types import TracebackType
 from typing import Any
 
 from zerorun.errors import ZerorunError
-from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV, streams
+from zerorun.launch import JOB_ID_ENV, NODE_HOST_ENV, streams, warm
 from zerorun.telemetry import ADDRESS_ENV
 
 STACK_SIGNAL = signal.SIGUSR1  # `kill -USR1 <pid>` prints a worker's Python stacks
@@ -89,10 +89,9 @@ def run_script(script: str, args: list[str]) -> int:
     # engine's parameters reaches the engine, and the script's own teardown settles the engines first
     release_interop = interop.hold_for_script()
     # What the bootstrap imported (torch, the runtime) leaves the collector's reach before the script runs, as a warm
-    # rank's zygote did (launch/warm.py): a full collection, the one at exit above all, no longer walks it. In a warm
-    # rank this walks only what the rank made since its fork.
-    gc.collect()
-    gc.freeze()
+    # rank's zygote did: a full collection, the one at exit above all, no longer walks it. In a warm rank this walks
+    # only what the rank made since its fork.
+    warm.freeze_imports()
     script = os.path.abspath(script)
     sys.argv = [script, *args]
     # The script's directory comes first, as for `python script.py`; the entries after it stay, so
