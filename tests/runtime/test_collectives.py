@@ -5,6 +5,8 @@ with 2 ranks and the same bits on every rank with 3; a host where it cannot work
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -113,6 +115,68 @@ def test_a_whole_layouts_collectives_move_only_the_values_each_piece_carries(wor
         assert all(out.values()), (rank, out)
         moved = sum([7, 2, 5][:world]) * 4
         assert stats == {"reduce_scatter": (2, 2 * moved), "all_gather": (1, moved)}, stats
+
+
+def _in_flight(rank: int, world: int, cpu: str) -> dict:
+    """Exchanges posted back to back before any is waited for, each rank's piece a different size (gloo's
+    point-to-point notices must not get crossed between them): each takes the next lane over gloo."""
+    from zerorun.runtime.comm import pairwise
+    from zerorun.runtime.comm.collectives import Collectives
+    from zerorun.runtime.comm.dist import init_distributed
+
+    init_distributed()
+    comm = Collectives(cpu=cpu)
+    lanes: list[object] = []  # the lane each exchange went on (None: the group's own connections)
+    post = comm._post
+
+    def noted(*args: Any) -> list:
+        lanes.append(args[3] if len(args) > 3 else None)
+        return post(*args)
+    comm._post = noted  # type: ignore[method-assign]
+    piece, rounds = 9, 6
+    used = [[1 + (r + k) % piece for r in range(world)] for k in range(rounds)]  # the fuller piece moves round
+    gathered, reduced, handles = [], [], []
+    for k in range(rounds):
+        full = torch.full((world, piece), -7.0)
+        full[rank, :used[k][rank]] = 100 * k + rank
+        gathered.append(full)
+        handles.append(comm.all_gather(full.view(-1), used=used[k]))
+        out = torch.full((piece,), -1.0)
+        reduced.append(out)
+        handles.append(comm.reduce_scatter(torch.full((world * piece,), float(k + rank)), out, used=used[k]))
+    for handle in reversed(handles):  # waited for in another order than posted
+        handle.wait()
+    result = {"lanes": len(comm.lanes) == (pairwise.LANES if cpu == "gloo" and world > 1 else 0)}
+    result["gathered"] = all(torch.equal(gathered[k][r, :used[k][r]], torch.full((used[k][r],), 100.0 * k + r))
+                             for k in range(rounds) for r in range(world))
+    sums = [float(sum(k + r for r in range(world))) for k in range(rounds)]
+    result["reduced"] = all(torch.equal(reduced[k][:used[k][rank]], torch.full((used[k][rank],), sums[k]))
+                            for k in range(rounds))
+    if comm.lanes:  # every exchange on a lane, never the one before it, all of them in turn
+        result["in turn"] = (all(lane is not None for lane in lanes)
+                             and all(a is not b for a, b in zip(lanes, lanes[1:]))
+                             and {id(lane) for lane in lanes} == {id(lane) for lane in comm.lanes})
+    return result
+
+
+@pytest.mark.parametrize("cpu", ["gloo", "shm"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchanges_in_flight_together_take_turns_over_gloos_connections(world: int, cpu: str) -> None:
+    # gloo sends a payload once the receiver's notice of its posted receive arrives, queued behind the receiver's
+    # own payloads on that connection: exchanges sharing one go in lockstep (pairwise.py)
+    for rank, out in enumerate(run_threads(_in_flight, world, (cpu,))):
+        assert all(out.values()), (rank, out)
+
+
+@pytest.mark.parametrize("setting", ["0", "two", "-1"])
+def test_a_lane_count_that_is_not_a_whole_number_of_connections_is_refused_naming_it(setting: str,
+                                                                                     monkeypatch) -> None:
+    from zerorun.errors import ZerorunError
+    from zerorun.runtime.comm.pairwise import make_lanes
+
+    monkeypatch.setenv("ZERORUN_WIRE_LANES", setting)
+    with pytest.raises(ZerorunError, match=f"ZERORUN_WIRE_LANES='{setting}': expected a whole number"):
+        make_lanes(10.0)
 
 
 def _both_transports(rank: int, world: int) -> dict:

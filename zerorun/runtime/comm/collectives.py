@@ -43,7 +43,7 @@ from zerorun.runtime import context
 from zerorun.runtime.comm import compression
 from zerorun.runtime.comm.handles import CommStats, FutureWork, Handle, Pending  # noqa: F401 - Pending too
 from zerorun.runtime.comm.hier_collectives import Hierarchical, local_world_for
-from zerorun.runtime.comm.pairwise import PointToPoint, store_into
+from zerorun.runtime.comm.pairwise import PointToPoint, make_lanes, store_into
 from zerorun.runtime.comm.places import Tag
 from zerorun.runtime.comm.quantize import Quantized
 from zerorun.runtime.comm.shm_collectives import (
@@ -85,6 +85,10 @@ class Collectives(PointToPoint):
         # (every rank decides `shm` alike: shm_collectives.py)
         own = self.backend != "gloo" or self.shm is None
         self.tags = (tags or TagCheck(group, self.rank, self.world_size, own, timeout_s)) if tagged else None
+        # the payload's own lanes where it crosses gloo's TCP point to point (pairwise.py: why); only for the world's
+        # group, which every rank builds at the same point (a group of some ranks is built by those alone)
+        if group is None and self.backend == "gloo" and self.shm is None and self.world_size > 1:
+            self.lanes = make_lanes(timeout_s)
         self.transport = "shared memory" if self.shm else self.backend
         self.stats.level = "node" if self.shm else "network"
         self.quantized_gradients = quantized_gradients is True  # reduce-scatters over the network send block int8

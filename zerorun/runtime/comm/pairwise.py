@@ -6,11 +6,23 @@ quantized collectives (qgZ's reduce-scatter, qwZ's all-gather) are one algorithm
 int8 rows (point to point on gloo, chunk by chunk on a codec thread; one all-to-all or all-gather on NCCL), then
 dequantize and sum in rank order, so every rank holds the same bits.
 
+Gloo's TCP transport sends a point-to-point payload only once the receiver has said it posted the matching receive,
+and that notice travels in the receiver's own outgoing queue on the pair's connection, behind whatever payload the
+receiver is sending. So on one connection two exchanges in flight go in lockstep: rank 0 cannot start its piece of the
+second until rank 1 has sent all of its piece of the first. Where the pieces differ (an owner-run unit's hold whole
+matrices, 4.1M elements one way and 2.9M the other), the lighter direction of the link idles for the difference.
+Where the payload crosses gloo's TCP, then, the exchanges take turns over `LANES` gloo groups of the world
+(`lanes`): of `LANES` consecutive exchanges no two share a connection, so the notice for the next one is not queued
+behind another exchange's payload in the sender's process (it can still wait in the link's own queue, which the
+connections share).
+
 `Collectives` inherits these; what routes a call here (the wire table, shared memory, the hierarchy) stays there.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -19,10 +31,16 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from zerorun.errors import ZerorunError
+from zerorun.runtime.comm.dist import joined
 from zerorun.runtime.comm.handles import CommStats, FutureWork, Handle
 from zerorun.runtime.comm.quantize import BLOCK, Quantized, QuantizedRows, dequantize_add, dequantize_into, quantize
 from zerorun.runtime.comm.wire import Op, Primitive, route
 
+# exchanges that may be in flight at once without sharing a connection: stage 3 gathers two units ahead, each up to
+# two collectives (a Muon unit and the small AdamW one of the same block); over the emulated 1 Gbit/s link 2 and 8
+# did no better (docs/optimizers.md)
+LANES = 4
 CODEC_CHUNK = 256 * BLOCK  # elements quantized at once on the point-to-point wire: 2 MiB of fp32, 0.5 MiB sent
 Span = Callable[[int, int], None]  # work on elements [lo, hi) of every row
 
@@ -38,6 +56,8 @@ class PointToPoint:
 
     def __init__(self) -> None:
         self._p2p_tag = 0  # the last point-to-point tag taken: every rank takes them in the same order
+        self.lanes: list[dist.ProcessGroup] = []  # the exchanges' connections over a network, taken in turn (above)
+        self._turn = 0
         self._codec: ThreadPoolExecutor | None = None  # quantized point-to-point collectives: made at first use
 
     def _pairwise_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool,
@@ -156,15 +176,21 @@ class PointToPoint:
         from it, the i-th of each under one tag. Each byte crosses once, in both directions at once; gloo's
         transport carries them directly instead of queueing collectives behind one another on its worker
         threads (an all-gather as one broadcast per owner ran at 80% of a real link, this at its floor)."""
-        return self._post(outgoing, incoming, [self._next_tag() for _ in incoming(self._peers()[0])])
+        tags = [self._next_tag() for _ in incoming(self._peers()[0])]
+        if not self.lanes:
+            return self._post(outgoing, incoming, tags)
+        self._turn = (self._turn + 1) % len(self.lanes)
+        return self._post(outgoing, incoming, tags, self.lanes[self._turn])
 
     def _post(self, outgoing: Callable[[int], Sequence[torch.Tensor]],
-              incoming: Callable[[int], Sequence[torch.Tensor]], tags: list[int]) -> list:
-        """`_exchange` with its tags already taken."""
+              incoming: Callable[[int], Sequence[torch.Tensor]], tags: list[int],
+              lane: dist.ProcessGroup | None = None) -> list:
+        """`_exchange` with its tags already taken, on `lane` (None: the group's own connections)."""
         peers = self._peers()
-        works = [dist.irecv(tensor, src=self._global(peer), group=self.group, tag=tag)
+        group = self.group if lane is None else lane
+        works = [dist.irecv(tensor, src=self._global(peer), group=group, tag=tag)
                  for peer in peers for tensor, tag in zip(incoming(peer), tags)]
-        works += [dist.isend(tensor, dst=self._global(peer), group=self.group, tag=tag)
+        works += [dist.isend(tensor, dst=self._global(peer), group=group, tag=tag)
                   for peer in peers for tensor, tag in zip(outgoing(peer), tags)]
         return works
 
@@ -175,6 +201,17 @@ class PointToPoint:
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+
+def make_lanes(timeout_s: float) -> list[dist.ProcessGroup]:
+    """`LANES` gloo groups of the whole world, for the exchanges to take in turn (every rank makes the same calls, as
+    `dist.new_group` requires). `ZERORUN_WIRE_LANES` overrides the count (1: the group's own connections only)."""
+    setting = os.environ.get("ZERORUN_WIRE_LANES", str(LANES))
+    if not setting.isdigit() or int(setting) < 1:
+        raise ZerorunError(f"ZERORUN_WIRE_LANES={setting!r}: expected a whole number of connections, 1 or more "
+                           f"(1: every exchange on the group's own; unset: {LANES}).")
+    count, timeout = int(setting), datetime.timedelta(seconds=timeout_s)
+    return [joined(dist.new_group(backend="gloo", timeout=timeout)) for _ in range(count if count > 1 else 0)]
 
 
 def _chunk(rows: QuantizedRows, r: int, lo: int, hi: int) -> Quantized:
