@@ -38,7 +38,8 @@ def test_estimate_takes_7b_as_it_takes_7e9() -> None:
     assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
     shapes = [json.loads(r.stdout)["model"] for r in runs]
     assert shapes[0] == shapes[1] == shapes[2] == {"params": 7 * 10**9, "largest_unit": 2 * 10**8, "root": 0,
-                                                   "persistent": 0, "matrices": None, "matrix_edges": 0}
+                                                   "persistent": 0, "matrices": None, "matrix_edges": 0,
+                                                   "lone_split": 0, "lone_muon_split": 0}
 
 
 def test_a_bad_count_on_the_command_line_names_the_flag_and_the_forms() -> None:

@@ -78,6 +78,26 @@ def test_stage3_counts_the_unit_auto_gathers_ahead_for_an_optimizer_on_whole_par
     assert buffers(2, optimizer="muon") == buffers(2, optimizer="adamw")  # stages 1-2 gather buckets, not units
 
 
+def test_stage3_counts_the_split_units_an_optimizer_on_whole_parameters_holds_for_the_backward() -> None:
+    """A split unit of one matrix run whole (the bench GPT's untied `tok` and `head` under Muon, DeepSpeed's split;
+    any such unit under LAMB) gathers one way, so the engine holds it from its forward to its backward
+    (runtime/stage3/param_scheduler.py): the estimate counts it beside the root; an embedding AdamW takes is not."""
+    from zerorun.bench.gpt import GPT, GPTConfig
+
+    class Named(torch.nn.Module):  # the same GPT, its embedding and head named as Hugging Face names them
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens, self.lm_head = torch.nn.Embedding(37, 24), torch.nn.Linear(24, 37, bias=False)
+    gpt = planner.shape_of(GPT(GPTConfig(layers=2, d_model=24, heads=2, vocab=37, seq_len=8)), ["Block"], 0, 0.0005)
+    assert gpt.lone_split == gpt.lone_muon_split == 2 * 37 * 24 + 8 * 24  # tok, head, and the position table
+    named = planner.shape_of(Named(), [], 0, 0.004)  # each under a bucket, over half of one: split
+    assert (named.lone_split, named.lone_muon_split) == (2 * 37 * 24, 0)
+    def buffers(optimizer: str) -> float:
+        return planner.working_buffers(gpt, 3, planner.Settings("fp32", optimizer=optimizer))
+    ahead = 4 * gpt.largest_unit  # Muon and LAMB gather one more unit ahead (the test above)
+    assert buffers("muon") - buffers("adamw") == buffers("lamb") - buffers("adamw") == 4 * gpt.lone_split + ahead
+
+
 def test_a_background_checkpoints_host_snapshot_is_the_shards_state_or_one_nvme_chunk_and_counts_for_fits() -> None:
     shape, cluster = planner.ModelShape(params=10**9, largest_unit=10**7), planner.Cluster(1, 4, 80)
     snapshot = {(stage, offload): planner.place(shape, cluster, planner.Settings("bf16"), stage, offload, "none",

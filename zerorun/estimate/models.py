@@ -47,6 +47,7 @@ def build_on_meta(spec: str) -> nn.Module:
 
 def shape_of(model: nn.Module, wrap: list[str], persistence_threshold: int, bucket_mb: float) -> ModelShape:
     """Count a model's parameters the way stage 3 plans its units (`runtime/stage3/module_units.py`)."""
+    from zerorun.runtime.optim.recipe_optimizers import muon_takes
     from zerorun.runtime.stage3.module_units import split_modules, wrapped_modules
 
     trainable = {p for p in model.parameters() if p.requires_grad}
@@ -54,7 +55,8 @@ def shape_of(model: nn.Module, wrap: list[str], persistence_threshold: int, buck
     sharded = trainable - persistent
     bucket_numel = int(bucket_mb * MIB) // 4
     modules = [mod for _, mod in wrapped_modules(model, wrap, bucket_numel)]
-    modules += [mod for _, mod in split_modules(model, modules, max(1, bucket_numel // 2))]  # as plan_stage3
+    split = split_modules(model, modules, max(1, bucket_numel // 2))  # as plan_stage3
+    modules += [mod for _, mod in split]
     units = [{p for p in mod.parameters() if p in sharded} for mod in modules]
     owners: dict[nn.Parameter, int] = {}
     for unit in units:
@@ -64,9 +66,13 @@ def shape_of(model: nn.Module, wrap: list[str], persistence_threshold: int, buck
     root = sharded - {p for unit in in_one for p in unit}
     count = lambda params: sum(p.numel() for p in params)  # noqa: E731
     matrices = [p for p in trainable if p.ndim >= 2]
+    names = {p: name for name, p in model.named_parameters()}
+    lone = [[p for p in mod.parameters() if p in sharded] for _, mod in split]
     return ModelShape(params=count(trainable), largest_unit=max((count(u) for u in in_one), default=0),
                       root=count(root), persistent=count(persistent), matrices=count(matrices),
-                      matrix_edges=sum(p.numel() // p.shape[-1] + p.numel() // p.shape[-2] for p in matrices))
+                      matrix_edges=sum(p.numel() // p.shape[-1] + p.numel() // p.shape[-2] for p in matrices),
+                      lone_split=sum(count(u) for u in lone if len(u) == 1),
+                      lone_muon_split=sum(count(u) for u in lone if sum(muon_takes(names[p], p) for p in u) == 1))
 
 
 def shape_from_size(params: float, largest_layer: int | None, hidden: int | None) -> ModelShape:

@@ -53,6 +53,10 @@ class ModelShape:
     persistent: int = 0  # stage 3: parameters under zero.param_persistence_threshold, kept whole
     matrices: int | None = None  # elements of 2-D (or more) parameters (None: all of them, as in a transformer)
     matrix_edges: int = 0  # rows plus columns over those matrices (Adafactor's factored moments)
+    # stage 3: split units (an embedding, a head) of one sharded parameter, and of one Muon takes: run on whole
+    # parameters their gather goes one way, so they stay gathered from their forward to their backward
+    lone_split: int = 0
+    lone_muon_split: int = 0
 
 
 @dataclass(frozen=True)
@@ -193,15 +197,24 @@ def working_buffers(shape: ModelShape, stage: int, settings: Settings) -> float:
     """GPU bytes of communication and gathering buffers, beyond the model states.
 
     Reduce buckets: two fp32 buckets of `zero.bucket_mb` (one filling while one is reduced, with
-    `overlap_comm`). Stage 3 also gathers: the root unit for the whole pass, and (2 + prefetch_units)
-    of the largest unit in p bytes: the one computing, the ones prefetched, and the one whose
-    gradients are still being reduced (what `test_stage3.py` bounds the engine's peak by).
+    `overlap_comm`). Stage 3 also gathers: the root unit for the whole pass, the split units whose gather goes one
+    way from forward to backward (`one_way_splits`), and (2 + prefetch_units) of the largest unit in p bytes: the
+    one computing, the ones prefetched, and the one whose gradients are still being reduced (what `test_stage3.py`
+    bounds the engine's peak by).
     """
     buffers = 2 * settings.bucket_mb * MIB
     if stage == 3:
         p = PARAM_BYTES[settings.precision]
-        buffers += p * (shape.root + (2 + units_ahead(settings)) * shape.largest_unit)
+        buffers += p * (shape.root + one_way_splits(shape, settings) + (2 + units_ahead(settings)) * shape.largest_unit)
     return buffers
+
+
+def one_way_splits(shape: ModelShape, settings: Settings) -> int:
+    """Stage 3: elements of the split units kept gathered from their forward to their backward because their gather
+    goes one way (runtime/stage3/param_scheduler.py): those of one matrix the optimizer runs on whole parameters."""
+    if settings.optimizer == "muon":
+        return shape.lone_muon_split
+    return shape.lone_split if settings.optimizer in OWNER_WAY else 0
 
 
 OWNER_WAY = ("muon", "adafactor", "lamb")  # optimizers the engine runs on whole parameters (the owner way)

@@ -4,7 +4,7 @@
 |--------------------------------------|-----------------------------------------------------------------------|
 | the root's forward starts            | the root unit and split units kept whole are gathered (kept through backward when grad is on) |
 | a wrapped module's forward starts    | its unit is gathered; the next `prefetch_units` in the recorded order start gathering |
-| it ends                              | released (not in backward: recomputation; nor a split unit kept whole or ending the forward) |
+| it ends                              | released (not in backward: recomputation; nor a split unit held for backward) |
 | gradients reach its outputs          | gathered again; the previous units in that order start gathering     |
 | its group launched its gradients     | released (by the group itself, unit_group.py)                        |
 | backward ends                        | everything but the persistent unit released, idle blocks handed back  |
@@ -128,14 +128,19 @@ class ParamScheduler:
         self._guard(self.root, out)
         keep_root = torch.is_grad_enabled()  # backward will need the root (and shared) parameters
         for group in self.plan.groups:
-            held = keep_root and (group.whole_pass or self._first_in_backward(group))
+            held = keep_root and (group.whole_pass or self._held_for_backward(group))
             if (group.kind in AROUND_USE and not held) or (group.kind is UnitKind.ROOT and not keep_root):
                 group.release_if_held()  # prefetched ones too
 
-    def _first_in_backward(self, group: UnitGroup) -> bool:
-        """A split unit that ends the forward (an output head) stays for backward, which starts with it."""
+    def _held_for_backward(self, group: UnitGroup) -> bool:
+        """A split unit that stays gathered from its forward to its backward: one that ends the forward (an output
+        head: backward starts with it), and one whose gather goes one way only (`UnitGroup.one_sided`, an embedding
+        run by Muon): gathered again for the backward, its whole matrix would cross the link a second time from its
+        owner, the one transfer of a step that no placement evens out (docs/optimizers.md)."""
         order = self.order or []
-        return group.kind is UnitKind.SPLIT and torch.is_grad_enabled() and bool(order) and group is order[-1]
+        if group.kind is not UnitKind.SPLIT or not torch.is_grad_enabled() or not order:
+            return False
+        return group is order[-1] or group.one_sided
 
     def _before_forward(self, group: UnitGroup) -> None:
         self._inside.add(group)
@@ -152,7 +157,7 @@ class ParamScheduler:
         self._inside.discard(group)
         self._guard(group, out)
         # during backward this is checkpoint recomputation: backward needs them
-        if not self._in_backward and not group.whole_pass and not self._first_in_backward(group) and not group.pinned:
+        if not self._in_backward and not group.whole_pass and not self._held_for_backward(group) and not group.pinned:
             group.release()
 
     @contextlib.contextmanager

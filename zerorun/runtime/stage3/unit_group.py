@@ -25,6 +25,7 @@ backward is the scheduler's (param_scheduler.py), which alone sees the order of 
 
 from __future__ import annotations
 
+import functools
 from enum import Enum
 from typing import Protocol
 
@@ -121,6 +122,15 @@ class UnitGroup:
     @property
     def params(self) -> list[nn.Parameter]:
         return [p for unit in self.units for p in unit.params]
+
+    @functools.cached_property
+    def one_sided(self) -> bool:
+        """Its gather goes one way only: its owner-run units (whole parameters per piece) hold parameters in one
+        rank's piece and no other (a module of one matrix run by Muon, say an embedding); asked once the plan is
+        built, which never changes."""
+        ranks = {span.offset // unit.layout.shard_numel for unit in self.units if unit.layout.whole
+                 for span in unit.layout.spans if span.numel}
+        return len(ranks) == 1 and any(unit.layout.world_size > 1 for unit in self.units)
 
     @property
     def numel(self) -> int:
