@@ -12,9 +12,9 @@ receiver is sending. So on one connection two exchanges in flight go in lockstep
 second until rank 1 has sent all of its piece of the first. Where the pieces differ (an owner-run unit's hold whole
 matrices, 4.1M elements one way and 2.9M the other), the lighter direction of the link idles for the difference.
 Where the payload crosses gloo's TCP, then, the exchanges take turns over `LANES` gloo groups of the world
-(`lanes`): of `LANES` consecutive exchanges no two share a connection, so the notice for the next one is not queued
-behind another exchange's payload in the sender's process (it can still wait in the link's own queue, which the
-connections share).
+(`lanes`): of `LANES` consecutive exchanges no two share a connection, so the receiver's notice for the next one is
+not queued behind its payload of the last one (it can still wait in the link's own queue, which the connections
+share: the lockstep is shortened, not gone; docs/optimizers.md has the measurement).
 
 `Collectives` inherits these; what routes a call here (the wire table, shared memory, the hierarchy) stays there.
 """
