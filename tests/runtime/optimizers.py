@@ -113,14 +113,14 @@ def sum_then_divide(state: object, bucket):  # DDP checks a return annotation as
 
 
 def ddp_run(rank: int, factory: Factory, steps: int, accum: int, seed: int = 0,
-            dtype: torch.dtype = torch.float32, hook: Any = None) -> Run:
-    """DDP with the optimizers `factory` makes (fp32; `hook`: a DDP comm hook); a low-precision `dtype` follows
-    zerorun's policy, which DDP cannot express: compute in `dtype`, fp32 gradients all-reduced and averaged, fp32
-    master weights stepped."""
+            dtype: torch.dtype = torch.float32, hook: Any = None, device: str = "cpu") -> Run:
+    """DDP with the optimizers `factory` makes (fp32; `hook`: a DDP comm hook), the model and batches on `device`; a
+    low-precision `dtype` follows zerorun's policy, which DDP cannot express: compute in `dtype`, fp32 gradients
+    all-reduced and averaged, fp32 master weights stepped."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    master = make_model(seed)
+    master = make_model(seed).to(device)
     opts = factory(master)
     compute = master if dtype == torch.float32 else _copy(master, dtype)
     model = DDP(compute) if dtype == torch.float32 else compute
@@ -130,7 +130,7 @@ def ddp_run(rank: int, factory: Factory, steps: int, accum: int, seed: int = 0,
     run, micro = Run(), 0
     for _ in range(steps):
         for a in range(accum):
-            loss = model(batch(seed, rank, micro))
+            loss = model(batch(seed, rank, micro).to(device))
             (loss / accum).backward()
             run.losses.append(loss.item())
             micro += 1
@@ -149,7 +149,7 @@ def ddp_run(rank: int, factory: Factory, steps: int, accum: int, seed: int = 0,
             with torch.no_grad():
                 for m, c in trainable:
                     c.copy_(m)
-    run.params = {n: p.detach().float().clone() for n, p in master.named_parameters()}
+    run.params = {n: p.detach().float().cpu() for n, p in master.named_parameters()}
     return run
 
 
@@ -186,5 +186,27 @@ def gaps(run: Run, ref: Run) -> tuple[float, float]:
     """(largest relative loss gap, largest absolute parameter gap) between two runs."""
     losses, ref_losses = torch.tensor(run.losses), torch.tensor(ref.losses)
     loss_gap = ((losses - ref_losses).abs() / ref_losses.abs()).max().item()
-    param_gap = max((value - ref.params[n]).abs().max().item() for n, value in run.params.items())
+    param_gap = max((value.cpu() - ref.params[n].cpu()).abs().max().item() for n, value in run.params.items())
     return loss_gap, param_gap
+
+
+def compare(rank: int, world: int, cases: list[tuple[str, int, tuple[str, ...]]], steps: int, accum: int,
+            device: str = "cpu") -> list[str]:
+    """Run each (optimizer, stage, extra overrides) case through the engine and DDP with the same optimizers (summing
+    as zerorun does) on `device`; the cases over the bounds, in words."""
+    from zerorun.runtime.comm.dist import init_distributed
+
+    init_distributed()
+    refs, problems = {}, []
+    for name, stage, extra in cases:
+        if name not in refs:
+            refs[name] = ddp_run(rank, OPTIMIZERS[name], steps, accum, hook=sum_then_divide, device=device)
+        run = engine_run(rank, OPTIMIZERS[name], steps, accum, [f"zero.stage={stage}",
+                                                               *(STAGE3 if stage == 3 else []), *extra])
+        loss_gap, param_gap = gaps(run, refs[name])
+        loss_bound, param_bound = tolerance(name)
+        if loss_gap > loss_bound or param_gap > param_bound:
+            problems.append(f"{name} stage {stage} {' '.join(extra)} world {world} rank {rank}: losses "
+                            f"{loss_gap:.2e} apart (bound {loss_bound:g}), parameters {param_gap:.2e} (bound "
+                            f"{param_bound:g})")
+    return problems

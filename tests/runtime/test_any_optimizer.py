@@ -23,6 +23,7 @@ from tests.runtime.optimizers import (
     OPTIMIZERS,
     STAGE3,
     SignMomentum,
+    compare,
     ddp_run,
     engine_run,
     gaps,
@@ -33,28 +34,8 @@ from tests.runtime.optimizers import (
 STEPS, ACCUM = 12, 2
 
 
-def _compare(rank: int, world: int, cases: list[tuple[str, int, tuple[str, ...]]], steps: int = STEPS) -> list[str]:
-    """Run each (optimizer, stage, extra overrides) case and the reference; the cases over the bounds, in words."""
-    from zerorun.runtime.comm.dist import init_distributed
-
-    init_distributed()
-    refs, problems = {}, []
-    for name, stage, extra in cases:
-        if name not in refs:
-            refs[name] = ddp_run(rank, OPTIMIZERS[name], steps, ACCUM, hook=sum_then_divide)
-        run = engine_run(rank, OPTIMIZERS[name], steps, ACCUM, [f"zero.stage={stage}",
-                                                               *(STAGE3 if stage == 3 else []), *extra])
-        loss_gap, param_gap = gaps(run, refs[name])
-        loss_bound, param_bound = tolerance(name)
-        if loss_gap > loss_bound or param_gap > param_bound:
-            problems.append(f"{name} stage {stage} {' '.join(extra)} world {world} rank {rank}: losses "
-                            f"{loss_gap:.2e} apart (bound {loss_bound:g}), parameters {param_gap:.2e} (bound "
-                            f"{param_bound:g})")
-    return problems
-
-
 def _check(world: int, cases: list[tuple[str, int, tuple[str, ...]]], steps: int = STEPS) -> None:
-    problems = [p for rank in run_ranks(_compare, world, (cases, steps), timeout=1500) for p in rank]
+    problems = [p for rank in run_ranks(compare, world, (cases, steps, ACCUM), timeout=1500) for p in rank]
     assert not problems, "\n".join(problems)
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.runtime.optimizers import compare
 from tests.runtime.reference import ddp_reference, engine_run
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: runs on a GPU machine")
@@ -78,3 +79,18 @@ def test_every_stage_on_cuda_matches_ddp(world: int, monkeypatch: pytest.MonkeyP
                                 f"(bounds {LOSS_RTOL:.0e}, {bound:.2e})")
     print("\n".join(lines))
     assert not problems, "\n".join(problems + lines)
+
+
+HOST = ("zero.offload_optimizer.device=cpu", "zero.offload_optimizer.buffer_mb=0.0002")
+OPTIMIZER_CASES = [("muon+adamw", stage, where) for stage in (2, 3) for where in ((), HOST)] + [
+    ("adafactor", 3, HOST), ("sgd-nesterov", 2, HOST), ("lamb", 3, ())]
+
+
+@needs_gpu
+def test_the_optimizers_users_bring_match_ddp_on_cuda_with_their_state_on_the_gpu_and_on_the_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Muon's owner way steps its matrices on the GPU even when their state lives on the host (issue 55): the engine
+    against DDP on the same GPU with the same optimizers, tests/runtime/test_any_optimizer.py's bounds."""
+    monkeypatch.setenv("ZERORUN_BACKEND", "gloo")  # the ranks share the GPU
+    problems = [p for rank in run_ranks(compare, 2, (OPTIMIZER_CASES, STEPS, ACCUM, "cuda"), timeout=600) for p in rank]
+    assert not problems, "\n".join(problems)

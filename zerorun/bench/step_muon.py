@@ -22,12 +22,14 @@ from zerorun.bench.step_results import NS_REFERENCE, Sample, StepBenchConfig, Sy
 
 def newton_schulz(rank: int, world: int, cfg: StepBenchConfig) -> Sample:
     """T_NS: torch's `Muon.step()` over the matrices the recipe's muon gives it (DeepSpeed's split) of the bench's
-    GPT, alone in one process with the ranks' threads; as a Sample whose steps are the optimizer's."""
+    GPT, alone in one process with the ranks' threads, on the GPU where the ranks have one (the engine steps its
+    owned matrices there); as a Sample whose steps are the optimizer's."""
     from zerorun import config
     from zerorun.runtime.optim.recipe_optimizers import from_recipe
 
     torch.manual_seed(0)
-    model = GPT(cfg.model)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model = GPT(cfg.model).to(device)
     muon = from_recipe(config.loads("script: bench", "<bench>", optimizer_keys(cfg)).optimizer, model)[0]
     assert isinstance(muon, torch.optim.Muon), type(muon)
     for group in muon.param_groups:
@@ -37,6 +39,8 @@ def newton_schulz(rank: int, world: int, cfg: StepBenchConfig) -> Sample:
     for _ in range(cfg.warmup + cfg.steps):
         start = time.perf_counter()
         muon.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     timed = times[cfg.warmup:]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
