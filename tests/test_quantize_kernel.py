@@ -156,3 +156,20 @@ def test_a_cuda_block_with_an_inf_or_nan_dequantizes_to_nans(bad: float) -> None
     x[BLOCK + 10] = bad
     back = codec.dequantize_into(codec.quantize(x.cuda()), torch.empty(x.numel(), device="cuda")).cpu()
     assert back[BLOCK:2 * BLOCK].isnan().all() and torch.cat([back[:BLOCK], back[2 * BLOCK:]]).isfinite().all()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cuda_kernel_gives_the_same_bits_from_and_into_unaligned_views(dtype: torch.dtype) -> None:
+    """Whole blocks take 16-byte loads where the pointers allow; a view one element in takes the element-wise
+    form, which must give the same bits (a piece of a flat buffer can start anywhere)."""
+    numel = 5 * BLOCK + 9
+    x = _hard_input(numel + 1, dtype)
+    expected = codec.quantize(x[1:].clone())
+    q = codec.quantize(x.cuda()[1:])
+    assert torch.equal(q.scales.cpu(), expected.scales) and torch.equal(q.values.cpu(), expected.values)
+    back = codec.dequantize_into(q, torch.zeros(numel + 1, device="cuda")[1:])
+    assert torch.equal(back.cpu(), codec.dequantize_into(expected, torch.empty(numel)))
+    base = torch.randn(numel + 1)
+    summed = codec.dequantize_add(q, base.cuda()[1:])
+    assert torch.equal(summed.cpu(), codec.dequantize_add(expected, base[1:].clone()))

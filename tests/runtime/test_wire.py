@@ -81,7 +81,7 @@ def _try(primitive: Primitive, rank: int, world: int, device: str) -> str:
             torch.cuda.synchronize()
         return "ok" if torch.equal(x.cpu(), expected) else f"wrong values {x.cpu().tolist()}"
     except Exception as err:  # noqa: BLE001 - the backend's refusal is the result
-        return f"refused: {str(err).splitlines()[0][:200]}"
+        return f"refused: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"  # some have no text
 
 
 def _carried(rank: int, world: int, backend: str, device: str) -> dict[str, str]:
