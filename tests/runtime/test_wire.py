@@ -92,7 +92,7 @@ def _carried(rank: int, world: int, backend: str, device: str) -> dict[str, str]
     os.environ["ZERORUN_BACKEND"] = backend
     init_distributed()
     return {primitive.name: _try(primitive, rank, world, device) for primitive in CARRIES[backend]
-            if not (primitive is Primitive.POINT_TO_POINT and world == 1)}
+            if not (primitive is Primitive.POINT_TO_POINT and (world == 1 or (backend, device) == ("gloo", "cuda")))}
 
 
 @needs_gpu
@@ -107,3 +107,30 @@ def test_carries_matches_the_real_backends(backend: str, device: str, world: int
                 wrong.append(f"rank {rank}: {backend} {name} on {device}: table says "
                              f"{'carried' if carried else 'refused'}, the backend: {outcome}")
     assert not wrong, "\n".join(wrong)
+
+
+def _point_to_point(rank: int, world: int) -> str:
+    import os
+
+    from zerorun.runtime.comm.dist import init_distributed
+
+    os.environ["ZERORUN_BACKEND"] = "gloo"
+    init_distributed()
+    return _try(Primitive.POINT_TO_POINT, rank, world, "cuda")
+
+
+@needs_gpu
+def test_gloo_refuses_cuda_tensors_point_to_point_as_the_table_says() -> None:
+    """Gloo's transport thread writes the CUDA pointer to its socket ("writev ... Bad address") and throws there:
+    on an H200 (torch 2.11) one rank ended in std::terminate and the other's next call raised. So this case runs in
+    ranks of its own, and a rank that dies is the refusal; both delivering the values would contradict `CARRIES`."""
+    from zerorun.bench.spawn import RankFailure
+    from zerorun.bench.spawn import run_ranks as run_ranks_raising
+
+    assert "cuda" not in CARRIES["gloo"][Primitive.POINT_TO_POINT]
+    try:
+        outcomes = run_ranks_raising(_point_to_point, 2, (), timeout=120)
+    except RankFailure as failure:
+        assert "Bad address" in str(failure) or "died" in str(failure), failure
+        return
+    assert "ok" not in outcomes, outcomes
