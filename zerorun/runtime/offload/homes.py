@@ -60,6 +60,11 @@ class Home(Protocol):
     def state(self, group: int, kind: str) -> torch.Tensor:
         """All of `kind` for `group` as one contiguous host tensor (the home's own when it already is one)."""
 
+    def window(self, group: int, kind: str, start: int, numel: int, device: torch.device) -> torch.Tensor | None:
+        """Elements [start, start + numel) of `kind` as the home's own memory, when they lie in one tensor on
+        `device` (a step may then work on them in place); None where they do not (files, another device, two
+        segments): read and write them instead."""
+
     @property
     def resident(self) -> torch.device | None:
         """Where the state lives in memory (a background save copies it from there); None: in files."""
@@ -111,6 +116,13 @@ class MemoryHome:
         offset, tensor = segments[bisect.bisect_right([start for start, _ in segments], lo) - 1]
         assert hi - offset <= tensor.numel(), f"{kind} span {lo}..{hi} crosses a segment boundary"
         return tensor[lo - offset:hi - offset]
+
+    def window(self, group: int, kind: str, start: int, numel: int, device: torch.device) -> torch.Tensor | None:
+        segments = self._state[group][kind]
+        offset, tensor = segments[bisect.bisect_right([lo for lo, _ in segments], start) - 1]
+        if start + numel - offset > tensor.numel() or tensor.device != device:
+            return None
+        return tensor[start - offset:start + numel - offset]
 
     @classmethod
     def split(cls, group_numels: Sequence[int], host_numels: Sequence[int], host: torch.device,
@@ -204,6 +216,9 @@ class NvmeHome:
         out = torch.empty(self.group_numels[group], dtype=torch.float32)
         self.read(group, kind, out)
         return out
+
+    def window(self, group: int, kind: str, start: int, numel: int, device: torch.device) -> None:
+        return None  # in files: read and written through staging
 
     @property
     def resident(self) -> None:

@@ -171,7 +171,7 @@ class OwnerStep:
     @torch.no_grad()
     def run(self, divisor: float) -> None:
         """One step of every owner-run group; gradients are divided by `divisor` (world x loss scale / clip)."""
-        masters = {k: self._take_whole(k, divisor) for k in self.units}
+        masters = {k: self._take_whole(k, divisor) for k in self.units}  # unit -> (master piece, the home's own?)
         for optimizer, by_index in self.optimizers().items():
             owned = [p for params in by_index.values() for p in params]
             if self.kept is not None:  # the state comes in for the step, and goes back
@@ -182,8 +182,8 @@ class OwnerStep:
             if self.kept is not None:
                 for param in owned:
                     self.kept.write(param, optimizer.state.pop(param.key, {}))
-        for k, master in masters.items():
-            self._send_back(k, master)
+        for k, (master, in_home) in masters.items():
+            self._send_back(k, master, in_home)
         for param in self.owned:
             param.key.data, param.key.grad = torch.empty(0, device=self.place), None
 
@@ -192,27 +192,34 @@ class OwnerStep:
         start = param.span.offset - self.store.shard_rank * self.store.units[param.unit].shard_numel
         return slice(start, start + param.span.numel)
 
-    def _take_whole(self, k: int, divisor: float) -> torch.Tensor:
-        """Unit k's master piece; this rank's owned parameters in it take theirs and their gradients, whole."""
+    def _take_whole(self, k: int, divisor: float) -> tuple[torch.Tensor, bool]:
+        """Unit k's master piece, and whether it is the home's own memory (stepped in place: no copy in or out);
+        this rank's owned parameters in it take theirs and their gradients, whole."""
         unit = self.store.units[k]
-        master = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.store.device)
-        self.store.home.read(unit.group, MASTER, master, start=unit.state_offset)
+        master = self.store.home.window(unit.group, MASTER, unit.state_offset, unit.shard_numel, self.store.device)
+        in_home = master is not None
+        if master is None:
+            master = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.store.device)
+            self.store.home.read(unit.group, MASTER, master, start=unit.state_offset)
         grad = self.piece_of[k].grad
         for param in (p for p in self.owned if p.unit == k):
             span = self._span(param)
-            # the master piece itself where the parameter steps there (it is this step's copy of the home's)
+            # the master piece itself where the parameter steps there
             param.key.data = master[span].view(param.shape).to(self.place)
-            param.key.grad = grad[span].view(param.shape).to(self.place, torch.float32, copy=True).div_(divisor)
-        return master
+            # divided in the reduced piece itself where it is already an fp32 tensor here: nothing reads the piece
+            # after the step but the reducer, which zeroes it (a copy cost a pass and fresh pages each step)
+            param.key.grad = grad[span].view(param.shape).to(self.place, torch.float32).div_(divisor)
+        return master, in_home
 
-    def _send_back(self, k: int, master: torch.Tensor) -> None:
+    def _send_back(self, k: int, master: torch.Tensor, in_home: bool) -> None:
         """Unit k's master piece from the owned parameters' new values, then the stage's parameters from it."""
         unit = self.store.units[k]
         for param in (p for p in self.owned if p.unit == k):
             values = master[self._span(param)]
             if param.key.data_ptr() != values.data_ptr():  # stepped elsewhere (the host's copy)
                 values.copy_(param.key.detach().view(-1))
-        self.store.home.write(unit.group, MASTER, master, start=unit.state_offset)
+        if not in_home:
+            self.store.home.write(unit.group, MASTER, master, start=unit.state_offset)
         target = self.piece_of[k].target
         for lo in range(0, unit.shard_numel, self.tile_numel):
             hi = min(unit.shard_numel, lo + self.tile_numel)
