@@ -189,6 +189,30 @@ def test_state_kept_on_the_host_between_device_steps_gives_the_same_bits(stage: 
         assert memory["optimizer"]["cpu"] > 0, memory  # Muon's momentum, kept on the host
 
 
+def test_a_home_lends_its_memory_only_where_a_range_lies_in_one_tensor_on_the_step_device() -> None:
+    from zerorun.runtime.offload.homes import MASTER, MemoryHome
+
+    home = MemoryHome.split([10], [4], torch.device("cpu"), torch.device("cpu"))  # two segments: 0..4, 4..10
+    home.write(0, MASTER, torch.arange(10.0))
+    window = home.window(0, MASTER, 5, 3, torch.device("cpu"))
+    assert window is not None and window.tolist() == [5.0, 6.0, 7.0]
+    window.add_(100)  # the home's own memory: a step there needs no write back
+    assert home.state(0, MASTER)[5:8].tolist() == [105.0, 106.0, 107.0]
+    assert home.window(0, MASTER, 2, 4, torch.device("cpu")) is None  # crosses the two segments
+    assert home.window(0, MASTER, 5, 3, torch.device("meta")) is None  # another device: read and written instead
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stepping_the_master_in_the_homes_memory_gives_the_bits_of_stepping_a_copy(stage: int, monkeypatch) -> None:
+    from zerorun.runtime.offload import homes
+
+    in_place = run_threads(_offloaded_run, 2, (stage,))
+    monkeypatch.setattr(homes.MemoryHome, "window", lambda self, *args: None)  # read out and written back, as before
+    copied = run_threads(_offloaded_run, 2, (stage,))
+    for rank, ((losses, params, _), (copied_losses, copied_params, _)) in enumerate(zip(in_place, copied)):
+        assert losses == copied_losses and params == copied_params, rank
+
+
 @pytest.mark.parametrize("optimizer, device, home", [("cpu", "cuda", "OwnedHost"), ("cpu", "cpu", None),
                                                      ("device", "cuda", None), ("nvme", "cuda", "OwnedFiles"),
                                                      ("nvme", "cpu", "OwnedFiles")])
