@@ -106,12 +106,14 @@ def _build_train_end(rank: int, world_size: int, stage: int, end: str) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), **OPT)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     original_clip, original_class = torch.nn.utils.clip_grad_norm_, type(model)
+    original_all_gather = torch.distributed.all_gather
     before = _record(_objects(model, optimizer, schedule))
 
     engine = zerorun.initialize(model, optimizer, recipe)
     on = {"clip routed": torch.nn.utils.clip_grad_norm_ is not original_clip,
           "root guarded": stage == 3 or type(model) is not original_class,
-          "optimizer refuses": "zero_grad" in vars(optimizer)}
+          "optimizer refuses": "zero_grad" in vars(optimizer),
+          "collectives guarded": torch.distributed.all_gather is not original_all_gather}
     for micro in range(2):
         engine.backward(engine(batch(0, rank, micro)))
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
@@ -130,6 +132,49 @@ def test_nothing_of_torch_or_of_the_scripts_objects_differs_after_the_engine_is_
     for result in run_ranks(_build_train_end, 2, (stage, end)):
         assert all(result["on"].values()), f"an interception was not on while the engine lived: {result['on']}"
         assert result["differences"] == []
+
+
+def _communicating_optimizer(rank: int, world_size: int, stage: int) -> str:
+    import torch
+    import torch.distributed as dist
+
+    import zerorun
+    from tests.runtime.reference import batch, make_model
+    from zerorun import config
+    from zerorun.errors import ZerorunError
+
+    class SpreadsItsOwnWork(torch.optim.Optimizer):  # as Keller Jordan's distributed Muon: a collective in step()
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    dist.all_reduce(p.grad)
+                    p.add_(p.grad, alpha=-group["lr"])
+
+    model = make_model(0)
+    engine = zerorun.initialize(model, SpreadsItsOwnWork(model.parameters()),
+                                config.loads("script: t.py\n", "t.yaml", [f"zero.stage={stage}"]))
+    engine.backward(engine(batch(0, rank, 0)))
+    try:
+        engine.step()
+    except ZerorunError as refused:
+        message = str(refused)
+    else:
+        message = "stepped"
+    dist.all_reduce(torch.ones(1))  # outside the engine's step, the script's collectives are its own
+    engine.destroy()
+    return message
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_optimizer_that_communicates_inside_its_step_is_refused_before_the_collective_runs(stage: int) -> None:
+    for message in run_ranks(_communicating_optimizer, 2, (stage,)):
+        assert message.startswith("SpreadsItsOwnWork.step() called torch.distributed.all_reduce while zerorun "
+                                  "stepped it"), message
+        assert "SingleDeviceMuonWithAuxAdam" in message
 
 
 def _two_engines(rank: int, world_size: int) -> dict:

@@ -7,6 +7,7 @@
 | `torch.distributed.init_process_group` wrapped: the script's own call joins the job the worker joined | the worker, before the script is imported | the worker, when the script returns | process_group.py |
 | the model root's class: a same-named subclass whose `named_parameters()` waits for a deferred publish | `zerorun.initialize` (stages 1/2 with `zero.overlap_publish`) | `engine.destroy()` | publish_guard.py |
 | the handed-over optimizer: a step pre-hook and `zero_grad`/`state_dict`/`load_state_dict` that refuse | `zerorun.initialize(model, optimizer)` | `engine.destroy()` | optimizer_guard.py |
+| `torch.distributed`'s collectives wrapped: refused while the engine steps a handed-over optimizer (one that communicates by itself) | `zerorun.initialize(model, optimizer)` | `engine.destroy()` | optimizer_collectives.py |
 | stage 3: the model root's `state_dict()` hooks: its trainable entries gathered (every rank calls it) | `zerorun.initialize` (stage 3) | `engine.destroy()` | state_dict_gather.py |
 | nothing (reads only): the script's LR schedulers found through `gc.get_referrers` | - | - | schedulers.py |
 
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from zerorun.runtime import context
-from zerorun.runtime.interop import clip_functions, process_group
+from zerorun.runtime.interop import clip_functions, optimizer_collectives, process_group
 from zerorun.runtime.interop.optimizer_guard import WholeState, refuse_direct_use
 from zerorun.runtime.interop.publish_guard import guard_parameter_reads
 from zerorun.runtime.interop.schedulers import schedulers_of
@@ -107,6 +108,8 @@ class Interop:
         answer state_dict()/load_state_dict() with the whole state (optimizer_guard.py)."""
         for optimizer in (*handed_over, engine.optimizer):
             self._undo.append(refuse_direct_use(optimizer, engine.update.is_stepping, WholeState(engine, optimizer)))
+        if handed_over:  # a script's optimizer may communicate by itself: refused inside the engine's steps
+            self._undo.append(optimizer_collectives.hold())
 
     def remove(self) -> None:
         """Undo every interception of this engine (idempotent)."""
