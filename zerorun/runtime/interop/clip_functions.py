@@ -25,7 +25,7 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 
 from zerorun.runtime import context
-from zerorun.runtime.interop.patches import AttributePatch
+from zerorun.runtime.interop.patches import AttributePatch, hold_all
 from zerorun.runtime.optim.clip import trainable
 
 
@@ -63,12 +63,7 @@ _PATCHES = [AttributePatch(module, name, _wrapper(routed))
 
 def hold() -> Callable[[], None]:
     """Route both functions (in both modules) until the returned release is called."""
-    releases = [patch.hold() for patch in _PATCHES]
-
-    def release() -> None:
-        for each in releases:
-            each()
-    return release
+    return hold_all(_PATCHES)
 
 
 def engine_of(params: list[torch.Tensor]) -> Any:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
 from zerorun.runtime import context
-from zerorun.runtime.interop.patches import AttributePatch
+from zerorun.runtime.interop.patches import AttributePatch, hold_all
 
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
                "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather",
@@ -67,9 +67,4 @@ _PATCHES = tuple(AttributePatch(dist, name, _refusing(name)) for name in COLLECT
 
 def hold() -> Callable[[], None]:
     """Refuse collectives inside the engine's steps of a script's optimizer until the returned release is called."""
-    releases = [patch.hold() for patch in _PATCHES]
-
-    def release() -> None:
-        for each in releases:
-            each()
-    return release
+    return hold_all(_PATCHES)

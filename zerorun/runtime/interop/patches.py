@@ -8,7 +8,7 @@ process in which nothing holds a patch has torch exactly as torch made it (tests
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 log = logging.getLogger("zerorun")
 
@@ -53,3 +53,13 @@ class AttributePatch:
             log.warning("zerorun: %s.%s was replaced while zerorun's wrapper was installed; left as it is now",
                         getattr(self.owner, "__name__", type(self.owner).__name__), self.name)
         self._original = self._installed = None
+
+
+def hold_all(patches: Iterable[AttributePatch]) -> Callable[[], None]:
+    """Hold every one of `patches` until the returned release is called (safe to call twice)."""
+    releases = [patch.hold() for patch in patches]
+
+    def release() -> None:
+        for each in releases:
+            each()
+    return release

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
 from zerorun.runtime import context
-from zerorun.runtime.interop.patches import AttributePatch
+from zerorun.runtime.interop.patches import AttributePatch, hold_all
 
 
 def _settled(destroy: Callable[..., Any]) -> Callable[..., Any]:
@@ -101,9 +101,4 @@ def hold() -> Callable[[], None]:
     at its end (seen under plain torchrun, py-spy: ~ProcessGroupGloo in std::thread::join). The worker releases
     this hold after it has freed the script's objects, so the last reference goes through torch's Python group
     object, which releases the GIL before it destroys."""
-    releases = [_DESTROY.hold(), _INIT.hold()]
-
-    def release() -> None:
-        for each in releases:
-            each()
-    return release
+    return hold_all((_DESTROY, _INIT))
