@@ -116,6 +116,9 @@ def test_a_ddp_script_that_never_calls_zerorun_runs_as_plain_ddp(launch, ddp_ref
     # the script's DDP is freed after its own destroy_process_group() while the worker holds that group, so that
     # gloo's destructor never runs inside the Reducer's free (interop/process_group.py: a hang at the end otherwise)
     assert sum("ddp freed, its destroyed group held: True" in line for line in job.stdout) == 2, job.output
+    # zero.stage and the train keys were set, and no engine read them: the launcher says so once, naming them
+    said = [line for line in job.stderr if "no rank built an engine" in line]
+    assert len(said) == 1 and "zero.stage" in said[0] and "train.grad_accum_steps" in said[0], job.output
 
 
 def test_nccl_asked_for_on_cpu_workers_is_refused_in_one_line(launch):

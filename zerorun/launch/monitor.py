@@ -131,9 +131,24 @@ class Monitor(Output):
         self._warn_io()
         try:
             self._summarize()
+            if exit_code == 0:
+                self._warn_no_engine()
         except Exception as exc:  # noqa: BLE001 - the job's exit code matters more than its summary
             self._stop_live()
             super().write(2, f"zerorun: telemetry summary failed: {exc!r}".encode())
+
+    def _warn_no_engine(self) -> None:
+        """The script never built an engine (a plain DDP script): the engine's keys the user set did nothing, and the
+        user hears it now rather than from the memory the job took."""
+        with self.collector.lock:
+            built = self.state.engine_at is not None or not self.state.ranks  # no telemetry at all: nothing to say
+        unused = [f"{key} ({where})" for key, where in _given_of(self.plan).items()
+                  if key.split(".")[0] in ENGINE_SECTIONS]
+        if not built and unused:
+            self._say(f"no rank built an engine: the script never called zerorun.initialize, so {', '.join(unused)} "
+                      f"did nothing. It trained as its own code says (plain DDP, for a script that wraps its model in "
+                      f"DDP), without ZeRO. To train with zerorun's stages, hand the model and optimizer to "
+                      f"zerorun.initialize instead of DDP (docs/coming-from-ddp.md).")
 
     def _summarize(self) -> None:
         with self.collector.lock:
@@ -392,6 +407,16 @@ class _TextStream:
 
     def isatty(self) -> bool:
         return True
+
+
+ENGINE_SECTIONS = ("zero", "precision", "optimizer", "scheduler", "train", "checkpoint")  # read by the engine alone
+
+
+def _given_of(plan: LaunchPlan) -> dict[str, str]:
+    """The recipe keys the user set, and where (`Recipe.given`), as the workers get them."""
+    blob = plan.nodes[0].env.get(config.RECIPE_ENV) if plan.nodes else None
+    given = json.loads(blob).get(config.GIVEN_KEY) if blob else None
+    return dict(given or {})
 
 
 def _recipe_of(plan: LaunchPlan) -> dict[str, Any] | None:
