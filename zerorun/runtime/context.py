@@ -38,7 +38,7 @@ from zerorun.runtime.ranges import Ranges
 if TYPE_CHECKING:
     from zerorun.config import Recipe
 
-__all__ = ["LiveEngines", "Runtime", "current", "using"]
+__all__ = ["LiveEngines", "Runtime", "current", "existing", "using"]
 
 
 P = TypeVar("P")  # a subpackage's state in a runtime: made with no arguments, closed with it (`close()`, if it has one)
@@ -60,6 +60,10 @@ class LiveEngines:
         """`engine` leaves (None: it was garbage-collected, and left then)."""
         if engine is not None:
             self._order.pop(engine, None)
+
+    def stepping_an_optimizer(self) -> bool:
+        """Whether a live engine is stepping a script's optimizer right now (no ordering: on every collective)."""
+        return any(engine.update.is_stepping() for engine in list(self._order.keys()))
 
     def live(self) -> list[Any]:
         """The live engines, oldest first."""
@@ -109,6 +113,11 @@ class Runtime:
 
 
 _current: contextvars.ContextVar[Runtime] = contextvars.ContextVar("zerorun_runtime")
+
+
+def existing() -> Runtime | None:
+    """This thread's runtime if it has one (a lookup that makes none: for what runs on every collective)."""
+    return _current.get(None)
 
 
 def current() -> Runtime:

@@ -34,7 +34,8 @@ def _refusing(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def wrap(collective: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(collective)
         def refuse_inside_a_step(*args: Any, **kwargs: Any) -> Any:
-            if any(engine.update.is_stepping() for engine in context.current().engines.live()):
+            runtime = context.existing()  # a thread without one (a worker's) steps no optimizer
+            if runtime is not None and runtime.engines.stepping_an_optimizer():
                 raise ZerorunError(refusal(name, _stepped_optimizer()))
             return collective(*args, **kwargs)
         return refuse_inside_a_step
