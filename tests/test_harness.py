@@ -118,3 +118,29 @@ def test_rank_threads_seed_one_at_a_time_and_leave_the_process_as_it_was() -> No
     assert first == second  # each rank drew its own seed's numbers, none of the other's
     assert (torch.get_num_threads(), torch.manual_seed, dist.distributed_c10d._world) == (threads, seed, world)
     assert not dist.is_initialized()
+
+
+def _joins_the_world(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.destroy_process_group()
+    return rank
+
+
+def test_ranks_whose_port_was_taken_before_their_store_bound_it_start_again_on_another(monkeypatch) -> None:
+    """`free_port` closes its socket before rank 0's store binds the port, so another process can take it first
+    (CI, test files side by side: "Address already in use"); nothing ran yet, so the ranks start again."""
+    import socket
+
+    from zerorun.bench import spawn
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1], spawn.free_port()])
+    monkeypatch.setattr(spawn, "free_port", lambda: next(ports))
+    try:
+        assert spawn.run_ranks(_joins_the_world, 2, timeout=120) == [0, 1]
+    finally:
+        taken.close()

@@ -81,14 +81,29 @@ def run_rank(fn: Callable[..., Any], rank: int, world_size: int, args: tuple) ->
             dist.destroy_process_group()
 
 
+PORT_TRIES = 3  # `free_port` can lose its port to another process before rank 0's store binds it
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 240.0,
               threads: int = 1, context: Any = None) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return results in rank order.
 
     `fn` must be importable (module level). The first failure raises `RankFailure`; every rank
     process is gone when this returns or raises. `context`: a multiprocessing context (default: spawn).
-    """
+    Ranks whose store found its port taken (seen in CI, with test files running side by side) start
+    again on another: nothing ran before the store."""
     ctx = context or mp.get_context("spawn")
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout, threads, ctx)
+        except RankFailure as failure:
+            if attempt == PORT_TRIES or "address already in use" not in str(failure).lower():
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, threads: int,
+              ctx: Any) -> list[Any]:
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
