@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -80,6 +81,10 @@ class FakeCudaTensor(torch.Tensor):
                     others = [a for a in args[1:] if not _is_device(a)]
                     moved = moved.to(*others, **rest) if others or rest else moved
                 return moved.numpy() if func is torch.Tensor.numpy else moved
+        if func is torch.Tensor.cuda or (func is torch.Tensor.to and _target(args[1:], kwargs) == "cuda"):
+            rest = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking")}
+            others = [a for a in args[1:] if not _is_device(a) and not isinstance(a, int)]
+            return args[0].to(*others, **rest) if func is torch.Tensor.to and (others or rest) else args[0]
         result = super().__torch_function__(func, types, args, kwargs)
         name = getattr(func, "__name__", "")
         if name.endswith("_") and not name.startswith("__") and args and isinstance(args[0], torch.Tensor):
@@ -141,6 +146,15 @@ def _as_cuda(value: Any) -> Any:
 _FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.tensor, torch.randn, torch.rand,
               torch.randint, torch.empty_strided, torch.linspace, torch.as_tensor, torch.empty_like, torch.zeros_like,
               torch.ones_like, torch.full_like}
+
+
+def _pretending(run: Callable[[threading.Thread], None]) -> Callable[[threading.Thread], None]:
+    """A thread started while the stand-in holds believes in the GPU too (the overlap's worker makes device tensors)."""
+    @functools.wraps(run)
+    def run_pretending(self: threading.Thread) -> None:
+        with _PretendMode():
+            run(self)
+    return run_pretending
 
 
 class _PretendMode(TorchFunctionMode):
@@ -332,6 +346,7 @@ def pretend_cuda(backend: str = "gloo") -> Iterator[set[tuple[str, str]]]:
         (ops, "_loaded"): {},  # what this process loaded before (a CUDA kernel built for real, say) stays outside
         (dist, "init_process_group"): _init_on_gloo(dist.init_process_group),
         (dist, "new_group"): backends.new_group(dist.new_group),
+        (threading.Thread, "run"): _pretending(threading.Thread.run),  # torch's modes are per thread
     }
     seen: set[tuple[str, str]] = set()
     for name in CALLS:

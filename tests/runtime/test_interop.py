@@ -134,7 +134,7 @@ def test_nothing_of_torch_or_of_the_scripts_objects_differs_after_the_engine_is_
         assert result["differences"] == []
 
 
-def _communicating_optimizer(rank: int, world_size: int, stage: int) -> str:
+def _communicating_optimizer(rank: int, world_size: int, stage: int, overlap: bool) -> str:
     import torch
     import torch.distributed as dist
 
@@ -155,8 +155,9 @@ def _communicating_optimizer(rank: int, world_size: int, stage: int) -> str:
                     p.add_(p.grad, alpha=-group["lr"])
 
     model = make_model(0)
+    under_the_backward = ["zero.offload_optimizer=cpu", "zero.overlap_optimizer=true"] if overlap else []
     engine = zerorun.initialize(model, SpreadsItsOwnWork(model.parameters()),
-                                config.loads("script: t.py\n", "t.yaml", [f"zero.stage={stage}"]))
+                                config.loads("script: t.py\n", "t.yaml", [f"zero.stage={stage}", *under_the_backward]))
     engine.backward(engine(batch(0, rank, 0)))
     try:
         engine.step()
@@ -169,9 +170,10 @@ def _communicating_optimizer(rank: int, world_size: int, stage: int) -> str:
     return message
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_an_optimizer_that_communicates_inside_its_step_is_refused_before_the_collective_runs(stage: int) -> None:
-    for message in run_ranks(_communicating_optimizer, 2, (stage,)):
+@pytest.mark.parametrize("stage, overlap", [(0, False), (3, False), (3, True)])  # True: stepped on the overlap's worker
+def test_an_optimizer_that_communicates_inside_its_step_is_refused_before_the_collective_runs(stage: int,
+                                                                                             overlap: bool) -> None:
+    for message in run_ranks(_communicating_optimizer, 2, (stage, overlap)):
         assert message.startswith("SpreadsItsOwnWork.step() called torch.distributed.all_reduce while zerorun "
                                   "stepped it"), message
         assert "SingleDeviceMuonWithAuxAdam" in message

@@ -50,7 +50,9 @@ ZERO_SYSTEMS = {
     "zero3-hpz": ["zero.stage=3", "zero.hpz_partition_size=2"],
     "zero1-offload": ["zero.stage=1", "zero.offload_optimizer.device=cpu"],
     "zero2-offload": ["zero.stage=2", "zero.offload_optimizer.device=cpu"],
+    "zero2-overlap": ["zero.stage=2", "zero.offload_optimizer.device=cpu", "zero.overlap_optimizer=true"],
     "zero3-offload": ["zero.stage=3", "zero.offload_optimizer.device=cpu", "zero.offload_param.device=cpu"],
+    "zero3-overlap": ["zero.stage=3", "zero.offload_optimizer.device=cpu", "zero.overlap_optimizer=true"],
     "zero2-nvme": ["zero.stage=2", "zero.offload_optimizer.device=nvme"],
     "zero3-nvme": ["zero.stage=3", "zero.offload_optimizer.device=nvme", "zero.offload_param.device=cpu"],
 }
@@ -79,7 +81,9 @@ DESCRIPTIONS = {
     "zero3-hpz": "zerorun stage 3, secondary copy in node groups of 2 (hpZ)",
     "zero1-offload": "zerorun stage 1, optimizer on CPU",
     "zero2-offload": "zerorun stage 2, optimizer on CPU",
+    "zero2-overlap": "zerorun stage 2, optimizer on CPU, stepped under the backward (overlap_optimizer)",
     "zero3-offload": "zerorun stage 3, optimizer + params on CPU",
+    "zero3-overlap": "zerorun stage 3, optimizer on CPU, stepped under the backward (overlap_optimizer)",
     "zero2-nvme": "zerorun stage 2, optimizer on NVMe",
     "zero3-nvme": "zerorun stage 3, optimizer on NVMe, params on CPU",
 }

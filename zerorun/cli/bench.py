@@ -49,7 +49,8 @@ def bench_step(
                                                  "system).")] = 3,
     systems: Annotated[str, typer.Option(help="Comma-separated: ddp, ddp-fused, fsdp2, deepspeed2, deepspeed3, "
                                                "zero0-3, zero1-offload, "
-                                               "zero2-offload, zero3-offload (CPU), zero2-nvme, zero3-nvme.")] =
+                                               "zero2-offload, zero3-offload (CPU), zero2-overlap, zero3-overlap "
+                                               "(CPU, stepped under the backward), zero2-nvme, zero3-nvme.")] =
         "ddp,fsdp2,zero1,zero2,zero3",
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 for zerorun's stages.")] = "fp32",
     nvme_path: Annotated[str | None, typer.Option(help="Directory for the *-nvme systems' offload files.")] = None,

@@ -141,11 +141,12 @@ class Engine:
         return init_log
 
     def _overlap_optimizer(self, groups: list[EngineGroup]) -> None:
-        """`zero.overlap_optimizer`: the fused groups' host update under the backward (optim/overlap.py)."""
+        """`zero.overlap_optimizer`: the fused groups' host update and the owner way's steps under the backward
+        (optim/overlap.py, optim/owner_overlap.py)."""
         say = (lambda text: log.warning("%s", text)) if self.comm.rank == 0 else None
-        fused = [g for g, group in enumerate(groups) if group.way is Way.FUSED_ADAM]
-        if fused and overlaps(self.recipe.zero.overlap_optimizer, self.recipe.zero.offload_optimizer.device,
-                              sum(self.store.group_numels[g] for g in fused), self.device, say):
+        under = [g for g, group in enumerate(groups) if group.way in (Way.FUSED_ADAM, Way.OWNER)]
+        if under and overlaps(self.recipe.zero.overlap_optimizer, self.recipe.zero.offload_optimizer.device,
+                              sum(self.store.group_numels[g] for g in under), self.device, say):
             self.reducer.on_reduced = self.update.overlap_with_backward(say).unit_reduced
 
     def _loop_state(self, recipe: Recipe) -> None:

@@ -27,6 +27,10 @@ leaves the optimizer after the backward and says why (`overlaps`). Anything that
 `step()` (a state dict, a checkpoint, `gathered()`, a forward, another backward, `zero_grad()`)
 first rolls the speculation back, so it sees the state as it was.
 
+The owner way's parameters (Muon's matrices, Adafactor's, LAMB's: owner_step.py) are stepped under the
+backward on the same worker, unit by unit, with a backup of their own (owner_overlap.py says what
+more that assumes, and how it is checked).
+
 What it did is told, not assumed: rank 0 says at the start that it runs, each step's telemetry
 carries `offload["overlap"]` (speculations applied and rolled back, the seconds of host updates run under
 the backward and the seconds `step()` still waited for them) and `offload["overlap_rollbacks"]` (why, by
@@ -36,6 +40,7 @@ profile window shows the ranges `zerorun.overlap update` and `zerorun.overlap ro
 
 from __future__ import annotations
 
+import contextvars
 import os
 import time
 from collections import Counter
@@ -47,6 +52,7 @@ import torch
 
 from zerorun.runtime.memory import MemoryReport
 from zerorun.runtime.optim.flat_step import FlatStep, FusedAdam, Piece, Tile
+from zerorun.runtime.optim.owner_overlap import OwnerSpeculation
 from zerorun.runtime.ranges import Ranges
 
 OverlapSetting = Any  # Literal["auto", True, False], as the recipe spells it
@@ -60,6 +66,8 @@ ROLLBACK_REASONS = {
     "hyper": "a learning rate or another hyper-parameter changed between the backward and step()",
     "read": "the state was read or changed before step() (a state dict, checkpoint, gathered(), forward, backward "
             "or zero_grad)",
+    "whole": "a handed-over optimizer keeps state beyond its parameters' (a param group entry or a number of its "
+             "own changed in its step), so it cannot be stepped unit by unit: it steps after the backward from now on",
 }
 BACKUP_SHARE = 0.5  # auto: the backup may take at most this share of the host memory available to a rank
 
@@ -115,11 +123,15 @@ class OverlappedUpdate:
     """Runs the fused groups' update per unit on a worker thread while the backward goes on (module docstring)."""
 
     def __init__(self, update: FlatStep, fused: Mapping[int, FusedArguments], pieces: dict[int, list[Piece]],
-                 piece_of_unit: list[Piece | None], group_numels: list[int], ranges: Ranges | None = None) -> None:
+                 piece_of_unit: list[Piece | None], group_numels: list[int], ranges: Ranges | None = None,
+                 owned: OwnerSpeculation | None = None) -> None:
         """`fused`: the fused Adam groups; `pieces`: per fused group, every piece of the step; `piece_of_unit`: the
-        piece of each of the store's units, by unit index (None: not a fused group's). Pieces whose state is on the
-        device (`offload_optimizer_ratio` < 1) are updated at `commit`; other ways' groups, after it."""
-        self.update, self.fused = update, fused
+        piece of each of the store's units, by unit index (None: not a fused group's); `owned`: the owner way's
+        units, stepped under the backward too (owner_overlap.py). Pieces whose state is on the device
+        (`offload_optimizer_ratio` < 1) are updated at `commit`; the elementwise way's groups, after it."""
+        self.update, self.fused, self.owned = update, fused, owned
+        self._owned_units = owned.units if owned is not None else set()
+        self._owned_done: list[Any] = []  # CUDA: an event after each unit's owned step, for step()'s stream to wait on
         self.pieces, self.piece_of_unit = pieces, piece_of_unit
         self.group_numels = group_numels
         self.ranges = ranges or Ranges()  # the runtime's: the worker's updates and rollbacks in a profile's trace
@@ -139,6 +151,8 @@ class OverlappedUpdate:
         assert self.current is None, "a speculation is pending: step() or a rollback ends it first"
         hypers = {g: group.arguments(divisor) for g, group in self.fused.items()}
         self.current = Speculation(divisor, hypers, {g: [] for g in self.fused})
+        if self.owned is not None:
+            self.owned.begin(divisor)
 
     def unit_reduced(self, k: int) -> None:
         """Unit k's gradient piece is final (its reduction has been waited for, on the training thread)."""
@@ -146,16 +160,29 @@ class OverlappedUpdate:
         if spec is None:
             return
         piece = self.piece_of_unit[k]
-        if piece is None or piece.numel == 0 or self.update.on_device(piece):
-            return
-        ready = _device_event(piece.grad)
-        spec.pending.append(self._worker.submit(self._update_piece, spec, piece, ready))
+        if piece is not None and piece.numel and not self.update.on_device(piece):
+            ready = _device_event(piece.grad)
+            spec.pending.append(self._submit(self._update, spec, piece, ready))
+        if self.owned is not None and k in self._owned_units:
+            spec.pending.append(self._submit(self._step_owned, k, _device_event(self.owned.owner.piece_of[k].grad)))
 
-    def _update_piece(self, spec: Speculation, piece: Piece, ready: Any) -> None:
+    def _submit(self, work: Callable[..., None], *args: Any) -> Future:
+        """Run `work(*args)` on the worker, timed and named, in this thread's context (the runtime's guards see it)."""
+        return self._worker.submit(contextvars.copy_context().run, self._timed, work, *args)
+
+    def _timed(self, work: Callable[..., None], *args: Any) -> None:
         started = time.perf_counter()
         with self.ranges.named("overlap update"):
-            self._update(spec, piece, ready)
+            work(*args)
         self.updated_s += time.perf_counter() - started
+
+    def _step_owned(self, k: int, ready: Any) -> None:
+        if ready is not None:  # the worker's stream waits for the gradient's reduction, as the training thread did
+            torch.cuda.current_stream().wait_event(ready)
+        assert self.owned is not None
+        self.owned.step_unit(k)
+        if ready is not None:  # and what reads the new parameters after step() waits for the worker's stream
+            self._owned_done.append(_device_event(self.owned.owner.piece_of[k].grad))
 
     def _update(self, spec: Speculation, piece: Piece, ready: Any) -> None:
         backup = self._backups()[piece.group]
@@ -187,6 +214,9 @@ class OverlappedUpdate:
             future.result()  # an update's error is raised here, on the training thread
         self.waited_s += time.perf_counter() - started
         spec.pending.clear()
+        for event in self._owned_done:
+            torch.cuda.current_stream().wait_event(event)
+        self._owned_done.clear()
         self.update.finish()
         return spec
 
@@ -194,13 +224,14 @@ class OverlappedUpdate:
         """Why the step `step()` is about to run is not the one speculated (a ROLLBACK_REASONS key); None: it is."""
         spec = self.current
         assert spec is not None and not spec.pending, "settle() first"
+        owned = self.owned.mismatch() if self.owned is not None else None  # first: it learns who steps whole
         if clamped:
             return "clamped"
         if divisor != spec.divisor:
             return "clipped"
         if any(spec.hypers[g] != self.fused[g].arguments(divisor) for g in spec.groups_updated):
             return "hyper"
-        return None
+        return owned
 
     def commit(self) -> None:
         """The speculation is the step: count it for every fused group, as a step does, and update the pieces it did
@@ -214,6 +245,8 @@ class OverlappedUpdate:
                 if rest:
                     self.update.run_pieces(g, rest, kernel)
         self.update.finish()
+        if self.owned is not None:
+            self.owned.commit(spec.divisor)
         self.current = None
         self.applied += 1
 
@@ -240,12 +273,16 @@ class OverlappedUpdate:
                     return saved[kind][lo:hi]
                 self.update.restore(g, tiles, from_backup)
         self.update.finish()
+        if self.owned is not None:
+            self.owned.restore()
         self.current = None
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Telemetry's `overlap` and `overlap_rollbacks` entries (cumulative, module docstring)."""
         out = {"overlap": {"applied": float(self.applied), "rolled_back": float(self.rollbacks),
                            "seconds": self.updated_s, "waited": self.waited_s}}
+        if self.owned is not None:  # the owner way's parameters stepped under the backward, in steps applied
+            out["overlap"]["owned"] = float(self.owned.stepped)
         if self.reasons:
             out["overlap_rollbacks"] = {reason: float(n) for reason, n in self.reasons.items()}
         return out
@@ -253,6 +290,9 @@ class OverlappedUpdate:
     def account(self, report: MemoryReport) -> None:
         if self._backup is not None:
             report.add("backup", "cpu", sum(t.numel() * 4 for group in self._backup.values() for t in group.values()))
+        if self.owned is not None:
+            for device, nbytes in self.owned.backup_bytes().items():
+                report.add("backup", device, nbytes)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

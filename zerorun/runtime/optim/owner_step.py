@@ -29,7 +29,7 @@ import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -43,6 +43,14 @@ from zerorun.runtime.optim.ways import whole_cost
 from zerorun.runtime.ownership import OwnershipPlan
 from zerorun.runtime.partition import ParamSpan
 from zerorun.runtime.store import ParamStore
+
+Stepper = Callable[[torch.optim.Optimizer, dict[int, list[torch.Tensor]]], None]  # steps one optimizer over these
+
+
+def _step(optimizer: torch.optim.Optimizer, params: dict[int, list[torch.Tensor]]) -> None:
+    """One `step()` of `optimizer` over `params` (its group index -> tensors) alone."""
+    with stepping(optimizer, params):
+        optimizer.step()
 
 
 @dataclass(eq=False)
@@ -160,31 +168,46 @@ class OwnerStep:
         """The store's units that hold parameters this rank owns, in order."""
         return sorted({p.unit for p in self.owned})
 
-    def optimizers(self) -> dict[torch.optim.Optimizer, dict[int, list[OwnerParam]]]:
-        """Per optimizer object, per param group index there, the parameters this rank owns."""
+    def owned_in(self, k: int) -> list[OwnerParam]:
+        """The parameters of unit k this rank owns."""
+        return [p for p in self.owned if p.unit == k]
+
+    def optimizer_of(self, param: OwnerParam) -> torch.optim.Optimizer:
+        return self.groups[param.group][0]
+
+    def optimizers(self, params: list[OwnerParam] | None = None) -> dict[torch.optim.Optimizer,
+                                                                          dict[int, list[OwnerParam]]]:
+        """Per optimizer object, per param group index there, the parameters this rank owns (of `params`, if given)."""
         out: dict[torch.optim.Optimizer, dict[int, list[OwnerParam]]] = {}
-        for param in self.owned:
+        for param in self.owned if params is None else params:
             optimizer, index = self.groups[param.group]
             out.setdefault(optimizer, {}).setdefault(index, []).append(param)
         return out
 
     @torch.no_grad()
-    def run(self, divisor: float) -> None:
-        """One step of every owner-run group; gradients are divided by `divisor` (world x loss scale / clip)."""
-        masters = {k: self._take_whole(k, divisor) for k in self.units}  # unit -> (master piece, the home's own?)
-        for optimizer, by_index in self.optimizers().items():
-            owned = [p for params in by_index.values() for p in params]
+    def run(self, divisor: float, params: list[OwnerParam] | None = None, step: Stepper | None = None,
+            grads_in_place: bool = True) -> None:
+        """One step of the parameters this rank owns (`params` only, when given); gradients are divided by `divisor`
+        (world x loss scale / clip). `step(optimizer, params by group index)` steps one optimizer (default: its
+        `step()` over these parameters); `grads_in_place`: divide the reduced gradient pieces themselves (False
+        under the backward: the step may yet be clipped or skipped, and the norm reads them)."""
+        params = self.owned if params is None else params
+        by_unit: dict[int, list[OwnerParam]] = {}
+        for param in params:
+            by_unit.setdefault(param.unit, []).append(param)
+        masters = {k: self._take_whole(k, owned, divisor, grads_in_place) for k, owned in by_unit.items()}
+        for optimizer, by_index in self.optimizers(params).items():
+            owned = [p for group in by_index.values() for p in group]
             if self.kept is not None:  # the state comes in for the step, and goes back
                 for param in owned:
                     self._put(optimizer, param, self._placed(self.kept.read(param)))
-            with stepping(optimizer, {i: [p.key for p in params] for i, params in by_index.items()}):
-                optimizer.step()
+            (step or _step)(optimizer, {i: [p.key for p in group] for i, group in by_index.items()})
             if self.kept is not None:
                 for param in owned:
                     self.kept.write(param, optimizer.state.pop(param.key, {}))
         for k, (master, in_home) in masters.items():
-            self._send_back(k, master, in_home)
-        for param in self.owned:
+            self._send_back(k, by_unit[k], master, in_home)
+        for param in params:
             param.key.data, param.key.grad = torch.empty(0, device=self.place), None
 
     def _span(self, param: OwnerParam) -> slice:
@@ -192,34 +215,45 @@ class OwnerStep:
         start = param.span.offset - self.store.shard_rank * self.store.units[param.unit].shard_numel
         return slice(start, start + param.span.numel)
 
-    def _take_whole(self, k: int, divisor: float) -> tuple[torch.Tensor, bool]:
-        """Unit k's master piece, and whether it is the home's own memory (stepped in place: no copy in or out);
-        this rank's owned parameters in it take theirs and their gradients, whole."""
+    def _master(self, k: int) -> tuple[torch.Tensor, bool]:
+        """Unit k's master piece, and whether it is the home's own memory (stepped in place: no copy in or out)."""
         unit = self.store.units[k]
         master = self.store.home.window(unit.group, MASTER, unit.state_offset, unit.shard_numel, self.store.device)
-        in_home = master is not None
-        if master is None:
-            master = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.store.device)
-            self.store.home.read(unit.group, MASTER, master, start=unit.state_offset)
+        if master is not None:
+            return master, True
+        master = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.store.device)
+        self.store.home.read(unit.group, MASTER, master, start=unit.state_offset)
+        return master, False
+
+    def _take_whole(self, k: int, owned: list[OwnerParam], divisor: float,
+                    grads_in_place: bool) -> tuple[torch.Tensor, bool]:
+        """Unit k's master piece (`_master`); the parameters `owned` of it take theirs and their gradients, whole."""
+        master, in_home = self._master(k)
         grad = self.piece_of[k].grad
-        for param in (p for p in self.owned if p.unit == k):
+        for param in owned:
             span = self._span(param)
             # the master piece itself where the parameter steps there
             param.key.data = master[span].view(param.shape).to(self.place)
             # divided in the reduced piece itself where it is already an fp32 tensor here: nothing reads the piece
             # after the step but the reducer, which zeroes it (a copy cost a pass and fresh pages each step)
-            param.key.grad = grad[span].view(param.shape).to(self.place, torch.float32).div_(divisor)
+            whole = grad[span].view(param.shape).to(self.place, torch.float32)
+            param.key.grad = whole.div_(divisor) if grads_in_place else whole.div(divisor)
         return master, in_home
 
-    def _send_back(self, k: int, master: torch.Tensor, in_home: bool) -> None:
-        """Unit k's master piece from the owned parameters' new values, then the stage's parameters from it."""
-        unit = self.store.units[k]
-        for param in (p for p in self.owned if p.unit == k):
+    def _send_back(self, k: int, owned: list[OwnerParam], master: torch.Tensor, in_home: bool) -> None:
+        """Unit k's master piece from the parameters `owned` of it, then the stage's parameters from it."""
+        for param in owned:
             values = master[self._span(param)]
             if param.key.data_ptr() != values.data_ptr():  # stepped elsewhere (the host's copy)
                 values.copy_(param.key.detach().view(-1))
         if not in_home:
+            unit = self.store.units[k]
             self.store.home.write(unit.group, MASTER, master, start=unit.state_offset)
+        self._deliver(k, master)
+
+    def _deliver(self, k: int, master: torch.Tensor) -> None:
+        """The stage's parameters of unit k (this rank's piece) from its master piece."""
+        unit = self.store.units[k]
         target = self.piece_of[k].target
         for lo in range(0, unit.shard_numel, self.tile_numel):
             hi = min(unit.shard_numel, lo + self.tile_numel)
@@ -228,6 +262,22 @@ class OwnerStep:
                 out.copy_(master[lo:hi])
                 target.deliver(self.direct, lo, hi, out)
         self.direct.finish()
+
+    # -- a speculation's backup (owner_overlap.py) ---------------------------------------------------
+    def master_values(self, param: OwnerParam, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of the owned parameter's master values (flat), in `out` if given (else new, beside the master)."""
+        values = self._master(param.unit)[0][self._span(param)]
+        return values.clone() if out is None else out.copy_(values)
+
+    def restore(self, k: int, values: dict[OwnerParam, torch.Tensor]) -> None:
+        """Unit k's owned parameters' master values from `values` (flat), then the stage's parameters from them."""
+        master, in_home = self._master(k)
+        for param, saved in values.items():
+            master[self._span(param)].copy_(saved)
+        if not in_home:
+            unit = self.store.units[k]
+            self.store.home.write(unit.group, MASTER, master, start=unit.state_offset)
+        self._deliver(k, master)
 
     # -- state: memory, checkpoints ------------------------------------------------------------------
     def state_of(self, param: OwnerParam) -> dict[str, Any]:

@@ -14,13 +14,15 @@ Each of the engine's param groups (take_over.py) runs one way (ways.py):
 
 The flat ways share one pass per group over the home's tiles (device, host or NVMe); the owner way
 runs after them. With the optimizer on the host and `zero.overlap_optimizer`, the fused groups are
-updated under the backward (`OverlappedUpdate`, overlap.py) and `apply` commits or rolls that back;
-`settle()` rolls back a speculation that no step has claimed, before anything reads the state.
+updated, and the owner way's parameters stepped, under the backward (`OverlappedUpdate`, overlap.py;
+`OwnerSpeculation`, owner_overlap.py) and `apply` commits or rolls that back; `settle()` rolls back
+a speculation that no step has claimed, before anything reads the state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Collection, Iterator, Protocol
 
 import torch
@@ -35,6 +37,7 @@ from zerorun.runtime.optim.elementwise import ElementwiseGroup, State, TorchTile
 from zerorun.runtime.optim.flat_step import FlatStep, FusedAdam, Piece
 from zerorun.runtime.optim.optimizer import ShardedOptimizer
 from zerorun.runtime.optim.overlap import OverlappedUpdate
+from zerorun.runtime.optim.owner_overlap import OwnerSpeculation
 from zerorun.runtime.optim.owner_step import OwnedFiles, OwnedHost, OwnerStep
 from zerorun.runtime.optim.state_json import owned_to_json, scalars_to_json
 from zerorun.runtime.optim.take_over import EngineGroup
@@ -106,7 +109,7 @@ class Update:
         self.owner = OwnerStep(owned, store, self.pieces, store.device, placement.tile_numel, names,
                                _owned_home(placement, store.device)) if owned else None
         self.overlap: OverlappedUpdate | None = None  # the host's fused groups under the backward (overlap.py)
-        self._stepping = False  # True while the engine calls a script's optimizer (its guard lets it through)
+        self._stepping: set[int] = set()  # the threads calling a script's optimizer for the engine (guards let them)
         self._place_carried(comm)
 
     # -- the step -------------------------------------------------------------------------------
@@ -115,12 +118,14 @@ class Update:
         return [piece.grad for group in self.pieces for piece in group]
 
     def overlap_with_backward(self, say: Callable[[str], None] | None) -> OverlappedUpdate:
-        """Update the fused groups on the host under the backward, from now on (overlap.py)."""
+        """Update the fused groups on the host, and step the owner way's parameters, under the backward, from now on
+        (overlap.py, owner_overlap.py)."""
         fused = {g: self.pieces[g] for g in self.fused}
         in_order = {g: iter(pieces) for g, pieces in fused.items()}
+        owned = OwnerSpeculation(self.owner, self.stepping) if self.owner is not None and self.owner.owned else None
         self.overlap = OverlappedUpdate(self.flat, self.fused, fused,
                                         [next(in_order[u.group]) if u.group in fused else None for u in self.store.units],
-                                        self.store.group_numels, self.ranges)
+                                        self.store.group_numels, self.ranges, owned)
         self.overlap.warn = say
         if say is not None:
             say("zerorun: zero.overlap_optimizer: the host optimizer runs under the backward, unit by unit (the launch "
@@ -149,8 +154,9 @@ class Update:
         with self.ranges.named("optimizer"):
             why = self.overlap.mismatch(divisor, clamped) if self.wait_speculation() and self.overlap else None
             if self.overlap is not None and self.overlap.current is not None and why is None:
-                self.overlap.commit()  # the fused groups' update made under the backward is this step's
-                self._run(divisor, [g for g in range(len(self.groups)) if g not in self.fused])
+                self.overlap.commit()  # the update made under the backward is this step's (fused and owned)
+                self._run(divisor, [g for g in range(len(self.groups)) if g not in self.fused],
+                          owner=self.overlap.owned is None)
             else:
                 self.settle(why or "read")
                 self._run(divisor, list(range(len(self.groups))))
@@ -162,7 +168,8 @@ class Update:
             self.overlap.rollback(reason)
 
     @torch.no_grad()
-    def _run(self, divisor: float, groups: list[int]) -> None:
+    def _run(self, divisor: float, groups: list[int], owner: bool = True) -> None:
+        """Step `groups` (the owner way's too unless `owner` is False: the overlap committed it)."""
         with self.stepping():
             for g in groups:
                 if self.groups[g].way is Way.OWNER or not any(piece.numel for piece in self.pieces[g]):
@@ -172,21 +179,23 @@ class Update:
                 if isinstance(kernel, TorchTiles):
                     self.elementwise[g].finished(kernel)
             self.flat.finish()
-            if self.owner is not None and any(self.groups[g].way is Way.OWNER for g in groups):
+            if owner and self.owner is not None and any(self.groups[g].way is Way.OWNER for g in groups):
                 self.owner.run(divisor)
 
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:
-        """The engine calls the script's optimizers inside (their guard lets these calls through)."""
-        self._stepping = True
+        """The engine calls the script's optimizers inside, on this thread (their guard lets these calls through)."""
+        thread = threading.get_ident()
+        self._stepping.add(thread)
         try:
             yield
         finally:
-            self._stepping = False
+            self._stepping.discard(thread)
 
     def is_stepping(self) -> bool:
-        """Whether the engine is stepping a script's optimizer right now (optimizer_guard.py asks)."""
-        return self._stepping
+        """Whether the engine is stepping a script's optimizer on this thread right now (optimizer_guard.py asks; so
+        do the collectives' guards: the overlap's worker steps while the training thread reduces)."""
+        return threading.get_ident() in self._stepping
 
     def steps_taken(self) -> int:
         """The updates the optimizers' state has seen (the largest `step` of its groups; 0 without one): a script
