@@ -65,8 +65,9 @@ class ZeroConfig:
         "on one node; false: every parameter is updated when step() returns.")
     overlap_optimizer: Literal["auto", True, False] = _f(
         "auto", "Stages 1-3 with the optimizer state in host memory (offload_optimizer: cpu): each unit's Adam update "
-        "runs on the host as soon as its reduced gradient lands, while the backward goes on, speculatively; step() "
-        "checks it (clipping that fires, a non-finite gradient, a learning rate changed in between) and where the "
+        "runs on the host as soon as its reduced gradient lands, while the backward goes on, speculatively, and so "
+        "does the step of the parameters an optimizer such as Muon, Adafactor or LAMB updates whole (the owner way); "
+        "step() checks it (clipping that fires, a non-finite gradient, a learning rate changed in between) and where the "
         "step differs rolls it back exactly and runs it as without. Bit-identical to false; keeps a backup of the "
         "host optimizer state (12 bytes per parameter of the rank's shard). auto: on with offload_optimizer: cpu "
         "beside a GPU, where the backup fits in half the host memory left to each rank (on a CPU-only machine the "
