@@ -141,8 +141,7 @@ class Engine:
         return init_log
 
     def _overlap_optimizer(self, groups: list[EngineGroup]) -> None:
-        """`zero.overlap_optimizer`: the fused groups' host update and the owner way's steps under the backward
-        (optim/overlap.py, optim/owner_overlap.py)."""
+        """`zero.overlap_optimizer`: fused and owner-way updates under the backward (optim/overlap.py)."""
         say = (lambda text: log.warning("%s", text)) if self.comm.rank == 0 else None
         under = [g for g, group in enumerate(groups) if group.way in (Way.FUSED_ADAM, Way.OWNER)]
         if under and overlaps(self.recipe.zero.overlap_optimizer, self.recipe.zero.offload_optimizer.device,
