@@ -55,6 +55,14 @@ def test_offload_moves_optimizer_states_off_the_gpu_and_param_offload_the_shards
     roomless = planner.place(shape, planner.Cluster(1, 4, cpu_mem_gib=20), planner.Settings("bf16"), 3, "cpu", "none",
                              None)
     assert roomless.cpu_per_rank == cpu.cpu_per_rank  # 3 GB of backup per rank, 5 GiB of host per rank: off
+    # the owner way steps under the backward too: its backup is the master and Muon's momentum once more (8 bytes a
+    # matrix element, AdamW's 12 for the rest); the elementwise way (SGD) keeps none
+    matrices = planner.ModelShape(params=10**9, largest_unit=10**7, matrices=9 * 10**8)
+    for optimizer, backup in {"muon": 8 * 9 * 10**8 + 12 * 10**8, "sgd": 0}.items():
+        off, on = (planner.place(matrices, cluster, planner.Settings("bf16", overlap_optimizer=overlap,
+                                                                     optimizer=optimizer), 3, "cpu", "none", None)
+                   for overlap in (False, "auto"))
+        assert on.cpu_per_rank - off.cpu_per_rank == backup / 4, optimizer
 
 
 def test_zero_plus_plus_copies_count_hpz_secondary_partition_and_qwz_master() -> None:
