@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import Counter
 from typing import Any, Callable, Collection, Iterator, Protocol
 
 import torch
@@ -109,7 +110,7 @@ class Update:
         self.owner = OwnerStep(owned, store, self.pieces, store.device, placement.tile_numel, names,
                                _owned_home(placement, store.device)) if owned else None
         self.overlap: OverlappedUpdate | None = None  # the host's fused groups under the backward (overlap.py)
-        self._stepping: set[int] = set()  # the threads calling a script's optimizer for the engine (guards let them)
+        self._stepping: Counter[int] = Counter()  # threads calling a script's optimizer for the engine (let through)
         self._place_carried(comm)
 
     # -- the step -------------------------------------------------------------------------------
@@ -186,16 +187,16 @@ class Update:
     def stepping(self) -> Iterator[None]:
         """The engine calls the script's optimizers inside, on this thread (their guard lets these calls through)."""
         thread = threading.get_ident()
-        self._stepping.add(thread)
+        self._stepping[thread] += 1  # each thread counts its own entries: one key per thread, no lock needed
         try:
             yield
         finally:
-            self._stepping.discard(thread)
+            self._stepping[thread] -= 1
 
     def is_stepping(self) -> bool:
         """Whether the engine is stepping a script's optimizer on this thread right now (optimizer_guard.py asks; so
         do the collectives' guards: the overlap's worker steps while the training thread reduces)."""
-        return threading.get_ident() in self._stepping
+        return self._stepping[threading.get_ident()] > 0
 
     def steps_taken(self) -> int:
         """The updates the optimizers' state has seen (the largest `step` of its groups; 0 without one): a script
