@@ -32,8 +32,7 @@ ADAM_K = 12  # bytes per parameter of mixed-precision Adam's state: fp32 master 
 # row and per column of each matrix (`ModelShape.matrix_edges`)
 STATE_BYTES = {"adamw": (8, 8), "adam": (8, 8), "lamb": (8, 8), "sgd": (4, 4), "lion": (4, 4), "adagrad": (4, 4),
                "rmsprop": (4, 4), "adafactor": (4, 0), "muon": (8, 4)}
-# the optimizers `zero.overlap_optimizer` runs under the backward: fused Adam and the owner way (not the elementwise)
-UNDER_THE_BACKWARD = ("adamw", "adam", "lamb", "adafactor", "muon")
+UNDER_THE_BACKWARD = ("adamw", "adam", "lamb", "adafactor", "muon")  # zero.overlap_optimizer's: not the elementwise
 OFFLOADS = ("none", "cpu", "nvme")
 BUILT_ON = {  # where a script builds its model: the GPU bytes it takes before zerorun.initialize
     "auto": "whole, in fp32, on the GPU at stages 0-2 and sharded at stage 3, as a model that needs stage 3 is built "
@@ -319,17 +318,17 @@ def built_on(settings: Settings, stage: int) -> str:
     return "meta" if stage == 3 else "device"
 
 
-def overlap_backup(state_numel: float, backup: float, setting: Any, offload_optimizer: str, host: float,
-                   cluster: Cluster) -> float:
-    """Host bytes of the backup the optimizer under the backward keeps (`backup`: the master and the optimizer state of
-    a rank's `state_numel` elements once more, `runtime/optim/overlap.py`): with the optimizer on the host and the
-    overlap on. auto turns it on only where 12 bytes per element (Adam's backup, the engine's bound for any
+def overlap_backup(shape: ModelShape, settings: Settings, n: int, offload: str, host: float, cluster: Cluster) -> float:
+    """Host bytes of the backup under the backward (`runtime/optim/overlap.py`: the master and the optimizer state of
+    a rank's elements, once more) where it is on; auto: where 12 bytes an element (the engine's bound for any
     optimizer) fit in half the host memory left to each rank, as the engine decides."""
     from zerorun.runtime.optim.overlap import BACKUP_SHARE
 
-    if offload_optimizer != "cpu" or setting is False:
+    state_numel = settings.host_share * shape.params / n if settings.optimizer in UNDER_THE_BACKWARD else 0.0
+    backup = state_numel * (4 + optimizer_state(shape, settings.optimizer) / shape.params)
+    if offload != "cpu" or settings.overlap_optimizer is False:
         return 0.0
-    if setting == "auto" and cluster.cpu_mem_gib is not None:
+    if settings.overlap_optimizer == "auto" and cluster.cpu_mem_gib is not None:
         left = cluster.cpu_mem_gib * GIB / cluster.gpus_per_node - host
         return backup if 12 * state_numel <= BACKUP_SHARE * left else 0.0
     return backup
@@ -379,10 +378,7 @@ def place(shape: ModelShape, cluster: Cluster, settings: Settings, stage: int, o
     gpu["activations"] = activation_bytes(activations, settings.precision, settings.checkpointing) if activations else 0
     out.gpu = {k: round(v) for k, v in gpu.items()}
     host = sum(placed[Place.HOST].values()) + offload_buffers(settings, offload_optimizer)
-    share = settings.host_share / n if settings.optimizer in UNDER_THE_BACKWARD else 0.0
-    backup = share * (4 * psi + optimizer_state(shape, settings.optimizer))  # the master and the state, once more
-    out.cpu_per_rank = round(host + overlap_backup(share * psi, backup, settings.overlap_optimizer, offload_optimizer,
-                                                   host, cluster))
+    out.cpu_per_rank = round(host + overlap_backup(shape, settings, n, offload_optimizer, host, cluster))
     out.gpu_setup = round(setup_bytes(shape, n, stage, settings, offload_optimizer, offload_param))
     out.built_on = built_on(settings, stage)
     out.nvme_per_rank = round(sum(placed[Place.NVME].values()))
