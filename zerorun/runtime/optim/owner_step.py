@@ -265,9 +265,12 @@ class OwnerStep:
 
     # -- a speculation's backup (owner_overlap.py) ---------------------------------------------------
     def master_values(self, param: OwnerParam, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A copy of the owned parameter's master values (flat), in `out` if given (else new, beside the master)."""
-        values = self._master(param.unit)[0][self._span(param)]
-        return values.clone() if out is None else out.copy_(values)
+        """A copy of the owned parameter's master values (flat), in `out` if given (else new, in host memory): its
+        own range of the home, not its unit's piece (which a host home seen from a GPU would copy whole)."""
+        out = torch.empty(param.span.numel, dtype=torch.float32) if out is None else out
+        unit = self.store.units[param.unit]
+        self.store.home.read(unit.group, MASTER, out, start=unit.state_offset + self._span(param).start)
+        return out
 
     def restore(self, k: int, values: dict[OwnerParam, torch.Tensor]) -> None:
         """Unit k's owned parameters' master values from `values` (flat), then the stage's parameters from them."""
